@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both install into .venv first when it is
+# missing or older than setup.py.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch==2.13.0 is the CPU wheel on the project's machines; on a GPU machine pass e.g. TORCH_SPEC="torch>=2.6".
+TORCH_SPEC ?= torch==2.13.0
+# megatron-core 0.17+ needs Python >= 3.12; older Pythons get the pinned 0.16.1 (what CI runs).
+MCORE_SPEC ?= $(shell $(PYTHON) -c 'import sys; print("megatron-core==0.16.1" if sys.version_info < (3, 12) else "megatron-core>=0.16.1")')
+PYTEST_ARGS ?=
+NPROC ?= 2
+
+.PHONY: install test demo benchmark lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q "$(MCORE_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+# pytest exits 5 when it collected no test: that is a failure here, never a silent green.
+test: $(STAMP)
+	@$(BIN)/python -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+demo: $(STAMP)
+	$(BIN)/python launch/demo.py --nproc $(NPROC)
+
+benchmark: $(STAMP)
+	$(BIN)/python launch/benchmark.py
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check rlhf_mcore kernels launch tests
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,17 @@
+"""Train with PPO/GRPO:  torchrun --nproc_per_node=N launch/train.py --config configs/X.yaml [key=value ...]
+
+`python launch/train.py ...` runs as a single process. `--print-config` prints the resolved config and exits.
+"""
+import sys
+
+from rlhf_mcore.cli import main
+
+
+def run(cfg):
+    from rlhf_mcore.trainer import train
+
+    train(cfg)
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing's writer spawns processes
+    sys.exit(main(run, description=__doc__))

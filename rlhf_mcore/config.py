@@ -1,0 +1,571 @@
+"""The run configuration: a dataclass schema, loaded from YAML plus ``key=value`` overrides through OmegaConf.
+
+Key names follow veRL's where they fit, so a veRL command line translates one to one::
+
+    data.train_batch_size=256 actor_rollout_ref.actor.ppo_mini_batch_size=64 algorithm.kl_ctrl.kl_coef=0.001
+
+Every mistake a user can make in a config ends in a :class:`ConfigError` whose message names the key, the
+value and the fix; ``launch/train.py`` prints it without a traceback and exits non-zero.
+
+Sizes follow veRL's conventions: ``data.train_batch_size`` and ``ppo_mini_batch_size`` count *prompts*
+(each brings ``rollout.n`` responses); ``*_micro_batch_size_per_gpu`` counts *sequences* per data-parallel rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, get_args, get_origin, get_type_hints
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration a run cannot start with; the message says what to change."""
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024  # prompts per step (each gets rollout.n responses)
+    val_batch_size: Optional[int] = None  # None: the whole validation set at once
+    truncation: str = "error"  # error | left | right | filter (drop over-long prompts, counted)
+    filter_overlong_prompts: bool = False  # veRL's switch; True is the same as truncation=filter
+    on_bad_row: str = "error"  # error | skip (count and report malformed rows)
+    shuffle: bool = True
+    seed: int = 1
+    max_train_samples: Optional[int] = None  # use only the first N training rows (demos, smoke runs)
+    max_val_samples: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # a Hugging Face model directory
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True  # packed (THD) sequences in the train engine
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.0
+    lr_warmup_steps: int = -1  # < 0: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler: str = "constant"  # constant | cosine | linear (after warmup)
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    total_training_steps: int = -1  # filled in by the trainer
+
+
+@dataclass
+class MegatronConfig:
+    """The parallel layout of a Megatron model. The actor's layout is the process layout; ref and critic
+    inherit it (a different one would need a second set of process groups, not supported yet)."""
+
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    seed: int = 42
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "megatron"
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences per forward/backward per DP rank
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    grad_clip: float = 1.0  # max global gradient norm
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo | ... (registry in rlhf_mcore.algos)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant (e.g. max_response_length)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class SamplingKwargs:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "native"  # native | hf | sglang
+    mode: str = "sync"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    prompt_length: Optional[int] = None  # defaults to data.max_prompt_length
+    response_length: Optional[int] = None  # defaults to data.max_response_length
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.5
+    tensor_model_parallel_size: int = 1
+    max_num_seqs: int = 256
+    free_cache_engine: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    load_format: str = "auto"
+    val_kwargs: SamplingKwargs = field(default_factory=SamplingKwargs)
+    # Weight sync (actor -> rollout after every update)
+    sync_bucket_mb: int = 512
+    sync_verify: bool = False
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # None: the actor's model
+    dtype: str = "auto"
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None: on exactly when algorithm.adv_estimator needs values (gae)
+    strategy: str = "megatron"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: Optional[int] = None  # None: the actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    ppo_epochs: Optional[int] = None  # None: the actor's
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None  # a .py file
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    path: Optional[str] = None
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = 0  # 0: score in the trainer process
+    timeout_s: float = 10.0  # per item; a scorer that hangs scores 0
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # gae | grpo | rloo | remax | reinforce_plus_plus | reinforce_plus_plus_baseline
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True  # False is Dr.GRPO
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rlhf_mcore"
+    experiment_name: str = "run"
+    logger: list[str] = field(default_factory=lambda: ["console"])  # console | jsonl | tensorboard | wandb
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    device: str = "auto"  # auto | cuda | cpu
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    log_val_generations: int = 3
+    default_local_dir: Optional[str] = None  # None: outputs/<project_name>/<experiment_name>
+    resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    max_actor_ckpt_to_keep: Optional[int] = 2
+    seed: int = 1
+    deterministic: bool = False
+
+
+@dataclass
+class RLConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+_ADV_ESTIMATORS_NEEDING_CRITIC = {"gae"}
+_CHOICES = {
+    "data.truncation": ("error", "left", "right", "filter"),
+    "data.on_bad_row": ("error", "skip"),
+    "actor_rollout_ref.model.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "actor_rollout_ref.rollout.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "critic.model.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "actor_rollout_ref.actor.strategy": ("megatron",),
+    "critic.strategy": ("megatron",),
+    "actor_rollout_ref.rollout.name": ("native", "hf", "sglang"),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+    "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
+    "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
+}
+_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def _schema_node(path: list[str]):
+    """The dataclass type (or leaf type) at a dotted path of the schema, or raise ConfigError with suggestions."""
+    node: Any = RLConfig
+    walked: list[str] = []
+    for key in path:
+        if not (isinstance(node, type) and is_dataclass(node)):
+            raise ConfigError(
+                f"'{'.'.join(walked)}' is a value, not a section, so '{'.'.join(path)}' does not exist.")
+        hints = get_type_hints(node)
+        if key not in hints:
+            section = ".".join(walked) or "<top level>"
+            close = difflib.get_close_matches(key, list(hints), n=3, cutoff=0.5)
+            full = difflib.get_close_matches(".".join(path), _all_keys(), n=3, cutoff=0.75)
+            hint = [".".join(walked + [c]) for c in close] or full
+            msg = f"unknown config key '{'.'.join(path)}': section '{section}' has no key '{key}'."
+            if hint:
+                msg += " Did you mean " + " or ".join(f"'{h}'" for h in hint) + "?"
+            else:
+                msg += f" Valid keys in '{section}': {', '.join(sorted(hints))}."
+            raise ConfigError(msg)
+        walked.append(key)
+        node = hints[key]
+        if get_origin(node) is Optional or (get_origin(node) is not None and type(None) in get_args(node)):
+            node = next(a for a in get_args(node) if a is not type(None))
+    return node
+
+
+def _all_keys(node=RLConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(node):
+        hint = get_type_hints(node)[f.name]
+        if isinstance(hint, type) and is_dataclass(hint):
+            keys += _all_keys(hint, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _check_keys(tree: Any, path: list[str]) -> None:
+    """Walk a user-supplied mapping and fail on the first key the schema does not have."""
+    node = _schema_node(path) if path else RLConfig
+    if isinstance(tree, dict) and isinstance(node, type) and is_dataclass(node):
+        for key, value in tree.items():
+            _check_keys(value, path + [str(key)])
+
+
+def _is_list_type(t) -> bool:
+    return get_origin(t) is list
+
+
+def _coerce_overrides(overrides: list[str]) -> list[str]:
+    """Validate override keys and let a scalar stand for a one-element list (veRL's `trainer.logger=console`)."""
+    out = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. data.train_batch_size=256).")
+        key, value = ov.split("=", 1)
+        key = key.lstrip("+")
+        node = _schema_node(key.split("."))
+        if isinstance(node, type) and is_dataclass(node):
+            raise ConfigError(f"'{key}' is a section, not a value: set one of its keys, e.g. '{key}.<key>=...'.")
+        if _is_list_type(node) and not value.strip().startswith("["):
+            value = f"[{value}]" if value.strip() else "[]"
+        out.append(f"{key}={value}")
+    return out
+
+
+def _wrap_scalar_lists(tree: Any, path: list[str]) -> Any:
+    if not isinstance(tree, dict):
+        return tree
+    result = {}
+    for key, value in tree.items():
+        node = _schema_node(path + [str(key)])
+        if _is_list_type(node) and value is not None and not isinstance(value, (list, tuple)):
+            value = [value]
+        result[key] = _wrap_scalar_lists(value, path + [str(key)]) if isinstance(value, dict) else value
+    return result
+
+
+def _omegaconf_message(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    try:
+        expected = _schema_node(str(key).split("."))
+        expected_name = getattr(expected, "__name__", str(expected))
+    except ConfigError:
+        expected_name = "?"
+    value = getattr(err, "value", None)
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if "Value" in first or "cannot be converted" in first or "Invalid" in first or "type" in first.lower():
+        return f"config key '{key}' has value {value!r}, which is not a valid {expected_name}. ({first})"
+    return f"config key '{key}': {first}"
+
+
+def load_config(config_path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RLConfig:
+    """Schema defaults <- YAML file <- ``key=value`` overrides, type-checked; returns the dataclass tree.
+
+    Cross-field checks that need the world size or the model live in :func:`validate_config`.
+    """
+    base = OmegaConf.structured(RLConfig)
+    layers = []
+    if config_path is not None:
+        p = Path(config_path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{config_path}' does not exist (pass --config configs/<run>.yaml).")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(p), resolve=False) or {}
+        except Exception as e:  # YAML syntax errors
+            raise ConfigError(f"cannot parse config file '{config_path}': {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file '{config_path}' must hold a mapping of sections, got {type(raw).__name__}.")
+        _check_keys(raw, [])
+        layers.append(OmegaConf.create(_wrap_scalar_lists(raw, [])))
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(_coerce_overrides(list(overrides))))
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        OmegaConf.resolve(merged)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(
+                f"config key '{missing[0]}' must be set (e.g. {missing[0]}=/path/to/hf_model on the command line).")
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e)) from None
+    _check_choices(cfg)
+    return cfg
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_choices(cfg: RLConfig) -> None:
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"config key '{key}' has value {value!r}; choose one of {', '.join(choices)}.{hint}")
+    for name in cfg.trainer.logger:
+        if name not in _LOGGERS:
+            raise ConfigError(f"config key 'trainer.logger' has {name!r}; loggers are {', '.join(_LOGGERS)}.")
+
+
+# --------------------------------------------------------------------------------------------- cross-field
+
+
+def critic_enabled(cfg: RLConfig) -> bool:
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return cfg.algorithm.adv_estimator in _ADV_ESTIMATORS_NEEDING_CRITIC
+
+
+def reference_enabled(cfg: RLConfig) -> bool:
+    """A reference policy is only built when some KL term needs it."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def parallel_layout(cfg: RLConfig) -> tuple[int, int, Optional[int]]:
+    """(TP, PP, VPP) of the training side: the actor's layout, which ref and critic must share."""
+    m = cfg.actor_rollout_ref.actor.megatron
+    tp, pp = m.tensor_model_parallel_size or 1, m.pipeline_model_parallel_size or 1
+    for name, other in (("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron),
+                        ("critic.megatron", cfg.critic.megatron)):
+        for attr, want in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+            got = getattr(other, attr)
+            if got is not None and got != want:
+                raise ConfigError(
+                    f"config key '{name}.{attr}' is {got} but the actor's is {want}: all training models share one "
+                    f"process layout. Remove '{name}.{attr}' or set it to {want}.")
+    return tp, pp, m.virtual_pipeline_model_parallel_size
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optional[int] = None) -> None:
+    """Checks that relate several keys, the world size and the model. Fails on the first problem."""
+    tp, pp, vpp = parallel_layout(cfg)
+    _require(tp >= 1 and pp >= 1, f"tensor/pipeline parallel sizes must be >= 1, got TP={tp}, PP={pp}.")
+    _require(
+        world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by TP×PP = {tp}×{pp} = {tp * pp}: set "
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size so their "
+        f"product divides {world_size}, or launch with a multiple of {tp * pp} processes.")
+    if vpp is not None:
+        _require(pp > 1, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size needs "
+                         "pipeline_model_parallel_size > 1.")
+    dp = world_size // (tp * pp)
+    d, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    _require(d.train_batch_size > 0, f"data.train_batch_size must be > 0, got {d.train_batch_size}.")
+    _require(rollout.n >= 1, f"actor_rollout_ref.rollout.n must be >= 1, got {rollout.n}.")
+    _require(d.max_prompt_length > 0 and d.max_response_length > 0,
+             "data.max_prompt_length and data.max_response_length must be > 0.")
+    _require(
+        d.train_batch_size % dp == 0,
+        f"data.train_batch_size={d.train_batch_size} is not divisible by the data-parallel size {dp} "
+        f"(world {world_size} / TP {tp} / PP {pp}); all samples of a prompt stay on one DP rank, so use a "
+        f"multiple of {dp}.")
+    roles = [("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+              actor.use_dynamic_bsz)]
+    if critic_enabled(cfg):
+        c = cfg.critic
+        roles.append(("critic", c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                      c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz))
+    for role, mini, micro, dynamic in roles:
+        _require(mini > 0, f"{role}.ppo_mini_batch_size must be > 0, got {mini}.")
+        _require(
+            d.train_batch_size % mini == 0,
+            f"data.train_batch_size={d.train_batch_size} is not divisible by {role}.ppo_mini_batch_size={mini}: "
+            f"choose a mini-batch size that divides the batch (e.g. {_divisor_hint(d.train_batch_size, mini)}).")
+        _require(
+            mini % dp == 0,
+            f"{role}.ppo_mini_batch_size={mini} (prompts) is not divisible by the data-parallel size {dp}: "
+            f"use a multiple of {dp}.")
+        per_rank = mini * rollout.n // dp
+        if not dynamic:
+            _require(micro is not None and micro > 0,
+                     f"{role}.ppo_micro_batch_size_per_gpu must be set (> 0) unless {role}.use_dynamic_bsz=true.")
+            _require(
+                per_rank % micro == 0,
+                f"{role}: a mini-batch is {mini} prompts × rollout.n {rollout.n} / DP {dp} = {per_rank} sequences "
+                f"per rank, not divisible by ppo_micro_batch_size_per_gpu={micro}: use a divisor of {per_rank} "
+                f"(e.g. {_divisor_hint(per_rank, micro)}).")
+    if model_max_positions is not None:
+        total = d.max_prompt_length + d.max_response_length
+        _require(
+            total <= model_max_positions,
+            f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + {d.max_response_length} "
+            f"= {total} exceeds the model's context of {model_max_positions} tokens (max_position_embeddings): "
+            f"shorten one of them.")
+    _require(0 < actor.clip_ratio < 1, f"actor_rollout_ref.actor.clip_ratio must be in (0, 1), got {actor.clip_ratio}.")
+    _require(actor.clip_ratio_c > 1, f"actor_rollout_ref.actor.clip_ratio_c must be > 1, got {actor.clip_ratio_c}.")
+    _require(rollout.temperature >= 0,
+             f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}.")
+    _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}.")
+    _require(cfg.algorithm.adv_estimator in _known_estimators(),
+             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} is not registered; choose one of "
+             f"{', '.join(sorted(_known_estimators()))} or register your own with "
+             f"rlhf_mcore.algos.register_adv_estimator.")
+    if cfg.algorithm.adv_estimator in _ADV_ESTIMATORS_NEEDING_CRITIC and cfg.critic.enable is False:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic but critic.enable "
+                          f"is false: set critic.enable=true or choose adv_estimator=grpo.")
+    _require(rollout.tensor_model_parallel_size >= 1 and world_size % rollout.tensor_model_parallel_size == 0,
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
+             f"the world size {world_size}.")
+
+
+def _known_estimators() -> set[str]:
+    try:
+        from rlhf_mcore.algos import list_adv_estimators
+        return set(list_adv_estimators())
+    except ImportError:  # algos not importable: check the built-in names only
+        return {"gae", "grpo", "rloo", "remax", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+
+
+def _divisor_hint(total: int, near: int) -> int:
+    divisors = [k for k in range(1, total + 1) if total % k == 0]
+    return min(divisors, key=lambda k: (abs(k - near), k))
+
+
+def model_max_positions(model_path: str) -> Optional[int]:
+    """max_position_embeddings from an HF config.json, or None where it cannot be read."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def to_yaml(cfg: RLConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RLConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+__all__ = [
+    "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled",
+    "parallel_layout", "model_max_positions", "to_yaml", "to_dict", "DictConfig", "ListConfig",
+]

@@ -1,0 +1,147 @@
+"""Process-group setup: torchrun's environment (or a plain single process) -> torch.distributed -> Megatron-Core.
+
+Every component receives a :class:`ParallelState` explicitly (its groups, ranks and device) instead of looking
+process groups up deep inside; Megatron modules get ``state.pg_collection``. NCCL on GPU, gloo on CPU, where
+:mod:`rlhf_mcore.parallel.cpu_compat` answers megatron-core's CUDA assumptions.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The training layout: world = TP × PP × DP (context parallelism: later)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: Optional[int] = None
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None) -> "ParallelDims":
+        if world_size % (tp * pp):
+            raise ValueError(f"world size {world_size} is not divisible by TP×PP = {tp}×{pp}")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class ParallelState:
+    """What a rank needs to know about the layout; passed explicitly to every component."""
+
+    dims: ParallelDims
+    rank: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # TP × PP: the ranks that hold one model replica
+    world_group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup  # gloo over all ranks, for small control messages (the coordinator's plan)
+    pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu.")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device: str = "auto",
+                     seed: int = 1, timeout_minutes: int = 30) -> ParallelState:
+    """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's parallel state."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if "RANK" not in os.environ:  # plain `python launch/x.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    dev = pick_device(device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        from rlhf_mcore.parallel import cpu_compat
+        cpu_compat.enable()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    world = dist.get_world_size()
+    dims = ParallelDims.from_world(world, tp, pp, vpp)
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=True)
+    state = ParallelState(
+        dims=dims, rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=dev,
+        backend=backend, tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(), tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(), dp_group=mpu.get_data_parallel_group(),
+        mp_group=mpu.get_model_parallel_group(), world_group=dist.group.WORLD,
+        cpu_group=dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    seed_everything(state, seed)
+    model_parallel_cuda_manual_seed(seed)
+    return state
+
+
+def seed_everything(state: ParallelState, seed: int) -> int:
+    """Per-rank seeds: PP stages differ (megatron's convention), TP ranks share the host RNGs; returns the seed."""
+    rank_seed = seed + 100 * state.pp_rank + 10007 * state.dp_rank
+    random.seed(rank_seed)
+    np.random.seed(rank_seed % (2**32))
+    torch.manual_seed(rank_seed)
+    return rank_seed
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

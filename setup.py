@@ -1,0 +1,44 @@
+"""rlhf_mcore: a Megatron-Core based RL post-training trainer for LLMs (PPO, GRPO and relatives)."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="rlhf_mcore",
+    version="0.1.0",
+    description="RL post-training (PPO, GRPO, ...) for LLMs on Megatron-Core",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]) + ["rlhf_mcore.kernels"],
+    # `kernels/` lives at the top level of the repository but installs as `rlhf_mcore.kernels`
+    # (the bare name `kernels` is taken on PyPI).
+    package_dir={"rlhf_mcore.kernels": "kernels"},
+    package_data={"rlhf_mcore": ["data/raw/gsm8k/*", "py.typed"]},
+    include_package_data=True,
+    install_requires=[
+        # A CPU wheel of torch is enough for development; any CUDA build in range works on GPU.
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "omegaconf>=2.4",
+        "transformers>=4.51",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "datasets>=3.0",
+        "pyarrow>=15",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "math-verify>=0.7",
+        "tensorboard>=2.16",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "sglang": ["sglang>=0.5"],
+        "triton": ["triton>=3.2"],
+        "wandb": ["wandb>=0.18"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "triton>=3.2"],
+    },
+    entry_points={},
+)

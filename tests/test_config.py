@@ -1,0 +1,189 @@
+"""Config loading, overrides and every class of error message (content asserted), plus the CLI contract:
+a bad config ends with the message (no traceback) and a non-zero exit; --print-config prints and exits 0."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlhf_mcore.config import ConfigError, critic_enabled, load_config, reference_enabled, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["actor_rollout_ref.model.path=/models/m"]
+
+# veRL's quickstart command (docs: "Quickstart: PPO training on GSM8K"), minus the python entry point.
+VERL_QUICKSTART = """
+data.train_files=/d/gsm8k/train.parquet data.val_files=/d/gsm8k/test.parquet data.train_batch_size=256
+data.max_prompt_length=512 data.max_response_length=512 actor_rollout_ref.model.path=/m/Qwen2.5-0.5B-Instruct
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=64
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 critic.optim.lr=1e-5
+critic.model.path=/m/Qwen2.5-0.5B-Instruct critic.ppo_micro_batch_size_per_gpu=4 algorithm.kl_ctrl.kl_coef=0.001
+trainer.logger=console trainer.val_before_train=False trainer.n_gpus_per_node=1 trainer.nnodes=1
+trainer.save_freq=10 trainer.test_freq=10 trainer.total_epochs=15
+""".split()
+
+
+def write(tmp_path, text):
+    p = tmp_path / "run.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults_and_overrides_precedence(tmp_path):
+    p = write(tmp_path, """
+        data:
+          train_batch_size: 64
+          max_prompt_length: 100
+        trainer:
+          logger: tensorboard
+    """)
+    cfg = load_config(p, MODEL + ["data.train_batch_size=32", "actor_rollout_ref.actor.optim.lr=3e-6"])
+    assert cfg.data.train_batch_size == 32  # command line beats YAML
+    assert cfg.data.max_prompt_length == 100  # YAML beats defaults
+    assert cfg.data.max_response_length == 512  # schema default
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(3e-6)
+    assert cfg.trainer.logger == ["tensorboard"]  # a scalar stands for a one-element list
+
+
+def test_verl_quickstart_translates_one_to_one():
+    cfg = load_config(None, VERL_QUICKSTART)
+    assert cfg.data.train_batch_size == 256
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    assert cfg.critic.optim.lr == pytest.approx(1e-5)
+    assert cfg.algorithm.kl_ctrl.kl_coef == pytest.approx(0.001)
+    assert cfg.trainer.logger == ["console"] and cfg.trainer.val_before_train is False
+    assert critic_enabled(cfg) and not reference_enabled(cfg)
+    validate_config(cfg, world_size=1, model_max_positions=32768)
+
+
+def test_shipped_configs_load_and_validate():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(path, [])
+        world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        validate_config(cfg, world_size=world)
+
+
+@pytest.mark.parametrize("override,fragments", [
+    ("data.train_batchsize=4", ["unknown config key 'data.train_batchsize'", "section 'data'",
+                                "Did you mean 'data.train_batch_size'"]),
+    ("actor_rollout_ref.actor.ppo_mini_bach_size=2", ["'actor_rollout_ref.actor'",
+                                                      "'actor_rollout_ref.actor.ppo_mini_batch_size'"]),
+    ("algorithm.kl_ctrl.kl_cof=0.1", ["Did you mean 'algorithm.kl_ctrl.kl_coef'"]),
+    ("tranier.total_epochs=2", ["section '<top level>'", "'trainer'"]),
+])
+def test_unknown_key_on_command_line(override, fragments):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, MODEL + [override])
+    for f in fragments:
+        assert f in str(e.value)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    p = write(tmp_path, """
+        actor_rollout_ref:
+          rollout:
+            temprature: 0.7
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, MODEL)
+    msg = str(e.value)
+    assert "actor_rollout_ref.rollout.temprature" in msg and "actor_rollout_ref.rollout.temperature" in msg
+
+
+@pytest.mark.parametrize("override,key,value,typename", [
+    ("data.train_batch_size=abc", "data.train_batch_size", "'abc'", "int"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr", "'fast'", "float"),
+    ("trainer.val_before_train=maybe", "trainer.val_before_train", "'maybe'", "bool"),
+])
+def test_wrong_type_names_key_value_and_type(override, key, value, typename):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, MODEL + [override])
+    msg = str(e.value)
+    assert f"'{key}'" in msg and value in msg and f"valid {typename}" in msg
+
+
+def test_wrong_type_in_yaml(tmp_path):
+    p = write(tmp_path, "data:\n  max_prompt_length: long\n")
+    with pytest.raises(ConfigError, match=r"'data.max_prompt_length' has value 'long'.*valid int"):
+        load_config(p, MODEL)
+
+
+def test_bad_choice_and_missing_model_and_section_value():
+    with pytest.raises(ConfigError, match=r"data.truncation.*'lft'.*Did you mean 'left'"):
+        load_config(None, MODEL + ["data.truncation=lft"])
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.model.path' must be set"):
+        load_config(None, [])
+    with pytest.raises(ConfigError, match=r"'algorithm.kl_ctrl' is a section"):
+        load_config(None, MODEL + ["algorithm.kl_ctrl=3"])
+    with pytest.raises(ConfigError, match=r"not of the form key=value"):
+        load_config(None, MODEL + ["data.train_batch_size"])
+
+
+def layout(*extra):
+    return load_config(None, MODEL + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                                      "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                                      *extra])
+
+
+def test_cross_field_checks_say_what_to_change():
+    validate_config(layout(), world_size=4)
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by TP×PP = 2×2 = 4"):
+        validate_config(layout("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                               "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"), world_size=6)
+    with pytest.raises(ConfigError, match=r"train_batch_size=64 is not divisible by "
+                                          r"actor_rollout_ref.actor.ppo_mini_batch_size=24"):
+        validate_config(layout("actor_rollout_ref.actor.ppo_mini_batch_size=24"), world_size=1)
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=16 \(prompts\) is not divisible by the "
+                                          r"data-parallel size 32"):
+        validate_config(layout("data.train_batch_size=64"), world_size=32)
+    with pytest.raises(ConfigError, match=r"16 prompts × rollout.n 1 / DP 1 = 16 sequences per rank, not "
+                                          r"divisible by ppo_micro_batch_size_per_gpu=5"):
+        validate_config(layout("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"), world_size=1)
+    with pytest.raises(ConfigError, match=r"512 \+ 600 = 1112 exceeds the model's context of 1024"):
+        validate_config(layout("data.max_response_length=600"), world_size=1, model_max_positions=1024)
+    with pytest.raises(ConfigError, match=r"critic.megatron.tensor_model_parallel_size' is 2 but the actor's is 1"):
+        validate_config(layout("critic.megatron.tensor_model_parallel_size=2"), world_size=2)
+    with pytest.raises(ConfigError, match=r"adv_estimator='grpoo' is not registered.*grpo"):
+        validate_config(layout("algorithm.adv_estimator=grpoo"), world_size=1)
+    with pytest.raises(ConfigError, match=r"needs a critic"):
+        validate_config(layout("critic.enable=false"), world_size=1)
+
+
+def test_grpo_needs_no_critic_and_kl_loss_needs_reference():
+    cfg = layout("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true",
+                 "actor_rollout_ref.rollout.n=4")
+    assert not critic_enabled(cfg) and reference_enabled(cfg)
+    validate_config(cfg, world_size=2)
+
+
+def run_cli(*args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_cli_print_config_and_clean_errors(tmp_path):
+    ok = run_cli("--config", str(ROOT / "configs" / "gsm8k_ppo_qwen2.5_0.5b.yaml"), "--print-config",
+                 "data.train_batch_size=128")
+    assert ok.returncode == 0, ok.stderr
+    assert "train_batch_size: 128" in ok.stdout and "adv_estimator: gae" in ok.stdout
+
+    bad = run_cli("--config", str(ROOT / "configs" / "gsm8k_ppo_qwen2.5_0.5b.yaml"), "data.train_bach_size=1")
+    assert bad.returncode != 0
+    assert "Did you mean 'data.train_batch_size'" in bad.stderr and "Traceback" not in bad.stderr
+
+    p = write(tmp_path, "data:\n  train_batch_size: 100\nactor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: 64\n")
+    bad = run_cli("--config", str(p), *MODEL, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "data.train_batch_size=100 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=64" in bad.stderr
+
+    bad = run_cli("--config", str(tmp_path / "nope.yaml"))
+    assert bad.returncode != 0 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+
+    layout_bad = run_cli("--config", str(ROOT / "configs" / "gsm8k_ppo_qwen2.5_0.5b.yaml"),
+                         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", env_extra={"WORLD_SIZE": "3"})
+    assert layout_bad.returncode != 0 and "world size 3 is not divisible" in layout_bad.stderr
