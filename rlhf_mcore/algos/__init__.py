@@ -1,0 +1,54 @@
+"""RL math as pure tensor functions on padded `[batch, response_len]` grids with a response mask.
+
+- :mod:`.advantages` — advantage estimators by name (`gae`, `grpo`, `rloo`, `remax`, `reinforce_plus_plus`,
+  `reinforce_plus_plus_baseline`), a registry users extend with :func:`register_adv_estimator`;
+- :mod:`.policy_loss` — policy losses by name (`vanilla` PPO clip with clip-higher and dual-clip, `gspo`);
+- :mod:`.value_loss` — the clipped value loss; :mod:`.entropy` — entropy and the entropy bonus;
+- :mod:`.kl` — KL estimators, fixed/adaptive KL controllers, KL in the reward, KL as a loss;
+- :mod:`.aggregation` — loss aggregation modes with global normalisers for micro-batch invariance;
+- :mod:`.masked` — masked mean/var/whiten.
+
+Nothing here knows about models, process groups or Megatron.
+"""
+from rlhf_mcore.algos.advantages import (
+    get_adv_estimator,
+    list_adv_estimators,
+    register_adv_estimator,
+)
+from rlhf_mcore.algos.aggregation import LOSS_AGG_MODES, agg_loss
+from rlhf_mcore.algos.entropy import compute_entropy_loss, entropy_from_logits
+from rlhf_mcore.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    compute_kl_loss,
+    kl_penalty,
+)
+from rlhf_mcore.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf_mcore.algos.policy_loss import get_policy_loss, list_policy_losses, register_policy_loss
+from rlhf_mcore.algos.value_loss import compute_value_loss
+
+__all__ = [
+    "get_adv_estimator",
+    "list_adv_estimators",
+    "register_adv_estimator",
+    "LOSS_AGG_MODES",
+    "agg_loss",
+    "compute_entropy_loss",
+    "entropy_from_logits",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "compute_kl_loss",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "get_policy_loss",
+    "list_policy_losses",
+    "register_policy_loss",
+    "compute_value_loss",
+]

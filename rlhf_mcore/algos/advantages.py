@@ -1,0 +1,276 @@
+"""Advantage estimators: token-level rewards -> (advantages, returns), chosen by `algorithm.adv_estimator`.
+
+Every estimator is a plain function registered by name and called with keyword arguments only::
+
+    fn = get_adv_estimator("grpo")
+    advantages, returns = fn(token_level_rewards=r, response_mask=m, index=uids, gamma=1.0, lam=1.0,
+                             norm_adv_by_std_in_grpo=True, values=None, reward_baselines=None)
+
+Inputs are right-padded `[B, T]` response grids: `token_level_rewards` (B, T) (outcome rewards usually sit on
+the last valid token), `response_mask` (B, T) with 1 on generated tokens, `values` (B, T) from the critic,
+`index` (B,) a group id per row (all samples of one prompt share it; any hashable: int, str, uuid),
+`reward_baselines` (B,) for ReMax. Each estimator takes what it needs and ignores the rest (`**_`), so the
+trainer can pass one uniform set of keywords. Both outputs are (B, T) float32 and zero outside the mask.
+
+The definitions follow veRL 0.7 (`verl/trainer/ppo/core_algos.py`) so results carry over: GRPO uses the
+unbiased group std and `eps = 1e-6`; a group of one keeps its raw score (mean 0, std 1); RLOO uses the
+leave-one-out mean; REINFORCE++ whitens discounted returns over the whole batch. Group statistics are
+computed in float64, which makes a group of equal rewards give exactly zero advantage.
+
+Users add estimators the same way the built-ins are defined::
+
+    @register_adv_estimator("my_estimator")
+    def my_estimator(*, token_level_rewards, response_mask, **_):
+        ...
+        return advantages, returns
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlhf_mcore.algos.masked import masked_whiten
+
+__all__ = [
+    "AdvEstimatorFn",
+    "register_adv_estimator",
+    "get_adv_estimator",
+    "list_adv_estimators",
+    "group_ids",
+    "compute_gae",
+    "compute_grpo",
+    "compute_rloo",
+    "compute_remax",
+    "compute_reinforce_plus_plus",
+    "compute_reinforce_plus_plus_baseline",
+]
+
+AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_ADV_ESTIMATORS: dict[str, AdvEstimatorFn] = {}
+
+GRPO_EPS = 1e-6  # veRL's epsilon in (score - mean) / (std + eps)
+
+
+def register_adv_estimator(name: str, *, override: bool = False) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator: make `fn` available as `algorithm.adv_estimator=<name>`.
+
+    Registering a different function under a taken name raises unless `override=True`, so two plugins
+    cannot silently replace each other.
+    """
+
+    def decorator(fn: AdvEstimatorFn) -> AdvEstimatorFn:
+        if not override and name in _ADV_ESTIMATORS and _ADV_ESTIMATORS[name] is not fn:
+            raise ValueError(
+                f"advantage estimator {name!r} is already registered ({_ADV_ESTIMATORS[name].__module__}."
+                f"{_ADV_ESTIMATORS[name].__qualname__}); pick another name or pass override=True"
+            )
+        _ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_adv_estimator(name: str) -> AdvEstimatorFn:
+    """The estimator registered as `name`; a ValueError lists the known names otherwise."""
+    if name not in _ADV_ESTIMATORS:
+        raise ValueError(
+            f"unknown algorithm.adv_estimator={name!r}; known: {sorted(_ADV_ESTIMATORS)}. Register a new one "
+            "with @rlhf_mcore.algos.register_adv_estimator(name)."
+        )
+    return _ADV_ESTIMATORS[name]
+
+
+def list_adv_estimators() -> list[str]:
+    """Names of all registered advantage estimators."""
+    return sorted(_ADV_ESTIMATORS)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def group_ids(index: Any, batch_size: int, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """Map per-row group labels (ints, strings, uuids; list, numpy array or tensor) to dense ids.
+
+    Returns `(ids, num_groups)` with `ids` (B,) int64 in order of first appearance.
+    """
+    if index is None:
+        raise ValueError("this advantage estimator groups samples by prompt: pass index=<group id per row>")
+    labels = index.tolist() if hasattr(index, "tolist") else list(index)
+    if len(labels) != batch_size:
+        raise ValueError(f"index has {len(labels)} entries but the batch has {batch_size} rows")
+    dense: dict[Any, int] = {}
+    ids = [dense.setdefault(label, len(dense)) for label in labels]
+    return torch.tensor(ids, dtype=torch.long, device=device), len(dense)
+
+
+def _group_mean_std(scores: torch.Tensor, ids: torch.Tensor, num_groups: int):
+    """Per-row group size, mean and unbiased std of `scores` (B,), in float64. Groups of one get mean 0, std 1."""
+    x = scores.to(torch.float64)  # (B,)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=x.device)
+    counts = zeros.index_add(0, ids, torch.ones_like(x))  # (G,)
+    mean = zeros.index_add(0, ids, x) / counts  # (G,)
+    sq_dev = zeros.index_add(0, ids, (x - mean[ids]) ** 2)  # (G,)
+    std = (sq_dev / (counts - 1).clamp(min=1)).sqrt()  # (G,)
+    single = counts == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return counts[ids], mean[ids], std[ids]  # each (B,)
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
+    """One scalar per response: the sum of its token rewards. (B, T) -> (B,)"""
+    return token_level_rewards.float().sum(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------- estimators
+
+
+@register_adv_estimator("gae")
+def compute_gae(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016) with a critic; advantages whitened over the batch.
+
+    Backward recursion over valid tokens: `delta_t = r_t + gamma * V_next - V_t`, `A_t = delta_t + gamma *
+    lam * A_next`; masked positions (padding, or tool/observation tokens inside a response) are skipped:
+    they neither contribute a TD error nor break the chain. `returns = A + V` (before whitening) is the
+    critic's regression target; `advantages` is `A` whitened over all valid tokens of the batch.
+    """
+    if values is None:
+        raise ValueError("adv_estimator='gae' needs critic values (values=...); enable a critic or use 'grpo'")
+    rewards = token_level_rewards.float()  # (B, T)
+    values = values.float()  # (B, T)
+    valid = response_mask.bool()  # (B, T)
+    next_value = torch.zeros_like(rewards[:, 0])  # (B,)
+    next_adv = torch.zeros_like(rewards[:, 0])  # (B,)
+    adv = torch.zeros_like(rewards)  # (B, T)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        adv_t = delta + gamma * lam * next_adv  # (B,)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv_t, next_adv)
+        adv[:, t] = next_adv
+    mask = response_mask.float()
+    returns = (adv + values) * mask  # (B, T)
+    advantages = masked_whiten(adv, mask) * mask  # (B, T)
+    return advantages, returns
+
+
+@register_adv_estimator("grpo")
+def compute_grpo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | Any = None,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = GRPO_EPS,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: `(score - group mean) / (group std + eps)`, broadcast over the response.
+
+    `norm_adv_by_std_in_grpo=False` drops the division (Dr.GRPO, arXiv:2503.20783). The std is unbiased; a
+    group of one sample keeps its raw score. Returns `(advantages, advantages)` as veRL does.
+    """
+    scores = _outcome_scores(token_level_rewards)  # (B,)
+    ids, num_groups = group_ids(index, scores.shape[0], scores.device)
+    _, mean, std = _group_mean_std(scores, ids, num_groups)  # (B,) each, float64
+    centered = scores.double() - mean
+    adv = centered / (std + epsilon) if norm_adv_by_std_in_grpo else centered  # (B,)
+    advantages = adv.float().unsqueeze(-1) * response_mask.float()  # (B, T)
+    return advantages, advantages
+
+
+@register_adv_estimator("rloo")
+def compute_rloo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | Any = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024): score minus the mean of the *other* samples of its group.
+
+    `A_i = r_i - (sum_j r_j - r_i) / (n - 1)`; a group of one keeps its raw score (as veRL's `rloo`).
+    """
+    scores = _outcome_scores(token_level_rewards)  # (B,)
+    ids, num_groups = group_ids(index, scores.shape[0], scores.device)
+    counts, mean, _ = _group_mean_std(scores, ids, num_groups)  # (B,) each
+    x = scores.double()
+    loo = (counts * x - counts * mean) / (counts - 1).clamp(min=1)  # (B,)  == x - mean of the others
+    adv = torch.where(counts > 1, loo, x)
+    advantages = adv.float().unsqueeze(-1) * response_mask.float()  # (B, T)
+    return advantages, advantages
+
+
+@register_adv_estimator("remax")
+def compute_remax(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): reward-to-go minus the reward of the greedy response to the same prompt.
+
+    `reward_baselines` (B,) holds, per row, the score of a greedy (temperature 0) rollout of its prompt.
+    """
+    if reward_baselines is None:
+        raise ValueError("adv_estimator='remax' needs reward_baselines=<greedy-rollout score per row> (B,)")
+    mask = response_mask.float()
+    returns = (token_level_rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)  # (B, T) reward-to-go
+    advantages = returns - reward_baselines.float().unsqueeze(-1) * mask  # (B, T)
+    return advantages, returns
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def compute_reinforce_plus_plus(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted returns whitened over all valid tokens of the batch.
+
+    The running return restarts after every masked position (the end of a response). Returns are the
+    un-whitened discounted returns.
+    """
+    rewards = token_level_rewards.float()  # (B, T)
+    mask = response_mask.float()  # (B, T)
+    returns = torch.zeros_like(rewards)  # (B, T)
+    running = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    advantages = masked_whiten(returns, mask) * mask  # (B, T)
+    return advantages, returns * mask
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | Any = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline: `score - group mean` on every token, whitened over the batch.
+
+    A group of one keeps its raw score before whitening. Returns `(advantages, advantages)` as veRL does.
+    """
+    scores = _outcome_scores(token_level_rewards)  # (B,)
+    ids, num_groups = group_ids(index, scores.shape[0], scores.device)
+    _, mean, _ = _group_mean_std(scores, ids, num_groups)  # (B,)
+    mask = response_mask.float()  # (B, T)
+    centered = (scores.double() - mean).float().unsqueeze(-1) * mask  # (B, T)
+    advantages = masked_whiten(centered, mask) * mask  # (B, T)
+    return advantages, advantages
