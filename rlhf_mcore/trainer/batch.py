@@ -1,0 +1,73 @@
+"""From prompts and generated responses to the padded batch every phase works on (veRL's layout).
+
+    prompts         (B, P)    left-padded prompt ids
+    responses       (B, R)    right-padded response ids
+    input_ids       (B, P+R)  prompts ++ responses
+    attention_mask  (B, P+R)  1 on real tokens
+    position_ids    (B, P+R)  0.. over real tokens
+    response_mask   (B, R)    1 on generated tokens
+    rollout_log_probs (B, R)  the rollout engine's log-probs of the sampled tokens
+    index           (B,)      group id: rows sampled from the same prompt share it
+
+Non-tensor fields (``data_source``, ``ground_truth``, ``extra_info``, ``uid``) are lists of length ``B``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                logprobs: Sequence[Sequence[float]], finish_reasons: Sequence[str], group_ids: Sequence[int],
+                meta: dict[str, list[Any]], pad_token_id: int, pad_multiple: int = 8) -> dict[str, Any]:
+    """Rows are (prompt, response) pairs; ``meta`` holds per-row lists (data_source, ground_truth, ...)."""
+    B = len(prompts)
+    P = _pad_to(max(len(p) for p in prompts), pad_multiple)
+    R = _pad_to(max((len(r) for r in responses), default=1), pad_multiple)
+    prompt_t = torch.full((B, P), pad_token_id, dtype=torch.long)
+    prompt_m = torch.zeros((B, P), dtype=torch.long)
+    resp_t = torch.full((B, R), pad_token_id, dtype=torch.long)
+    resp_m = torch.zeros((B, R), dtype=torch.long)
+    lp = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r, l) in enumerate(zip(prompts, responses, logprobs)):
+        prompt_t[i, P - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        prompt_m[i, P - len(p):] = 1
+        if len(r):
+            resp_t[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+            resp_m[i, :len(r)] = 1
+            lp[i, :len(r)] = torch.as_tensor(l, dtype=torch.float32)
+    attention_mask = torch.cat([prompt_m, resp_m], dim=1)  # (B, P+R)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (B, P+R)
+    batch = {
+        "prompts": prompt_t, "responses": resp_t, "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+        "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": resp_m,
+        "rollout_log_probs": lp, "index": torch.as_tensor(list(group_ids), dtype=torch.long),
+        "truncated": torch.as_tensor([f == "length" for f in finish_reasons], dtype=torch.bool),
+    }
+    batch.update(meta)
+    return batch
+
+
+def select_rows(batch: dict[str, Any], rows: Sequence[int]) -> dict[str, Any]:
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(batch["index"]):
+            out[k] = v.index_select(0, idx)
+        elif isinstance(v, list):
+            out[k] = [v[i] for i in rows]
+        else:
+            out[k] = v
+    return out
+
+
+def decode_responses(tokenizer, batch: dict[str, Any]) -> list[str]:
+    texts = []
+    for ids, mask in zip(batch["responses"], batch["response_mask"]):
+        texts.append(tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True))
+    return texts

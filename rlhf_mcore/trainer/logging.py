@@ -1,0 +1,134 @@
+"""Metric reduction across ranks and the logging sinks: console, JSONL, TensorBoard, wandb.
+
+Each rank produces a flat ``{name: float}`` dict; :func:`reduce_metrics` averages them over the data-parallel
+group (keys ending in ``/max`` take the max, ``/min`` the min), and rank 0 hands the result to the sinks chosen by
+``trainer.logger``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_metrics(metrics: dict[str, float], group=None) -> dict[str, float]:
+    """Mean over ranks of ``group`` (max for ``*/max``, min for ``*/min``); same key set required on all ranks."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    kinds = {"max": [], "min": [], "mean": []}
+    for i, k in enumerate(keys):
+        kinds["max" if k.endswith("/max") else "min" if k.endswith("/min") else "mean"].append(i)
+    out = vals.clone()
+    for kind, idx in kinds.items():
+        if not idx:
+            continue
+        part = vals[idx].clone()
+        op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}[kind]
+        dist.all_reduce(part, op=op, group=group)
+        if kind == "mean":
+            part /= dist.get_world_size(group)
+        out[idx] = part
+    return {k: out[i].item() for i, k in enumerate(keys)}
+
+
+_CONSOLE_KEYS = [  # (metric, short label, format) for the one-line summary
+    ("critic/score/mean", "reward", "{:.3f}"), ("critic/score/std", "±", "{:.3f}"),
+    ("response_length/mean", "len", "{:.0f}"), ("response_length/clip_ratio", "clip", "{:.2f}"),
+    ("actor/pg_loss", "pg", "{:.4f}"), ("actor/ppo_kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.3f}"),
+    ("critic/vf_loss", "vf", "{:.4f}"), ("actor/grad_norm", "gn", "{:.3f}"),
+    ("perf/throughput", "tok/s", "{:.0f}"), ("perf/mfu", "mfu", "{:.1%}"), ("timing_s/step", "s", "{:.1f}"),
+]
+
+
+class MetricLogger:
+    """Fan-out to the configured sinks; only rank 0 writes anything."""
+
+    def __init__(self, loggers: list[str], out_dir: Path, total_steps: int, config: Optional[dict] = None,
+                 project: str = "rlhf_mcore", name: str = "run", enabled: bool = True, start_step: int = 0):
+        self.enabled = enabled
+        self.loggers = set(loggers)
+        self.total = total_steps
+        self._bar = None
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = out_dir / "metrics.jsonl"
+        if "jsonl" in self.loggers:
+            self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        if "wandb" in self.loggers:
+            try:
+                import wandb
+            except ImportError:
+                print("trainer.logger has 'wandb' but wandb is not installed (pip install wandb); skipping it.",
+                      file=sys.stderr)
+            else:
+                self._wandb = wandb.init(project=project, name=name, config=config, dir=str(out_dir))
+        if "console" in self.loggers:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr, leave=True)
+        self._t0 = time.time()
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if "console" in self.loggers:
+            self.console(step, clean, kind)
+
+    def console(self, step: int, metrics: dict[str, float], kind: str) -> None:
+        if kind == "train":
+            parts = [f"step {step}/{self.total}"]
+            parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in _CONSOLE_KEYS if k in metrics]
+        else:
+            parts = [f"[{kind} @ step {step}]"] + [f"{k} {v:.4f}" for k, v in sorted(metrics.items())
+                                                  if k.startswith("val/")]
+        line = " | ".join(parts)
+        if self._bar is not None:
+            self._bar.write(line)
+            if kind == "train":
+                self._bar.update(1)
+        else:
+            print(line, flush=True)
+
+    def text(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,93 @@
+"""Trainer building blocks without models: checkpoint atomicity and pruning, the coordinator's plan, the batch
+layout, metric reduction and logging sinks."""
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_mcore.trainer.batch import build_batch, select_rows
+from rlhf_mcore.trainer.checkpoint import COMPLETE, CheckpointManager, list_complete, resolve_resume
+from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
+from rlhf_mcore.trainer.plan import plan_step
+
+
+def save(mgr, step, payload=None):
+    def engines(path: Path):
+        (path / "actor").mkdir()
+        (path / "actor" / "weights.bin").write_bytes(b"x" * 10)
+    return mgr.save(step, {"step": step, "payload": payload}, engines)
+
+
+def test_checkpoint_atomic_keep_last_and_resume(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=2, rank=0)
+    for step in (10, 20, 30):
+        save(mgr, step)
+    assert [s for s, _ in list_complete(tmp_path)] == [20, 30]  # only the last two kept
+    # a save killed midway: a .tmp directory without COMPLETE, and a step dir without COMPLETE
+    (tmp_path / "global_step_40.tmp-123-1").mkdir()
+    (tmp_path / "global_step_50").mkdir()
+    assert resolve_resume(tmp_path, "auto").name == "global_step_30"
+    assert resolve_resume(tmp_path, "disable") is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_resume(tmp_path, str(tmp_path / "global_step_50"))
+    random.seed(5)
+    torch.manual_seed(5)
+    path = save(mgr, 60, payload="hello")
+    expected_next = (random.random(), torch.rand(1).item())
+    assert not list(tmp_path.glob("*.tmp-*")), "stale temporary checkpoints are removed on the next save"
+    assert (path / COMPLETE).is_file()
+    random.seed(0)
+    torch.manual_seed(0)
+    state = mgr.load_trainer_state(path)  # restores the host RNGs as they were at save time
+    assert state["payload"] == "hello" and state["step"] == 60
+    assert (random.random(), torch.rand(1).item()) == expected_next
+    assert resolve_resume(tmp_path, "auto").name == "global_step_60"
+    assert resolve_resume(tmp_path, "auto") == resolve_resume(tmp_path, str(path))
+    assert resolve_resume(tmp_path / "missing", "auto") is None
+
+
+def test_plan_keeps_groups_whole_and_balances():
+    ids = list(range(100, 116))
+    lengths = [5, 50, 7, 40, 3, 60, 9, 30, 11, 20, 13, 10, 15, 8, 17, 6]
+    parts = plan_step(ids, lengths, dp_size=4)
+    assert sorted(i for p in parts for i in p) == ids and all(len(p) == 4 for p in parts)
+    loads = [sum(lengths[ids.index(i)] for i in p) for p in parts]
+    naive = [sum(lengths[k:k + 4]) for k in range(0, 16, 4)]
+    assert max(loads) - min(loads) < max(naive) - min(naive)
+    assert max(loads) - min(loads) <= max(lengths) // 2
+
+
+def test_build_batch_layout():
+    prompts = [[1, 2, 3], [4, 5]]
+    responses = [[6, 7], [8, 9, 10, 11]]
+    b = build_batch(prompts, responses, [[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6]], ["stop", "length"], [7, 7],
+                    {"data_source": ["a", "b"]}, pad_token_id=0, pad_multiple=4)
+    assert b["prompts"].tolist() == [[0, 1, 2, 3], [0, 0, 4, 5]]  # left padded
+    assert b["responses"].tolist() == [[6, 7, 0, 0], [8, 9, 10, 11]]  # right padded
+    assert b["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1]]
+    assert b["position_ids"][1].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+    assert b["response_mask"].sum(1).tolist() == [2, 4]
+    assert b["rollout_log_probs"][1].tolist() == pytest.approx([-0.3, -0.4, -0.5, -0.6])
+    assert b["truncated"].tolist() == [False, True] and b["index"].tolist() == [7, 7]
+    one = select_rows(b, [1])
+    assert one["data_source"] == ["b"] and one["responses"].shape == (1, 4)
+
+
+def test_reduce_metrics_single_process_is_identity():
+    m = {"a": 1.0, "b/max": 3.0}
+    assert reduce_metrics(m) == m
+
+
+def test_metric_logger_writes_jsonl_and_tensorboard(tmp_path, capsys):
+    log = MetricLogger(["console", "jsonl", "tensorboard"], tmp_path, total_steps=2)
+    log.log(1, {"critic/score/mean": 0.5, "timing_s/step": 1.5, "bad": float("nan")})
+    log.log(1, {"val/acc": 0.25}, kind="val")
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 1, "kind": "train", "critic/score/mean": 0.5, "timing_s/step": 1.5}
+    assert rows[1]["kind"] == "val" and rows[1]["val/acc"] == 0.25
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    out = capsys.readouterr().out
+    assert "step 1/2" in out and "reward 0.500" in out
