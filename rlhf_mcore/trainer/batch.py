@@ -34,13 +34,13 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
     resp_t = torch.full((B, R), pad_token_id, dtype=torch.long)
     resp_m = torch.zeros((B, R), dtype=torch.long)
     lp = torch.zeros((B, R), dtype=torch.float32)
-    for i, (p, r, l) in enumerate(zip(prompts, responses, logprobs)):
+    for i, (p, r, lps) in enumerate(zip(prompts, responses, logprobs)):
         prompt_t[i, P - len(p):] = torch.as_tensor(p, dtype=torch.long)
         prompt_m[i, P - len(p):] = 1
         if len(r):
             resp_t[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
             resp_m[i, :len(r)] = 1
-            lp[i, :len(r)] = torch.as_tensor(l, dtype=torch.float32)
+            lp[i, :len(r)] = torch.as_tensor(lps, dtype=torch.float32)
     attention_mask = torch.cat([prompt_m, resp_m], dim=1)  # (B, P+R)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (B, P+R)
     batch = {

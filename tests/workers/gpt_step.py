@@ -36,6 +36,7 @@ def build(state, dist_opt: bool, tied: bool = False):
                      post_process=state.is_last_stage, share_embeddings_and_output_weights=tied,
                      position_embedding_type="rope", pg_collection=state.pg_collection)
     load_reference_weights(model, state)
+    model.to(state.device)
     ddp = DistributedDataParallel(
         config=cfg, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=dist_opt,
                                                              grad_reduce_in_fp32=True), module=model)
@@ -92,11 +93,11 @@ def batch(state):
 def run_step(state, forward_only: bool, model, micro):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
-    positions = torch.arange(SEQ)[None]
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=state.device), 1)[None, None]
+    positions = torch.arange(SEQ, device=state.device)[None]
 
     def forward_step(data_iter, m):
-        seq = next(data_iter)
+        seq = next(data_iter).to(state.device)
         inp, labels = seq[:, :-1], seq[:, 1:]
         out = m(inp, positions, causal, labels=labels)
 
@@ -111,7 +112,7 @@ def run_step(state, forward_only: bool, model, micro):
     if state.is_last_stage:
         mean = torch.stack([d["loss"] for d in losses]).mean()
     else:
-        mean = torch.zeros(())
+        mean = torch.zeros((), device=state.device)
     # the loss lives on the last stage: share it along the pipeline, then average over DP
     dist.all_reduce(mean, group=state.pp_group)
     dist.all_reduce(mean, group=state.dp_group)
