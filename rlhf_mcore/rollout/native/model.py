@@ -1,0 +1,171 @@
+"""The decoder forward pass of the native engine (Qwen2 / Llama / Qwen3), in plain torch on HF-layout weights.
+
+Two entry points share the per-layer code:
+  - `prefill`: packed new tokens of several prompts (N tokens in all); writes their keys/values into the
+    cache slots of every sample of the prompt and returns logits for each prompt's last token only;
+  - `decode`: one token per running sequence (B rows); writes its key/value at (slot, position), attends
+    over the sequence's cache, returns logits (B, V). This is what CUDA graphs capture.
+
+Layer structure: the residual add is fused with the next RMSNorm (`add_norm`), so a layer is
+  qkv GEMM -> rope + cache write -> attention -> o GEMM -> add+norm -> gate_up GEMM -> silu*mul -> down GEMM
+  -> add+norm (with the next layer's input norm, or the final norm).
+With `fused=True` (GPU) the element-wise steps are Triton kernels (triton_kernels.py) — about 10 kernels a
+layer instead of ~25, which is what bounds a CUDA-graph decode step; with `fused=False` they are torch ops
+(CPU, and the reference). Both round like transformers does.
+
+Tensor parallelism: each rank holds its heads / MLP columns (see weights.py) and the outputs of o_proj and
+down_proj are summed over `tp_group` with one all-reduce each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .attention import PackedLayout, decode_attention_torch, prefill_attention
+from .config import ModelSpec
+from .rope import apply_rope, rope_tables
+from .weights import LayerWeights, ModelWeights
+
+
+@dataclass
+class KVCache:
+    """Slot-based cache: k, v of shape (layers, slots, max_len, kv_heads, head_dim)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, device, dtype):
+        shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and scaled in x's dtype (as transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class NativeModel:
+    """Forward passes over `ModelWeights` (one TP rank's shard)."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_len: int, tp_group=None, fused: bool = False):
+        self.spec, self.w = spec, weights
+        self.tp_group = tp_group
+        self.tp_size = weights.tp_size
+        self.heads, self.kv_heads, self.hd = weights.heads, weights.kv_heads, spec.head_dim
+        self.q_size, self.kv_size = self.heads * self.hd, self.kv_heads * self.hd
+        self.sm_scale = spec.head_dim ** -0.5
+        self.fused = fused
+        self.cos, self.sin = rope_tables(spec.head_dim, spec.rope, max_len, weights.device, weights.dtype)  # (L, hd)
+
+    # ------------------------------------------------------------------------------------ element-wise ops
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """(residual + delta, rms_norm(residual + delta) * weight); delta None: just the norm."""
+        if self.fused:
+            from .triton_kernels import add_rms_norm
+
+            return add_rms_norm(residual, delta, weight, self.spec.rms_norm_eps)
+        if delta is not None:
+            residual = residual + delta
+        return residual, rms_norm(residual, weight, self.spec.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from .triton_kernels import silu_mul
+
+            return silu_mul(gate_up)
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def _split_rope(self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights):
+        """Torch path: split qkv (N, ...) into rotated q (N, Hq, hd), rotated k and v (N, Hkv, hd)."""
+        n, hd, eps = qkv.shape[0], self.hd, self.spec.rms_norm_eps
+        cos, sin = self.cos[positions], self.sin[positions]  # (N, hd)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.kv_heads, hd)
+        if self.spec.qk_norm:
+            q = rms_norm(qkv[:, :self.q_size].view(n, self.heads, hd), lw.q_norm, eps)
+            k = rms_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.kv_heads, hd), lw.k_norm, eps)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # rotate q and k heads together: one set of kernels instead of two
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.heads + self.kv_heads, hd), cos, sin)
+        return qk[:, :self.heads], qk[:, self.heads:], v
+
+    # ------------------------------------------------------------------------------------------- layers
+    def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """Run all decoder layers on embeddings x (N, D); `attend(layer_index, qkv)` does rope, the cache
+        write and attention, returning (N, Hq * hd). Returns the final-normed hidden states (N, D)."""
+        layers = self.w.layers
+        residual, h = self._add_norm(x, None, layers[0].input_norm)
+        for i, lw in enumerate(layers):
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
+            attn = attend(i, qkv)  # (N, Hq hd)
+            o = self._all_reduce(F.linear(attn, lw.o_proj))
+            residual, h = self._add_norm(residual, o, lw.post_norm)
+            act = self._silu_mul(F.linear(h, lw.gate_up))  # (N, I / tp)
+            down = self._all_reduce(F.linear(act, lw.down))
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
+            residual, h = self._add_norm(residual, down, next_norm)
+        return h
+
+    # ---------------------------------------------------------------------------------------------------
+    def prefill(self, tokens: torch.Tensor, layout: PackedLayout, cache: KVCache, write_token: torch.Tensor,
+                write_slot: torch.Tensor, write_pos: torch.Tensor) -> torch.Tensor:
+        """Prefill packed prompts. tokens (N,); the cache rows (write_slot[j], write_pos[j]) receive the key and
+        value of token write_token[j] (a prompt's tokens go to every slot of its samples).
+        Returns logits (P, V) at each prompt's last token."""
+        positions = layout.pos_in_seq
+
+        def attend(i, qkv):
+            q, k, v = self._split_rope(qkv, positions, self.w.layers[i])
+            cache.k[i].index_put_((write_slot, write_pos), k.index_select(0, write_token))
+            cache.v[i].index_put_((write_slot, write_pos), v.index_select(0, write_token))
+            return prefill_attention(q, k, v, layout, self.sm_scale).reshape(qkv.shape[0], self.q_size)
+
+        h = self._layers(F.embedding(tokens, self.w.embed), attend)  # (N, D)
+        return F.linear(h.index_select(0, layout.last_token), self.w.lm_head)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+               attention: str, attn_len: int = 0, num_splits: int = 1) -> torch.Tensor:
+        """One decode step. tokens, positions, slots (B,); returns logits (B, V).
+
+        attention: "triton" (flash-decoding kernel, reads each sequence's own length) or "torch" (reads cache
+        positions [0, attn_len) for every row; attn_len >= max(positions) + 1).
+        """
+        seq_lens = positions + 1
+        b = tokens.shape[0]
+
+        def attend(i, qkv):
+            lw = self.w.layers[i]
+            if self.fused:
+                from .triton_kernels import rope_and_cache
+
+                q = rope_and_cache(qkv, positions, slots, self.cos, self.sin, cache.k[i], cache.v[i], self.heads,
+                                   self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
+            else:
+                q, k, v = self._split_rope(qkv, positions, lw)
+                cache.k[i].index_put_((slots, positions), k)
+                cache.v[i].index_put_((slots, positions), v)
+            if attention == "triton":
+                from .triton_kernels import decode_attention
+
+                out = decode_attention(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, num_splits)
+            else:
+                out = decode_attention_torch(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, attn_len)
+            return out.reshape(b, self.q_size)
+
+        h = self._layers(F.embedding(tokens, self.w.embed), attend)
+        return F.linear(h, self.w.lm_head)

@@ -1,0 +1,38 @@
+"""Shared pytest fixtures.
+
+`tiny_model_dir` builds tiny random Hugging Face model directories (see `rlhf_mcore.models.tiny`) once per
+test session and argument set, so many tests can share one model without rebuilding it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# Make the repository root importable (for `launch.*` scripts) however pytest is invoked.
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory fixture: `tiny_model_dir("qwen2", vocab=1000, ...) -> Path`, cached per argument set.
+
+    Arguments are those of `rlhf_mcore.models.tiny.make_tiny_model` (without `out_dir`). The returned
+    directory is shared across the session: treat it as read-only.
+    """
+    from rlhf_mcore.models.tiny import make_tiny_model
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "qwen2", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny_{arch}")
+            cache[key] = make_tiny_model(out, arch=arch, **kwargs)
+        return cache[key]
+
+    return make
