@@ -32,6 +32,7 @@ setup(
         "tqdm>=4.66",
         "math-verify>=0.7",
         "tensorboard>=2.16",
+        "psutil>=5.9",  # megatron dist_checkpointing's writer processes need it
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],

@@ -2,7 +2,8 @@
 
     hf_config     config.json -> ModelShape -> TransformerConfig + GPTModel args (Qwen2/2.5, Llama 3, Qwen3)
     rope          HF-exact RoPE frequencies (Llama 3 scaling) installed into Megatron's rotary module
-    attention     SDPA / flex_attention core attention (causal, padding masks, packed THD, GQA)
+    attention     SDPACoreAttention: Megatron core_attention on SDPA / flex_attention
+    attention_ops its plain-torch math (causal, padding masks, packed THD document-causal, GQA)
     layer_specs   Transformer Engine spec when importable, else local spec + SDPA attention
     weight_map    HF tensor <-> Megatron shard index arithmetic (fused QKV per group, [gate; up], vocab padding)
     hf_loader     per-rank slice-wise safetensors loading (ReadLog)

@@ -1,0 +1,98 @@
+"""Attention math for `SDPACoreAttention`, in plain torch (no Megatron): causal SDPA with Megatron-style
+boolean masks, and packed (THD) document-causal attention via a dense mask or flex_attention.
+
+Shapes: dense functions take (B, heads, S, head_dim); packed functions take (T, heads, head_dim) for T packed
+tokens with document offsets `cu_seqlens` (int32, [0, ..., T]). Key/value may have fewer heads than the query
+(grouped-query attention, handled by `enable_gqa`, without repeating keys in memory).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+_COMPILED_FLEX = None
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                    scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention. q (B, np, S, hn), k/v (B, ng, S, hn); mask bool (B|1, 1, S, S), True = masked out, or
+    None for plain causal. Returns (B, np, S, hn)."""
+    gqa = q.size(1) != k.size(1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_allowed_mask(mask), dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
+
+
+_LAST_MASK: tuple = (None, -1, None)  # (Megatron mask, its _version, SDPA mask): every layer gets the same mask
+
+
+def sdpa_allowed_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's mask (True = masked out) -> SDPA's (True = may attend), with fully masked query rows allowed
+    to see themselves so they stay finite. Computed once per forward: cached for the last mask seen."""
+    global _LAST_MASK
+    if _LAST_MASK[0] is mask and _LAST_MASK[1] == mask._version:
+        return _LAST_MASK[2]
+    allowed = ~mask
+    dead_rows = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, S, 1): queries that may see nothing
+    eye = torch.eye(allowed.size(-2), allowed.size(-1), dtype=torch.bool, device=allowed.device)
+    allowed = allowed | (dead_rows & eye)  # no host sync: a no-op for rows that see something
+    _LAST_MASK = (mask, mask._version, allowed)
+    return allowed
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) int: the document index of every packed token (tokens past cu_seqlens[-1] get len(docs))."""
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(total, total) bool, True = may attend: same document and not in the future."""
+    doc = document_ids(cu_seqlens, total)
+    pos = torch.arange(total, device=cu_seqlens.device)
+    return (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+
+
+def packed_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Packed (THD) attention through SDPA and a dense (T, T) document-causal mask.
+    q (T, np, hn), k/v (T, ng, hn) -> (T, np, hn)."""
+    total = q.size(0)
+    allowed = document_causal_mask(cu_seqlens, total)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=allowed,
+        dropout_p=dropout_p, scale=scale, enable_gqa=q.size(1) != k.size(1))  # (1, np, T, hn)
+    return out[0].transpose(0, 1)
+
+
+def flex_block_mask(cu_seqlens: torch.Tensor, total: int):
+    """flex_attention BlockMask for document-causal attention over `total` packed tokens."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids(cu_seqlens, total)
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(doc_causal, B=None, H=None, Q_LEN=total, KV_LEN=total, device=cu_seqlens.device)
+
+
+def packed_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float,
+                          compiled: bool) -> torch.Tensor:
+    """Packed (THD) attention with flex_attention. q (T, np, hn), k/v (T, ng, hn) -> (T, np, hn).
+    `compiled` uses the fused kernel (GPU); eager runs anywhere but has no backward on CPU."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if compiled:
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        fn = _COMPILED_FLEX
+    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
+             scale=scale, enable_gqa=q.size(1) != k.size(1))  # (1, np, T, hn)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,84 @@
+"""Build the Megatron GPTModel chunks of an actor, reference policy or critic from an HF model directory.
+
+`build_model` returns one `GPTModel` per virtual pipeline stage held by this rank (a list of one without
+virtual PP), with `pre_process` / `post_process` set from the layout, RoPE frequencies equal to HF's, and
+(by default) the HF weights loaded shard by shard. It does not wrap the chunks in DDP: the train engine does.
+
+Forward convention (every chunk): `chunk(input_ids (B, S), position_ids (B, S), attention_mask, packed_seq_params=)`
+with `attention_mask` a bool (B, 1, S, S) tensor, True = masked out, or None for plain causal attention. The
+last stage returns vocabulary-parallel logits (B, S, V_padded / TP) — not gathered; the critic returns values
+(B, S, 1). Packed (THD) input is `input_ids (1, total)`, attention_mask None and
+`PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=..., max_seqlen_q=..., max_seqlen_kv=...)`.
+
+About position_ids: Megatron's RoPE uses positions 0..S-1 of the row (restarting at every document when
+packed), not `position_ids`. RoPE only sees position differences, so a left-padded row, whose real tokens
+sit at S-n..S-1 instead of 0..n-1, gets the same attention scores up to float rounding (checked against HF
+at 1e-4 in tests/test_models.py).
+
+Each chunk carries `hf_shape` (the `ModelShape`), `model_role` and `hf_dir`; the loader and the exporter read
+them (through DDP-style wrappers too).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rlhf_mcore.models.hf_config import ModelShape, gpt_model_kwargs, transformer_config
+from rlhf_mcore.models.layer_specs import layer_spec, resolve_backend
+from rlhf_mcore.models.rope import install_rope
+
+ROLES = ("actor", "ref", "critic")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 parameters on GPU (the optimizer keeps fp32 master weights), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dtype] = None,
+                load_weights: bool = True, attention_backend: str = "auto", config_overrides: Optional[dict] = None,
+                vocab_divisor: int = 128) -> list:
+    """GPTModel chunks (one per virtual pipeline stage of this rank) for the HF model in `hf_dir`.
+
+    role: "actor" / "ref" (language-model head, tied to the embedding when the checkpoint ties them) or
+    "critic" (a width-1 value head, see `value_head.ValueHead`). dtype None: bf16 on GPU, fp32 on CPU.
+    attention_backend: see `layer_specs.BACKENDS`. config_overrides: extra `TransformerConfig` fields
+    (e.g. recompute_granularity). load_weights=False leaves Megatron's random initialisation.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from rlhf_mcore.models.hf_loader import load_hf_weights
+    from rlhf_mcore.models.value_head import ValueHead
+
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}; choose one of {ROLES}.")
+    shape = ModelShape.from_hf_dir(hf_dir)
+    dtype = dtype or default_dtype(state.device)
+    dims = state.dims
+    on_cpu = state.device.type == "cpu"
+    config = transformer_config(shape, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype, on_cpu=on_cpu,
+                                perform_initialization=not load_weights, **(config_overrides or {}))
+    backend = resolve_backend(attention_backend)
+    if config.sequence_parallel and backend != "te":
+        raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec: the local spec's torch "
+                         f"RMSNorm refuses it (attention backend here: {backend!r}). Turn sequence parallelism off "
+                         "or install Transformer Engine.")
+    spec = layer_spec(shape, backend)
+    n_virtual = dims.vpp or 1
+    chunks = []
+    for vp in range(n_virtual):
+        pre = state.is_first_stage and vp == 0
+        post = state.is_last_stage and vp == n_virtual - 1
+        model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre, post_process=post,
+                         pg_collection=state.pg_collection, vp_stage=vp if dims.vpp else None,
+                         **gpt_model_kwargs(shape, tp=dims.tp, role=role, vocab_divisor=vocab_divisor))
+        install_rope(model, shape, state.device)
+        if role == "critic" and post:
+            model.output_layer = ValueHead(shape.hidden_size, dtype=dtype, device=state.device)
+        model.to(device=state.device, dtype=dtype)  # torch norms are created in fp32 on the CPU
+        model.hf_shape, model.model_role, model.hf_dir = shape, role, str(hf_dir)
+        chunks.append(model)
+    if load_weights:
+        load_hf_weights(chunks, hf_dir, state)
+    return chunks

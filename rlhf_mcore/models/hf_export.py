@@ -1,0 +1,182 @@
+"""Megatron shards -> full Hugging Face tensors (a streaming collective), and HF checkpoint directories.
+
+`export_hf_weights(chunks, state)` yields `(hf_name, full_tensor)` for the whole model, in HF's order, the same
+on every rank of a model replica, whatever the TP/PP/VPP layout:
+
+1. a plan — which PP stage owns which parameter and the full shape — is agreed once over the PP group
+   (`all_gather_object`; cached on the chunks, since a model's structure never changes);
+2. for each parameter: the owning stage's TP ranks all-gather their shards and join them (fused QKV and the
+   [gate; up] fc1 in their full layouts); the owner then broadcasts the full tensor over the PP group;
+3. the full tensor is split into HF tensors: QKV per query group back into q/k/v, fc1 into gate/up,
+   vocabulary padding removed. The tied output layer is skipped: HF stores the embedding once.
+
+About one full tensor (plus its TP shards) is alive at a time. Yielded tensors may alias live parameters
+(TP=PP=1): copy them if you keep them past the next optimizer step. Only the ranks of one model replica talk
+to each other, so each data-parallel replica can export on its own (or skip exporting).
+
+`save_hf_checkpoint` streams the export into safetensors shards written by rank 0, with the index, config and
+the source directory's tokenizer / chat-template / generation files, so `transformers` loads the result.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore.models.hf_config import CAUSAL_LM_ARCHITECTURE, TOKEN_CLASSIFICATION_ARCHITECTURE
+from rlhf_mcore.models.hf_loader import INDEX_FILE, layer_numbers, unwrap_model
+from rlhf_mcore.models.weight_map import WeightRule, full_shape, join_tp_shards, rule_for_param, split_to_hf
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+def _local_params(chunks) -> dict:
+    """key -> (rule, param) for every parameter this rank holds."""
+    out = {}
+    for chunk in chunks:
+        layers = layer_numbers(chunk)
+        for name, param in chunk.named_parameters():
+            rule = rule_for_param(name, layers, chunk.hf_shape, chunk.model_role)
+            out[rule.key] = (rule, param)
+    return out
+
+
+def _export_plan(chunks, local: dict, state) -> list:
+    """[(rule, owner_pp_rank, full_shape, dtype)] for every exported parameter, in HF order (same on all ranks)."""
+    cached = getattr(chunks[0], "_hf_export_plan", None)
+    if cached is not None and cached[0] == (state.dims.tp, state.dims.pp):
+        return cached[1]
+    mine = [(rule, tuple(full_shape(rule, p.shape, state.dims.tp)), str(p.dtype).removeprefix("torch."))
+            for rule, p in local.values() if rule.exported]
+    if state.dims.pp > 1:
+        stages = [None] * state.dims.pp
+        dist.all_gather_object(stages, mine, group=state.pp_group)
+    else:
+        stages = [mine]
+    plan = []
+    for owner, entries in enumerate(stages):
+        plan += [(rule, owner, shp, getattr(torch, dt)) for rule, shp, dt in entries]
+    plan.sort(key=lambda item: item[0].order)
+    keys = [item[0].key for item in plan]
+    if len(keys) != len(set(keys)):
+        raise RuntimeError("two pipeline stages hold the same parameter; is the layout consistent on all ranks?")
+    chunks[0]._hf_export_plan = ((state.dims.tp, state.dims.pp), plan)
+    return plan
+
+
+def _gather_tp(rule: WeightRule, param: torch.Tensor, state) -> torch.Tensor:
+    data = param.detach()
+    if state.dims.tp == 1 or rule.kind == "replicated":
+        return data
+    data = data.contiguous()
+    parts = [torch.empty_like(data) for _ in range(state.dims.tp)]
+    dist.all_gather(parts, data, group=state.tp_group)
+    return join_tp_shards(parts, rule)
+
+
+def export_hf_weights(model_chunks, state, *, dtype: Optional[torch.dtype] = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for the whole model on every rank of this model replica (a collective:
+    all TP×PP ranks of the replica must iterate it to the end). dtype: cast to it (default: parameter dtype)."""
+    chunks = [unwrap_model(c) for c in model_chunks]
+    shape = chunks[0].hf_shape
+    local = _local_params(chunks)
+    plan = _export_plan(chunks, local, state)
+    pp_ranks = dist.get_process_group_ranks(state.pp_group) if state.dims.pp > 1 else None
+    for rule, owner, shp, param_dtype in plan:
+        if owner == state.pp_rank:
+            full = _gather_tp(rule, local[rule.key][1], state)
+        else:
+            full = torch.empty(shp, dtype=param_dtype, device=state.device)
+        if pp_ranks is not None:
+            if owner == state.pp_rank:
+                full = full.contiguous()
+            dist.broadcast(full, src=pp_ranks[owner], group=state.pp_group)
+        for name, tensor in split_to_hf(full, rule, shape):
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _hf_config_for_export(src_hf_dir, shape, role: str, dtype: torch.dtype) -> dict:
+    src = Path(src_hf_dir) / "config.json"
+    cfg = json.loads(src.read_text()) if src.is_file() else {}
+    if role == "critic":
+        cfg["architectures"] = [TOKEN_CLASSIFICATION_ARCHITECTURE[shape.family]]
+        cfg["num_labels"] = 1
+        cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    elif cfg.get("architectures", [None])[0] not in CAUSAL_LM_ARCHITECTURE.values():
+        cfg["architectures"] = [CAUSAL_LM_ARCHITECTURE[shape.family]]
+    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = name
+    return cfg
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Tokenizer, chat template, generation config...: every non-weight file of the source directory."""
+    if not src.is_dir() or src.resolve() == out.resolve():
+        return
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.name in ("config.json", INDEX_FILE) or f.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if f.name.endswith(".index.json"):
+            continue
+        shutil.copy2(f, out / f.name)
+
+
+def save_hf_checkpoint(model_chunks, state, out_dir, src_hf_dir, *, dtype: Optional[torch.dtype] = None,
+                       max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Write an HF model directory from Megatron chunks (a collective over the model-parallel ranks of the
+    first data-parallel replica; rank 0 writes). Shards `model-0000i-of-0000N.safetensors` + index, config
+    (from `src_hf_dir`, dtype updated; a critic becomes `*ForTokenClassification` with num_labels=1) and the
+    source's tokenizer / chat template / generation config. dtype: default the parameters' dtype."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    chunks = [unwrap_model(c) for c in model_chunks]
+    shape, role = chunks[0].hf_shape, chunks[0].model_role
+    writer = state.rank == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+            stale.unlink(missing_ok=True)
+    shards, current, current_bytes, total_bytes, written_dtype = [], {}, 0, 0, dtype
+
+    def flush():
+        nonlocal current, current_bytes
+        if current:
+            path = out / f"shard-{len(shards):05d}.tmp.safetensors"
+            save_file(current, str(path), metadata={"format": "pt"})
+            shards.append((path, list(current)))
+            current, current_bytes = {}, 0
+
+    if state.dp_rank == 0:  # other replicas hold the same weights: they need not export
+        for name, tensor in export_hf_weights(chunks, state, dtype=dtype):
+            if not writer:
+                continue
+            written_dtype = tensor.dtype
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and current_bytes + nbytes > max_shard_bytes:
+                flush()
+            current[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            current_bytes += nbytes
+            total_bytes += nbytes
+    if writer:
+        flush()
+        weight_map = {}
+        for i, (path, names) in enumerate(shards):
+            final = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            path.rename(final)
+            weight_map.update({n: final.name for n in names})
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total_bytes},
+                                                  "weight_map": weight_map}, indent=2) + "\n")
+        src = Path(src_hf_dir)
+        _copy_side_files(src, out)
+        cfg = _hf_config_for_export(src, shape, role, written_dtype)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier(group=state.world_group)
+    return out

@@ -1,0 +1,143 @@
+"""Load a Hugging Face safetensors checkpoint into this rank's Megatron shard, reading only what it owns.
+
+Each rank opens the checkpoint's safetensors files (one `model.safetensors`, or the shards listed in
+`model.safetensors.index.json`) and, for every parameter of its model chunks, reads just the rows/columns of
+the HF tensors that its TP shard is made of (`safe_open(...).get_slice(name)[...]`): at TP=2 a rank reads half
+of every sharded tensor, and a PP stage reads only its own layers. Nothing is materialised for the whole
+model. A `ReadLog` records every read, so tests (and curious users) can see what was touched.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.weight_map import read_shard, rule_for_param
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class ReadLog:
+    """Every slice read from the checkpoint: (hf_name, shape of the slice read)."""
+
+    reads: list = field(default_factory=list)
+
+    def add(self, name: str, shape: tuple) -> None:
+        self.reads.append((name, tuple(shape)))
+
+    def numel(self, name: str) -> int:
+        """Elements of `name` read so far (0 when never read)."""
+        return sum(_prod(s) for n, s in self.reads if n == name)
+
+    def numel_by_name(self) -> dict:
+        out = defaultdict(int)
+        for n, s in self.reads:
+            out[n] += _prod(s)
+        return dict(out)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(_prod(s) for _, s in self.reads)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class SafetensorsCheckpoint:
+    """Lazy, slice-wise access to the tensors of an HF checkpoint directory."""
+
+    def __init__(self, hf_dir, log: ReadLog | None = None):
+        self.dir = Path(hf_dir)
+        self.log = log if log is not None else ReadLog()
+        self._handles: dict = {}
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no *.safetensors in {self.dir}; this loader reads safetensors only. Re-save the model with "
+                    "transformers' save_pretrained (safe_serialization is the default).")
+            self.weight_map = {}
+            for f in files:
+                for name in self._open(f.name).keys():
+                    self.weight_map[name] = f.name
+
+    def _open(self, filename: str):
+        from safetensors import safe_open
+
+        if filename not in self._handles:
+            self._handles[filename] = safe_open(str(self.dir / filename), framework="pt", device="cpu")
+        return self._handles[filename]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._slice(name).get_shape())
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.dir} (it has {len(self.weight_map)} "
+                           "tensors); is this the right model directory?")
+        return self._open(self.weight_map[name]).get_slice(name)
+
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        """`tensor[index]`, reading only that part of the file."""
+        tensor = self._slice(name)[index]
+        self.log.add(name, tensor.shape)
+        return tensor
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def unwrap_model(module):
+    """The GPTModel inside DDP / Float16Module-style wrappers (anything exposing `.module`)."""
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def layer_numbers(chunk) -> dict:
+    """Local layer index -> global 0-based layer index, from Megatron's own `layer_number` (1-based)."""
+    return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+
+
+def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = None) -> ReadLog:
+    """Fill every parameter of this rank's chunks from the HF checkpoint in `hf_dir`; returns the ReadLog.
+
+    Raises if the checkpoint lacks a tensor a parameter needs (the critic's value head is optional: absent,
+    it keeps its initialisation) or a slice's shape disagrees with the parameter.
+    """
+    log = read_log if read_log is not None else ReadLog()
+    ckpt = SafetensorsCheckpoint(hf_dir, log)
+    tp, tp_rank = state.dims.tp, state.tp_rank
+    try:
+        for chunk in map(unwrap_model, model_chunks):
+            shape: ModelShape = getattr(chunk, "hf_shape", None) or ModelShape.from_hf_dir(hf_dir)
+            role = getattr(chunk, "model_role", "actor")
+            layers = layer_numbers(chunk)
+            for name, param in chunk.named_parameters():
+                rule = rule_for_param(name, layers, shape, role)
+                if rule.optional and not all(n in ckpt for n in rule.hf_names):
+                    continue
+                shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, shape, param.dtype)
+                if shard.shape != param.shape:
+                    raise ValueError(f"{name}: assembled {tuple(shard.shape)} from {rule.hf_names} but the "
+                                     f"parameter is {tuple(param.shape)}; does config.json match the weights?")
+                with torch.no_grad():
+                    param.copy_(shard)
+    finally:
+        ckpt.close()
+    return log

@@ -1,0 +1,463 @@
+"""HF <-> Megatron-Core models: logits equal to transformers', bitwise weight round trips, exported directories
+that transformers loads, slice-wise loading, the critic, the SDPA core attention, and clear errors.
+
+The distributed checks run in ONE 4-process torchrun launch (tests/workers/models_check.py) over the layouts
+TP×PP = 1×1, 2×1, 1×2, 2×2 (extra ranks are data-parallel replicas) and 1×2 with virtual PP 2; pytest then
+compares what the worker saved with transformers run here on the same tiny fp32 models. Pure index arithmetic
+and attention math are checked in-process against naive references.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_mcore.models import ModelShape, UnsupportedModelError, load_hf_config
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "models_check.py"
+ATOL = 1e-4
+DOC_LENS = [12, 7, 12]  # plain batch (no mask): docs 0 and 2; left-padded batch and packed: all three
+
+# name -> make_tiny_model arguments. vocab=1000 needs padding (to 1024); qwen2 has 4 query groups of 2 heads and
+# 4 layers (one per virtual stage at PP=2×VPP=2); llama has a single KV head (fewer query groups than TP ranks
+# at TP=2); qwen3 has head_dim 32 != 64 / 4.
+MODELS = {
+    "qwen2": dict(arch="qwen2", vocab=1000, layers=4, heads=8, kv_heads=4),
+    "llama": dict(arch="llama", vocab=1000, heads=4, kv_heads=1),
+    "qwen3": dict(arch="qwen3", vocab=1000, heads=4, kv_heads=2, head_dim=32),
+}
+ALL = list(MODELS)
+MODELS["qwen2_bf16"] = dict(arch="qwen2", vocab=1000, dtype="bfloat16")  # round trips only
+LAYOUTS = [
+    dict(name="1x1", tp=1, pp=1, models=ALL, extras={"qwen2": ["grads"]}),
+    dict(name="2x1", tp=2, pp=1, models=ALL, readlog=["qwen2_sharded"], bf16=["qwen2_bf16"]),
+    dict(name="1x2", tp=1, pp=2, models=ALL),
+    dict(name="2x2", tp=2, pp=2, models=ALL, readlog=["qwen2_sharded"],
+         extras={"qwen2": ["save_hf", "critic", "from_mcore"], "llama": ["save_hf"]}),
+    dict(name="1x2v2", tp=1, pp=2, vpp=2, models=["qwen2"]),  # 4 layers: one per virtual stage
+]
+FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS if not lay.get("skip_forward")
+                 for m in lay["models"] for case in ("plain", "left_padded", "thd")]
+ROUNDTRIPS = [(lay["name"], m) for lay in LAYOUTS for m in lay["models"]]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir, tmp_path_factory):
+    dirs = {name: tiny_model_dir(**kw) for name, kw in MODELS.items()}
+    # the same qwen2 weights as a sharded checkpoint (model.safetensors.index.json + several files)
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path_factory.mktemp("qwen2_sharded")
+    AutoModelForCausalLM.from_pretrained(dirs["qwen2"], dtype=torch.float32).save_pretrained(
+        sharded, max_shard_size="60KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    dirs["qwen2_sharded"] = sharded
+    return dirs
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for var in ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def mcore_checkpoint(model_dirs, tmp_path_factory):
+    """qwen2 converted to a Megatron distributed checkpoint by the CLI as a plain single process (TP=PP=1)."""
+    out = tmp_path_factory.mktemp("mcore") / "qwen2_mcore"
+    cmd = [sys.executable, str(ROOT / "launch" / "convert_checkpoint.py"), "--direction", "hf2mcore",
+           "--hf-dir", str(model_dirs["qwen2"]), "--mcore-dir", str(out), "--tp", "1", "--pp", "1"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(model_dirs, mcore_checkpoint, tmp_path_factory):
+    """Run the 4-process worker once; returns (results dict, output dir)."""
+    out = tmp_path_factory.mktemp("models_worker")
+    spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": LAYOUTS, "seed": 11,
+            "doc_lens": DOC_LENS, "max_token": 900, "mcore": {"qwen2": str(mcore_checkpoint)}}
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = _env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone", str(WORKER),
+           "--spec", str(out / "spec.json"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    return json.loads((out / "results.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def documents():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 900, (n,), generator=g) for n in DOC_LENS]
+
+
+_HF_CACHE: dict = {}
+_HF_OUT_CACHE: dict = {}
+
+
+def hf_model(path, cls_name="AutoModelForCausalLM"):
+    import transformers
+
+    key = (str(path), cls_name)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = getattr(transformers, cls_name).from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+def hf_doc_outputs(path, docs, cls_name="AutoModelForCausalLM"):
+    """transformers' logits of every document run alone, unpadded: [(n_i, V)]."""
+    key = (str(path), cls_name)
+    if key not in _HF_OUT_CACHE:
+        model = hf_model(path, cls_name)
+        with torch.no_grad():
+            _HF_OUT_CACHE[key] = [model(d[None]).logits[0] for d in docs]
+    return _HF_OUT_CACHE[key]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# distributed: logits, round trips, exported checkpoints, slice-wise loading, critic
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,model,case", FORWARD_CASES)
+def test_logits_match_transformers(worker, model_dirs, documents, layout, model, case):
+    _, out = worker
+    saved = torch.load(out / f"{layout}_{model}_{case}.pt")
+    logits = saved["logits"]
+    ref = hf_doc_outputs(model_dirs[model], documents)
+    vocab = ref[0].shape[-1]
+    assert logits.shape[-1] == 1024, "logits should cover the padded vocabulary"
+    pad = logits[..., vocab:]
+    assert torch.all(pad.abs() < 1e-6), "padded vocabulary rows must be zero"
+    if case == "plain":
+        assert saved["mask"] is None
+        pairs = [(logits[0], ref[0]), (logits[1], ref[2])]
+    elif case == "left_padded":
+        s = logits.shape[1]
+        pairs = [(logits[i, s - len(doc):], ref[i]) for i, doc in enumerate(documents)]
+    else:
+        cu = saved["cu"].tolist()
+        pairs = [(logits[0, a:b], ref[i]) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+    for got, want in pairs:
+        assert got.shape[0] == want.shape[0]
+        assert torch.isfinite(got).all()
+        err = (got[:, :vocab] - want).abs().max().item()
+        assert err < ATOL, f"{layout} {model} {case}: max |Megatron - transformers| = {err:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,model", ROUNDTRIPS)
+def test_hf_megatron_hf_roundtrip_is_bitwise(worker, layout, model):
+    results, _ = worker
+    assert results[layout][f"{model}/roundtrip"] == []
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_roundtrips_through_fp32_and_bf16_models(worker):
+    res = worker[0]["2x1"]
+    assert res["qwen2_bf16/default_param_dtype"] == "torch.float32"  # CPU default
+    assert res["qwen2_bf16/fp32_roundtrip"] == []  # bf16 -> fp32 -> bf16 is exact
+    assert res["qwen2_bf16/bf16_param_dtypes"] == ["torch.bfloat16"]
+    assert res["qwen2_bf16/bf16_roundtrip"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2", "llama"])
+def test_exported_directory_loads_with_transformers(worker, model_dirs, documents, model):
+    from transformers import AutoTokenizer
+
+    _, out = worker
+    exported = out / f"2x2_{model}_hf"
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "max_shard_bytes should have produced several shards"
+    src = model_dirs[model]
+    assert (exported / "chat_template.jinja").read_text() == (src / "chat_template.jinja").read_text()
+    assert AutoTokenizer.from_pretrained(exported)("48 clips")["input_ids"] == \
+        AutoTokenizer.from_pretrained(src)("48 clips")["input_ids"]
+    for got, want in zip(hf_doc_outputs(exported, documents), hf_doc_outputs(src, documents)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_megatron_checkpoint_roundtrip_across_layouts(worker, model_dirs, mcore_checkpoint):
+    """HF -> dist checkpoint by the CLI at TP=PP=1 (one plain process); loaded at TP=2×PP=2 it exports the
+    original tensors bitwise, and `mcore_to_hf` there writes them back as an HF directory."""
+    from safetensors.torch import load_file
+
+    results, out = worker
+    meta = mcore_checkpoint / "hf_meta"
+    assert (meta / "config.json").is_file() and (meta / "tokenizer.json").is_file()
+    assert not list(meta.glob("*.safetensors")), "hf_meta must not duplicate the weights"
+    assert results["2x2"]["qwen2/from_mcore_roundtrip"] == []
+    got = {}
+    for f in (out / "2x2_qwen2_from_mcore_hf").glob("*.safetensors"):
+        got.update(load_file(f))
+    want = load_file(model_dirs["qwen2"] / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert (out / "2x2_qwen2_from_mcore_hf" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2x1", "2x2"])
+def test_tp2_loading_reads_only_this_ranks_slices(worker, model_dirs, layout):
+    from safetensors import safe_open
+
+    results, _ = worker
+    ranks = results[layout]["qwen2_sharded/readlog"]
+    assert results[layout]["qwen2_sharded/readlog_roundtrip"] == []
+    sizes = {}
+    d = model_dirs["qwen2_sharded"]
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            sizes.update({k: math.prod(h.get_slice(k).get_shape()) for k in h.keys()})
+    sharded = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens")
+    shape = ModelShape.from_hf_dir(d)
+    for r in ranks:
+        held = {f"model.layers.{g}." for g in r["layers"]}
+        for name, n in r["reads"].items():
+            if name.startswith("model.layers."):
+                assert any(name.startswith(p) for p in held), f"rank read {name} of a layer it does not hold"
+            if "embed_tokens" in name:  # its share of the padded vocabulary: 512 of 1024 rows (1000 real)
+                assert n == (shape.padded_vocab_size(2) // 2 if r["tp_rank"] == 0 else 1000 - 512) * 64
+            elif any(s in name for s in sharded):
+                assert n * 2 == sizes[name], f"TP rank {r['tp_rank']} read {n} of {sizes[name]} in {name}"
+            else:
+                assert n == sizes[name], f"replicated {name}: read {n} of {sizes[name]}"
+    # the two TP ranks of a (PP stage, DP replica) read every element of their stage's tensors exactly once
+    groups = {}
+    for r in ranks:
+        groups.setdefault((r["pp_rank"], r["dp_rank"]), []).append(r)
+    for members in groups.values():
+        assert sorted(m["tp_rank"] for m in members) == [0, 1]
+        names = set(members[0]["reads"]) | set(members[1]["reads"])
+        for name in names:
+            total = sum(m["reads"].get(name, 0) for m in members)
+            if any(s in name for s in sharded):
+                assert total == sizes[name], f"{name}: TP ranks read {total} of {sizes[name]} elements"
+    n_layers = shape.num_layers
+    stage_layers = [set(g for r in ranks if r["pp_rank"] == p for g in r["layers"])
+                    for p in range(max(r["pp_rank"] for r in ranks) + 1)]
+    assert set().union(*stage_layers) == set(range(n_layers))
+
+
+@pytest.mark.slow
+def test_critic_has_a_width_one_head_on_the_actor_trunk(worker, model_dirs, documents):
+    results, out = worker
+    infos = results["2x2"]["qwen2/critic"]
+    hidden = 64
+    last_stage = [i for i in infos if "values_shape" in i]
+    assert len(last_stage) == 2  # the two TP ranks of the last PP stage (4 ranks = TP 2 × PP 2)
+    for info in infos:
+        assert info["export_names"] == ["model.norm.weight", "score.weight", "score.bias"]
+    for info in last_stage:
+        assert info["values_shape"] == [len(DOC_LENS), max(DOC_LENS), 1]
+        assert info["head_weight_shape"] == [1, hidden] and info["n_params_head"] == hidden + 1
+        assert info["trunk_max_diff"] == 0.0, "critic trunk differs from the actor's"
+        assert info["head_max_diff"] < 1e-6
+    # the critic saved as HF loads as Qwen2ForTokenClassification and gives the same values
+    saved = torch.load(out / "2x2_qwen2_critic_values.pt")
+    cfg = json.loads((out / "2x2_qwen2_critic_hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForTokenClassification"] and cfg["num_labels"] == 1
+    ref = hf_doc_outputs(out / "2x2_qwen2_critic_hf", documents, "AutoModelForTokenClassification")
+    values = saved["values"]
+    s = values.shape[1]
+    for i, doc in enumerate(documents):
+        got = values[i, s - len(doc):]
+        assert (got - ref[i]).abs().max().item() < ATOL
+
+
+@pytest.mark.slow
+def test_padded_and_packed_batches_give_the_same_gradients(worker):
+    results, _ = worker
+    g = results["1x1"]["qwen2/grads"]
+    assert g["finite"] and g["max_grad"] > 0
+    assert g["max_diff"] < 1e-5 * max(1.0, g["max_grad"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# in-process: config parsing, RoPE, index arithmetic, attention
+
+
+def _write_config(tmp_path, **cfg):
+    base = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000}
+    base.update(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    return tmp_path
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    d = _write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
+    for call in (ModelShape.from_hf_dir, load_hf_config):
+        with pytest.raises(UnsupportedModelError) as e:
+            call(d)
+        msg = str(e.value)
+        assert "MistralForCausalLM" in msg
+        assert all(a in msg for a in ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"))
+
+
+@pytest.mark.parametrize("cfg,words", [
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_features_fail_with_the_key(tmp_path, cfg, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        ModelShape.from_hf_dir(_write_config(tmp_path, **cfg))
+
+
+def test_model_shape_matches_transformers(model_dirs):
+    for name in ("qwen2", "llama", "qwen3"):
+        shape = ModelShape.from_hf_dir(model_dirs[name])
+        model = hf_model(model_dirs[name])
+        cfg = model.config
+        assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads,
+                shape.head_dim, shape.ffn_hidden_size, shape.vocab_size) == (
+            cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+        assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_hf_dir(model_dirs["qwen3"]).head_dim == 32
+    qwen = ModelShape.from_hf_dir(model_dirs["qwen2"])
+    assert [qwen.padded_vocab_size(tp) for tp in (1, 2, 4)] == [1024, 1024, 1024]
+    real = ModelShape(**{**qwen.__dict__, "vocab_size": 151936})
+    assert [real.padded_vocab_size(tp) for tp in (1, 2, 4)] == [151936, 152064, 152064]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_rope_inv_freq_is_bitwise_transformers(model_dirs, name):
+    from rlhf_mcore.models.rope import rope_inv_freq
+
+    ours = rope_inv_freq(ModelShape.from_hf_dir(model_dirs[name]))
+    theirs = hf_model(model_dirs[name]).model.rotary_emb.inv_freq
+    assert torch.equal(ours, theirs)
+    if name == "llama":  # the scaling really acts: some frequencies kept, some divided, some blended
+        from rlhf_mcore.models.rope import default_inv_freq
+        plain = default_inv_freq(16, 5e5)
+        ratio = plain / ours
+        assert (ratio == 1).any() and torch.isclose(ratio, torch.tensor(8.0)).any()
+        assert ((ratio > 1.01) & (ratio < 7.99)).any()
+
+
+@pytest.mark.parametrize("heads,kv,tp", [(8, 4, 2), (4, 1, 2), (8, 2, 4), (4, 2, 1)])
+def test_qkv_shards_match_a_naive_fused_layout(heads, kv, tp):
+    """read_shard('qkv') == the naive per-group fused tensor cut in TP chunks; split_qkv inverts it."""
+    from rlhf_mcore.models.weight_map import WeightRule, read_shard, split_qkv
+
+    hd, hidden = 4, 8
+    shape = ModelShape(family="qwen2", num_layers=1, hidden_size=hidden, num_attention_heads=heads,
+                       num_kv_heads=kv, head_dim=hd, ffn_hidden_size=8, vocab_size=10, max_position_embeddings=8,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, qk_norm=False, rope_theta=1e4)
+    g = torch.Generator().manual_seed(0)
+    hf = {"q": torch.randn(heads * hd, hidden, generator=g), "k": torch.randn(kv * hd, hidden, generator=g),
+          "v": torch.randn(kv * hd, hidden, generator=g)}
+    # naive: group by group, its query heads then its key head then its value head
+    rows = []
+    for group in range(kv):
+        per = heads // kv
+        for h in range(group * per, (group + 1) * per):
+            rows.append(hf["q"][h * hd:(h + 1) * hd])
+        rows.append(hf["k"][group * hd:(group + 1) * hd])
+        rows.append(hf["v"][group * hd:(group + 1) * hd])
+    fused = torch.cat(rows)
+    rule = WeightRule("layers.0.self_attention.linear_qkv.weight", "qkv", ("q", "k", "v"))
+    reads = []
+
+    def read(name, index):
+        reads.append((name, hf[name][index].shape[0]))
+        return hf[name][index]
+
+    shards = [read_shard(read, rule, torch.Size((fused.shape[0] // tp, hidden)), tp, r, shape, torch.float32)
+              for r in range(tp)]
+    for r, shard in enumerate(shards):
+        assert torch.equal(shard, fused.chunk(tp)[r])
+    assert sum(n for _, n in reads) == fused.shape[0], "every fused row read exactly once"
+    q, k, v = split_qkv(torch.cat(shards), shape)
+    assert torch.equal(q, hf["q"]) and torch.equal(k, hf["k"]) and torch.equal(v, hf["v"])
+
+
+def test_fc1_and_vocab_shards(tmp_path):
+    from rlhf_mcore.models.weight_map import WeightRule, join_tp_shards, read_shard, split_to_hf
+
+    shape = ModelShape(family="llama", num_layers=1, hidden_size=4, num_attention_heads=1, num_kv_heads=1,
+                       head_dim=4, ffn_hidden_size=6, vocab_size=10, max_position_embeddings=8, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, qkv_bias=False, qk_norm=False, rope_theta=1e4)
+    hf = {"gate": torch.arange(24.).view(6, 4), "up": -torch.arange(24.).view(6, 4), "emb": torch.randn(10, 4)}
+
+    def read(name, index):
+        return hf[name][index]
+
+    fc1 = WeightRule("layers.0.mlp.linear_fc1.weight", "fc1", ("gate", "up"))
+    shards = [read_shard(read, fc1, torch.Size((6, 4)), 2, r, shape, torch.float32) for r in range(2)]
+    assert torch.equal(shards[1], torch.cat([hf["gate"][3:], hf["up"][3:]]))  # rank 1 = [gate_1; up_1]
+    got = dict(split_to_hf(join_tp_shards(shards, fc1), fc1, shape))
+    assert torch.equal(got["gate"], hf["gate"]) and torch.equal(got["up"], hf["up"])
+    emb = WeightRule("embedding", "vocab", ("emb",))
+    shards = [read_shard(read, emb, torch.Size((8, 4)), 2, r, shape, torch.float32) for r in range(2)]  # 16 rows
+    assert torch.equal(shards[0], hf["emb"][:8])
+    assert torch.equal(shards[1][:2], hf["emb"][8:]) and torch.all(shards[1][2:] == 0)
+    assert torch.equal(dict(split_to_hf(join_tp_shards(shards, emb), emb, shape))["emb"], hf["emb"])
+
+
+def _naive_attention(q, k, v, allowed, scale):
+    """Loop over heads with explicit softmax. q (np, S, d), k/v (ng, S, d), allowed (S, S) bool."""
+    rep = q.shape[0] // k.shape[0]
+    out = torch.zeros_like(q)
+    for h in range(q.shape[0]):
+        scores = (q[h] @ k[h // rep].T) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[h] = torch.softmax(scores, -1) @ v[h // rep]
+    return out
+
+
+def test_sdpa_core_attention_padding_and_packing_match_naive_loops():
+    from rlhf_mcore.models.attention_ops import (
+        dense_attention,
+        document_causal_mask,
+        flex_block_mask,
+        packed_attention_dense,
+        packed_attention_flex,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    b, nh, ng, s, d = 2, 4, 2, 9, 8
+    scale = d ** -0.5
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (nh, ng, ng))
+    causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
+    # plain causal (is_causal fast path)
+    out = dense_attention(q, k, v, None, scale)
+    for i in range(b):
+        assert torch.allclose(out[i], _naive_attention(q[i], k[i], v[i], causal, scale), atol=1e-6)
+    # left padding: row 1 has 4 pad tokens; Megatron mask convention True = masked
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :4] = False
+    mask = ~(causal[None] & valid[:, None, :])[:, None]  # (b, 1, s, s)
+    out = dense_attention(q, k, v, mask, scale)
+    assert torch.isfinite(out).all(), "fully masked padding rows must stay finite"
+    for i in range(b):
+        keep = valid[i]
+        ref = _naive_attention(q[i][:, keep], k[i][:, keep], v[i][:, keep], causal[:keep.sum(), :keep.sum()], scale)
+        assert torch.allclose(out[i][:, keep], ref, atol=1e-6)
+    # packed: documents of 4, 3, 5 tokens
+    cu = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
+    t = 12
+    qp, kp, vp = (torch.randn(t, n, d, generator=g) for n in (nh, ng, ng))
+    allowed = document_causal_mask(cu, t)
+    want = torch.cat([
+        _naive_attention(qp[a:e].transpose(0, 1), kp[a:e].transpose(0, 1), vp[a:e].transpose(0, 1),
+                         torch.tril(torch.ones(e - a, e - a, dtype=torch.bool)), scale).transpose(0, 1)
+        for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    assert allowed.sum() == sum(n * (n + 1) // 2 for n in (4, 3, 5))
+    assert torch.allclose(packed_attention_dense(qp, kp, vp, cu, scale), want, atol=1e-6)
+    flex = packed_attention_flex(qp, kp, vp, flex_block_mask(cu, t), scale, compiled=False)  # eager: forward only
+    assert torch.allclose(flex, want, atol=1e-5)
