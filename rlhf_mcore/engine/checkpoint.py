@@ -1,0 +1,203 @@
+"""Save and load a training engine through Megatron's distributed checkpointing (`dist_checkpointing`).
+
+One directory holds the model (every tensor as a global `ShardedTensor`, so any TP/PP layout can read it),
+the optimizer, the LR scheduler and the RNG states. Every rank calls :func:`save_checkpoint` /
+:func:`load_checkpoint` (collective); each writes/reads only its own shards.
+
+Resharding:
+- model: loadable under any TP/PP/VPP/DP layout (the tensors are stored in their global shape);
+- optimizer: the distributed optimizer is saved in Megatron's `fully_reshardable` form (gathered per
+  parameter into canonical, unsharded tensors), so it too loads under a different TP/PP/DP; the plain
+  (non-distributed) optimizer is saved per parameter as well;
+- RNG states are per (PP, TP, DP) rank and are restored only under the same layout (a different layout
+  starts from the seeded generators, as Megatron-LM does);
+- scheduler: plain values, layout-independent.
+
+Every entry script that saves must have an `if __name__ == "__main__":` guard: the writer starts helper
+processes, and without the guard the save hangs inside `multiprocessing.Manager()`.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_checkpoint", "load_checkpoint", "OPTIMIZER_SHARDING"]
+
+OPTIMIZER_SHARDING = "fully_reshardable"
+_LAYOUT_KEY = "layout"
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout(state) -> dict:
+    return {"tp": state.dims.tp, "pp": state.dims.pp, "dp": state.dims.dp, "vpp": state.dims.vpp}
+
+
+def _model_sharded_state_dict(modules: list[torch.nn.Module]) -> dict:
+    sd = {}
+    for i, m in enumerate(modules):
+        inner = getattr(m, "module", m)  # unwrap DDP
+        sd["model" if len(modules) == 1 else f"model{i}"] = inner.sharded_state_dict()
+    return sd
+
+
+def _inner_optimizers(optimizer) -> list:
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for c in optimizer.chained_optimizers for o in _inner_optimizers(c)]
+    return [optimizer]
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh Adam its state tensors (zero moments, step 0) so Megatron can describe — and then load —
+    its state dict. Megatron's own `init_state_fn` omits torch Adam's `step`, which the distributed
+    optimizer's `state_dict()` requires when neither Apex nor Transformer Engine is installed."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def _keep_step_on_load(optimizer) -> None:
+    """Work around megatron-core 0.16's distributed optimizer with torch's Adam (no Apex / Transformer Engine):
+    `load_state_dict` puts torch Adam's `step` into every parameter's state, then the per-parameter loaders
+    (`fully_reshardable`, `fully_sharded_model_space`) copy *every* state key from the checkpoint tensors,
+    which have no `step` -> KeyError. The step itself is restored from the param groups; the patch, on this
+    optimizer instance only, lets the per-parameter copy keep it."""
+    for opt in _inner_optimizers(optimizer):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states") or getattr(opt, "_rlhf_step_patch", False):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def patched(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = _opt.optimizer.state.get(main_param, {})
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = patched
+        opt._rlhf_step_patch = True
+
+
+def _unshare_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor after a load. megatron-core 0.16 (torch Adam path) puts
+    one shared tensor into every parameter's state; torch's Adam increments each parameter's step in place,
+    so the shared one would advance once per parameter per update and skew Adam's bias correction."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else []):
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _sharded_state_dict(modules, optimizer, scheduler, state, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd = _model_sharded_state_dict(modules)
+    if optimizer is not None:
+        if is_loading:
+            _ensure_optimizer_state(optimizer)
+        # the optimizer's entries are keyed by the model's ShardedTensors; it needs the model's state dict
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            dict(sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
+    if scheduler is not None:
+        sd["scheduler"] = scheduler.state_dict()
+    if with_rng:
+        d = state.dims
+        sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (d.pp, d.tp, d.dp),
+                                        (state.pp_rank, state.tp_rank, state.dp_rank), replica_id=0)
+    sd[_LAYOUT_KEY] = _layout(state)
+    return sd
+
+
+def save_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, optimizer=None, scheduler=None,
+                    extra: Optional[dict] = None) -> None:
+    """Write model (+ optimizer, scheduler, RNG, `extra` plain values) into the directory `path`."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if state.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sd = _sharded_state_dict(modules, optimizer, scheduler, state, is_loading=False, with_rng=True)
+    if extra:
+        sd["extra"] = extra
+    dist_checkpointing.save(sd, str(path))
+    dist.barrier()
+
+
+def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, optimizer=None, scheduler=None,
+                    load_optimizer: bool = True, load_rng: bool = True) -> dict:
+    """Load what `save_checkpoint` wrote into the given modules/optimizer/scheduler (in place).
+
+    Returns the checkpoint's plain entries (`layout`, `extra`). The RNG is restored only when the
+    checkpoint was written under the same TP/PP/DP layout.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint (no metadata.json); pass the "
+                                "directory given to save_checkpoint")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    saved_layout = common.get(_LAYOUT_KEY, {})
+    same_layout = {k: saved_layout.get(k) for k in ("tp", "pp", "dp")} == \
+        {k: v for k, v in _layout(state).items() if k != "vpp"}
+    if load_optimizer and optimizer is not None and "optimizer" not in common and not _has_optimizer(path):
+        raise ValueError(f"{path} holds no optimizer state; load with load_optimizer=False")
+    sd = _sharded_state_dict(modules, optimizer if load_optimizer else None,
+                             scheduler if "scheduler" in common else None, state, is_loading=True,
+                             with_rng=load_rng and same_layout)
+    loaded = dist_checkpointing.load(sd, str(path))
+    for i, m in enumerate(modules):
+        inner = getattr(m, "module", m)
+        inner.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=True)
+    if load_optimizer and optimizer is not None:
+        _keep_step_on_load(optimizer)
+        optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_steps(optimizer)
+    if scheduler is not None and "scheduler" in loaded:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if load_rng and same_layout and "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    return {k: loaded.get(k) for k in (_LAYOUT_KEY, "extra")}
+
+
+def _has_optimizer(path: Path) -> bool:
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception:  # metadata unreadable: let the load itself report the problem
+        return True
+    return any(k.startswith("optimizer.") for k in meta)

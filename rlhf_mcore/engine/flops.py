@@ -1,0 +1,118 @@
+"""A FLOP model of a dense decoder-only transformer, for throughput and MFU (model FLOPs utilisation).
+
+Per token, training (forward + backward = 3 × forward, the usual convention; activation recomputation is not
+counted, so MFU stays comparable whatever is recomputed):
+
+    dense matmuls      6 · N_matmul                      N_matmul = parameters in QKV, attention output, MLP
+    attention          6 · L · (heads · head_dim) · s_eff   QKᵀ and PV: 2 · 2 · s · h_attn forward, × 3
+    vocabulary proj.   6 · hidden · vocab
+
+Attention convention: **causal, so half of the full `12 · L · h · s`**: a token at position t attends to t
+keys, `s/2` on average — only the FLOPs a causal kernel has to do count (flash-attention's convention;
+counting the full square would inflate MFU by up to 2× at long contexts). `s_eff` is the token-weighted
+mean sequence length, `sum(s_i²) / sum(s_i)` over the sequences of a batch: each token of a sequence of
+length `s_i` attends to `s_i / 2` keys on average, and packed sequences attend within themselves only.
+Embedding lookups, norms, activations and softmax are not counted (a few percent at these shapes).
+
+Forward-only passes (log-probs of the reference or old policy, critic values) cost a third of the above.
+Peak FLOP/s are dense (no sparsity) datasheet numbers for bf16 by device name.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["FlopShape", "effective_seqlen", "train_flops", "forward_flops", "peak_flops", "mfu", "PEAK_BF16_FLOPS"]
+
+# dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "GH200": 989e12,
+    "B200": 2250e12, "B100": 1750e12, "GB200": 2500e12,
+    "A100": 312e12, "A800": 312e12, "A10G": 70e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
+    "MI300X": 1307e12, "MI325X": 1307e12,
+}
+
+
+@dataclass(frozen=True)
+class FlopShape:
+    """The sizes the FLOP model needs."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    gated_mlp: bool = True  # SwiGLU: gate and up projections
+
+    @classmethod
+    def from_transformer_config(cls, config, vocab_size: int) -> "FlopShape":
+        """From a megatron `TransformerConfig` (whole-model sizes, not per-rank shards)."""
+        return cls(
+            num_layers=config.num_layers, hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            head_dim=config.kv_channels or config.hidden_size // config.num_attention_heads,
+            ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size,
+            gated_mlp=bool(config.gated_linear_unit))
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters in the per-layer matmuls (QKV, attention output, MLP), all layers."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attn = h * (q + 2 * kv) + q * h
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
+        return self.num_layers * (attn + mlp)
+
+
+def effective_seqlen(seqlens: Sequence[int]) -> float:
+    """Token-weighted mean sequence length `sum(s²) / sum(s)` (see the module docstring)."""
+    total = sum(int(s) for s in seqlens)
+    return sum(int(s) ** 2 for s in seqlens) / total if total else 0.0
+
+
+def train_flops(shape: FlopShape, seqlens: Sequence[int]) -> float:
+    """FLOPs of one forward + backward over sequences of lengths `seqlens` (causal attention, see above)."""
+    tokens = sum(int(s) for s in seqlens)
+    h_attn = shape.num_attention_heads * shape.head_dim
+    per_token = (6 * shape.matmul_params
+                 + 6 * shape.num_layers * h_attn * effective_seqlen(seqlens)  # = 12·L·h·s/2
+                 + 6 * shape.hidden_size * shape.vocab_size)
+    return per_token * tokens
+
+
+def forward_flops(shape: FlopShape, seqlens: Sequence[int]) -> float:
+    """FLOPs of one forward pass: a third of :func:`train_flops`."""
+    return train_flops(shape, seqlens) / 3
+
+
+def peak_flops(device: torch.device | str | None = None) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of one device, from its name; `RLHF_MCORE_PEAK_FLOPS` overrides.
+
+    None when unknown (a CPU, an unlisted GPU): MFU is then not reported rather than made up.
+    """
+    override = os.environ.get("RLHF_MCORE_PEAK_FLOPS")
+    if override:
+        return float(override)
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    # longest key first, so "H200" is not read as "H20" and "L40S" not as "L40"/"L4"
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def mfu(flops: float, seconds: float, num_devices: int, peak: Optional[float]) -> Optional[float]:
+    """Achieved / peak FLOP/s over `num_devices` devices, or None when the peak is unknown."""
+    if peak is None or seconds <= 0 or num_devices < 1:
+        return None
+    return flops / seconds / (peak * num_devices)

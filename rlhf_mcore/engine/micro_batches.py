@@ -1,0 +1,95 @@
+"""Splitting one DP rank's batch into mini-batches and micro-batches.
+
+A batch is a dict of tensors whose first dimension is the sequence (veRL's layout, see
+:mod:`rlhf_mcore.engine.packing`). Micro-batches are either a fixed number of sequences
+(`micro_batch_size`) or formed by a token budget (`use_dynamic_bsz`, `max_token_len`), balanced with
+Karmarkar-Karp so they hold similar token counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore.engine.balance import split_by_token_budget
+from rlhf_mcore.engine.packing import ModelInputs, build_model_inputs, natural_length
+
+__all__ = ["MicroBatch", "select_rows", "plan_micro_batches", "make_micro_batches", "batch_size_of",
+           "response_length_of"]
+
+
+@dataclass
+class MicroBatch:
+    inputs: ModelInputs  # what the model reads
+    data: dict[str, torch.Tensor]  # (b, R) per-row loss inputs: response_mask, old_log_probs, advantages, ...
+    index: torch.Tensor  # (b,) row of each sequence in the batch it came from
+
+
+def batch_size_of(batch: dict) -> int:
+    return int(batch["input_ids"].shape[0])
+
+
+def response_length_of(batch: dict) -> int:
+    if "responses" in batch:
+        return int(batch["responses"].shape[1])
+    if "response_mask" in batch:
+        return int(batch["response_mask"].shape[1])
+    raise KeyError("the batch needs `responses` [B, R] (or `response_mask` [B, R]) to know the response length")
+
+
+def select_rows(batch: dict, index: torch.Tensor) -> dict:
+    """The rows `index` of every tensor in `batch` with a batch dimension; other entries are dropped."""
+    n = batch_size_of(batch)
+    return {k: v.index_select(0, index) for k, v in batch.items()
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n}
+
+
+def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
+                       multiple_of: int = 1, dp_group: Optional[dist.ProcessGroup] = None) -> list[list[int]]:
+    """Row indices of each micro-batch. `multiple_of`: the count must be a multiple (interleaved PP)."""
+    n = len(seqlens)
+    if use_dynamic_bsz:
+        return split_by_token_budget(seqlens, max_token_len, min_parts=multiple_of, multiple_of=multiple_of,
+                                     group=dp_group)
+    if n % micro_batch_size:
+        raise ValueError(f"{n} sequences per rank are not divisible by micro_batch_size={micro_batch_size} "
+                         "(ppo_micro_batch_size_per_gpu): choose a divisor, or use_dynamic_bsz=true")
+    count = n // micro_batch_size
+    if count % multiple_of:
+        raise ValueError(f"{count} micro-batches per mini-batch; the interleaved pipeline schedule needs a multiple "
+                         f"of the pipeline size {multiple_of}: lower ppo_micro_batch_size_per_gpu")
+    return [list(range(i, i + micro_batch_size)) for i in range(0, n, micro_batch_size)]
+
+
+def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, ...], packed: bool,
+                       pad_to_multiple_of: int = 1, explicit_mask: bool = True,
+                       uniform_shape: bool = False) -> list[MicroBatch]:
+    """Cut `batch` along `plan` and build each part's model inputs; `keys` are the (B, R) loss inputs.
+
+    `uniform_shape`: pad every micro-batch to the largest one's shape. Pipeline parallelism needs it:
+    stages exchange activations of a fixed shape (megatron-core's `variable_seq_lengths` shape exchange
+    mismatches messages under the interleaved schedule at PP=2, so it is not used). With balanced
+    micro-batches the padding is small.
+    """
+    missing = [k for k in ("input_ids", "attention_mask", *keys) if k not in batch]
+    if missing:
+        raise KeyError(f"the batch lacks {missing}; it has {sorted(k for k in batch)}")
+    R = response_length_of(batch)
+    device = batch["input_ids"].device
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    pad_length = pad_rows = 0
+    if uniform_shape:
+        pad_length = max(natural_length([int(lengths[i]) for i in rows], packed, pad_to_multiple_of) for rows in plan)
+        pad_rows = 0 if packed else max(len(rows) for rows in plan)
+    out = []
+    for rows in plan:
+        index = torch.as_tensor(rows, dtype=torch.long, device=device)
+        ids = batch["input_ids"].index_select(0, index)
+        mask = batch["attention_mask"].index_select(0, index)
+        inputs = build_model_inputs(ids, mask, R, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
+                                    explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows)
+        data = {k: batch[k].index_select(0, index) for k in keys}
+        out.append(MicroBatch(inputs, data, index))
+    return out

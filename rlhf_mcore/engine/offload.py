@@ -1,0 +1,139 @@
+"""Moving a training engine's parameters, gradients and optimizer state off the device and back.
+
+Colocated RL shares one GPU between training and generation: while the rollout runs, the trainer's optimizer
+state (12 bytes a parameter with fp32 master weights and Adam) and gradients (4 bytes) — and, when asked,
+its parameters — must leave the GPU.
+
+How: every tensor involved lives in some storage (Megatron's DDP keeps all parameters in one contiguous
+`param_data` buffer and all gradients in one `grad_data` buffer per dtype; parameters and `main_grad`s are
+views into them). Offloading copies a storage's bytes to host memory (pinned on CUDA, so the copy back runs
+at full PCIe speed) and then resizes the device storage to zero bytes; every view keeps its shape, stride
+and identity, so the optimizer's references and the autograd hooks stay valid. Onloading re-grows the
+storage and copies the bytes back. Gradient buffers hold nothing between updates (each update starts by
+zeroing them), so they are freed without a copy and come back zeroed.
+
+On CPU machines the same code runs (host "device" = CPU): storages really are released and restored, so
+tests check the round trip; the reported numbers are then bytes moved, not GPU memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["StorageOffloader", "param_storages", "grad_storages", "optimizer_storages"]
+
+
+def _unique(tensors, exclude: set[int] = frozenset()) -> list[torch.UntypedStorage]:
+    seen, out = set(exclude), []
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if s.nbytes() == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        out.append(s)
+    return out
+
+
+def _ddp_buffers(chunk):
+    return list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+
+
+def param_storages(chunks: list[torch.nn.Module]) -> list[torch.UntypedStorage]:
+    """Storages of the model parameters: the DDP param buffers where they exist, else each parameter."""
+    tensors = []
+    for chunk in chunks:
+        covered = set()
+        for buf in _ddp_buffers(chunk):
+            if getattr(buf, "param_data", None) is not None:
+                tensors.append(buf.param_data)
+                covered.add(buf.param_data.untyped_storage().data_ptr())
+        tensors += [p for p in chunk.parameters() if p.untyped_storage().data_ptr() not in covered]
+    return _unique(tensors)
+
+
+def grad_storages(chunks: list[torch.nn.Module]) -> list[torch.UntypedStorage]:
+    """Storages of the DDP gradient buffers (plain `.grad`s where a parameter has no buffer)."""
+    tensors = []
+    for chunk in chunks:
+        tensors += [buf.grad_data for buf in _ddp_buffers(chunk) if getattr(buf, "grad_data", None) is not None]
+        tensors += [p.grad for p in chunk.parameters() if p.grad is not None]
+    return _unique(tensors)
+
+
+def _torch_optimizers(optimizer):
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [inner for o in optimizer.chained_optimizers for inner in _torch_optimizers(o)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if inner is not None else []
+
+
+def optimizer_storages(optimizer, exclude: set[int]) -> list[torch.UntypedStorage]:
+    """Storages of the optimizer: master weights and state (Adam moments), minus `exclude` (model params)."""
+    tensors = []
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            tensors += list(group["params"])
+        for state in opt.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return _unique(tensors, exclude)
+
+
+@dataclass
+class _Parked:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor | None  # uint8 copy of the bytes; None: restore as zeros
+
+
+@dataclass
+class StorageOffloader:
+    """Parks storages on the host by name ("params", "grads", "optimizer") and brings them back."""
+
+    device: torch.device
+    parked: dict[str, list[_Parked]] = field(default_factory=dict)
+
+    def offload(self, name: str, storages: list[torch.UntypedStorage], keep_data: bool = True) -> int:
+        """Release `storages` from the device (keeping a host copy when `keep_data`); returns bytes released."""
+        if name in self.parked:
+            return 0  # already offloaded
+        pin = self.device.type == "cuda"
+        parked, total = [], 0
+        for s in storages:
+            if s.nbytes() == 0 or (self.device.type == "cuda" and s.device.type != "cuda"):
+                continue
+            host = None
+            if keep_data:
+                host = torch.empty(s.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
+                host.untyped_storage().copy_(s, non_blocking=pin)
+            parked.append(_Parked(s, s.nbytes(), host))
+            total += s.nbytes()
+        if pin:
+            torch.cuda.synchronize(self.device)  # the copies must land before the device memory is reused
+        for p in parked:
+            p.storage.resize_(0)
+        self.parked[name] = parked
+        return total
+
+    def onload(self, name: str) -> int:
+        """Re-allocate the storages parked as `name` and restore their bytes (or zeros); returns bytes."""
+        parked = self.parked.pop(name, [])
+        total = 0
+        for p in parked:
+            p.storage.resize_(p.nbytes)
+            if p.host is not None:
+                p.storage.copy_(p.host.untyped_storage(), non_blocking=True)
+            else:
+                torch.empty(0, dtype=torch.uint8, device=p.storage.device).set_(p.storage).zero_()
+            total += p.nbytes
+        if self.device.type == "cuda" and parked:
+            torch.cuda.synchronize(self.device)
+        return total
+
+    def is_offloaded(self, name: str) -> bool:
+        return name in self.parked

@@ -1,0 +1,411 @@
+"""The train engine: Megatron model chunks + DDP + optimizer + LR schedule, driven by RL batches.
+
+One class serves the three roles of a PPO run:
+
+- `actor`: `compute_log_probs` (old-policy log-probs and entropy, forward-only) and `update_policy` (policy
+  loss + entropy bonus + KL loss, `ppo_epochs` × mini-batches × micro-batches);
+- `critic`: `compute_values` and `update_critic` (clipped value loss);
+- `ref`: the same model frozen, forward-only, no DDP, no optimizer.
+
+Every call takes one DP rank's share of the batch (the coordinator has already balanced tokens across DP
+ranks with :func:`rlhf_mcore.engine.balance.partition_balanced`); all ranks of a TP × PP model replica pass the
+same batch. Forward-only results come back on every rank of the replica (broadcast from the last pipeline
+stage). Micro-batches go through `megatron.core.pipeline_parallel.get_forward_backward_func`, so pipeline
+schedules (interleaved with virtual stages) work unchanged. Loss normalisation across micro-batches and DP
+ranks: see :mod:`rlhf_mcore.engine.losses`.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore.engine import checkpoint as ckpt
+from rlhf_mcore.engine.config import EngineConfig
+from rlhf_mcore.engine.flops import FlopShape, forward_flops, mfu, peak_flops, train_flops
+from rlhf_mcore.engine.losses import (
+    ACTOR_KEYS,
+    CRITIC_KEYS,
+    LossContext,
+    actor_loss,
+    critic_loss,
+    reduce_metrics,
+    score_tokens,
+    token_values,
+)
+from rlhf_mcore.engine.micro_batches import (
+    MicroBatch,
+    batch_size_of,
+    make_micro_batches,
+    plan_micro_batches,
+    response_length_of,
+    select_rows,
+)
+from rlhf_mcore.engine.offload import StorageOffloader, grad_storages, optimizer_storages, param_storages
+from rlhf_mcore.engine.optim import build_optimizer, build_scheduler, current_lr, ensure_tp_attributes, wrap_ddp
+
+__all__ = ["TrainEngine"]
+
+
+class TrainEngine:
+    """Megatron chunks (one per virtual pipeline stage, as `rlhf_mcore.models.build_model` returns them)
+    wrapped for training (`actor`, `critic`) or frozen for scoring (`ref`).
+
+    Args:
+        chunks: the unwrapped GPTModel chunks of this rank.
+        state: the rank's :class:`~rlhf_mcore.parallel.ParallelState`.
+        cfg: batching, loss and scoring settings (:class:`EngineConfig`).
+        optim: an :class:`rlhf_mcore.config.OptimConfig` (required unless `cfg.role == "ref"`).
+        use_distributed_optimizer: shard optimizer state and master weights over DP (ZeRO-1).
+        vocab_size: the real vocabulary (without Megatron's padding); defaults to the chunks' `hf_shape`
+            (set by `build_model`), else the GPTModel's (padded) `vocab_size`.
+        hf_dir: the Hugging Face directory the model came from (for `save_hf`); defaults to the chunks' `hf_dir`.
+        param_offload: whether :meth:`offload` moves parameters by default (gradients and optimizer state always).
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], state, cfg: EngineConfig, optim=None, *,
+                 use_distributed_optimizer: bool = True, vocab_size: Optional[int] = None,
+                 hf_dir: Optional[str] = None, param_offload: bool = False):
+        if not chunks:
+            raise ValueError("TrainEngine needs at least one model chunk")
+        self.state, self.cfg = state, cfg
+        ensure_tp_attributes(chunks)
+        self.model_config = chunks[0].config
+        if getattr(self.model_config, "calculate_per_token_loss", False):
+            raise ValueError("the engine normalises losses itself (rlhf_mcore.engine.losses); build the model with "
+                             "TransformerConfig.calculate_per_token_loss=False")
+        if len(chunks) > 1 and state.dims.pp == 2:
+            # megatron-core's batched p2p posts send_prev/recv_prev/send_next/recv_next in one order on both
+            # ranks; at PP=2 prev == next, so the interleaved schedule's 4-way exchanges pair an activation
+            # with a gradient (silently wrong when shapes agree). The unbatched path pairs them correctly.
+            self.model_config.batch_p2p_comm = False
+        hf_shape = getattr(chunks[0], "hf_shape", None)
+        self.vocab_size = vocab_size or (hf_shape.vocab_size if hf_shape is not None else None) or getattr(
+            chunks[-1], "vocab_size", None)
+        self.hf_dir = hf_dir or getattr(chunks[0], "hf_dir", None)
+        self.param_offload = param_offload
+        # packed total / padded length must split evenly over TP ranks under sequence parallelism
+        self._pad_multiple = state.dims.tp if getattr(self.model_config, "sequence_parallel", False) else 1
+        self._explicit_mask = state.device.type != "cuda"  # Megatron's default causal mask is CUDA-only
+        self.flop_shape = FlopShape.from_transformer_config(self.model_config, self.vocab_size or 0)
+        self.peak_flops = peak_flops(state.device)
+        self.optimizer = self.scheduler = None
+        if cfg.role == "ref":
+            for c in chunks:
+                c.requires_grad_(False)
+                c.eval()
+            self.modules = list(chunks)
+        else:
+            if optim is None:
+                raise ValueError(f"a {cfg.role} engine trains: pass optim (rlhf_mcore.config.OptimConfig)")
+            self.modules = wrap_ddp(chunks, use_distributed_optimizer)
+            self.optimizer = build_optimizer(self.modules, optim, use_distributed_optimizer, cfg.grad_clip)
+            self.scheduler = build_scheduler(self.optimizer, optim)
+        self.global_steps = 0
+        self._offloader = StorageOffloader(state.device)
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """The bare GPTModel chunks (unwrapped from DDP), e.g. for exporting weights."""
+        return [getattr(m, "module", m) for m in self.modules]
+
+    @property
+    def _multiple_of(self) -> int:
+        # the interleaved schedule runs micro-batches in groups of PP per virtual stage
+        return self.state.dims.pp if len(self.modules) > 1 else 1
+
+    # ------------------------------------------------------------------ forward-only
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: dict, with_entropy: Optional[bool] = None
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs and entropy of the response tokens under `softmax(logits / temperature)`.
+
+        Returns `(log_probs (B, R), entropy (B, R) or None)`, fp32, zero where the response is padding, on
+        every rank of the model replica. `with_entropy` defaults to True for the actor, False for the ref.
+        """
+        if self.cfg.role == "critic":
+            raise RuntimeError("a critic engine has no log-probs; call compute_values")
+        with_entropy = self.cfg.role == "actor" if with_entropy is None else with_entropy
+        keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+
+        def collect(output, mb: MicroBatch):
+            lp, ent = score_tokens(output, mb.inputs, self.cfg, self.state.tp_group, self.vocab_size, with_entropy)
+            return {"log_probs": lp, "entropy": ent} if with_entropy else {"log_probs": lp}
+
+        out = self._forward_only(batch, collect, keys)
+        return out["log_probs"], out.get("entropy")
+
+    @torch.no_grad()
+    def compute_values(self, batch: dict) -> torch.Tensor:
+        """The critic's values `(B, R)` at the positions that predict each response token (veRL's
+        convention: the value of the state before the token); zero on padding."""
+        if self.cfg.role != "critic":
+            raise RuntimeError(f"compute_values needs a critic engine, this one is {self.cfg.role!r}")
+        return self._forward_only(batch, lambda out, mb: {"values": token_values(out, mb.inputs)}, ("values",))[
+            "values"]
+
+    def _forward_only(self, batch: dict, collect, keys) -> dict[str, torch.Tensor]:
+        self._require_onloaded()
+        batch = self._to_device(batch)
+        B, R = batch_size_of(batch), response_length_of(batch)
+        seqlens = batch["attention_mask"].sum(-1).tolist()
+        cfg = self.cfg
+        plan = plan_micro_batches(seqlens, micro_batch_size=cfg.fwd_micro_batch_size,
+                                  use_dynamic_bsz=cfg.fwd_use_dynamic_bsz, max_token_len=cfg.fwd_max_token_len,
+                                  multiple_of=self._multiple_of, dp_group=self.state.dp_group)
+        mbs = make_micro_batches(batch, plan, keys=(), packed=self.cfg.use_remove_padding,
+                                 pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
+                                 uniform_shape=self.state.dims.pp > 1)
+        for m in self.modules:
+            m.eval()
+
+        def loss_func(mb, output):
+            out = collect(output, mb)
+            out["index"] = mb.index
+            return torch.zeros((), device=output.device), out
+
+        results = self._run_schedule(mbs, loss_func, forward_only=True)
+        out = {k: torch.zeros(B, R, dtype=torch.float32, device=self.state.device) for k in keys}
+        if self.state.is_last_stage:
+            for r in results:
+                for k in keys:
+                    out[k].index_copy_(0, r["index"], r[k].float())
+        self._broadcast_from_last_stage(list(out.values()))
+        return out
+
+    # ------------------------------------------------------------------ training
+
+    def update_policy(self, batch: dict) -> dict[str, float]:
+        """The actor's PPO update (see :meth:`update`)."""
+        if self.cfg.role != "actor":
+            raise RuntimeError(f"update_policy needs an actor engine, this one is {self.cfg.role!r}")
+        return self.update(batch)
+
+    def update_critic(self, batch: dict) -> dict[str, float]:
+        """The critic's value update (see :meth:`update`)."""
+        if self.cfg.role != "critic":
+            raise RuntimeError(f"update_critic needs a critic engine, this one is {self.cfg.role!r}")
+        return self.update(batch)
+
+    def update(self, batch: dict) -> dict[str, float]:
+        """One PPO update on this rank's batch: `ppo_epochs` × mini-batches, one optimizer step each, then one
+        LR-scheduler step. Returns metrics averaged over the optimizer steps (identical on every rank)."""
+        if self.cfg.role == "ref":
+            raise RuntimeError("the reference policy is frozen; it has no update")
+        self._require_onloaded()
+        self._sync_device()
+        start = time.perf_counter()
+        batch = self._to_device(batch)
+        B = batch_size_of(batch)
+        mini = self.cfg.mini_batch_size or B
+        if B % mini:
+            raise ValueError(f"this rank's batch of {B} sequences is not divisible by the mini-batch size {mini} "
+                             "(ppo_mini_batch_size × rollout.n / DP): make the batch a multiple of it")
+        lr = current_lr(self.optimizer)
+        steps, flops, tokens = [], 0.0, 0
+        for epoch in range(self.cfg.ppo_epochs):
+            order = self._epoch_order(B, epoch)
+            for first in range(0, B, mini):
+                sub = select_rows(batch, order[first:first + mini])
+                metrics, seqlens = self.forward_backward(sub)
+                ok, grad_norm, _ = self.optimizer.step()
+                metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+                metrics["update_skipped"] = 0.0 if ok else 1.0
+                steps.append(metrics)
+                flops += train_flops(self.flop_shape, seqlens)
+                tokens += sum(seqlens)
+        self.scheduler.step(1)
+        self.global_steps += 1
+        self._sync_device()
+        elapsed = time.perf_counter() - start
+        return self._summarise(steps, lr, elapsed, flops, tokens)
+
+    def forward_backward(self, mini_batch: dict) -> tuple[dict[str, float], list[int]]:
+        """Zero the gradients, then accumulate those of the loss of `mini_batch` (this rank's share) over its
+        micro-batches; reduced over DP at the end (Megatron's finalize_model_grads). No optimizer step.
+
+        Returns the mini-batch's metrics (identical on every rank) and the sequence lengths it processed.
+        """
+        self._require_onloaded()
+        state, cfg = self.state, self.cfg
+        sub = self._to_device(mini_batch)
+        keys = ACTOR_KEYS if cfg.role == "actor" else CRITIC_KEYS
+        if cfg.role == "actor" and cfg.use_kl_loss:
+            keys = keys + ("ref_log_prob",)
+        mask = sub["response_mask"]  # (b, R)
+        counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)  # (2,) tokens, sequences
+        if state.dims.dp > 1:
+            dist.all_reduce(counts, group=state.dp_group)
+        seqlens = [int(s) for s in sub["attention_mask"].sum(-1).tolist()]
+        plan = plan_micro_batches(seqlens, micro_batch_size=cfg.micro_batch_size, use_dynamic_bsz=cfg.use_dynamic_bsz,
+                                  max_token_len=cfg.max_token_len, multiple_of=self._multiple_of,
+                                  dp_group=state.dp_group)
+        mbs = make_micro_batches(sub, plan, keys=keys, packed=cfg.use_remove_padding,
+                                 pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
+                                 uniform_shape=self.state.dims.pp > 1)
+        ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
+                          scale=float(len(mbs) * state.dims.dp))
+        loss_fn = actor_loss if cfg.role == "actor" else critic_loss
+        for m in self.modules:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        for m in self.modules:
+            m.train()
+        per_micro = self._run_schedule(mbs, lambda mb, out: loss_fn(out, mb, ctx), forward_only=False)
+        metrics = reduce_metrics(per_micro, sum_groups=[state.dp_group], src_group=state.pp_group,
+                                 src_has_data=state.is_last_stage, device=state.device)
+        metrics["num_micro_batches"] = float(len(mbs))
+        return metrics, seqlens
+
+    def _epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        if not self.cfg.shuffle:
+            return torch.arange(n, device=self.state.device)
+        # the same permutation on every rank of a replica (they hold the same batch)
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.global_steps * 1009 + epoch)
+        return torch.randperm(n, generator=g).to(self.state.device)
+
+    def _summarise(self, steps: list[dict], lr: float, elapsed: float, flops: float, tokens: int) -> dict[str, float]:
+        role, state = self.cfg.role, self.state
+        keys = sorted({k for s in steps for k in s})
+        out = {f"{role}/{k}": sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys if k != "n_tokens"}
+        totals = torch.tensor([flops, float(tokens)], dtype=torch.float64, device=state.device)
+        if state.dims.dp > 1:  # each replica counted its own share; the model's FLOPs span TP × PP ranks
+            dist.all_reduce(totals, group=state.dp_group)
+        out[f"{role}/lr"] = lr
+        out[f"{role}/num_optimizer_steps"] = float(len(steps))
+        out[f"perf/{role}/update_s"] = elapsed
+        out[f"perf/{role}/tokens_per_s"] = float(totals[1]) / elapsed
+        out[f"perf/{role}/tflops_per_gpu"] = float(totals[0]) / elapsed / state.world_size / 1e12
+        util = mfu(float(totals[0]), elapsed, state.world_size, self.peak_flops)
+        if util is not None:
+            out[f"perf/{role}/mfu"] = util
+        return out
+
+    # ------------------------------------------------------------------ the pipeline schedule
+
+    def _run_schedule(self, mbs: list[MicroBatch], loss_func, forward_only: bool) -> list:
+        """Run micro-batches through Megatron's schedule; `loss_func(mb, output) -> (loss, dict)` runs on the
+        last pipeline stage. Returns the dicts (last stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            x = mb.inputs
+            output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params)
+            return output, partial(loss_func, mb)
+
+        iterators = [iter(mbs) for _ in self.modules] if len(self.modules) > 1 else iter(mbs)
+        # stages exchange (seq, micro_batch, hidden) activations; all micro-batches share the shape (PP > 1)
+        first = mbs[0].inputs.input_ids  # (B', S) or (1, total)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators,
+            model=self.modules if len(self.modules) > 1 else self.modules[0], num_microbatches=len(mbs),
+            seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=forward_only)
+
+    # ------------------------------------------------------------------ offload / checkpoint
+
+    def offload(self, params: Optional[bool] = None, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Move the chosen state off the device (see :mod:`rlhf_mcore.engine.offload`); `params` defaults to
+        the engine's `param_offload` (the colocation plan keeps parameters unless asked).
+
+        Returns bytes moved per kind and `device_freed` (GPU memory released, measured; on CPU the bytes
+        released from the storages)."""
+        params = self.param_offload if params is None else params
+        before = self._device_allocated()
+        params_list = param_storages(self.modules)
+        param_ptrs = {s.data_ptr() for s in params_list}
+        moved = {}
+        if optimizer and self.optimizer is not None:
+            moved["optimizer"] = self._offloader.offload("optimizer", optimizer_storages(self.optimizer, param_ptrs))
+        if grads and self.optimizer is not None:
+            moved["grads"] = self._offloader.offload("grads", grad_storages(self.modules), keep_data=False)
+        if params:
+            moved["params"] = self._offloader.offload("params", params_list)
+        self._empty_cache()
+        after = self._device_allocated()
+        moved["device_freed"] = (before - after) if before is not None else sum(moved.values())
+        return moved
+
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Bring back what :meth:`offload` moved; returns bytes per kind and `device_restored`."""
+        before = self._device_allocated()
+        moved = {}
+        for name, wanted in (("params", params), ("grads", grads), ("optimizer", optimizer)):
+            if wanted and self._offloader.is_offloaded(name):
+                moved[name] = self._offloader.onload(name)
+        after = self._device_allocated()
+        moved["device_restored"] = (after - before) if before is not None else sum(moved.values())
+        return moved
+
+    def save_checkpoint(self, path, extra: Optional[dict] = None) -> None:
+        """Model, optimizer, scheduler and RNG into `path` (Megatron distributed checkpoint); collective."""
+        self._require_onloaded()
+        ckpt.save_checkpoint(path, self.modules, self.state, self.optimizer, self.scheduler,
+                             extra={"global_steps": self.global_steps, **(extra or {})})
+
+    def load_checkpoint(self, path, load_optimizer: bool = True) -> dict:
+        """Load a checkpoint (any TP/PP layout for the model; see :mod:`rlhf_mcore.engine.checkpoint`)."""
+        self._require_onloaded()
+        loaded = ckpt.load_checkpoint(path, self.modules, self.state, self.optimizer if load_optimizer else None,
+                                      self.scheduler, load_optimizer=load_optimizer and self.optimizer is not None)
+        extra = loaded.get("extra") or {}
+        self.global_steps = int(extra.get("global_steps", self.global_steps))
+        return extra
+
+    def export_hf_weights(self, dtype: Optional[torch.dtype] = None):
+        """Full Hugging Face-named tensors of the model, streamed (see `rlhf_mcore.models.export_hf_weights`)."""
+        from rlhf_mcore.models import export_hf_weights
+
+        self._require_onloaded()
+        return export_hf_weights(self.chunks, self.state, dtype=dtype)
+
+    def save_hf(self, out_dir, dtype: Optional[torch.dtype] = None) -> None:
+        """Write the model as a Hugging Face directory (config, safetensors, tokenizer of `hf_dir`)."""
+        from rlhf_mcore.models import save_hf_checkpoint
+
+        if self.hf_dir is None:
+            raise ValueError("save_hf needs the source Hugging Face directory: build the engine with hf_dir=")
+        self._require_onloaded()
+        save_hf_checkpoint(self.chunks, self.state, out_dir, self.hf_dir, dtype=dtype)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_onloaded(self) -> None:
+        parked = [n for n in ("params", "grads", "optimizer") if self._offloader.is_offloaded(n)]
+        if parked:
+            raise RuntimeError(f"the {self.cfg.role} engine's {', '.join(parked)} are offloaded; call onload() first")
+
+    def _to_device(self, batch: dict) -> dict:
+        dev = self.state.device
+        return {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def _broadcast_from_last_stage(self, tensors: list[torch.Tensor]) -> None:
+        if self.state.dims.pp == 1:
+            return
+        src = dist.get_global_rank(self.state.pp_group, self.state.dims.pp - 1)
+        for t in tensors:
+            dist.broadcast(t, src=src, group=self.state.pp_group)
+
+    def _sync_device(self) -> None:
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize(self.state.device)
+
+    def _device_allocated(self) -> Optional[int]:
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize(self.state.device)
+            return torch.cuda.memory_allocated(self.state.device)
+        return None
+
+    def _empty_cache(self) -> None:
+        if self.state.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def forward_flops(self, seqlens: list[int]) -> float:
+        """FLOPs of one forward pass over sequences of these lengths (for the trainer's phase timings)."""
+        return forward_flops(self.flop_shape, seqlens)
