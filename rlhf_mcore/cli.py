@@ -33,16 +33,27 @@ def load_and_validate(args: argparse.Namespace) -> RLConfig:
     return cfg
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "fix your input" (bad config, missing files, malformed data rows): shown without a
+    traceback. Anything else is a bug and keeps its traceback."""
+    from rlhf_mcore.data import DataError
+
+    return (ConfigError, FileNotFoundError, DataError)
+
+
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:
     args = parse_args(argv, description)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = load_and_validate(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if args.print_config:
+            if rank0:
+                print(to_yaml(cfg), end="")
+            return 0
+        run(cfg)
+    except _user_errors() as e:
+        if rank0:
+            kind = "config error" if isinstance(e, ConfigError) else "input error"
+            print(f"{kind}: {e}", file=sys.stderr)
         return 2
-    if args.print_config:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(to_yaml(cfg), end="")
-        return 0
-    run(cfg)
     return 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -247,6 +247,9 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: Optional[int] = 2
     seed: int = 1
     deterministic: bool = False
+    # Python files (.py) or importable modules loaded on every rank before anything is built: the place to
+    # register rewards, advantage estimators or policy losses (rlhf_mcore.rewards/.algos registries).
+    plugins: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -524,6 +527,13 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     _require(rollout.temperature >= 0,
              f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}.")
     _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}.")
+    load_plugins(cfg.trainer.plugins)
+    from rlhf_mcore.algos import list_policy_losses
+
+    _require(actor.policy_loss in list_policy_losses(),
+             f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is not registered; choose one of "
+             f"{', '.join(list_policy_losses())} or register your own with rlhf_mcore.algos.register_policy_loss "
+             f"in a trainer.plugins file.")
     _require(cfg.algorithm.adv_estimator in _known_estimators(),
              f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} is not registered; choose one of "
              f"{', '.join(sorted(_known_estimators()))} or register your own with "
@@ -537,11 +547,36 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
 
 
 def _known_estimators() -> set[str]:
-    try:
-        from rlhf_mcore.algos import list_adv_estimators
-        return set(list_adv_estimators())
-    except ImportError:  # algos not importable: check the built-in names only
-        return {"gae", "grpo", "rloo", "remax", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+    from rlhf_mcore.algos import list_adv_estimators
+
+    return set(list_adv_estimators())
+
+
+def load_plugins(plugins: list[str]) -> None:
+    """Import each ``trainer.plugins`` entry (a .py file or a module name) once; registrations happen on import."""
+    import importlib
+    import importlib.util
+    import sys
+
+    for entry in plugins:
+        name = f"rlhf_mcore_plugin_{Path(entry).stem}" if entry.endswith(".py") else entry
+        if name in sys.modules:
+            continue
+        try:
+            if entry.endswith(".py"):
+                if not Path(entry).is_file():
+                    raise ConfigError(f"trainer.plugins: file {entry!r} does not exist.")
+                spec = importlib.util.spec_from_file_location(name, entry)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(entry)
+        except ConfigError:
+            raise
+        except Exception as e:  # a plugin's own error: say which plugin
+            sys.modules.pop(name, None)
+            raise ConfigError(f"trainer.plugins: importing {entry!r} failed: {type(e).__name__}: {e}") from e
 
 
 def _divisor_hint(total: int, near: int) -> int:
@@ -567,5 +602,5 @@ def to_dict(cfg: RLConfig) -> dict:
 
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled",
-    "parallel_layout", "model_max_positions", "to_yaml", "to_dict", "DictConfig", "ListConfig",
+    "parallel_layout", "model_max_positions", "to_yaml", "to_dict", "load_plugins",
 ]

@@ -325,3 +325,18 @@ def test_entropy_matches_naive_sum_and_bonus_sign():
     expected = (ent[0, 0] + ent[0, 1] + ent[1, 0]) / 3
     torch.testing.assert_close(metrics["entropy"], expected)
     torch.testing.assert_close(term, -0.01 * expected)
+
+
+def test_sft_loss_is_token_mean_nll_and_microbatch_invariant():
+    from rlhf_mcore.algos import get_policy_loss
+
+    torch.manual_seed(0)
+    lp = -torch.rand(4, 6)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]).float()
+    fn = get_policy_loss("sft")
+    loss, m = fn(torch.zeros_like(lp), lp, torch.ones_like(lp), mask)
+    naive = sum(-lp[i, t] for i in range(4) for t in range(6) if mask[i, t]) / mask.sum()
+    assert torch.allclose(loss, naive)
+    parts = sum(fn(torch.zeros(2, 6), lp[k:k + 2], torch.ones(2, 6), mask[k:k + 2], global_tokens=mask.sum())[0]
+                for k in (0, 2))
+    assert torch.allclose(parts, naive)

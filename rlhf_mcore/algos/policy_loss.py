@@ -1,4 +1,5 @@
-"""Policy-gradient losses, registered by name (`actor.policy_loss`): `vanilla` (PPO clip) and `gspo`.
+"""Policy-gradient losses, registered by name (`actor.policy_loss`): `vanilla` (PPO clip), `gspo`, and
+`sft` (negative log-likelihood, for supervised warm starts through the same engine).
 
 A policy loss is called as::
 
@@ -33,6 +34,7 @@ __all__ = [
     "list_policy_losses",
     "compute_policy_loss_vanilla",
     "compute_policy_loss_gspo",
+    "compute_sft_loss",
 ]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -187,3 +189,27 @@ def compute_policy_loss_gspo(
             "approx_kl": masked_mean(torch.exp(clamped_log_ratio) - 1 - clamped_log_ratio, response_mask),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+@register_policy_loss("sft")
+def compute_sft_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: float | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning as a "policy loss": the negative log-likelihood of the response tokens
+    (`launch/sft.py` runs it through the same engine; `old_log_prob` and `advantages` are ignored)."""
+    nll = -log_prob  # (B, T)
+    loss = agg_loss(nll, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                    loss_scale_factor=loss_scale_factor)
+    zero = torch.zeros((), device=loss.device)
+    metrics = {"sft_nll": masked_mean(nll.detach(), response_mask), "pg_clipfrac": zero, "pg_clipfrac_lower": zero,
+               "ppo_kl": zero, "approx_kl": zero}
+    return loss, metrics

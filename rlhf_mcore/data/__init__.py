@@ -12,7 +12,7 @@
 from rlhf_mcore.data.preprocess import preprocess_gsm8k, preprocess_math
 from rlhf_mcore.data.rl_dataset import RLDataset
 from rlhf_mcore.data.sampler import ResumableSampler
-from rlhf_mcore.data.schema import BadRowError, check_row, make_row
+from rlhf_mcore.data.schema import BadRowError, DataError, check_row, make_row
 from rlhf_mcore.data.synthetic import make_synthetic_rows, write_synthetic_parquet
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "RLDataset",
     "ResumableSampler",
     "BadRowError",
+    "DataError",
     "check_row",
     "make_row",
     "make_synthetic_rows",

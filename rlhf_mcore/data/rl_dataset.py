@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_mcore.data.schema import BadRowError, check_row
+from rlhf_mcore.data.schema import BadRowError, DataError, check_row
 
 __all__ = ["RLDataset", "TRUNCATION_MODES"]
 
@@ -47,7 +47,7 @@ def _load(path: Path, cache_dir: str | None):
         return datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir)
     if path.suffix in (".jsonl", ".json"):
         return datasets.Dataset.from_json(str(path), cache_dir=cache_dir)
-    raise ValueError(f"data file {str(path)!r}: expected .parquet (or .jsonl) in veRL's schema")
+    raise DataError(f"data file {str(path)!r}: expected .parquet (or .jsonl) in veRL's schema")
 
 
 class RLDataset:
@@ -67,16 +67,16 @@ class RLDataset:
         cache_dir: str | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation={truncation!r}; choose one of {list(TRUNCATION_MODES)}")
+            raise DataError(f"data.truncation={truncation!r}; choose one of {list(TRUNCATION_MODES)}")
         if on_bad_row not in ("error", "skip"):
-            raise ValueError(f"data.on_bad_row={on_bad_row!r}; choose 'error' or 'skip'")
+            raise DataError(f"data.on_bad_row={on_bad_row!r}; choose 'error' or 'skip'")
         if max_prompt_length <= 0:
-            raise ValueError(f"data.max_prompt_length must be > 0, got {max_prompt_length}")
+            raise DataError(f"data.max_prompt_length must be > 0, got {max_prompt_length}")
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat_template; use an instruct/chat model's tokenizer or set one")
+            raise DataError("the tokenizer has no chat_template; use an instruct/chat model's tokenizer or set one")
         self.files = [Path(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
         if not self.files:
-            raise ValueError("no data files given (data.train_files / data.val_files is empty)")
+            raise DataError("no data files given (data.train_files / data.val_files is empty)")
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
         self.truncation = truncation
@@ -94,7 +94,7 @@ class RLDataset:
             if max_samples is not None and len(self._rows) >= max_samples:
                 break
         if not self._rows:
-            raise ValueError(f"no usable rows in {[str(f) for f in self.files]} (stats: {self.stats})")
+            raise DataError(f"no usable rows in {[str(f) for f in self.files]} (stats: {self.stats})")
         dropped_or_cut = self.stats["bad_rows"] + self.stats["filtered"] + self.stats["truncated"]
         log = logger.warning if dropped_or_cut else logger.info
         log("RLDataset: %d prompts from %d file(s); %s", len(self._rows), len(self.files), self.stats)
@@ -105,7 +105,7 @@ class RLDataset:
         path = self.files[file_no]
         missing = [c for c in (self.prompt_key, "data_source", "reward_model") if c not in table.column_names]
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"{path}: column(s) {missing} missing (columns: {table.column_names}); the file is not in veRL's "
                 "schema (run launch/preprocess_data.py) or data.prompt_key is wrong"
             )
@@ -139,14 +139,14 @@ class RLDataset:
                 messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
             )
         except Exception as exc:
-            raise ValueError(
+            raise DataError(
                 f"{path}: row {row_no}: the chat template failed on field {self.prompt_key!r}: {exc}"
             ) from exc
 
     def _bad_row(self, path: Path, row_no: int, problem: str) -> None:
         where = f"{path}: row {row_no}: {problem}"
         if self.on_bad_row == "error":
-            raise ValueError(f"{where}; fix the data or set data.on_bad_row=skip to drop such rows") from None
+            raise DataError(f"{where}; fix the data or set data.on_bad_row=skip to drop such rows") from None
         self.stats["bad_rows"] += 1
         if len(self.bad_row_examples) < 5:
             self.bad_row_examples.append(where)
@@ -157,7 +157,7 @@ class RLDataset:
         if len(ids) <= self.max_prompt_length:
             return ids
         if self.truncation == "error":
-            raise ValueError(
+            raise DataError(
                 f"{path}: row {row_no}: the prompt is {len(ids)} tokens > data.max_prompt_length="
                 f"{self.max_prompt_length}; raise max_prompt_length or set data.truncation to left, right or filter"
             )

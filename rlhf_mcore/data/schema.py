@@ -15,10 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BadRowError", "make_row", "check_row"]
+__all__ = ["DataError", "BadRowError", "make_row", "check_row"]
 
 
-class BadRowError(ValueError):
+class DataError(ValueError):
+    """Input data a run cannot use (malformed rows, over-long prompts, empty files); the message names the file,
+    the row and the field, and the launch scripts print it without a traceback."""
+
+
+class BadRowError(DataError):
     """A row that does not follow the schema; `field` names the offending field."""
 
     def __init__(self, field: str, problem: str):

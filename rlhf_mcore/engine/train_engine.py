@@ -16,6 +16,7 @@ ranks: see :mod:`rlhf_mcore.engine.losses`.
 """
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from typing import Optional
@@ -214,7 +215,10 @@ class TrainEngine:
             for first in range(0, B, mini):
                 sub = select_rows(batch, order[first:first + mini])
                 metrics, seqlens = self.forward_backward(sub)
-                ok, grad_norm, _ = self.optimizer.step()
+                if math.isfinite(metrics.get("loss", 0.0)):
+                    ok, grad_norm, _ = self.optimizer.step()
+                else:  # a NaN/inf loss (reduced, so every rank agrees) poisons the gradients: skip this step
+                    ok, grad_norm = False, None
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 metrics["update_skipped"] = 0.0 if ok else 1.0
                 steps.append(metrics)

@@ -1,0 +1,246 @@
+"""The PPO/GRPO loop: DESIGN.md's step list, one method per step.
+
+Simplifications, on purpose: one synchronous step at a time (generation of step k+1 does not overlap training of
+step k); all training models share one process layout; the rollout engine is rebuilt from the actor's weights at
+start (and after a resume) rather than from its own checkpoint.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore import algos
+from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
+from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.trainer import roles
+from rlhf_mcore.trainer.batch import build_batch
+from rlhf_mcore.trainer.checkpoint import CheckpointManager, resolve_resume
+from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
+from rlhf_mcore.trainer.plan import broadcast_object, plan_step
+from rlhf_mcore.trainer.rollout_phase import generate_and_score
+from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb
+from rlhf_mcore.trainer.validation import validate
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        load_plugins(cfg.trainer.plugins)
+        self.out_dir = Path(cfg.trainer.default_local_dir
+                            or f"outputs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}")
+        self.tokenizer, self.train_set, self.val_set = roles.build_data(cfg)  # bad inputs fail before any compute
+        tp, pp, vpp = parallel_layout(cfg)
+        self.state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed)
+        self.sampler = roles.build_sampler(cfg, len(self.train_set))
+        steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
+        self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+        self.actor = roles.build_actor(cfg, self.state, self.total_steps)
+        self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
+        self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
+        self.rollout = roles.build_rollout(cfg, self.state)
+        self.scorer = roles.build_scorer(cfg)
+        self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
+        self.adv_fn = algos.get_adv_estimator(cfg.algorithm.adv_estimator)
+        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep,
+                                      self.state.rank, group=self.state.cpu_group)
+        self.step = 0
+        self.logger: Optional[MetricLogger] = None
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        self.resume()
+        self.logger = MetricLogger(self.cfg.trainer.logger, self.out_dir, self.total_steps, to_dict(self.cfg),
+                                   self.cfg.trainer.project_name, self.cfg.trainer.experiment_name,
+                                   enabled=self.state.is_coordinator, start_step=self.step)
+        self.sync_weights()
+        last = {}
+        if self.cfg.trainer.val_before_train and self.step == 0:
+            self.run_validation()
+        while self.step < self.total_steps:
+            self.step += 1
+            t = PhaseTimer()
+            with t("step"):
+                with t("plan"):
+                    prompts = self.plan()                          # 1. coordinator: whose prompts where
+                with t("gen"):
+                    batch, gen_stats = self.generate(prompts)      # 2-3. rollout + reward
+                with t("old_log_prob"):
+                    self.forward_passes(batch)                     # 4. ref / old log-probs, values
+                with t("adv"):
+                    self.compute_advantages(batch)                 # 5. advantages and returns
+                with t("update"):
+                    update_metrics = self.update(batch)            # 6. critic, then actor
+                with t("sync"):
+                    sync_metrics = self.sync_weights()             # 7. actor -> rollout
+            last = self.finish_step(batch, {**gen_stats, **update_metrics, **sync_metrics}, t)  # 8.
+        self.export_final()
+        return last
+
+    # ------------------------------------------------------------------------------------------- the steps
+    def plan(self) -> list[int]:
+        """Rank 0 draws the batch and splits it over DP ranks; returns the step's prompt list (rank order)."""
+        plan = None
+        if self.state.is_coordinator:
+            ids = self.sampler.next_batch(self.cfg.data.train_batch_size)
+            lengths = [len(self.train_set[i]["input_ids"]) for i in ids]
+            plan = plan_step(ids, lengths, self.state.dims.dp)
+        self.plan_parts = broadcast_object(plan, group=self.state.cpu_group)
+        return [i for part in self.plan_parts for i in part]
+
+    def generate(self, prompt_ids: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
+        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        items = [self.train_set[i] for i in prompt_ids]
+        params = roles.train_sampling_params(cfg, self.rollout, seed=cfg.trainer.seed * 100_003 + self.step)
+        with roles.colocated_rollout(self):
+            rows, stats = generate_and_score(
+                self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
+                rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
+                greedy_baseline=cfg.algorithm.adv_estimator == "remax")
+        per_rank = len(self.plan_parts[0]) * n
+        mine = rows[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]  # this DP rank's groups
+        meta = {"data_source": [items[r.prompt_pos]["data_source"] for r in mine],
+                "ground_truth": [items[r.prompt_pos]["ground_truth"] for r in mine]}
+        batch = build_batch([r.prompt_ids for r in mine], [r.response_ids for r in mine], [r.logprobs for r in mine],
+                            [r.finish_reason for r in mine], [prompt_ids[r.prompt_pos] for r in mine], meta,
+                            pad_token_id=self.tokenizer.pad_token_id)
+        last = batch["response_mask"].sum(1).clamp(min=1) - 1  # (B,) the reward sits on the last response token
+        scores = torch.tensor([r.score for r in mine])
+        batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(
+            1, last[:, None], scores[:, None])  # (B, R)
+        if cfg.algorithm.adv_estimator == "remax":
+            batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])
+        return batch, {"reward/num_warnings": stats.get("num_warnings", 0.0)}
+
+    def forward_passes(self, batch: dict[str, Any]) -> None:
+        batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
+        if self.ref is not None:
+            batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
+        if self.critic is not None:
+            batch["values"] = self.critic.compute_values(batch)
+
+    def compute_advantages(self, batch: dict[str, Any]) -> None:
+        alg = self.cfg.algorithm
+        batch["token_level_rewards"] = batch["token_level_scores"]
+        if alg.use_kl_in_reward:
+            batch["token_level_rewards"], kl_metrics = algos.apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
+                kl_coef=self.kl_ctrl.value, kl_penalty_type=alg.kl_penalty)
+            current = reduce_metrics({"kl": float(kl_metrics["reward_kl_penalty"])}, self.state.dp_group)["kl"]
+            self.kl_ctrl.update(current, n_steps=self.cfg.data.train_batch_size)
+            batch["kl_metrics"] = kl_metrics
+        batch["advantages"], batch["returns"] = self.adv_fn(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"].float(),
+            values=batch.get("values"), index=batch["index"], gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, reward_baselines=batch.get("reward_baselines"))
+
+    def update(self, batch: dict[str, Any]) -> dict[str, float]:
+        metrics = {}
+        if self.critic is not None:
+            metrics.update(self.critic.update_critic(batch))
+        metrics.update(self.actor.update_policy(batch))
+        return metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        return roles.sync_weights(self)
+
+    def finish_step(self, batch, step_metrics: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
+        local = {**batch_metrics(batch), **step_metrics, **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
+                 "perf/max_memory_allocated_gb/max": peak_memory_gb(),
+                 "actor/kl_coef": float(self.kl_ctrl.value)}
+        tokens = float(batch["attention_mask"].sum())
+        local["perf/throughput"] = tokens / max(timer.seconds["step"], 1e-9)
+        metrics = reduce_metrics(local, group=None)
+        metrics["perf/throughput"] *= self.state.dims.dp  # tokens/s of the whole job
+        self.logger.log(self.step, metrics)
+        for role in ("actor", "critic"):
+            if metrics.get(f"{role}/update_skipped", 0.0) > 0:
+                self.logger.text(f"step {self.step}: {role} skipped an optimizer step (non-finite loss); "
+                                 f"its weights are unchanged by it")
+        cfg = self.cfg.trainer
+        last_step = self.step == self.total_steps
+        if cfg.test_freq > 0 and (self.step % cfg.test_freq == 0 or last_step):
+            metrics.update(self.run_validation())
+        if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last_step):
+            self.save_checkpoint()
+        return metrics
+
+    # ------------------------------------------------------------------------------------------- around
+    def run_validation(self) -> dict[str, float]:
+        if self.val_set is None:
+            return {}
+        with roles.colocated_rollout(self):
+            metrics, samples = validate(self, self.val_set)
+        if self.state.is_coordinator:
+            self.logger.log(self.step, metrics, kind="val")
+            for s in samples[: self.cfg.trainer.log_val_generations]:
+                self.logger.text(f"[val sample] score={s['score']:.1f} | {s['prompt'][-120:]!r} -> "
+                                 f"{s['response'][:200]!r}")
+        return metrics
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def save_checkpoint(self) -> Path:
+        def save_engines(path: Path) -> None:
+            self.actor.save_checkpoint(path / "actor")
+            if self.critic is not None:
+                self.critic.save_checkpoint(path / "critic")
+
+        return self.ckpt.save(self.step, self.trainer_state(), save_engines)
+
+    def resume(self) -> None:
+        path = resolve_resume(self.ckpt.root, self.cfg.trainer.resume_mode)
+        path = broadcast_object(str(path) if path else None, group=self.state.cpu_group)
+        if path is None:
+            return
+        path = Path(path)
+        self.actor.load_checkpoint(path / "actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        state = self.ckpt.load_trainer_state(path)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.state.is_coordinator:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def export_final(self) -> None:
+        out = self.out_dir / "hf_final"
+        self.actor.save_hf(out)
+        if self.state.is_coordinator:
+            self.logger.text(f"final actor (Hugging Face format): {out}")
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        self.scorer.close()
+        if dist.is_initialized():
+            dist.barrier(group=self.state.cpu_group)
+        destroy_distributed()
+
+
+def train(cfg: RLConfig) -> dict[str, float]:
+    trainer = RLTrainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+__all__ = ["RLTrainer", "train"]

@@ -1,0 +1,152 @@
+"""Building the trainer's parts from the config: data, engines, rollout, rewards; colocation and weight sync.
+
+Everything config-shaped is translated here, so the loop in :mod:`rl_trainer` only speaks to components.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from rlhf_mcore.config import RLConfig
+from rlhf_mcore.parallel import ParallelState
+from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
+
+
+def _require_model_dir(path: str, key: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{key}={path!r} is not a Hugging Face model directory (no config.json there). Point it at a local "
+            f"directory with config.json, *.safetensors and the tokenizer, e.g. one made by "
+            f"`python launch/make_tiny_model.py --out {path}`.")
+    return p
+
+
+def build_data(cfg: RLConfig):
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.data import DataError, RLDataset
+
+    model_dir = _require_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    d = cfg.data
+    if not d.train_files:
+        raise FileNotFoundError("data.train_files is empty: give parquet files in veRL's schema "
+                                "(python launch/preprocess_data.py gsm8k --output-dir data/gsm8k).")
+    truncation = "filter" if d.filter_overlong_prompts else d.truncation
+    train = RLDataset(d.train_files, tok, d.max_prompt_length, truncation=truncation, on_bad_row=d.on_bad_row,
+                      prompt_key=d.prompt_key, max_samples=d.max_train_samples)
+    if len(train) < d.train_batch_size:
+        raise DataError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(train)} usable training "
+                         f"rows in {d.train_files}: lower data.train_batch_size.")
+    val = None
+    if d.val_files:
+        val = RLDataset(d.val_files, tok, d.max_prompt_length, truncation=truncation, on_bad_row=d.on_bad_row,
+                        prompt_key=d.prompt_key, max_samples=d.max_val_samples)
+    return tok, train, val
+
+
+def build_sampler(cfg: RLConfig, n: int):
+    from rlhf_mcore.data import ResumableSampler
+
+    return ResumableSampler(n, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+
+
+def build_scorer(cfg: RLConfig):
+    from rlhf_mcore.rewards import RewardScorer, load_custom_reward_fn
+
+    crf = cfg.reward.custom_reward_function
+    fn = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
+    return RewardScorer(fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+
+
+def build_rollout(cfg: RLConfig, state: ParallelState):
+    r = cfg.actor_rollout_ref.rollout
+    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kwargs = {}
+    if r.name == "native":
+        kwargs = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=state.device,
+                      dtype=None if r.dtype == "auto" else r.dtype, cuda_graphs=None if not r.enforce_eager else False,
+                      load_weights=False)
+        if r.tensor_model_parallel_size > 1:
+            kwargs["tp_group"] = rollout_tp_group(state, r.tensor_model_parallel_size)
+    elif r.name == "hf":
+        kwargs = dict(device=state.device)
+    elif r.name == "sglang":
+        kwargs = dict(tp_size=r.tensor_model_parallel_size, mem_fraction_static=r.gpu_memory_utilization)
+    return build_rollout_engine(r.name, cfg.actor_rollout_ref.model.path, **kwargs)
+
+
+_ROLLOUT_GROUPS: dict[int, object] = {}
+
+
+def rollout_tp_group(state: ParallelState, size: int):
+    """Groups of ``size`` consecutive ranks (every rank must create every group, in order)."""
+    import torch.distributed as dist
+
+    if size not in _ROLLOUT_GROUPS:
+        mine = None
+        for start in range(0, state.world_size, size):
+            g = dist.new_group(list(range(start, start + size)))
+            if start <= state.rank < start + size:
+                mine = g
+        _ROLLOUT_GROUPS[size] = mine
+    return _ROLLOUT_GROUPS[size]
+
+
+def train_sampling_params(cfg: RLConfig, engine, seed: int) -> SamplingParams:
+    r = cfg.actor_rollout_ref.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=cfg.data.max_response_length, seed=seed)
+
+
+@contextmanager
+def colocated_rollout(trainer):
+    """Wake the rollout engine for generation and put it back to sleep after; on GPU the training engines move
+    their optimizer state and gradients to CPU meanwhile (colocation memory plan)."""
+    on_gpu = trainer.state.device.type == "cuda"
+    engines = [e for e in (trainer.actor, trainer.critic, trainer.ref) if e is not None]
+    if on_gpu:
+        for e in engines:
+            e.offload()
+    trainer.rollout.wake()
+    try:
+        yield
+    finally:
+        if trainer.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            trainer.rollout.sleep(1)
+        if on_gpu:
+            for e in engines:
+                e.onload()
+            torch.cuda.synchronize()
+
+
+def sync_weights(trainer) -> dict[str, float]:
+    from rlhf_mcore.sync import sync_actor_to_rollout
+
+    r = trainer.cfg.actor_rollout_ref.rollout
+    return sync_actor_to_rollout(trainer.actor.export_hf_weights(), trainer.rollout, trainer.state,
+                                 bucket_mb=r.sync_bucket_mb, verify=r.sync_verify)
+
+
+# --- training engines: filled in against rlhf_mcore.engine ------------------------------------------------
+def build_actor(cfg: RLConfig, state: ParallelState, total_steps: int):
+    from rlhf_mcore.engine import build_engine
+
+    return build_engine(cfg, state, role="actor", total_steps=total_steps)
+
+
+def build_reference(cfg: RLConfig, state: ParallelState):
+    from rlhf_mcore.engine import build_engine
+
+    return build_engine(cfg, state, role="ref", total_steps=0)
+
+
+def build_critic(cfg: RLConfig, state: ParallelState, total_steps: int):
+    from rlhf_mcore.engine import build_engine
+
+    return build_engine(cfg, state, role="critic", total_steps=total_steps)

@@ -1,0 +1,93 @@
+"""Generation and scoring across rollout replicas.
+
+The world is split into rollout replicas of ``rollout.tensor_model_parallel_size`` consecutive ranks. Every rank
+knows the whole step's prompt list (the coordinator's plan); each replica generates its contiguous share,
+its first rank scores the responses, and one all-gather of token lists over the CPU group gives every rank the
+rows it trains on. Nothing passes through rank 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch.distributed as dist
+
+from rlhf_mcore.rollout.base import SamplingParams
+
+
+@dataclass
+class Row:
+    """One generated sample with its reward."""
+
+    prompt_pos: int  # position of its prompt in the step's prompt list
+    sample: int  # which of the n samples
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    score: float = 0.0
+    reward_extra: dict = field(default_factory=dict)
+    baseline_score: Optional[float] = None  # ReMax: the greedy response's reward
+
+
+def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:
+    """(number of replicas, this rank's replica, rank within the replica)."""
+    return world // rollout_tp, rank // rollout_tp, rank % rollout_tp
+
+
+def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Sequence[dict[str, Any]],
+                       params: SamplingParams, tokenizer, *, rollout_tp: int, group=None,
+                       greedy_baseline: bool = False) -> tuple[list[Row], dict[str, float]]:
+    """Generate ``params.n`` samples for every prompt (all ranks call this together) and score them.
+
+    ``meta[i]`` holds ``data_source``, ``ground_truth`` and ``extra_info`` of prompt ``i``. Returns all rows of
+    all prompts, ordered by (prompt, sample), on every rank, plus the scorer's counters.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    replicas, replica, sub_rank = _replica_layout(world, rank, rollout_tp)
+    share = np.array_split(np.arange(len(prompts)), replicas)[replica].tolist()
+    local: list[Row] = []
+    stats: dict[str, float] = {}
+    if share:
+        outs = engine.generate([list(prompts[i]) for i in share], params)
+        baselines = None
+        if greedy_baseline:
+            greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=params.max_new_tokens,
+                                    stop_token_ids=params.stop_token_ids)
+            baselines = engine.generate([list(prompts[i]) for i in share], greedy)
+        for k, (i, out) in enumerate(zip(share, outs)):
+            for j, s in enumerate(out.samples):
+                local.append(Row(i, j, list(prompts[i]), list(s.token_ids), list(s.logprobs), s.finish_reason))
+            if baselines is not None:
+                for row in local[-len(out.samples):]:
+                    row.baseline_score = baselines[k].samples[0].token_ids  # scored below
+    if sub_rank == 0 and local:
+        texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in local]
+        m = [meta[r.prompt_pos] for r in local]
+        scores, stats = scorer.score([x["data_source"] for x in m], texts, [x["ground_truth"] for x in m],
+                                     [x.get("extra_info") for x in m])
+        for r, s in zip(local, scores):
+            r.score = float(s)
+        if greedy_baseline:
+            base_texts = [tokenizer.decode(r.baseline_score, skip_special_tokens=True) for r in local]
+            base_scores, _ = scorer.score([x["data_source"] for x in m], base_texts,
+                                          [x["ground_truth"] for x in m], [x.get("extra_info") for x in m])
+            for r, s in zip(local, base_scores):
+                r.baseline_score = float(s)
+    if world == 1:
+        return local, _numeric(stats)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (local if sub_rank == 0 else [], _numeric(stats)), group=group)
+    rows = [r for part, _ in gathered for r in part]
+    rows.sort(key=lambda r: (r.prompt_pos, r.sample))
+    total: dict[str, float] = {}
+    for _, st in gathered:
+        for k, v in st.items():
+            total[k] = total.get(k, 0.0) + v
+    return rows, total
+
+
+def _numeric(stats: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in (stats or {}).items() if isinstance(v, (int, float))}

@@ -1,0 +1,48 @@
+"""Per-step batch statistics (reward, response length, advantages, KL) and memory, as flat floats."""
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def batch_metrics(batch: dict[str, Any]) -> dict[str, float]:
+    mask = batch["response_mask"].float()  # (B, R)
+    lengths = mask.sum(1)  # (B,)
+    scores = batch["token_level_scores"].sum(1)  # (B,)
+    rewards = batch["token_level_rewards"].sum(1)  # (B,)
+    out = {
+        "critic/score/mean": float(scores.mean()), "critic/score/std": float(scores.std(unbiased=False)),
+        "critic/score/max": float(scores.max()), "critic/score/min": float(scores.min()),
+        "critic/rewards/mean": float(rewards.mean()),
+        "critic/advantages/mean": _masked_mean(batch["advantages"], mask),
+        "critic/returns/mean": _masked_mean(batch["returns"], mask),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(batch["truncated"].float().mean()),
+        "prompt_length/mean": float(batch["attention_mask"].sum(1).float().mean() - lengths.mean()),
+        "actor/rollout_entropy": _masked_mean(batch["old_entropy"], mask) if "old_entropy" in batch else 0.0,
+    }
+    if "values" in batch:
+        out["critic/values/mean"] = _masked_mean(batch["values"], mask)
+    if "ref_log_prob" in batch:
+        kl = batch["old_log_probs"] - batch["ref_log_prob"]
+        out["actor/reward_kl"] = _masked_mean(kl, mask)
+    # how far the rollout engine's log-probs are from the trainer's (same weights: numerics only)
+    if "old_log_probs" in batch:
+        out["rollout/logprob_diff_abs"] = _masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
+                                                       mask)
+    return out
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory on CUDA, else the process's peak resident memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)

@@ -1,0 +1,231 @@
+"""The trainer end to end on CPU, through `launch/train.py` as users run it.
+
+All runs start from one briefly supervised tiny model (the `make demo` pipeline: make_tiny_model -> synthetic
+arithmetic task -> launch/sft.py), built once per session.
+
+- PPO with a critic runs at TP=2 on 2 processes, and at PP=2.
+- A run killed with SIGKILL after a checkpoint resumes to exactly the metrics of an uninterrupted run.
+- A NaN injected into the loss skips that update, is logged, and leaves the weights unchanged.
+- Validation accuracy equals a standalone greedy evaluation (launch/generate.py + the reward) of the export.
+- Bad inputs end with a clear message before any compute.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT_STEPS = 20  # a warm start for format, not for accuracy
+# metrics that depend on wall-clock time or memory, not on the computation
+NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "sync/verify_seconds")
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                TOKENIZERS_PARALLELISM="false")
+
+
+def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout: int = 900):
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "launch" / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "launch" / script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    """Tiny model, synthetic data, a GSM8K validation slice and the SFT warm start."""
+    import pyarrow.parquet as pq
+
+    from rlhf_mcore.data import preprocess_gsm8k, write_synthetic_parquet
+    from rlhf_mcore.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("trainer")
+    make_tiny_model(root / "tiny", arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0)
+    write_synthetic_parquet(root / "syn", n=2048, difficulty=1, seed=0, n_test=32)
+    preprocess_gsm8k(output_dir=root / "gsm8k")
+    pq.write_table(pq.read_table(root / "gsm8k" / "test.parquet").slice(0, 8), root / "gsm8k_val.parquet")
+    launch("sft.py", "--model", str(root / "tiny"), "--train-file", str(root / "syn" / "train.parquet"),
+           "--out", str(root / "sft"), "--steps", str(SFT_STEPS), "--batch-size", "32", "--lr", "3e-3",
+           "--max-length", "160", "trainer.device=cpu")
+    return root
+
+
+def base_args(assets, out: Path, steps: int, *extra: str) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "demo_cpu.yaml"),
+            f"actor_rollout_ref.model.path={assets / 'sft'}",
+            f"data.train_files=[{assets / 'syn' / 'train.parquet'}]",
+            f"data.val_files=[{assets / 'syn' / 'test.parquet'},{assets / 'gsm8k_val.parquet'}]",
+            f"trainer.default_local_dir={out}", f"trainer.total_training_steps={steps}",
+            "trainer.logger=[jsonl]", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", *extra]
+
+
+def train_metrics(out: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] == "train"}  # a resumed step's last record wins
+
+
+def val_metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"kind": "val"' in x]
+
+
+def hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, f"no safetensors in {model_dir}"
+    return out
+
+
+def deterministic(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+@pytest.mark.slow
+def test_validation_matches_standalone_eval(assets, tmp_path):
+    """Two GRPO steps, validating after the last: the logged accuracy equals a greedy evaluation of the exported
+    final model by launch/generate.py and the reward registry."""
+    out = tmp_path / "grpo"
+    launch("train.py", *base_args(assets, out, 2, "trainer.test_freq=2"))
+    m = train_metrics(out)
+    assert sorted(m) == [1, 2] and (out / "hf_final" / "config.json").is_file()
+    val = val_metrics(out)[-1]
+    assert val["step"] == 2 and "val/openai/gsm8k/acc" in val and "val/synthetic/arithmetic/acc" in val
+    evaluated = standalone_accuracy(out / "hf_final", [assets / "syn" / "test.parquet", assets / "gsm8k_val.parquet"],
+                                    tmp_path)
+    assert val["val/acc"] == pytest.approx(evaluated, abs=1e-9)
+
+
+def standalone_accuracy(model: Path, files: list[Path], tmp: Path) -> float:
+    """Greedy generations from launch/generate.py scored by the reward registry, over the prompts the trainer
+    keeps (demo_cpu.yaml filters prompts longer than data.max_prompt_length)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.rewards import default_compute_score
+
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [])
+    tok = AutoTokenizer.from_pretrained(model)
+    scores = []
+    for k, f in enumerate(files):
+        rows = [r for r in pq.read_table(f).to_pylist() if len(tok.apply_chat_template(
+            r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            <= cfg.data.max_prompt_length]
+        kept, out = tmp / f"kept{k}.parquet", tmp / f"gen{k}.jsonl"
+        pq.write_table(pa.Table.from_pylist(rows), kept)
+        launch("generate.py", "--model", str(model), "--input", str(kept), "--output", str(out), "--temperature",
+               "0", "--max-new-tokens", str(cfg.data.max_response_length))
+        gens = [json.loads(x) for x in out.read_text().splitlines()]
+        for row, gen in zip(rows, gens, strict=True):
+            scores.append(float(default_compute_score(row["data_source"], gen["responses"][0],
+                                                      row["reward_model"]["ground_truth"])))
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tensor_model_parallel_size=2", "pipeline_model_parallel_size=2"])
+def test_ppo_runs_at_tp2_and_pp2(assets, tmp_path, layout):
+    out = tmp_path / "run"
+    launch("train.py", *base_args(assets, out, 2, "algorithm.adv_estimator=gae", f"critic.model.path={assets / 'sft'}",
+                                  f"actor_rollout_ref.actor.megatron.{layout}", "trainer.n_gpus_per_node=2",
+                                  "actor_rollout_ref.rollout.sync_verify=true"), nproc=2)
+    m = train_metrics(out)
+    assert sorted(m) == [1, 2]
+    for k in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
+        assert torch.isfinite(torch.tensor(m[2][k])), k
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(assets, tmp_path):
+    args = ["trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1", "trainer.resume_mode=auto"]
+    ref = tmp_path / "uninterrupted"
+    launch("train.py", *base_args(assets, ref, 4, *args))
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *base_args(assets, out, 4, *args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    marker = out / "checkpoints" / "global_step_2" / "COMPLETE"
+    deadline = time.time() + 600
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.stderr.read().decode()[-4000:] if proc.poll() is not None else "no checkpoint"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    launch("train.py", *base_args(assets, out, 4, *args))  # resume_mode=auto picks global_step_2
+
+    want, got = train_metrics(ref), train_metrics(out)
+    for step in (3, 4):
+        assert deterministic(got[step]) == deterministic(want[step]), f"step {step} differs after resume"
+    a, b = hf_weights(ref / "hf_final"), hf_weights(out / "hf_final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+NAN_PLUGIN = '''
+import os
+from rlhf_mcore.algos import get_policy_loss, register_policy_loss
+_calls = {"n": 0}
+
+@register_policy_loss("nan_on_call")
+def nan_on_call(old_log_prob, log_prob, advantages, response_mask, **kw):
+    _calls["n"] += 1
+    loss, metrics = get_policy_loss("vanilla")(old_log_prob, log_prob, advantages, response_mask, **kw)
+    if _calls["n"] == int(os.environ.get("NAN_AT_CALL", "2")):
+        loss = loss * float("nan")
+    return loss, metrics
+'''
+
+
+@pytest.mark.slow
+def test_nan_loss_skips_update_and_keeps_weights(assets, tmp_path):
+    plugin = tmp_path / "nan_plugin.py"
+    plugin.write_text(NAN_PLUGIN)
+    common = [f"trainer.plugins=[{plugin}]", "actor_rollout_ref.actor.policy_loss=nan_on_call"]
+    one = tmp_path / "one"
+    launch("train.py", *base_args(assets, one, 1, *common))
+    two = tmp_path / "two"
+    launch("train.py", *base_args(assets, two, 2, *common))  # the second update's loss is NaN
+    m = train_metrics(two)
+    assert m[1]["actor/update_skipped"] == 0.0 and m[2]["actor/update_skipped"] == 1.0
+    a, b = hf_weights(one / "hf_final"), hf_weights(two / "hf_final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "a skipped update changed the weights"
+    assert all(torch.isfinite(v).all() for v in b.values())
+
+
+def test_bad_inputs_fail_fast_with_a_message(assets, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(assets / "syn" / "train.parquet").to_pylist()[:40]
+    rows[7]["reward_model"] = {"style": "rule", "ground_truth": None}
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), bad)
+    out = tmp_path / "never"
+    cases = [
+        ([f"data.train_files=[{bad}]"], ["bad.parquet", "row 7", "ground_truth"]),
+        (["actor_rollout_ref.model.path=/nonexistent/model"], ["/nonexistent/model", "config.json"]),
+        (["data.train_batch_size=10"], ["data.train_batch_size=10 is not divisible by",
+                                        "actor_rollout_ref.actor.ppo_mini_batch_size=8"]),
+    ]
+    for extra, fragments in cases:
+        proc = launch("train.py", *base_args(assets, out, 2, *extra), check=False, timeout=120)
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        for f in fragments:
+            assert f in proc.stderr, (f, proc.stderr[-2000:])
+        assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
