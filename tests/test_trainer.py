@@ -195,7 +195,10 @@ def nan_on_call(old_log_prob, log_prob, advantages, response_mask, **kw):
 def test_nan_loss_skips_update_and_keeps_weights(assets, tmp_path):
     plugin = tmp_path / "nan_plugin.py"
     plugin.write_text(NAN_PLUGIN)
-    common = [f"trainer.plugins=[{plugin}]", "actor_rollout_ref.actor.policy_loss=nan_on_call"]
+    # one optimizer step and one micro-batch per training step: loss call k is step k's update
+    common = [f"trainer.plugins=[{plugin}]", "actor_rollout_ref.actor.policy_loss=nan_on_call",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64"]
     one = tmp_path / "one"
     launch("train.py", *base_args(assets, one, 1, *common))
     two = tmp_path / "two"
