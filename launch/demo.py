@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=2, help="processes per torchrun (default 2)")
     ap.add_argument("--out", default="outputs/demo", help="where everything goes (default outputs/demo)")
     ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-batch-size", type=int, default=128)
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
     args = ap.parse_args()
     out = ROOT / args.out
@@ -45,7 +46,7 @@ def main() -> int:
     tiny = out / "tiny_model"
     if not (tiny / "config.json").is_file():
         print(f"[1/4] building a tiny model in {tiny}", flush=True)
-        make_tiny_model(tiny, arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0)
+        make_tiny_model(tiny, arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
     data = out / "data"
     print(f"[2/4] writing data to {data}", flush=True)
     write_synthetic_parquet(data / "synthetic", n=4096, difficulty=1, seed=0, n_test=64)
@@ -56,7 +57,8 @@ def main() -> int:
     sft_out = out / "sft_model"
     print(f"[3/4] supervised warm start -> {sft_out}", flush=True)
     run(torchrun(args.nproc, "sft.py", "--model", str(tiny), "--train-file", str(data / "synthetic" / "train.parquet"),
-                 "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", "32", "--lr", "2e-3"))
+                 "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size),
+                 "--lr", "3e-3", "--max-length", "160", "trainer.device=cpu"))
 
     print("[4/4] GRPO", flush=True)
     extra = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []

@@ -70,7 +70,9 @@ def base_args(assets, out: Path, steps: int, *extra: str) -> list[str]:
             f"data.val_files=[{assets / 'syn' / 'test.parquet'},{assets / 'gsm8k_val.parquet'}]",
             f"trainer.default_local_dir={out}", f"trainer.total_training_steps={steps}",
             "trainer.logger=[jsonl]", "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", *extra]
+            "trainer.save_freq=-1", "trainer.n_gpus_per_node=1",
+            # smaller than the demo's rollout (n=8): these tests check mechanics, not learning
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", *extra]
 
 
 def train_metrics(out: Path) -> dict[int, dict]:
