@@ -234,3 +234,35 @@ def test_bad_inputs_fail_fast_with_a_message(assets, tmp_path):
         for f in fragments:
             assert f in proc.stderr, (f, proc.stderr[-2000:])
         assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_two_local_nodes_match_one_node(assets, tmp_path):
+    """Issue 10: two torchrun "nodes" on localhost (2 processes each, c10d rendezvous), started with the commands
+    launch/slurm/node.py builds from Slurm's environment, run 2 steps at TP=2 and reach the same metrics as one
+    4-process torchrun."""
+    import socket
+
+    from rlhf_mcore.slurm import NodeLaunch
+
+    args = base_args(assets, tmp_path / "unused", 2, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    single = tmp_path / "single"
+    launch("train.py", *args, f"trainer.default_local_dir={single}", "trainer.n_gpus_per_node=4", nproc=4)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": str(rank), "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NAME": "test", "MASTER_PORT": str(port)}
+        node = NodeLaunch.from_env(env, nproc_per_node=2, run_root=str(tmp_path / "slurm"))
+        procs.append(subprocess.Popen(node.torchrun(args, python=sys.executable), cwd=ROOT, env=_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    multi = tmp_path / "slurm" / "test-4242"
+    want, got = train_metrics(single), train_metrics(multi)
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        assert deterministic(got[step]) == deterministic(want[step]), f"step {step} differs across the node split"
