@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rlhf_mcore.algos.masked import masked_whiten
+from rlhf_mcore.registry import Registry
 
 __all__ = [
     "AdvEstimatorFn",
@@ -48,7 +49,8 @@ __all__ = [
 ]
 
 AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ADV_ESTIMATORS: dict[str, AdvEstimatorFn] = {}
+_ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry(
+    "advantage estimator", "Register a new one with @rlhf_mcore.algos.register_adv_estimator(name).")
 
 GRPO_EPS = 1e-6  # veRL's epsilon in (score - mean) / (std + eps)
 
@@ -61,30 +63,19 @@ def register_adv_estimator(name: str, *, override: bool = False) -> Callable[[Ad
     """
 
     def decorator(fn: AdvEstimatorFn) -> AdvEstimatorFn:
-        if not override and name in _ADV_ESTIMATORS and _ADV_ESTIMATORS[name] is not fn:
-            raise ValueError(
-                f"advantage estimator {name!r} is already registered ({_ADV_ESTIMATORS[name].__module__}."
-                f"{_ADV_ESTIMATORS[name].__qualname__}); pick another name or pass override=True"
-            )
-        _ADV_ESTIMATORS[name] = fn
-        return fn
+        return _ADV_ESTIMATORS.add(name, fn, override=override)
 
     return decorator
 
 
 def get_adv_estimator(name: str) -> AdvEstimatorFn:
     """The estimator registered as `name`; a ValueError lists the known names otherwise."""
-    if name not in _ADV_ESTIMATORS:
-        raise ValueError(
-            f"unknown algorithm.adv_estimator={name!r}; known: {sorted(_ADV_ESTIMATORS)}. Register a new one "
-            "with @rlhf_mcore.algos.register_adv_estimator(name)."
-        )
-    return _ADV_ESTIMATORS[name]
+    return _ADV_ESTIMATORS.get(name, key="algorithm.adv_estimator")
 
 
 def list_adv_estimators() -> list[str]:
     """Names of all registered advantage estimators."""
-    return sorted(_ADV_ESTIMATORS)
+    return _ADV_ESTIMATORS.names()
 
 
 # --------------------------------------------------------------------------------------------- helpers

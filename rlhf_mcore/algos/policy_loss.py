@@ -26,6 +26,7 @@ import torch
 
 from rlhf_mcore.algos.aggregation import agg_loss
 from rlhf_mcore.algos.masked import masked_mean
+from rlhf_mcore.registry import Registry
 
 __all__ = [
     "PolicyLossFn",
@@ -38,7 +39,8 @@ __all__ = [
 ]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss", "Register a new one with @rlhf_mcore.algos.register_policy_loss(name).")
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped to this before exp() (veRL's value), token level
 GSPO_LOG_RATIO_MAX = 10.0  # GSPO clamps the sequence log-ratio from above only (veRL's value)
@@ -48,27 +50,19 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
     """Decorator: make `fn` available as `actor.policy_loss=<name>`."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        if not override and name in _POLICY_LOSSES and _POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered; pick another name or pass override=True")
-        _POLICY_LOSSES[name] = fn
-        return fn
+        return _POLICY_LOSSES.add(name, fn, override=override)
 
     return decorator
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; a ValueError lists the known names otherwise."""
-    if name not in _POLICY_LOSSES:
-        raise ValueError(
-            f"unknown actor.policy_loss={name!r}; known: {sorted(_POLICY_LOSSES)}. Register a new one with "
-            "@rlhf_mcore.algos.register_policy_loss(name)."
-        )
-    return _POLICY_LOSSES[name]
+    return _POLICY_LOSSES.get(name, key="actor.policy_loss")
 
 
 def list_policy_losses() -> list[str]:
     """Names of all registered policy losses."""
-    return sorted(_POLICY_LOSSES)
+    return _POLICY_LOSSES.names()
 
 
 def _clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None):

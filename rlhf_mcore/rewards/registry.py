@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlhf_mcore.registry import Registry
 from rlhf_mcore.rewards import gsm8k, math_reward
 
 __all__ = [
@@ -27,7 +28,9 @@ __all__ = [
 ]
 
 RewardFn = Callable[..., Any]
-_REWARD_FNS: dict[str, RewardFn] = {}
+_REWARD_FNS: Registry[RewardFn] = Registry(
+    "reward for data_source", "Register one with @rlhf_mcore.rewards.register_reward(...) or set "
+    "reward.custom_reward_function.path/.name")
 
 GSM8K_SOURCES = ("openai/gsm8k", "synthetic/arithmetic")  # synthetic: rlhf_mcore.data.synthetic.DATA_SOURCE
 MATH_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
@@ -40,9 +43,7 @@ def register_reward(*data_sources: str, override: bool = False) -> Callable[[Rew
 
     def decorator(fn: RewardFn) -> RewardFn:
         for source in data_sources:
-            if not override and source in _REWARD_FNS and _REWARD_FNS[source] is not fn:
-                raise ValueError(f"a reward for data_source {source!r} is already registered; pass override=True")
-            _REWARD_FNS[source] = fn
+            _REWARD_FNS.add(source, fn, override=override)
         return fn
 
     return decorator
@@ -50,17 +51,12 @@ def register_reward(*data_sources: str, override: bool = False) -> Callable[[Rew
 
 def get_reward_fn(data_source: str) -> RewardFn:
     """The reward function registered for `data_source`; a ValueError says how to add one otherwise."""
-    if data_source not in _REWARD_FNS:
-        raise ValueError(
-            f"no reward function for data_source={data_source!r}; known: {sorted(_REWARD_FNS)}. Register one "
-            "with @rlhf_mcore.rewards.register_reward(...) or set reward.custom_reward_function.path/.name"
-        )
-    return _REWARD_FNS[data_source]
+    return _REWARD_FNS.get(data_source, key="data_source")
 
 
 def list_reward_sources() -> list[str]:
     """Every data_source with a registered reward."""
-    return sorted(_REWARD_FNS)
+    return _REWARD_FNS.names()
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
@@ -78,7 +74,7 @@ class RegistryDispatch:
     """
 
     def __init__(self, table: dict[str, RewardFn] | None = None):
-        self.table = dict(_REWARD_FNS if table is None else table)
+        self.table = _REWARD_FNS.snapshot() if table is None else dict(table)
 
     def unknown(self, data_sources) -> list[str]:
         """The data sources in `data_sources` that have no reward here."""
