@@ -109,6 +109,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    logprob_backend: str = "auto"  # log-prob/entropy kernel: auto (triton on CUDA if installed) | torch | triton
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -153,6 +154,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    logprob_backend: str = "auto"  # as actor.logprob_backend
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 

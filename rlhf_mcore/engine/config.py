@@ -48,7 +48,7 @@ class EngineConfig:
     # -- scoring tokens
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs of softmax(logits / T)
     logprob_chunk_size: int = 2048  # rows of logits processed at once (bounds fp32 working memory)
-    logprob_backend: str = "torch"  # registry in rlhf_mcore.engine.logprobs
+    logprob_backend: str = "auto"  # auto | torch | triton (registry in rlhf_mcore.engine.logprobs)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -97,7 +97,8 @@ class EngineConfig:
             clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
             kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, grad_clip=actor.grad_clip,
             loss_scale_factor=getattr(actor, "loss_scale_factor", None),
-            temperature=rollout.temperature if rollout.temperature > 0 else 1.0)
+            temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
+            logprob_backend=getattr(actor, "logprob_backend", "auto"))
 
     @classmethod
     def from_critic(cls, critic, actor, rollout, dp_size: int) -> "EngineConfig":
@@ -118,7 +119,8 @@ class EngineConfig:
             role="ref", micro_batch_size=ref.log_prob_micro_batch_size_per_gpu or 1,
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz, max_token_len=ref.log_prob_max_token_len_per_gpu,
             use_remove_padding=model.use_remove_padding, seed=ref.megatron.seed,
-            temperature=rollout.temperature if rollout.temperature > 0 else 1.0)
+            temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
+            logprob_backend=getattr(ref, "logprob_backend", "auto"))
 
 
 def _per_rank(prompts: int, n: int, dp_size: int, key: str) -> int:

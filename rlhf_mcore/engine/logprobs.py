@@ -28,6 +28,8 @@ place through :func:`register_logprob_backend` / :func:`get_logprob_backend` wit
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Optional
 
@@ -215,11 +217,34 @@ def register_logprob_backend(name: str, fn: LogprobFn) -> None:
 
 
 def get_logprob_backend(name: str = "torch") -> LogprobFn:
-    """The log-prob/entropy implementation registered as `name` ("torch": the reference in this module)."""
+    """The log-prob/entropy implementation registered as `name` ("torch": the reference in this module;
+    "triton": the fused kernel, imported on first use; "auto": triton for CUDA logits when installed)."""
+    if name == "triton" and name not in _BACKENDS:
+        import rlhf_mcore.kernels.fused_logprob  # noqa: F401  (registers "triton")
     if name not in _BACKENDS:
         raise ValueError(f"unknown logprob backend {name!r}; registered: {sorted(_BACKENDS)}. A kernel registers "
                          "itself with rlhf_mcore.engine.logprobs.register_logprob_backend(name, fn).")
     return _BACKENDS[name]
 
 
+@functools.cache
+def _triton_usable() -> bool:
+    """Whether the "triton" backend can run: triton installed and rlhf_mcore.kernels importable."""
+    try:
+        from rlhf_mcore.kernels.fused_logprob import triton_available
+    except ImportError as e:
+        warnings.warn(f"logprob_backend=auto: the Triton kernel does not import ({e}); using the torch reference",
+                      stacklevel=3)
+        return False
+    return triton_available()
+
+
+def _auto_logprobs(logits: torch.Tensor, labels: torch.Tensor, **kwargs):
+    """`logprob_backend=auto`: the Triton kernel for CUDA logits when it is usable, else the torch reference."""
+    if logits.is_cuda and _triton_usable():
+        return get_logprob_backend("triton")(logits, labels, **kwargs)
+    return vocab_parallel_logprobs(logits, labels, **kwargs)
+
+
 register_logprob_backend("torch", vocab_parallel_logprobs)
+register_logprob_backend("auto", _auto_logprobs)
