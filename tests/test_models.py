@@ -423,9 +423,8 @@ def _naive_attention(q, k, v, allowed, scale):
 def test_sdpa_core_attention_padding_and_packing_match_naive_loops():
     from rlhf_mcore.models.attention_ops import (
         dense_attention,
-        document_causal_mask,
         flex_block_mask,
-        packed_attention_dense,
+        packed_attention_per_document,
         packed_attention_flex,
     )
 
@@ -452,12 +451,14 @@ def test_sdpa_core_attention_padding_and_packing_match_naive_loops():
     cu = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
     t = 12
     qp, kp, vp = (torch.randn(t, n, d, generator=g) for n in (nh, ng, ng))
-    allowed = document_causal_mask(cu, t)
     want = torch.cat([
         _naive_attention(qp[a:e].transpose(0, 1), kp[a:e].transpose(0, 1), vp[a:e].transpose(0, 1),
                          torch.tril(torch.ones(e - a, e - a, dtype=torch.bool)), scale).transpose(0, 1)
         for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
-    assert allowed.sum() == sum(n * (n + 1) // 2 for n in (4, 3, 5))
-    assert torch.allclose(packed_attention_dense(qp, kp, vp, cu, scale), want, atol=1e-6)
+    assert torch.allclose(packed_attention_per_document(qp, kp, vp, cu, scale), want, atol=1e-6)
+    # trailing padding past cu_seqlens[-1] is its own causal segment; the documents are unchanged
+    qx, kx, vx = (torch.cat([x, torch.randn(3, *x.shape[1:], generator=g)]) for x in (qp, kp, vp))
+    out = packed_attention_per_document(qx, kx, vx, cu, scale)
+    assert out.shape == qx.shape and torch.allclose(out[:t], want, atol=1e-6) and torch.isfinite(out).all()
     flex = packed_attention_flex(qp, kp, vp, flex_block_mask(cu, t), scale, compiled=False)  # eager: forward only
     assert torch.allclose(flex, want, atol=1e-5)

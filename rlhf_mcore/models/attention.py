@@ -10,7 +10,7 @@ mask and multiplies again; it also refuses packed sequences. This module calls
   to attend to themselves, so they stay finite instead of NaN (their outputs are padding and never used);
 - packed sequences (`PackedSeqParams(qkv_format="thd")`, documents back to back, cu_seqlens): on GPU
   `flex_attention`, compiled, with a document-causal block mask; on CPU (where flex_attention has no backward)
-  SDPA with the equivalent dense document-causal mask;
+  one causal SDPA call per document;
 - grouped-query attention through `enable_gqa=True`: keys/values are never repeated in memory.
 
 Megatron's attention hands over query (sq, b, np, hn), key/value (sk, b, ng, hn) — or (t, np, hn) when
@@ -30,7 +30,7 @@ from megatron.core.transformer.module import MegatronModule
 from rlhf_mcore.models.attention_ops import (
     dense_attention,
     flex_block_mask,
-    packed_attention_dense,
+    packed_attention_per_document,
     packed_attention_flex,
 )
 
@@ -86,7 +86,7 @@ class SDPACoreAttention(MegatronModule):
                 cached = (cu, query.size(0), flex_block_mask(cu, query.size(0)))
                 params._rlhf_block_mask = cached
             return packed_attention_flex(query, key, value, cached[2], self.softmax_scale, compiled=True)
-        return packed_attention_dense(query, key, value, cu, self.softmax_scale, dropout_p)
+        return packed_attention_per_document(query, key, value, cu, self.softmax_scale, dropout_p)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         return {}  # no parameters
