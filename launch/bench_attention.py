@@ -28,14 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-QWEN25_05B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-              "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-              "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1e6,
-              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-              "use_sliding_window": False, "torch_dtype": "bfloat16"}
-TINY = {**QWEN25_05B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 1024, "torch_dtype": "float32"}
+from bench_shapes import QWEN25_05B, TINY, write_config  # noqa: E402
+
 WORKLOADS = {"4x1024x4": (4, 1024, 4), "2x4096x2": (2, 4096, 2)}
 TINY_WORKLOADS = {"2x32x2": (2, 32, 2), "1x64x2": (1, 64, 2)}
 
@@ -167,7 +163,7 @@ def main(argv=None) -> dict:
     print(json.dumps(report["env"]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
-        (model_dir / "config.json").write_text(json.dumps(shape))
+        write_config(shape, model_dir)
         for backend in args.backends:
             report["results"][backend] = bench(model_dir, state, backend, workloads, args.warmup, args.steps,
                                                shape["vocab_size"])

@@ -25,15 +25,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
-QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-                  max_position_embeddings=32768, rms_norm_eps=1e-6)
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6,
-            max_position_embeddings=4096, rms_norm_eps=1e-6)
+from bench_shapes import QWEN25_05B, TINY  # noqa: E402  (shapes: launch/bench_shapes.py)
 
 
 def write_config(shape: dict, out: Path, dtype: torch.dtype) -> Path:

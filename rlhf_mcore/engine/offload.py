@@ -39,7 +39,10 @@ def _unique(tensors, exclude: set[int] = frozenset()) -> list[torch.UntypedStora
 
 
 def _ddp_buffers(chunk):
-    return list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+    # Megatron's DDP keeps lists `buffers` / `expert_parallel_buffers`; on a bare module (the frozen reference)
+    # `buffers` is nn.Module's method
+    return [b for name in ("buffers", "expert_parallel_buffers")
+            if isinstance(getattr(chunk, name, None), (list, tuple)) for b in getattr(chunk, name)]
 
 
 def param_storages(chunks: list[torch.nn.Module]) -> list[torch.UntypedStorage]:

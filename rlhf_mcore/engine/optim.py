@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr", "ensure_tp_attributes"]
+__all__ = ["wrap_ddp", "build_optimizer", "use_fused_adam", "build_scheduler", "current_lr", "ensure_tp_attributes"]
 
 
 def ensure_tp_attributes(chunks: list[torch.nn.Module]) -> int:
@@ -89,7 +89,36 @@ def build_optimizer(ddp_chunks: list[torch.nn.Module], optim, use_distributed_op
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16, params_dtype=params_dtype,
         use_distributed_optimizer=use_distributed_optimizer)
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-    return get_megatron_optimizer(config, ddp_chunks, **kwargs)
+    optimizer = get_megatron_optimizer(config, ddp_chunks, **kwargs)
+    use_fused_adam(optimizer)
+    return optimizer
+
+
+def use_fused_adam(optimizer) -> int:
+    """Switch the torch Adam(W) inside a Megatron optimizer to its fused CUDA kernel; returns groups switched.
+
+    Without Transformer Engine or apex, megatron-core falls back to `torch.optim.AdamW` with the default
+    `foreach` implementation, which allocates temporaries as large as all the (fp32 master) parameters at every
+    step (`_foreach_sqrt` of the second moments, ...): 30 GB for a 7B model, the difference between fitting on one
+    141 GB GPU or not. `fused=True` updates in one kernel per chunk with no such temporaries (and is faster).
+    Only where every parameter of the group is on CUDA; CPU runs keep the default. Idempotent: call it again
+    after loading optimizer state (a checkpoint's param groups carry their own `fused` flag).
+    """
+    from rlhf_mcore.engine.offload import _torch_optimizers
+
+    switched = 0
+    for opt in _torch_optimizers(optimizer):
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            if group["params"] and all(p.is_cuda and p.dtype == torch.float32 for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+                for p in group["params"]:  # the fused kernel wants its step counters on the device, in fp32
+                    state = opt.state.get(p)
+                    if state and isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+                switched += 1
+    return switched
 
 
 def _warmup_steps(optim) -> int:

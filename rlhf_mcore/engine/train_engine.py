@@ -46,7 +46,14 @@ from rlhf_mcore.engine.micro_batches import (
     select_rows,
 )
 from rlhf_mcore.engine.offload import StorageOffloader, grad_storages, optimizer_storages, param_storages
-from rlhf_mcore.engine.optim import build_optimizer, build_scheduler, current_lr, ensure_tp_attributes, wrap_ddp
+from rlhf_mcore.engine.optim import (
+    build_optimizer,
+    build_scheduler,
+    current_lr,
+    ensure_tp_attributes,
+    use_fused_adam,
+    wrap_ddp,
+)
 
 __all__ = ["TrainEngine"]
 
@@ -128,7 +135,8 @@ class TrainEngine:
         """Log-probs and entropy of the response tokens under `softmax(logits / temperature)`.
 
         Returns `(log_probs (B, R), entropy (B, R) or None)`, fp32, zero where the response is padding, on
-        every rank of the model replica. `with_entropy` defaults to True for the actor, False for the ref.
+        every rank of the model replica, on the device of `batch["input_ids"]`. `with_entropy` defaults to True
+        for the actor, False for the ref.
         """
         if self.cfg.role == "critic":
             raise RuntimeError("a critic engine has no log-probs; call compute_values")
@@ -153,6 +161,7 @@ class TrainEngine:
 
     def _forward_only(self, batch: dict, collect, keys) -> dict[str, torch.Tensor]:
         self._require_onloaded()
+        home = batch["input_ids"].device  # results go back where the batch lives (the trainer keeps it on CPU)
         batch = self._to_device(batch)
         B, R = batch_size_of(batch), response_length_of(batch)
         seqlens = batch["attention_mask"].sum(-1).tolist()
@@ -178,7 +187,7 @@ class TrainEngine:
                 for k in keys:
                     out[k].index_copy_(0, r["index"], r[k].float())
         self._broadcast_from_last_stage(list(out.values()))
-        return out
+        return {k: v.to(home) for k, v in out.items()}
 
     # ------------------------------------------------------------------ training
 
@@ -358,6 +367,8 @@ class TrainEngine:
         self._require_onloaded()
         loaded = ckpt.load_checkpoint(path, self.modules, self.state, self.optimizer if load_optimizer else None,
                                       self.scheduler, load_optimizer=load_optimizer and self.optimizer is not None)
+        if self.optimizer is not None:
+            use_fused_adam(self.optimizer)  # loaded param groups carry the saving run's `fused` flag
         extra = loaded.get("extra") or {}
         self.global_steps = int(extra.get("global_steps", self.global_steps))
         return extra

@@ -1,0 +1,210 @@
+"""Actor-update MFU through the train engine's real update path: Qwen2.5 0.5B / 1.5B / 7B shapes, 1k and 4k tokens.
+
+    python launch/bench_mfu.py [--shapes 0.5b 1.5b 7b] [--seqs 1024 4096] [--steps 3] [--out FILE.json]
+    python launch/bench_mfu.py --tiny                      # CPU smoke run on a tiny shape
+
+What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
+`rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
+fp32 master weights), gradient clipping, LR schedule — and `update_policy` on a synthetic PPO batch: every
+sequence is `seq` tokens long (a quarter prompt, the rest response; random token ids, random advantages,
+old log-probs at the uniform-policy value), packed (THD, `use_remove_padding`, what the trainer runs) into
+micro-batches of `micro` sequences, one optimizer step per `update_policy` call (mini-batch = the whole batch).
+The loss is the PPO clipped policy loss with its log-probs computed by the engine's log-prob backend.
+
+Each shape runs in its own process (Megatron's global state, and an out-of-memory error stays contained). Per
+(shape, seq): median over `--steps` timed updates after `--warmup`, tokens/s, TFLOP/s and MFU from
+`rlhf_mcore.engine.flops` (causal attention FLOPs, activation recomputation not counted, 989 TFLOP/s dense bf16
+for an H200), peak memory (`torch.cuda.max_memory_allocated`).
+
+Memory settings per shape (`PLANS`): 0.5B and 1.5B train without activation recomputation; 7B on one GPU holds
+16 bytes a parameter before any activation (bf16 params 15.2 GB, fp32 grads 30.5, fp32 master 30.5, Adam 60.9 =
+137 GB of the H200's 150 GB; the distributed optimizer shards nothing at DP=1), so it recomputes activations
+(full, one layer at a time) and feeds 4k tokens a micro-batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_shapes import ALIASES, write_config  # noqa: E402
+from bench_shapes import shape as get_shape  # noqa: E402
+
+# per shape: recompute?, and per sequence length: (sequences per micro-batch, micro-batches per optimizer step)
+PLANS = {
+    "qwen2.5-0.5b": {"recompute": False, "seqs": {1024: (4, 16), 4096: (2, 8)}},
+    "qwen2.5-1.5b": {"recompute": False, "seqs": {1024: (4, 8), 4096: (1, 16)}},
+    "qwen2.5-7b": {"recompute": True, "seqs": {1024: (4, 4), 4096: (1, 4)}, "warmup": 1},
+    "tiny": {"recompute": False, "seqs": {32: (2, 2), 64: (1, 2)}},
+}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out + (" + working tree" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def synthetic_batch(n: int, seq: int, vocab: int, device, seed: int = 0) -> dict:
+    """n sequences of `seq` tokens: prompt seq//4, response the rest; what update_policy reads."""
+    import torch
+
+    P = max(1, seq // 4)
+    R = seq - P
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    return {k: v.to(device) for k, v in {
+        "input_ids": ids, "attention_mask": torch.ones(n, seq, dtype=torch.long),
+        "responses": ids[:, P:], "response_mask": torch.ones(n, R, dtype=torch.long),
+        "old_log_probs": torch.full((n, R), -math.log(vocab)) + 0.1 * torch.randn(n, R, generator=g),
+        "advantages": torch.randn(n, R, generator=g)}.items()}
+
+
+def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
+              layout: str) -> None:
+    """One shape, in this process: build the actor engine once, then time each sequence length."""
+    import torch
+
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.engine.builder import _recompute_overrides
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    state = init_distributed(tp=1, pp=1, seed=1)
+    on_gpu = state.device.type == "cuda"
+    s = get_shape(name)
+    plan = PLANS[name]
+    result = {"shape": name, "params": None, "recompute": plan["recompute"], "layout": layout,
+              "grad_buffer": "fp32", "optimizer": "megatron distributed (Adam, fp32 master)", "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(s, Path(tmp), dtype="bfloat16" if on_gpu else "float32")
+        t0 = time.perf_counter()
+        chunks = build_model(tmp, state, role="actor", load_weights=False,
+                             config_overrides=_recompute_overrides(plan["recompute"]) or None)
+        result["params"] = sum(p.numel() for c in chunks for p in c.parameters())
+        micro_sizes = {seq: (micro_override or plan["seqs"].get(seq, (1, 4))[0]) for seq in seqs}
+        n_micro = {seq: plan["seqs"].get(seq, (1, 4))[1] for seq in seqs}
+        ecfg = EngineConfig(role="actor", micro_batch_size=1, use_remove_padding=layout == "packed")
+        engine = TrainEngine(chunks, state, ecfg, OptimConfig(lr=1e-6))
+        result["build_s"] = time.perf_counter() - t0
+        result["static_mem_gib"] = torch.cuda.memory_allocated() / 2**30 if on_gpu else None
+        for seq in seqs:
+            mbs, nm = micro_sizes[seq], n_micro[seq]
+            n = mbs * nm
+            engine.cfg.micro_batch_size = engine.cfg.forward_micro_batch_size = mbs
+            engine.cfg.mini_batch_size = n
+            batch = synthetic_batch(n, seq, s["vocab_size"], state.device)
+            case = {"seq": seq, "micro_batch_seqs": mbs, "micro_batches": nm, "tokens_per_step": n * seq}
+            if on_gpu:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                rows = []
+                warm = min(warmup, plan.get("warmup", warmup))  # 7B: one warm-up step is enough (and costly)
+                for i in range(warm + steps):
+                    m = engine.update_policy(batch)
+                    if i >= warm:
+                        rows.append(m)
+                    print(f"{name} seq {seq} step {i}: {m['perf/actor/update_s']:.3f} s "
+                          f"{m['perf/actor/tokens_per_s']:.0f} tok/s mfu {m.get('perf/actor/mfu', float('nan')):.3f}",
+                          flush=True)
+                step_s = statistics.median(r["perf/actor/update_s"] for r in rows)
+                tflops = statistics.median(r["perf/actor/tflops_per_gpu"] for r in rows)
+                case.update(step_s=step_s, tokens_per_s=n * seq / step_s, tflops=tflops,
+                            mfu=statistics.median(r["perf/actor/mfu"] for r in rows) if "perf/actor/mfu" in rows[0]
+                            else None, loss=rows[-1].get("actor/pg_loss"), grad_norm=rows[-1].get("actor/grad_norm"),
+                            step_times=[r["perf/actor/update_s"] for r in rows])
+            except torch.cuda.OutOfMemoryError as e:  # recorded: "what fits" is a result too
+                case["error"] = f"out of memory: {str(e).splitlines()[0]}"
+                print(f"{name} seq {seq}: {case['error']}", flush=True)
+            if on_gpu:
+                case["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                case["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            result["cases"][str(seq)] = case
+            out.write_text(json.dumps(result, indent=1))  # partial results survive a later crash
+            del batch
+            if on_gpu:
+                torch.cuda.empty_cache()
+    destroy_distributed()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=None, help="0.5b 1.5b 7b (default all; --tiny: tiny)")
+    p.add_argument("--seqs", type=int, nargs="+", default=None, help="tokens a sequence (default 1024 4096)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro", type=int, default=None, help="sequences a micro-batch (default: per shape plan)")
+    p.add_argument("--layout", choices=("packed", "padded"), default="packed")
+    p.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke run)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per shape")
+    p.add_argument("--out", default=None)
+    p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.one_shape:
+        run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro, args.layout)
+        return {}
+
+    import torch
+
+    shapes = ["tiny"] if args.tiny else [ALIASES.get(x, x) for x in (args.shapes or ["0.5b", "1.5b", "7b"])]
+    for name in shapes:
+        get_shape(name)  # unknown names fail here, with the choices
+    report = {"benchmark": "actor_update_mfu", "commit": git_commit(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "peak_tflops": 989 if torch.cuda.is_available() else None, "results": {}}
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                                  "expandable_segments:True"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in shapes:
+            seqs = args.seqs or list(PLANS[name]["seqs"])
+            child_out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, __file__, "--one-shape", name, "--child-out", str(child_out), "--seqs",
+                   *map(str, seqs), "--warmup", str(args.warmup), "--steps", str(args.steps), "--layout", args.layout]
+            if args.micro:
+                cmd += ["--micro", str(args.micro)]
+            t0 = time.time()
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            res = json.loads(child_out.read_text()) if child_out.is_file() else {"shape": name, "cases": {}}
+            res["returncode"], res["seconds"] = rc, time.time() - t0
+            report["results"][name] = res
+    print(f"\n{report['device']}  torch {report['torch']}  commit {report['commit']}")
+    print(f"{'shape':<14} {'seq':>5} {'micro':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  note")
+    for name, res in report["results"].items():
+        for seq, c in res.get("cases", {}).items():
+            mfu = c.get("mfu")
+            print(f"{name:<14} {seq:>5} {c['micro_batch_seqs']:>3}x{c['micro_batches']:<3} "
+                  f"{c.get('tokens_per_s', float('nan')):>9.0f} {c.get('tflops', float('nan')):>8.1f} "
+                  f"{'n/a' if mfu is None else f'{mfu:.1%}':>6} {c.get('peak_mem_gib') or float('nan'):>9.1f}  "
+                  f"{c.get('error', '')}")
+        if res.get("returncode") not in (0, None):
+            print(f"{name:<14} process ended with {res['returncode']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

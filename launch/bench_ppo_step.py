@@ -1,0 +1,342 @@
+"""One RL step of the real trainer, timed phase by phase: the GSM8K PPO run, or a GRPO step of TRL's workload.
+
+    python launch/bench_ppo_step.py --workload gsm8k_ppo [--steps 1] [--profile] [--out FILE.json]
+    python launch/bench_ppo_step.py --workload trl_grpo  [--steps 2] [--out FILE.json]
+    python launch/bench_ppo_step.py --workload gsm8k_ppo --tiny            # CPU smoke run on a tiny shape
+
+What runs: `rlhf_mcore.trainer.RLTrainer`, unchanged, on one GPU, for 1 warm-up step + `--steps` timed steps
+(+ one profiled step with `--profile`). Only the observation is added: the trainer's engines, rollout engine
+and reward scorer are wrapped so each call is timed (with a device synchronisation on both sides), and the
+trainer's own `timing_s/*` metrics are kept. Nothing else is changed; checkpointing, validation and the final
+export are switched off by config (save_freq/test_freq -1) or skipped (`export_final`).
+
+Model: a random-weight Qwen2.5-0.5B-shaped HF directory with a tokenizer (`bench_shapes.tokenizer_model_dir`:
+the exact 0.5B shape; a byte-level BPE tokenizer of 8,192 tokens trained on GSM8K text, so prompts have GSM8K's
+real length; the chat template is Qwen's ChatML). Data: the vendored GSM8K train split in veRL's schema.
+
+Workloads:
+- `gsm8k_ppo`: configs/gsm8k_ppo_qwen2.5_0.5b.yaml (256 prompts, prompt <= 512, response <= 512, actor +
+  critic (GAE), mini-batch 64, micro-batch 4, log-prob micro-batch 8 / 4), vocabulary 151,936, plus a reference
+  policy (`algorithm.use_kl_in_reward=true`, the config's kl_coef 0.001): DESIGN.md's target step is actor +
+  critic + reference, and the config by itself builds no reference (no KL term would read it).
+  Response length: a random-weight model samples its eos token with probability ~1/151,936 a token, so every
+  response runs to the 512-token cap — the worst case of the config and the "512 + 512 tokens" of DESIGN.md's
+  target (a trained Instruct model's GSM8K responses are ~200-300 tokens: the real step is shorter).
+- `trl_grpo`: TRL's GRPO workload from DESIGN.md (64 prompts x 8 samples, up to 256 new tokens, no reference
+  model, one optimizer step a step) on configs/gsm8k_grpo_qwen2.5_0.5b.yaml with those overrides and the same
+  model with a vocabulary of 8,192 (as TRL was measured); responses run to 256 tokens for the same reason.
+  launch/bench_trl.py runs TRL's GRPOTrainer on the same model directory and prompts.
+
+Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rollout/reward`, `rollout/offload`
++ `rollout/onload` (training state off/on the GPU around generation), `rollout/wake_sleep`; `old_log_prob`,
+`ref`, `values`; `adv`; `critic_update`, `actor_update`; `sync`; `step` (the trainer's whole step).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_shapes import shape as get_shape  # noqa: E402
+from bench_shapes import tokenizer_model_dir  # noqa: E402
+
+WORKLOADS = {
+    # the config as is, plus the reference policy (a KL penalty in the reward at the config's kl_coef 0.001):
+    # DESIGN.md's step is "actor + critic + reference"; the config alone builds no reference (no KL term uses it)
+    "gsm8k_ppo": {"config": "configs/gsm8k_ppo_qwen2.5_0.5b.yaml", "vocab": None,
+                  "overrides": ["algorithm.use_kl_in_reward=true"]},
+    "trl_grpo": {"config": "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "vocab": 8192, "overrides": [
+        "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8", "data.max_response_length=256",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.rollout.max_num_seqs=512"]},
+}
+# the CPU smoke run: same code, tiny everything
+TINY_OVERRIDES = {
+    "gsm8k_ppo": ["data.train_batch_size=4", "data.max_train_samples=64", "data.max_response_length=16",
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
+    "trl_grpo": ["data.train_batch_size=2", "data.max_train_samples=64", "actor_rollout_ref.rollout.n=2",
+                 "data.max_response_length=16", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024"],
+}
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(obj, method: str, key: str, sink: dict) -> None:
+    """Replace `obj.method` by a wrapper adding its wall time (device-synchronised) to `sink[key]`."""
+    fn = getattr(obj, method)
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        _sync()
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            _sync()
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, method, wrapper)
+
+
+def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
+    """Top kernels/ops by self device time, and a summary (device-busy fraction, categories)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    rows = []
+    for e in prof.key_averages():
+        if on_gpu:
+            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        else:  # CPU smoke run: op times stand in for kernel times
+            t = e.self_cpu_time_total
+        if t and t > 0:
+            rows.append((e.key, e.count, t / 1e6))
+    rows.sort(key=lambda r: -r[2])
+    busy = sum(r[2] for r in rows)
+    cats = {"gemm": ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "wgmma"),
+            "attention": ("flex", "attention", "fmha", "flash", "sdpa"),
+            "triton (fused/compiled)": ("triton",), "memcpy/memset": ("memcpy", "memset"),
+            "nccl": ("nccl",), "reduce/softmax": ("reduce", "softmax", "norm"),
+            "elementwise": ("elementwise", "vectorized", "unrolled")}
+    by_cat: dict[str, float] = {}
+    for name, _, t in rows:
+        low = name.lower()
+        cat = next((c for c, keys in cats.items() if any(k in low for k in keys)), "other")
+        by_cat[cat] = by_cat.get(cat, 0.0) + t
+    lines = [f"profiled step wall {wall_s:.2f} s; device busy (sum of kernel time) {busy:.2f} s = "
+             f"{busy / max(wall_s, 1e-9):.0%} of wall", "", "by category:"]
+    for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):
+        lines.append(f"  {c:<26} {t:8.3f} s  {t / max(busy, 1e-9):6.1%}")
+    lines += ["", f"{'self device s':>13} {'%':>6} {'calls':>8}  kernel / op"]
+    for name, count, t in rows[:top]:
+        lines.append(f"{t:13.3f} {t / max(busy, 1e-9):6.1%} {count:8d}  {name[:110]}")
+    summary = {"wall_s": wall_s, "device_busy_s": busy, "by_category_s": by_cat,
+               "top": [{"name": n[:200], "calls": c, "self_device_s": t} for n, c, t in rows[:top]]}
+    return "\n".join(lines), summary
+
+
+def make_trainer_class():
+    from rlhf_mcore.trainer.rl_trainer import RLTrainer
+
+    class BenchTrainer(RLTrainer):
+        """RLTrainer + per-call timings and an optional profiled step; the loop itself is the base class's."""
+
+        def instrument(self, profile_step: int | None, profile_cuda_only: bool = True):
+            self.sub: dict[str, float] = {}
+            self.records: list[dict] = []
+            self.profile_step, self.profile_cuda_only, self.prof, self.profile_summary = (
+                profile_step, profile_cuda_only, None, None)
+            self.profile_text = ""
+            s = self.sub
+            timed(self.rollout, "generate", "rollout/generate", s)
+            timed(self.rollout, "wake", "rollout/wake_sleep", s)
+            timed(self.rollout, "sleep", "rollout/wake_sleep", s)
+            timed(self.scorer, "score", "rollout/reward", s)
+            timed(self.actor, "compute_log_probs", "old_log_prob", s)
+            timed(self.actor, "update_policy", "actor_update", s)
+            for e in (self.actor, self.ref, self.critic):
+                if e is not None:
+                    timed(e, "offload", "rollout/offload", s)
+                    timed(e, "onload", "rollout/onload", s)
+            if self.ref is not None:
+                timed(self.ref, "compute_log_probs", "ref", s)
+            if self.critic is not None:
+                timed(self.critic, "compute_values", "values", s)
+                timed(self.critic, "update_critic", "critic_update", s)
+
+        def plan(self):
+            import torch
+
+            self.sub.clear()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            if self.step == self.profile_step:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+                if not self.profile_cuda_only:
+                    acts.append(ProfilerActivity.CPU)
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+                self._prof_t0 = time.perf_counter()
+            return super().plan()
+
+        def finish_step(self, batch, step_metrics, timer):
+            import torch
+
+            if self.prof is not None:
+                _sync()
+                wall = time.perf_counter() - self._prof_t0
+                self.prof.__exit__(None, None, None)
+                t0 = time.perf_counter()
+                self.profile_text, self.profile_summary = kernel_table(self.prof, wall)
+                self.profile_summary["analysis_s"] = time.perf_counter() - t0
+                self.prof = None
+            metrics = super().finish_step(batch, step_metrics, timer)
+            mask = batch["response_mask"]
+            rec = {"step": self.step, "profiled": self.step == self.profile_step,
+                   "phases_s": dict(self.sub), "trainer_timing_s": {k: v for k, v in timer.seconds.items()},
+                   "sequences": int(mask.shape[0]), "response_tokens": int(mask.sum()),
+                   "total_tokens": int(batch["attention_mask"].sum()),
+                   "response_length_mean": float(mask.sum(1).float().mean()),
+                   "response_length_max": int(mask.sum(1).max()),
+                   "prompt_length_mean": float((batch["attention_mask"].sum(1) - mask.sum(1)).float().mean()),
+                   "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+                   "metrics": {k: v for k, v in metrics.items() if k.startswith(("perf/", "timing_s/", "sync/"))}}
+            self.records.append(rec)
+            if getattr(self, "partial_out", None):  # steps so far survive a later crash or timeout
+                Path(self.partial_out).write_text(json.dumps({"partial": True, "steps": self.records}, indent=1))
+            shown = {**rec["phases_s"], "step": timer.seconds["step"]}
+            print(f"[bench] step {self.step}: " + json.dumps({k: round(v, 3) for k, v in shown.items()}), flush=True)
+            return metrics
+
+        def export_final(self):  # a benchmark keeps no model
+            pass
+
+    return BenchTrainer
+
+
+def patch_flex_dynamic() -> dict:
+    """Bench-only experiment (`--flex-dynamic`): compile the packed-attention flex_attention with dynamic shapes.
+
+    `rlhf_mcore.models.attention_ops` compiles it with `dynamic=False`, so every new packed length (each
+    micro-batch of an RL step has its own) recompiles, and after dynamo's recompile limit (8) the call falls back
+    to eager flex_attention (a materialised score matrix). This swaps in `dynamic=True` (one symbolic-shape
+    kernel), keeping the static one as a fallback should the dynamic compile raise. Returns what it did."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import rlhf_mcore.models.attention_ops as ops
+
+    info = {"applied": hasattr(ops, "_COMPILED_FLEX"), "dynamic_failed": None}
+    if not info["applied"]:
+        return info
+    dynamic, static = torch.compile(flex_attention, dynamic=True), torch.compile(flex_attention, dynamic=False)
+
+    def compiled(*a, **kw):
+        if info["dynamic_failed"] is None:
+            try:
+                return dynamic(*a, **kw)
+            except Exception as e:  # noqa: BLE001 - recorded; the static path is what the code does anyway
+                info["dynamic_failed"] = repr(e)[:500]
+        return static(*a, **kw)
+
+    ops._COMPILED_FLEX = compiled
+    return info
+
+
+def dynamo_counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+        return {k: {str(kk): vv for kk, vv in list(v.items())[:30]} for k, v in counters.items() if v}
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        return {"error": repr(e)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsm8k_ppo")
+    p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler (kernel table)")
+    p.add_argument("--tiny", action="store_true", help="tiny shape and batch (CPU smoke run)")
+    p.add_argument("--model-dir", default=None, help="reuse/create the model directory here (default: temporary)")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--profile-out", default=None, help="kernel table (text); default next to --out")
+    p.add_argument("--flex-dynamic", action="store_true",
+                   help="experiment: packed flex_attention compiled with dynamic shapes (see patch_flex_dynamic)")
+    p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from rlhf_mcore.config import load_config, model_max_positions, validate_config
+    from rlhf_mcore.data import preprocess_gsm8k
+
+    w = WORKLOADS[args.workload]
+    vocab = {"vocab_size": w["vocab"]} if w["vocab"] else {}
+    s = get_shape("tiny" if args.tiny else "qwen2.5-0.5b", **({} if args.tiny else vocab))
+    on_gpu = torch.cuda.is_available()
+    tmp = tempfile.TemporaryDirectory(prefix="bench_step_")
+    model_dir = Path(args.model_dir or Path(tmp.name) / "model")
+    t0 = time.perf_counter()
+    tokenizer_model_dir(s, model_dir, tokenizer_vocab=None,
+                        dtype="bfloat16" if on_gpu else "float32")
+    model_s = time.perf_counter() - t0
+    data = preprocess_gsm8k(output_dir=Path(tmp.name) / "gsm8k")
+    n_steps = 1 + args.steps + (1 if args.profile else 0)
+    overrides = [f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
+                 f"data.train_files=[{data['train']['path']}]", "data.val_files=[]",
+                 f"trainer.total_training_steps={n_steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                 "trainer.val_before_train=false", "trainer.logger=[console]", "trainer.resume_mode=disable",
+                 f"trainer.default_local_dir={Path(tmp.name) / 'run'}", "data.max_train_samples=4096",
+                 *w["overrides"], *(TINY_OVERRIDES[args.workload] if args.tiny else []), *args.overrides]
+    cfg = load_config(ROOT / w["config"], overrides)
+    validate_config(cfg, 1, model_max_positions(str(model_dir)))
+    flex_patch = patch_flex_dynamic() if args.flex_dynamic else None
+    Trainer = make_trainer_class()
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    init_s = time.perf_counter() - t0
+    trainer.instrument(profile_step=n_steps if args.profile else None)
+    trainer.partial_out = args.out
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+    finally:
+        fit_s = time.perf_counter() - t0
+        trainer.close()
+    recs = trainer.records
+    timed_recs = [r for r in recs[1:] if not r["profiled"]] or recs[-1:]
+    phases = sorted({k for r in timed_recs for k in r["phases_s"]})
+    median = {k: statistics.median(r["phases_s"].get(k, 0.0) for r in timed_recs) for k in phases}
+    median["step"] = statistics.median(r["trainer_timing_s"]["step"] for r in timed_recs)
+    for k in ("plan", "adv", "sync", "gen", "old_log_prob", "update"):
+        median[f"trainer/{k}"] = statistics.median(r["trainer_timing_s"].get(k, 0.0) for r in timed_recs)
+    report = {
+        "benchmark": f"rl_step_{args.workload}", "workload": args.workload, "config": w["config"],
+        "overrides": overrides, "shape": s, "tiny": args.tiny,
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
+        "model_build_s": model_s, "trainer_init_s": init_s, "fit_s": fit_s,
+        "step_s": median["step"], "phases_median_s": median, "steps": recs,
+        "tokens_per_step": timed_recs[-1]["total_tokens"],
+        "response_tokens_per_step": timed_recs[-1]["response_tokens"],
+        "dynamo_counters": dynamo_counters(), "flex_dynamic_patch": flex_patch,
+    }
+    if trainer.profile_summary is not None:
+        report["profile"] = trainer.profile_summary
+    print(f"\n{args.workload}: {report['device']}  step {median['step']:.2f} s (median of {len(timed_recs)} timed, "
+          f"after 1 warm-up); {report['tokens_per_step']} tokens, {report['response_tokens_per_step']} generated")
+    for k, v in median.items():
+        print(f"  {k:<22} {v:8.3f} s")
+    if trainer.profile_text:
+        print("\n" + trainer.profile_text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        prof_out = args.profile_out or (str(Path(args.out).with_suffix("")) + "_profile.txt")
+        if trainer.profile_text:
+            Path(prof_out).write_text(trainer.profile_text + "\n")
+    tmp.cleanup()
+    return report
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing's writer spawns processes
+    main()

@@ -1,0 +1,102 @@
+"""Model shapes and random-weight model directories shared by every benchmark script (one place, not one copy each).
+
+    from bench_shapes import SHAPES, TINY, shape, write_config, random_model_dir, tokenizer_model_dir
+
+Shapes are `transformers.Qwen2Config` keyword arguments (Qwen2.5 family: QKV bias, RMSNorm, SwiGLU, RoPE theta
+1e6), copied from the published config.json files of Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct. `TINY` is the CPU smoke
+shape every script runs under `--tiny`.
+
+- `write_config`: config.json only (Megatron builds with random init; nothing loads weights);
+- `random_model_dir`: config + safetensors (transformers' random init, seeded), no tokenizer (rollout, sync);
+- `tokenizer_model_dir`: a full HF directory with a tokenizer (the trainer and TRL need one), through
+  `rlhf_mcore.models.tiny.make_tiny_model` at the requested shape: a byte-level BPE trained on GSM8K text
+  (vocabulary `tokenizer_vocab`, smaller than the model's, as in Qwen) and a ChatML template.
+
+Scripts import this module as `bench_shapes` (they run as `python launch/bench_x.py`, so launch/ is on the path).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_COMMON = dict(rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu",
+               use_sliding_window=False)
+
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, **_COMMON),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, **_COMMON),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, **_COMMON),
+}
+TINY: dict = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=1024, tie_word_embeddings=True,
+                  **{**_COMMON, "max_position_embeddings": 4096})
+SHAPES["tiny"] = TINY
+QWEN25_05B = SHAPES["qwen2.5-0.5b"]
+ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b"}
+
+
+def shape(name: str, **overrides) -> dict:
+    """The shape called `name` (or an alias: 0.5b, 1.5b, 7b, tiny), with `overrides` (e.g. vocab_size=8192)."""
+    key = ALIASES.get(name, name)
+    if key not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; choose one of {sorted(SHAPES) + sorted(ALIASES)}")
+    return {**SHAPES[key], **overrides}
+
+
+def num_params(s: dict) -> int:
+    """Parameters of a Qwen2-style model of shape `s` (embeddings counted once when tied)."""
+    h, L, V, f = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"], s["intermediate_size"]
+    d = h // s["num_attention_heads"]
+    q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
+    attn = h * (q + 2 * kv) + (q + 2 * kv) + q * h  # QKV (+ bias) and the output projection
+    layer = attn + 3 * h * f + 2 * h  # SwiGLU MLP and two RMSNorm weights
+    return L * layer + V * h * (1 if s["tie_word_embeddings"] else 2) + h
+
+
+def write_config(s: dict, out: Path, dtype: str = "bfloat16") -> Path:
+    """config.json of a Qwen2 model of shape `s` (no weights)."""
+    from transformers import Qwen2Config
+
+    out = Path(out)
+    cfg = Qwen2Config(**s, bos_token_id=0, eos_token_id=1, pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+    cfg.dtype = dtype
+    cfg.save_pretrained(out)
+    return out
+
+
+def random_model_dir(s: dict, out: Path, device, dtype, seed: int = 0) -> Path:
+    """Random-weight Qwen2 model (transformers init, seed `seed`) saved as an HF directory (no tokenizer)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**s, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out)
+    del model
+    return Path(out)
+
+
+def tokenizer_model_dir(s: dict, out: Path, *, tokenizer_vocab: int | None = None, dtype: str = "bfloat16",
+                        seed: int = 0, init_std: float = 0.02) -> Path:
+    """A complete HF directory (weights, tokenizer, chat template) of shape `s`; reused when `out` holds one
+    with the same shape (a marker file records it)."""
+    from rlhf_mcore.models.tiny import make_tiny_model
+
+    out = Path(out)
+    marker = out / "bench_shape.json"
+    want = {"shape": s, "tokenizer_vocab": tokenizer_vocab, "dtype": dtype, "seed": seed, "init_std": init_std}
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return out
+    tok_vocab = tokenizer_vocab or min(8192, s["vocab_size"] - max(1, s["vocab_size"] // 16))
+    make_tiny_model(out, arch="qwen2", layers=s["num_hidden_layers"], hidden=s["hidden_size"],
+                    heads=s["num_attention_heads"], kv_heads=s["num_key_value_heads"], vocab=s["vocab_size"],
+                    intermediate=s["intermediate_size"], seed=seed, tie_word_embeddings=s["tie_word_embeddings"],
+                    dtype=dtype, tokenizer_vocab=tok_vocab, max_position_embeddings=s["max_position_embeddings"],
+                    init_std=init_std)
+    marker.write_text(json.dumps(want))
+    return out
