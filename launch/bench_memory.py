@@ -9,8 +9,9 @@ fp32 gradient buffer, distributed optimizer (fp32 master weights + Adam; nothing
 activation recomputation, packed micro-batches of `--micro-tokens` tokens (token budget).
 
 Computed (always): bytes per component and what is resident in each phase, for two plans:
-- `trainer_today`: what `rlhf_mcore.trainer` does now (roles.colocated_rollout): during generation every engine
-  moves gradients + optimizer state to the host (parameters stay), the rollout engine sleeps at level 1 after
+- `trainer_today`: what `rlhf_mcore.trainer` does now (roles.colocated_rollout) with the actor's
+  `megatron.grad_offload` + `optimizer_offload` set (offloading is opt-in): during generation the actor moves
+  gradients + optimizer state to the host (parameters stay), the rollout engine sleeps at level 1 after
   generation (KV cache freed, weights kept), the reference stays resident, weights are synced right after the
   update;
 - `fits_7b`: what a 7B step on one H200 needs: the rollout engine sleeps at level 2 (weights dropped: they are

@@ -28,7 +28,8 @@ Workloads:
   launch/bench_trl.py runs TRL's GRPOTrainer on the same model directory and prompts.
 
 Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rollout/reward`, `rollout/offload`
-+ `rollout/onload` (training state off/on the GPU around generation), `rollout/wake_sleep`; `old_log_prob`,
++ `rollout/onload` (training state off/on the GPU around generation; only
+when the config sets `megatron.*_offload`), `rollout/wake_sleep`; `old_log_prob`,
 `ref`, `values`; `adv`; `critic_update`, `actor_update`; `sync`; `step` (the trainer's whole step).
 """
 from __future__ import annotations
@@ -215,35 +216,6 @@ def make_trainer_class():
     return BenchTrainer
 
 
-def patch_flex_dynamic() -> dict:
-    """Bench-only experiment (`--flex-dynamic`): compile the packed-attention flex_attention with dynamic shapes.
-
-    `rlhf_mcore.models.attention_ops` compiles it with `dynamic=False`, so every new packed length (each
-    micro-batch of an RL step has its own) recompiles, and after dynamo's recompile limit (8) the call falls back
-    to eager flex_attention (a materialised score matrix). This swaps in `dynamic=True` (one symbolic-shape
-    kernel), keeping the static one as a fallback should the dynamic compile raise. Returns what it did."""
-    import torch
-    from torch.nn.attention.flex_attention import flex_attention
-
-    import rlhf_mcore.models.attention_ops as ops
-
-    info = {"applied": hasattr(ops, "_COMPILED_FLEX"), "dynamic_failed": None}
-    if not info["applied"]:
-        return info
-    dynamic, static = torch.compile(flex_attention, dynamic=True), torch.compile(flex_attention, dynamic=False)
-
-    def compiled(*a, **kw):
-        if info["dynamic_failed"] is None:
-            try:
-                return dynamic(*a, **kw)
-            except Exception as e:  # noqa: BLE001 - recorded; the static path is what the code does anyway
-                info["dynamic_failed"] = repr(e)[:500]
-        return static(*a, **kw)
-
-    ops._COMPILED_FLEX = compiled
-    return info
-
-
 def dynamo_counters() -> dict:
     try:
         from torch._dynamo.utils import counters
@@ -261,8 +233,6 @@ def main(argv=None) -> dict:
     p.add_argument("--model-dir", default=None, help="reuse/create the model directory here (default: temporary)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--profile-out", default=None, help="kernel table (text); default next to --out")
-    p.add_argument("--flex-dynamic", action="store_true",
-                   help="experiment: packed flex_attention compiled with dynamic shapes (see patch_flex_dynamic)")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
     args = p.parse_args(argv)
 
@@ -291,7 +261,6 @@ def main(argv=None) -> dict:
                  *w["overrides"], *(TINY_OVERRIDES[args.workload] if args.tiny else []), *args.overrides]
     cfg = load_config(ROOT / w["config"], overrides)
     validate_config(cfg, 1, model_max_positions(str(model_dir)))
-    flex_patch = patch_flex_dynamic() if args.flex_dynamic else None
     Trainer = make_trainer_class()
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
@@ -319,7 +288,7 @@ def main(argv=None) -> dict:
         "step_s": median["step"], "phases_median_s": median, "steps": recs,
         "tokens_per_step": timed_recs[-1]["total_tokens"],
         "response_tokens_per_step": timed_recs[-1]["response_tokens"],
-        "dynamo_counters": dynamo_counters(), "flex_dynamic_patch": flex_patch,
+        "dynamo_counters": dynamo_counters(),
     }
     if trainer.profile_summary is not None:
         report["profile"] = trainer.profile_summary

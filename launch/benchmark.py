@@ -68,15 +68,14 @@ def plan(tiny: bool, args, model_dir: Path) -> dict:
     """name -> (script, extra args). `model_dir`: the 0.5B / vocab-8192 directory shared by grpo_step and trl."""
     t = ["--tiny"] if tiny else []
     steps = [] if args.steps is None else ["--steps", str(args.steps)]
-    flex = ["--flex-dynamic"] if args.flex_dynamic else []
     rl_steps = 2 if args.rl_steps is None else args.rl_steps  # timed RL steps after the warm-up step
     mfu_shapes = [] if tiny or not args.mfu_shapes else ["--shapes", *args.mfu_shapes]
     return {
         "mfu": ("bench_mfu.py", [*t, *mfu_shapes, *steps]),
         "ppo_step": ("bench_ppo_step.py", ["--workload", "gsm8k_ppo", *t, *([] if args.no_profile else ["--profile"]),
-                                           "--steps", str(rl_steps), *flex]),
+                                           "--steps", str(rl_steps)]),
         "grpo_step": ("bench_ppo_step.py", ["--workload", "trl_grpo", *t, "--model-dir", str(model_dir),
-                                            "--steps", str(max(1, rl_steps)), *flex]),
+                                            "--steps", str(max(1, rl_steps))]),
         "trl": ("bench_trl.py", [*t, "--model-dir", str(model_dir), "--steps", str(max(1, rl_steps) + 1)]),
         "memory": ("bench_memory.py", [*t, *([] if args.no_measure else ["--measure"])]),
         "rollout": ("bench_rollout.py", t),
@@ -166,7 +165,6 @@ def main(argv=None) -> int:
     ap.add_argument("--mfu-shapes", nargs="+", default=None, help="e.g. 0.5b 1.5b 7b (default all)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled PPO step")
     ap.add_argument("--no-measure", action="store_true", help="memory: the computed plan only")
-    ap.add_argument("--flex-dynamic", action="store_true", help="RL steps: the dynamic-shape flex_attention experiment")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per benchmark")
     args = ap.parse_args(argv)
     out_dir = (ROOT / args.out_dir) if not Path(args.out_dir).is_absolute() else Path(args.out_dir)

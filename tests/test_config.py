@@ -67,6 +67,21 @@ def test_shipped_configs_load_and_validate():
         validate_config(cfg, world_size=world)
 
 
+def test_offload_is_opt_in_small_configs_keep_everything_on_the_gpu():
+    """veRL's megatron.*_offload flags decide what leaves the GPU around generation: the 0.5B configs move
+    nothing (it fits with room to spare), the 7B 8-GPU config moves the actor's params, grads and optimizer."""
+    def flags(m):
+        return (m.param_offload, m.grad_offload, m.optimizer_offload)
+
+    assert flags(load_config(None, MODEL).actor_rollout_ref.actor.megatron) == (False, False, False)
+    for name in ("gsm8k_ppo_qwen2.5_0.5b.yaml", "gsm8k_grpo_qwen2.5_0.5b.yaml"):
+        cfg = load_config(ROOT / "configs" / name, [])
+        for m in (cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.ref.megatron, cfg.critic.megatron):
+            assert flags(m) == (False, False, False), name
+    cfg = load_config(ROOT / "configs" / "gsm8k_grpo_qwen2.5_7b_8gpu.yaml", [])
+    assert flags(cfg.actor_rollout_ref.actor.megatron) == (True, True, True)
+
+
 @pytest.mark.parametrize("override,fragments", [
     ("data.train_batchsize=4", ["unknown config key 'data.train_batchsize'", "section 'data'",
                                 "Did you mean 'data.train_batch_size'"]),

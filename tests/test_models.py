@@ -462,3 +462,44 @@ def test_sdpa_core_attention_padding_and_packing_match_naive_loops():
     assert out.shape == qx.shape and torch.allclose(out[:t], want, atol=1e-6) and torch.isfinite(out).all()
     flex = packed_attention_flex(qp, kp, vp, flex_block_mask(cu, t), scale, compiled=False)  # eager: forward only
     assert torch.allclose(flex, want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_one_graph_for_every_packed_length():
+    """The compiled packed attention (dynamic shapes) must not recompile per packed length: with static shapes
+    every micro-batch length recompiled and dynamo fell back to eager flex_attention after 8. Lengths that are
+    and are not multiples of the 128-token block give the per-document result. On CPU the inductor kernel is
+    forward-only (log-prob path); on CUDA the backward is checked too."""
+    from torch._dynamo.utils import counters
+
+    from rlhf_mcore.models.attention_ops import (
+        flex_block_mask,
+        packed_attention_flex,
+        packed_attention_per_document,
+    )
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    nh, ng, d, scale = 4, 2, 16, 0.25
+    graphs = {}
+    for docs in ([0, 100, 256, 300], [0, 10, 257], [0, 200, 400, 512], [0, 128, 999, 1000], [0, 700]):
+        t = docs[-1]
+        cu = torch.tensor(docs, dtype=torch.int32, device=dev)
+        q, k, v = (torch.randn(t, n, d, generator=g).to(dev) for n in (nh, ng, ng))
+        want = packed_attention_per_document(q, k, v, cu, scale)
+        mask = flex_block_mask(cu, t)
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            got = packed_attention_flex(q, k, v, mask, scale, compiled=True)
+        graphs["no_grad"] = graphs.get("no_grad", 0) + counters["stats"]["unique_graphs"] - before
+        assert torch.allclose(got, want, atol=1e-4), (t, (got - want).abs().max())
+        if dev.type == "cuda":
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            before = counters["stats"]["unique_graphs"]
+            packed_attention_flex(qg, kg, vg, mask, scale, compiled=True).square().sum().backward()
+            graphs["grad"] = graphs.get("grad", 0) + counters["stats"]["unique_graphs"] - before
+            qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+            packed_attention_per_document(qr, kr, vr, cu, scale).square().sum().backward()
+            for a, b in ((qg, qr), (kg, kr), (vg, vr)):
+                assert torch.allclose(a.grad, b.grad, atol=1e-3), (t, (a.grad - b.grad).abs().max())
+    assert all(n <= 1 for n in graphs.values()), f"recompiled per packed length: {graphs}"

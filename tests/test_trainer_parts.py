@@ -1,5 +1,5 @@
 """Trainer building blocks without models: checkpoint atomicity and pruning, the coordinator's plan, the batch
-layout, metric reduction and logging sinks."""
+layout, metric reduction and logging sinks, and what colocation offloads around generation."""
 import json
 import random
 from pathlib import Path
@@ -91,3 +91,58 @@ def test_metric_logger_writes_jsonl_and_tensorboard(tmp_path, capsys):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     out = capsys.readouterr().out
     assert "step 1/2" in out and "reward 0.500" in out
+
+
+class _Engine:
+    """Stands in for a TrainEngine: records offload/onload calls; flags as `build_engine` sets them."""
+
+    def __init__(self, log, name, params=False, grads=False, optimizer=False):
+        self.log, self.name = log, name
+        self.param_offload, self.grad_offload, self.optimizer_offload = params, grads, optimizer
+
+    def offload(self, **kw):
+        self.log.append(("offload", self.name, kw))
+
+    def onload(self, **kw):
+        self.log.append(("onload", self.name))
+
+
+class _Rollout:
+    def __init__(self, log):
+        self.log = log
+
+    def wake(self):
+        self.log.append(("wake",))
+
+    def sleep(self, level):
+        self.log.append(("sleep", level))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_colocated_rollout_offloads_only_what_the_config_asks(device, monkeypatch):
+    from types import SimpleNamespace
+
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.trainer import roles
+
+    monkeypatch.setattr(roles.torch.cuda, "synchronize", lambda *a, **k: None)
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/models/m"])
+
+    def trainer(actor, critic, ref):
+        return SimpleNamespace(state=SimpleNamespace(device=torch.device(device)), actor=actor, critic=critic,
+                               ref=ref, rollout=_Rollout(log), cfg=cfg)
+
+    log = []  # default flags (all off): nothing moves, on GPU as on CPU
+    with roles.colocated_rollout(trainer(_Engine(log, "actor"), _Engine(log, "critic"), _Engine(log, "ref"))):
+        log.append(("generate",))
+    assert log == [("wake",), ("generate",), ("sleep", 1)]
+
+    log = []  # the 7B config's actor flags, a reference parking its parameters, a critic keeping everything
+    t = trainer(_Engine(log, "actor", True, True, True), _Engine(log, "critic"), _Engine(log, "ref", params=True))
+    with roles.colocated_rollout(t):
+        log.append(("generate",))
+    assert log == [("offload", "actor", {"params": True, "grads": True, "optimizer": True}),
+                   ("offload", "ref", {"params": True, "grads": False, "optimizer": False}),
+                   ("wake",), ("generate",), ("sleep", 1), ("onload", "actor"), ("onload", "ref")]
+    assert roles.offload_plan(_Engine(log, "x", grads=True)) == {"params": False, "grads": True, "optimizer": False}
+

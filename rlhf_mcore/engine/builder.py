@@ -54,4 +54,5 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,
                          config_overrides=overrides or None)
     return TrainEngine(chunks, state, ecfg, optim, use_distributed_optimizer=megatron.use_distributed_optimizer,
-                       hf_dir=str(path), param_offload=megatron.param_offload)
+                       hf_dir=str(path), param_offload=megatron.param_offload,
+                       grad_offload=megatron.grad_offload, optimizer_offload=megatron.optimizer_offload)

@@ -71,12 +71,15 @@ class TrainEngine:
         vocab_size: the real vocabulary (without Megatron's padding); defaults to the chunks' `hf_shape`
             (set by `build_model`), else the GPTModel's (padded) `vocab_size`.
         hf_dir: the Hugging Face directory the model came from (for `save_hf`); defaults to the chunks' `hf_dir`.
-        param_offload: whether :meth:`offload` moves parameters by default (gradients and optimizer state always).
+        param_offload, grad_offload, optimizer_offload: the role's `megatron.*_offload` config flags: what the
+            trainer moves off the device around generation (:func:`rlhf_mcore.trainer.roles.colocated_rollout`);
+            `param_offload` is also what :meth:`offload` does with parameters when not told.
     """
 
     def __init__(self, chunks: list[torch.nn.Module], state, cfg: EngineConfig, optim=None, *,
                  use_distributed_optimizer: bool = True, vocab_size: Optional[int] = None,
-                 hf_dir: Optional[str] = None, param_offload: bool = False):
+                 hf_dir: Optional[str] = None, param_offload: bool = False, grad_offload: bool = False,
+                 optimizer_offload: bool = False):
         if not chunks:
             raise ValueError("TrainEngine needs at least one model chunk")
         self.state, self.cfg = state, cfg
@@ -94,7 +97,7 @@ class TrainEngine:
         self.vocab_size = vocab_size or (hf_shape.vocab_size if hf_shape is not None else None) or getattr(
             chunks[-1], "vocab_size", None)
         self.hf_dir = hf_dir or getattr(chunks[0], "hf_dir", None)
-        self.param_offload = param_offload
+        self.param_offload, self.grad_offload, self.optimizer_offload = param_offload, grad_offload, optimizer_offload
         # packed total / padded length must split evenly over TP ranks under sequence parallelism
         self._pad_multiple = state.dims.tp if getattr(self.model_config, "sequence_parallel", False) else 1
         self._explicit_mask = state.device.type != "cuda"  # Megatron's default causal mask is CUDA-only

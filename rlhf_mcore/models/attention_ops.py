@@ -85,18 +85,31 @@ def flex_block_mask(cu_seqlens: torch.Tensor, total: int):
     return create_block_mask(doc_causal, B=None, H=None, Q_LEN=total, KV_LEN=total, device=cu_seqlens.device)
 
 
+def compiled_flex_attention():
+    """`flex_attention` compiled once, with dynamic shapes (`dynamic=True`).
+
+    Every micro-batch of an RL step packs a different number of tokens. Compiled with static shapes, each new
+    packed length recompiled, and after dynamo's recompile limit (8) the call silently
+    fell back to eager flex_attention, which materialises the (T, T) score matrix. With symbolic lengths there
+    is one graph per grad mode (log-prob forward, training forward/backward) for every length above one
+    128-token block (a first call of at most 128 tokens adds one specialised graph). No padding is needed:
+    `create_block_mask` pads its block grid itself and the kernel bounds the last, partial block, so lengths
+    that are not multiples of the block size give the same results (tests/test_models.py checks both)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX
+
+
 def packed_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float,
                           compiled: bool) -> torch.Tensor:
     """Packed (THD) attention with flex_attention. q (T, np, hn), k/v (T, ng, hn) -> (T, np, hn).
     `compiled` uses the fused kernel (GPU); eager runs anywhere but has no backward on CPU."""
-    global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = flex_attention
-    if compiled:
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-        fn = _COMPILED_FLEX
+    fn = compiled_flex_attention() if compiled else flex_attention
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
              scale=scale, enable_gqa=q.size(1) != k.size(1))  # (1, np, T, hn)
     return out[0].transpose(0, 1)

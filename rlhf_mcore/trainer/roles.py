@@ -104,24 +104,37 @@ def train_sampling_params(cfg: RLConfig, engine, seed: int) -> SamplingParams:
                           max_new_tokens=cfg.data.max_response_length, seed=seed)
 
 
+def offload_plan(engine) -> dict[str, bool]:
+    """What `engine` moves to the host while the rollout generates: its role's `megatron.param_offload`,
+    `grad_offload` and `optimizer_offload` flags (veRL's keys; all off unless the config sets them)."""
+    return {"params": bool(getattr(engine, "param_offload", False)),
+            "grads": bool(getattr(engine, "grad_offload", False)),
+            "optimizer": bool(getattr(engine, "optimizer_offload", False))}
+
+
 @contextmanager
 def colocated_rollout(trainer):
-    """Wake the rollout engine for generation and put it back to sleep after; on GPU the training engines move
-    their optimizer state and gradients to CPU meanwhile (colocation memory plan)."""
+    """Wake the rollout engine for generation and put it back to sleep after (KV cache freed when
+    `rollout.free_cache_engine`). Meanwhile each training engine (actor, critic, reference) moves to the host
+    what its config asks for (:func:`offload_plan`) and nothing else: offloading is opt-in, as in veRL. A small
+    model leaves most of the GPU free, and copying its optimizer state out and back cost more than anything it
+    saved (2.9 s of a 9.5 s GRPO step at 0.5B on an H200, 7-19 GiB used of 140); the 7B 8-GPU config turns it on."""
     on_gpu = trainer.state.device.type == "cuda"
-    engines = [e for e in (trainer.actor, trainer.critic, trainer.ref) if e is not None]
-    if on_gpu:
-        for e in engines:
-            e.offload()
+    offloaded = []
+    for e in (trainer.actor, trainer.critic, trainer.ref):
+        plan = offload_plan(e) if e is not None else {}
+        if any(plan.values()):
+            e.offload(**plan)
+            offloaded.append(e)
     trainer.rollout.wake()
     try:
         yield
     finally:
         if trainer.cfg.actor_rollout_ref.rollout.free_cache_engine:
             trainer.rollout.sleep(1)
-        if on_gpu:
-            for e in engines:
-                e.onload()
+        for e in offloaded:
+            e.onload()
+        if on_gpu and offloaded:
             torch.cuda.synchronize()
 
 
