@@ -1,10 +1,13 @@
 """`make demo`: the whole pipeline on a tiny model, on CPU, in minutes.
 
 1. build a tiny Qwen2-shaped model (random weights, tokenizer trained on GSM8K text) if missing;
-2. write the synthetic arithmetic task and a GSM8K validation slice as veRL-schema parquet;
-3. a short supervised warm start on the synthetic task (launch/sft.py under torchrun);
-4. GRPO (launch/train.py --config configs/demo_cpu.yaml under torchrun), validating on the synthetic task and
-   on GSM8K through the real GSM8K reward;
+2. write the synthetic task at difficulty 0 ("What is 47?", "Mia has 47 apples. How many ...": read the number
+   back in GSM8K's "#### 47" format), its first 16 training prompts as the RL prompt pool, and a GSM8K
+   validation slice, as veRL-schema parquet;
+3. a supervised warm start on the synthetic task (launch/sft.py under torchrun): the format at once, copying
+   the number after ~200 steps;
+4. GRPO (launch/train.py --config configs/demo_cpu.yaml under torchrun) on the 16-prompt pool, sampling at
+   T=1.5, validating (greedy) on held-out synthetic problems and on GSM8K through the real GSM8K reward;
 5. print where logs, metrics, checkpoints and the final model went.
 """
 import argparse
@@ -33,8 +36,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2, help="processes per torchrun (default 2)")
     ap.add_argument("--out", default="outputs/demo", help="where everything goes (default outputs/demo)")
-    ap.add_argument("--sft-steps", type=int, default=150)
-    ap.add_argument("--sft-batch-size", type=int, default=128)
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-batch-size", type=int, default=32)
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
     args = ap.parse_args()
     out = ROOT / args.out
@@ -49,7 +52,8 @@ def main() -> int:
         make_tiny_model(tiny, arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
     data = out / "data"
     print(f"[2/4] writing data to {data}", flush=True)
-    write_synthetic_parquet(data / "synthetic", n=4096, difficulty=1, seed=0, n_test=64)
+    write_synthetic_parquet(data / "synthetic", n=2048, difficulty=0, seed=0, n_test=64)
+    _slice_parquet(data / "synthetic" / "train.parquet", data / "synthetic" / "rl_pool.parquet", rows=16)
     gsm8k = preprocess_gsm8k(output_dir=data / "gsm8k")
     _slice_parquet(data / "gsm8k" / "test.parquet", data / "gsm8k_val.parquet", rows=32)
     del gsm8k

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic = sub.add_parser("synthetic", help="synthetic arithmetic word problems (synthetic/arithmetic)")
     synthetic.add_argument("--n", type=int, required=True, help="training rows")
     synthetic.add_argument("--n-test", type=int, default=None, help="test rows (default: n // 10)")
-    synthetic.add_argument("--difficulty", type=int, default=1, help="number of operations (1 = 'a + b')")
+    synthetic.add_argument("--difficulty", type=int, default=1,
+                           help="number of operations (0 = read the number back, 1 = 'a + b', ...)")
+    synthetic.add_argument("--max-operand", type=int, default=None, help="largest operand (default by difficulty)")
     synthetic.add_argument("--seed", type=int, default=0)
     synthetic.add_argument("--output-dir", default="~/data/synthetic_arithmetic")
     return parser
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.input_dir, args.output_dir, on_bad_row=args.on_bad_row, data_source=args.data_source
             )
         else:
-            summary = write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test)
+            summary = write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
+                                              max_operand=args.max_operand)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -178,8 +178,18 @@ def test_synthetic_rows_are_deterministic_correct_and_scored_by_gsm8k_strict():
     easy = make_synthetic_rows(20, difficulty=1, seed=0)
     assert all(len(r["extra_info"]["answer"].split("\n")) == 2 for r in easy)
     assert any(r["extra_info"]["question"].startswith("What is ") for r in easy)
+    read_back = make_synthetic_rows(40, difficulty=0, seed=0)  # "What is 47?" / "Mia has 47 apples. How many ..."
+    for r in read_back:
+        answer = r["reward_model"]["ground_truth"]
+        assert r["extra_info"]["answer"] == f"#### {answer}" and 0 <= int(answer) <= 99
+        assert f" {answer}" in r["extra_info"]["question"] and "Then" not in r["extra_info"]["question"]
+    small = make_synthetic_rows(50, difficulty=1, seed=0, max_operand=4)
+    assert all(int(x) <= 4 for r in small for x in r["extra_info"]["question"].replace("?", " ").split()
+               if x.isdigit())
     with pytest.raises(ValueError, match="difficulty"):
-        make_synthetic_rows(1, difficulty=0)
+        make_synthetic_rows(1, difficulty=-1)
+    with pytest.raises(ValueError, match="max_operand"):
+        make_synthetic_rows(1, difficulty=1, max_operand=0)
 
 
 def test_synthetic_test_split_is_disjoint_from_train(tmp_path):

@@ -424,8 +424,8 @@ def test_sdpa_core_attention_padding_and_packing_match_naive_loops():
     from rlhf_mcore.models.attention_ops import (
         dense_attention,
         flex_block_mask,
-        packed_attention_per_document,
         packed_attention_flex,
+        packed_attention_per_document,
     )
 
     g = torch.Generator().manual_seed(0)

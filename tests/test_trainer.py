@@ -1,8 +1,10 @@
 """The trainer end to end on CPU, through `launch/train.py` as users run it.
 
-All runs start from one briefly supervised tiny model (the `make demo` pipeline: make_tiny_model -> synthetic
-arithmetic task -> launch/sft.py), built once per session.
+All runs start from one briefly supervised tiny model (the `make demo` pipeline: make_tiny_model -> the
+synthetic task at difficulty 0, "read the number back" -> launch/sft.py), built once per session.
 
+- Learning: GRPO, and PPO with a critic, raise the mean training reward on a fixed pool of 16 prompts by a clear
+  margin within about a minute each (numbers in the tests).
 - PPO with a critic runs at TP=2 on 2 processes, and at PP=2.
 - A run killed with SIGKILL after a checkpoint resumes to exactly the metrics of an uninterrupted run.
 - A NaN injected into the loss skips that update, is logged, and leaves the weights unchanged.
@@ -22,7 +24,9 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_STEPS = 20  # a warm start for format, not for accuracy
+# 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200
+# (loss 0.9 -> 0.3); it ends at ~58% greedy / ~33% sampled (T=1) accuracy on held-out problems
+SFT_STEPS = 300
 # metrics that depend on wall-clock time or memory, not on the computation
 NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "sync/verify_seconds")
 
@@ -46,15 +50,17 @@ def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
-    """Tiny model, synthetic data, a GSM8K validation slice and the SFT warm start."""
+    """Tiny model, synthetic data (and its first 16 training prompts as the RL pool of the learning tests), a
+    GSM8K validation slice and the SFT warm start."""
     import pyarrow.parquet as pq
 
     from rlhf_mcore.data import preprocess_gsm8k, write_synthetic_parquet
     from rlhf_mcore.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("trainer")
-    make_tiny_model(root / "tiny", arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0)
-    write_synthetic_parquet(root / "syn", n=2048, difficulty=1, seed=0, n_test=32)
+    make_tiny_model(root / "tiny", arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
+    write_synthetic_parquet(root / "syn", n=2048, difficulty=0, seed=0, n_test=32)
+    pq.write_table(pq.read_table(root / "syn" / "train.parquet").slice(0, 16), root / "pool.parquet")
     preprocess_gsm8k(output_dir=root / "gsm8k")
     pq.write_table(pq.read_table(root / "gsm8k" / "test.parquet").slice(0, 8), root / "gsm8k_val.parquet")
     launch("sft.py", "--model", str(root / "tiny"), "--train-file", str(root / "syn" / "train.parquet"),
@@ -72,7 +78,47 @@ def base_args(assets, out: Path, steps: int, *extra: str) -> list[str]:
             "trainer.logger=[jsonl]", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.n_gpus_per_node=1",
             # smaller than the demo's rollout (n=8): these tests check mechanics, not learning
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", *extra]
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.ppo_epochs=1", *extra]
+
+
+# Sampling at T=1.5 leaves room to learn whatever accuracy the warm start reached (its exact level depends on
+# floating-point details of the SFT run): RL sharpens the policy and learns the pool's answers.
+LEARN = ["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.5",
+         "actor_rollout_ref.actor.optim.lr=3e-4", "actor_rollout_ref.actor.ppo_epochs=2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
+LEARN_STEPS = 15
+
+
+def mean_reward(m: dict[int, dict], steps) -> float:
+    return sum(m[s]["critic/score/mean"] for s in steps) / len(steps)
+
+
+@pytest.mark.slow
+def test_grpo_raises_training_reward(assets, tmp_path):
+    """GRPO on a fixed pool of 16 prompts (every step samples all 16, 8 times each at T=1.5, so steps are
+    comparable): measured from two warm starts, mean training reward of steps 1-3 -> steps 13-15 was
+    0.49 -> 0.68 and 0.24 -> 0.50 (the sampling noise of a 3-step mean is ~0.025); entropy falls."""
+    out = tmp_path / "grpo"
+    launch("train.py", *base_args(assets, out, LEARN_STEPS, f"data.train_files=[{assets / 'pool.parquet'}]", *LEARN))
+    m = train_metrics(out)
+    before, after = mean_reward(m, [1, 2, 3]), mean_reward(m, [13, 14, 15])
+    assert after >= before + 0.10, f"GRPO did not raise the reward: {before:.3f} -> {after:.3f}"
+    assert m[15]["actor/entropy"] < m[1]["actor/entropy"]
+
+
+@pytest.mark.slow
+def test_ppo_with_critic_raises_training_reward(assets, tmp_path):
+    """PPO with a critic (GAE; the critic starts from the warm start with a fresh value head) on the same pool
+    and settings: the mean training reward of steps 13-15 exceeds that of steps 1-3 by at least 0.10."""
+    out = tmp_path / "ppo"
+    launch("train.py", *base_args(assets, out, LEARN_STEPS, f"data.train_files=[{assets / 'pool.parquet'}]", *LEARN,
+                                  "algorithm.adv_estimator=gae", f"critic.model.path={assets / 'sft'}",
+                                  "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=16"))
+    m = train_metrics(out)
+    before, after = mean_reward(m, [1, 2, 3]), mean_reward(m, [13, 14, 15])
+    assert after >= before + 0.10, f"PPO did not raise the reward: {before:.3f} -> {after:.3f}"
+    assert all(torch.isfinite(torch.tensor(m[s]["critic/vf_loss"])) for s in m)
 
 
 def train_metrics(out: Path) -> dict[int, dict]:

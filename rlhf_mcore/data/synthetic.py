@@ -1,11 +1,14 @@
 """A synthetic arithmetic task in the GSM8K schema, small enough for a tiny model to learn on CPU in minutes.
 
 Problems are short templated questions — "What is 3 + 5?" or "Mia has 3 apples. Then she gets 5 more. How
-many apples does Mia have now?" — with an exact integer answer. Difficulty `d` sets the number of operands
-(`d + 1`) and their size (0-9 at d=1, 0-20 at d=2, 0-50 at d=3, 0-100 beyond); only `+` and `-` are used and
-running totals never go negative. Rows carry a GSM8K-style worked solution in `extra_info.answer` (an SFT
-target, e.g. "3 + 5 = 8\\n#### 8") and `reward_model.ground_truth` = the answer, so the GSM8K strict scorer
-(registered for `synthetic/arithmetic`) grades them. Generation is deterministic in (seed, split).
+many apples does Mia have now?" — with an exact integer answer. Difficulty `d` sets the number of operations
+(`d`; d=0 asks to read a number back: "What is 47?", "Mia has 47 apples. How many ...") and the operands' size
+(0-99 at d=0, 0-9 at d=1, 0-20 at d=2, 0-50 at d=3, 0-100 beyond; `max_operand` overrides it). Only `+`
+and `-` are used and running totals never go negative. d=0 is what a 2-layer model learns in a few minutes of
+CPU (the demo and the learning tests); d=1 already takes far longer. Rows carry a GSM8K-style worked
+solution in `extra_info.answer` (an SFT target, e.g. "3 + 5 = 8\\n#### 8") and `reward_model.ground_truth` =
+the answer, so the GSM8K strict scorer (registered for `synthetic/arithmetic`) grades them. Generation is
+deterministic in (seed, split, max_operand).
 """
 from __future__ import annotations
 
@@ -25,12 +28,11 @@ _ITEMS = ["apples", "books", "coins", "marbles", "pens", "cards", "stickers", "s
 
 
 def _max_operand(difficulty: int) -> int:
-    return {1: 9, 2: 20, 3: 50}.get(difficulty, 100)
+    return {0: 99, 1: 9, 2: 20, 3: 50}.get(difficulty, 100)
 
 
-def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], list[str]]:
-    """Operands and operators, evaluated left to right, never going below zero."""
-    top = _max_operand(difficulty)
+def _draw_problem(rng: random.Random, difficulty: int, top: int) -> tuple[list[int], list[str]]:
+    """Operands in 0..top and operators, evaluated left to right, never going below zero."""
     operands = [rng.randint(0, top)]
     ops: list[str] = []
     total = operands[0]
@@ -60,24 +62,27 @@ def _question(rng: random.Random, operands: list[int], ops: list[str]) -> str:
         return f"What is {expr}?"
     (name, pronoun), item = rng.choice(_NAMES), rng.choice(_ITEMS)
     steps = [f"gets {x} more" if op == "+" else f"gives away {x}" for op, x in zip(ops, operands[1:], strict=True)]
-    return (
-        f"{name} has {operands[0]} {item}. Then {pronoun} {', then '.join(steps)}. "
-        f"How many {item} does {name} have now?"
-    )
+    then = f"Then {pronoun} {', then '.join(steps)}. " if steps else ""
+    return f"{name} has {operands[0]} {item}. {then}How many {item} does {name} have now?"
 
 
 def make_synthetic_rows(
-    n: int, difficulty: int = 1, seed: int = 0, split: str = "train", *, exclude_questions: set[str] | None = None
+    n: int, difficulty: int = 1, seed: int = 0, split: str = "train", *, exclude_questions: set[str] | None = None,
+    max_operand: int | None = None,
 ) -> list[dict[str, Any]]:
-    """`n` schema rows of difficulty `difficulty`, the same for the same (seed, split).
+    """`n` schema rows of difficulty `difficulty`, the same for the same (seed, split, max_operand).
 
     `exclude_questions` (e.g. the training questions, when making a test split) are never produced.
     """
-    if not isinstance(difficulty, int) or difficulty < 1:
-        raise ValueError(f"difficulty must be an integer >= 1 (number of operations), got {difficulty!r}")
+    if not isinstance(difficulty, int) or difficulty < 0:
+        raise ValueError(f"difficulty must be an integer >= 0 (number of operations), got {difficulty!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(f"rlhf_mcore.synthetic:{seed}:{split}:{difficulty}")  # str seeds hash stably
+    if max_operand is not None and (not isinstance(max_operand, int) or max_operand < 1):
+        raise ValueError(f"max_operand must be an integer >= 1, got {max_operand!r}")
+    top = _max_operand(difficulty) if max_operand is None else max_operand
+    key = f"{seed}:{split}:{difficulty}" + ("" if max_operand is None else f":{max_operand}")
+    rng = random.Random(f"rlhf_mcore.synthetic:{key}")  # str seeds hash stably
     exclude = exclude_questions or set()
     rows: list[dict[str, Any]] = []
     attempts = 0
@@ -88,7 +93,7 @@ def make_synthetic_rows(
                 f"could not draw {n} problems outside exclude_questions at difficulty {difficulty}; "
                 "raise the difficulty or ask for fewer rows"
             )
-        operands, ops = _draw_problem(rng, difficulty)
+        operands, ops = _draw_problem(rng, difficulty, top)
         question = _question(rng, operands, ops)
         if question in exclude:
             continue
@@ -99,14 +104,15 @@ def make_synthetic_rows(
 
 
 def write_synthetic_parquet(
-    output_dir: str | Path, n: int, difficulty: int = 1, seed: int = 0, n_test: int | None = None
+    output_dir: str | Path, n: int, difficulty: int = 1, seed: int = 0, n_test: int | None = None,
+    max_operand: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Write `train.parquet` (n rows) and `test.parquet` (`n_test`, default max(n // 10, 1) rows, questions
     disjoint from train). Returns {split: {path, rows}}."""
     n_test = max(n // 10, 1) if n_test is None else n_test
-    train = make_synthetic_rows(n, difficulty, seed, "train")
+    train = make_synthetic_rows(n, difficulty, seed, "train", max_operand=max_operand)
     seen = {row["extra_info"]["question"] for row in train}
-    test = make_synthetic_rows(n_test, difficulty, seed, "test", exclude_questions=seen)
+    test = make_synthetic_rows(n_test, difficulty, seed, "test", exclude_questions=seen, max_operand=max_operand)
     out = Path(output_dir).expanduser()
     return {
         split: {"path": str(write_parquet(rows, out / f"{split}.parquet")), "rows": len(rows)}

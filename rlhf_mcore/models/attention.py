@@ -30,8 +30,8 @@ from megatron.core.transformer.module import MegatronModule
 from rlhf_mcore.models.attention_ops import (
     dense_attention,
     flex_block_mask,
-    packed_attention_per_document,
     packed_attention_flex,
+    packed_attention_per_document,
 )
 
 
