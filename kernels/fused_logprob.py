@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_mcore.engine.logprobs import register_logprob_backend
+from rlhf_mcore.engine.logprobs import check_logprob_args, register_logprob_backend
 
 try:
     import triton
@@ -226,30 +226,11 @@ def fused_vocab_parallel_logprobs(
     `chunk_size` is validated for compatibility but unused: the kernel needs no per-chunk fp32 buffer.
     Raises RuntimeError when triton is missing or the logits are not on CUDA (outside the interpreter).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy rollouts are "
-                         "scored at temperature 1.0")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    v_local = logits.shape[-1]
-    flat = logits.reshape(-1, v_local)  # (N, V_local)
-    labels_flat = labels.reshape(-1)
-    if rows is None and labels_flat.shape[0] != flat.shape[0]:
-        raise ValueError(f"labels has {labels_flat.shape[0]} entries but logits has {flat.shape[0]} rows; pass "
-                         "`rows` to score a subset")
-    if rows is not None and rows.shape != labels_flat.shape:
-        raise ValueError(f"rows {tuple(rows.shape)} and labels {tuple(labels_flat.shape)} must have one entry each")
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    vocab_start = (0 if tp_group is None else dist.get_rank(tp_group)) * v_local
-    padded_vocab = v_local * tp_size
-    vocab_size = padded_vocab if vocab_size is None else vocab_size
-    if vocab_size > padded_vocab:
-        raise ValueError(f"vocab_size={vocab_size} exceeds the logits' vocabulary {padded_vocab} "
-                         f"(V_local={v_local} × TP={tp_size})")
+    flat, labels_flat, vocab_start, valid_cols = check_logprob_args(logits, labels, rows, tp_group, temperature,
+                                                                     vocab_size, chunk_size)
     _check_runnable(flat)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    valid_cols = max(0, min(v_local, vocab_size - vocab_start))
     log_probs, entropy = _FusedLogprobs.apply(
         flat, labels_flat.long().contiguous(), None if rows is None else rows.long().contiguous(), tp_group,
         float(temperature), vocab_start, valid_cols, bool(compute_entropy))

@@ -36,7 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprobs", "register_logprob_backend", "get_logprob_backend", "LogprobFn"]
+__all__ = ["vocab_parallel_logprobs", "check_logprob_args", "register_logprob_backend", "get_logprob_backend",
+           "LogprobFn"]
 
 LogprobFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 _BACKENDS: dict[str, LogprobFn] = {}
@@ -154,6 +155,31 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None, None
 
 
+def check_logprob_args(logits, labels, rows, tp_group, temperature, vocab_size, chunk_size):
+    """The argument checks every log-prob backend shares. Returns `(flat (N, V_local) logits view, labels (M,),
+    this rank's first global vocabulary id, its number of real (unpadded) columns)`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy rollouts are "
+                         "scored at temperature 1.0")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    v_local = logits.shape[-1]
+    flat = logits.reshape(-1, v_local)  # (N, V_local)
+    labels_flat = labels.reshape(-1)
+    if rows is None and labels_flat.shape[0] != flat.shape[0]:
+        raise ValueError(f"labels has {labels_flat.shape[0]} entries but logits has {flat.shape[0]} rows; pass "
+                         "`rows` to score a subset")
+    if rows is not None and rows.shape != labels_flat.shape:
+        raise ValueError(f"rows {tuple(rows.shape)} and labels {tuple(labels_flat.shape)} must have one entry each")
+    vocab_start = _group_rank(tp_group) * v_local
+    padded_vocab = v_local * _group_size(tp_group)
+    vocab_size = padded_vocab if vocab_size is None else vocab_size
+    if vocab_size > padded_vocab:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the logits' vocabulary {padded_vocab} "
+                         f"(V_local={v_local} × TP={_group_size(tp_group)})")
+    return flat, labels_flat, vocab_start, max(0, min(v_local, vocab_size - vocab_start))
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -179,26 +205,8 @@ def vocab_parallel_logprobs(
     Returns `(log_probs, entropy)`, each `(M,)` fp32 (entropy `None` when `compute_entropy=False`), both
     differentiable with respect to `logits`.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy rollouts are "
-                         "scored at temperature 1.0")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    v_local = logits.shape[-1]
-    flat = logits.reshape(-1, v_local)  # (N, V_local)
-    labels_flat = labels.reshape(-1)
-    if rows is None and labels_flat.shape[0] != flat.shape[0]:
-        raise ValueError(f"labels has {labels_flat.shape[0]} entries but logits has {flat.shape[0]} rows; pass "
-                         "`rows` to score a subset")
-    if rows is not None and rows.shape != labels_flat.shape:
-        raise ValueError(f"rows {tuple(rows.shape)} and labels {tuple(labels_flat.shape)} must have one entry each")
-    vocab_start = _group_rank(tp_group) * v_local
-    padded_vocab = v_local * _group_size(tp_group)
-    vocab_size = padded_vocab if vocab_size is None else vocab_size
-    if vocab_size > padded_vocab:
-        raise ValueError(f"vocab_size={vocab_size} exceeds the logits' vocabulary {padded_vocab} "
-                         f"(V_local={v_local} × TP={_group_size(tp_group)})")
-    valid_cols = max(0, min(v_local, vocab_size - vocab_start))
+    flat, labels_flat, vocab_start, valid_cols = check_logprob_args(logits, labels, rows, tp_group, temperature,
+                                                                     vocab_size, chunk_size)
     log_probs, entropy = _VocabParallelLogprobs.apply(
         flat, labels_flat.long(), None if rows is None else rows.long(), tp_group, float(temperature),
         vocab_start, valid_cols, int(chunk_size), bool(compute_entropy))
