@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_shapes import git_commit  # noqa: E402  (launch/ is on the path when run as a script)
 
 TEMPERATURE = 0.7
 GIB = 2**30
@@ -101,14 +101,6 @@ def bench_shape(rows: int, vocab: int, iters: int, backends: dict, bandwidth: fl
         result[f"speedup_{key.removesuffix('_ms')}"] = result["torch"][key] / result["triton"][key]
     result["memory_ratio"] = result["triton"]["peak_extra_gib"] / result["torch"]["peak_extra_gib"]
     return result
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:

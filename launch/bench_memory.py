@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import num_params, write_config  # noqa: E402
+from bench_shapes import (  # noqa: E402
+    git_commit,  # noqa: E402
+    num_params,
+    write_config,
+)
 from bench_shapes import shape as get_shape  # noqa: E402
 
 GB = 1e9
@@ -224,7 +227,7 @@ def main(argv=None) -> dict:
                 else 143771 * 2**20)  # an H200 as this workplace's machines report it
     seqs, plen, ntok, micro = ((8, 32, 8, 256) if args.tiny else
                                (args.seqs, args.prompt_len, args.new_tokens, args.micro_tokens))
-    report = {"benchmark": "colocated_grpo_memory", "shape": name, "commit": _commit(), "torch": torch.__version__,
+    report = {"benchmark": "colocated_grpo_memory", "shape": name, "commit": git_commit(), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "workload": {"rollout_seqs": seqs, "max_model_len": plen + ntok, "micro_tokens": micro, "ref": args.ref},
               "computed": computed_plan(s, seqs=seqs, max_len=plen + ntok, micro_tokens=micro, ref=args.ref,
@@ -237,14 +240,6 @@ def main(argv=None) -> dict:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -38,7 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import ALIASES, write_config  # noqa: E402
+from bench_shapes import (  # noqa: E402
+    ALIASES,
+    git_commit,  # noqa: E402
+    write_config,
+)
 from bench_shapes import shape as get_shape  # noqa: E402
 
 # per shape: recompute?, and per sequence length: (sequences per micro-batch, micro-batches per optimizer step)
@@ -48,17 +52,6 @@ PLANS = {
     "qwen2.5-7b": {"recompute": True, "seqs": {1024: (4, 4), 4096: (1, 4)}, "warmup": 1},
     "tiny": {"recompute": False, "seqs": {32: (2, 2), 64: (1, 2)}},
 }
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return out + (" + working tree" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def synthetic_batch(n: int, seq: int, vocab: int, device, seed: int = 0) -> dict:

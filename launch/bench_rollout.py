@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_shapes import QWEN25_05B, TINY, random_model_dir  # noqa: E402  (shapes: launch/bench_shapes.py)
+from bench_shapes import (  # noqa: E402  (shapes: launch/bench_shapes.py)
+    QWEN25_05B,
+    TINY,
+    git_commit,  # noqa: E402
+    random_model_dir,
+)
 
 
 def build_model_dir(shape: dict, out: Path, device, dtype) -> Path:
@@ -80,14 +84,6 @@ def bench_native(model_dir, prompts, new_tokens, device, **engine_cfg) -> tuple[
     stats = dict(engine.last_stats)
     engine.shutdown()
     return elapsed, stats
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).resolve().parents[1], stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def main(argv=None) -> dict:

@@ -12,11 +12,14 @@ shape every script runs under `--tiny`.
   `rlhf_mcore.models.tiny.make_tiny_model` at the requested shape: a byte-level BPE trained on GSM8K text
   (vocabulary `tokenizer_vocab`, smaller than the model's, as in Qwen) and a ChatML template.
 
+`git_commit()` is the commit stamp every report carries ("abc1234 + working tree" when tracked files differ).
+
 Scripts import this module as `bench_shapes` (they run as `python launch/bench_x.py`, so launch/ is on the path).
 """
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 _COMMON = dict(rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu",
@@ -100,3 +103,16 @@ def tokenizer_model_dir(s: dict, out: Path, *, tokenizer_vocab: int | None = Non
                     init_std=init_std)
     marker.write_text(json.dumps(want))
     return out
+
+
+def git_commit() -> str:
+    """The short commit of the checkout, with " + working tree" when tracked files differ from it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return out + (" + working tree" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_shapes import QWEN25_05B, TINY  # noqa: E402  (shapes: launch/bench_shapes.py)
+from bench_shapes import (  # noqa: E402  (shapes: launch/bench_shapes.py)
+    QWEN25_05B,
+    TINY,
+    git_commit,  # noqa: E402
+)
 
 
 def write_config(shape: dict, out: Path, dtype: torch.dtype) -> Path:
@@ -68,14 +71,6 @@ def rollout_group(state, size: int):
         if start <= state.rank < start + size:
             mine = g
     return mine
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:
