@@ -146,3 +146,27 @@ def test_colocated_rollout_offloads_only_what_the_config_asks(device, monkeypatc
                    ("wake",), ("generate",), ("sleep", 1), ("onload", "actor"), ("onload", "ref")]
     assert roles.offload_plan(_Engine(log, "x", grads=True)) == {"params": False, "grads": True, "optimizer": False}
 
+
+
+def _reduce_worker(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        out = reduce_metrics({"a": float(rank), "b/max": float(rank), "c/min": float(rank)})
+        assert out == {"a": 0.5, "b/max": 1.0, "c/min": 0.0}, out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_metrics_over_two_ranks():
+    """Mean, max and min over 2 gloo ranks (on NCCL the values travel on CUDA: the default group of a GPU run
+    has no CPU backend)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reduce_worker, args=(port,), nprocs=2)

@@ -18,11 +18,15 @@ import torch.distributed as dist
 
 
 def reduce_metrics(metrics: dict[str, float], group=None) -> dict[str, float]:
-    """Mean over ranks of ``group`` (max for ``*/max``, min for ``*/min``); same key set required on all ranks."""
+    """Mean over ranks of ``group`` (max for ``*/max``, min for ``*/min``); same key set required on all ranks.
+
+    The values travel on the device the group's backend needs: CUDA for NCCL (the default group on GPU), CPU
+    for gloo."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
     keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     kinds = {"max": [], "min": [], "mean": []}
     for i, k in enumerate(keys):
         kinds["max" if k.endswith("/max") else "min" if k.endswith("/min") else "mean"].append(i)
