@@ -33,12 +33,11 @@ CUDA logits when triton is installed (see :func:`rlhf_mcore.engine.logprobs.get_
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from rlhf_mcore.engine.logprobs import check_logprob_args, register_logprob_backend
+from rlhf_mcore.engine.logprobs import register_logprob_backend, vocab_parallel_logprobs
 
 try:
     import triton
@@ -210,36 +209,19 @@ class _FusedLogprobs(torch.autograd.Function):
         return (grad,) + nothing
 
 
-def fused_vocab_parallel_logprobs(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    rows: Optional[torch.Tensor] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
-    vocab_size: Optional[int] = None,
-    compute_entropy: bool = True,
-    chunk_size: int = 2048,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Drop-in for :func:`~rlhf_mcore.engine.logprobs.vocab_parallel_logprobs` (same arguments, checks, outputs).
-
-    `chunk_size` is validated for compatibility but unused: the kernel needs no per-chunk fp32 buffer.
-    Raises RuntimeError when triton is missing or the logits are not on CUDA (outside the interpreter).
-    """
-    flat, labels_flat, vocab_start, valid_cols = check_logprob_args(logits, labels, rows, tp_group, temperature,
-                                                                     vocab_size, chunk_size)
+def _fused_core(flat, labels, rows, tp_group, temperature, vocab_start, valid_cols, chunk_size, compute_entropy):
+    """The kernel as the core of :func:`vocab_parallel_logprobs` (`chunk_size` unused: no per-chunk buffer)."""
     _check_runnable(flat)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    log_probs, entropy = _FusedLogprobs.apply(
-        flat, labels_flat.long().contiguous(), None if rows is None else rows.long().contiguous(), tp_group,
-        float(temperature), vocab_start, valid_cols, bool(compute_entropy))
-    if rows is None:
-        log_probs = log_probs.view(labels.shape)
-        entropy = entropy.view(labels.shape) if compute_entropy else None
-    elif not compute_entropy:
-        entropy = None
-    return log_probs, entropy
+    flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+    return _FusedLogprobs.apply(flat, labels.contiguous(), None if rows is None else rows.contiguous(), tp_group,
+                                temperature, vocab_start, valid_cols, compute_entropy)
+
+
+def fused_vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, **kwargs):
+    """:func:`~rlhf_mcore.engine.logprobs.vocab_parallel_logprobs` (same arguments, checks and outputs) computed
+    by the fused kernel. Raises RuntimeError when triton is missing or the logits are not on CUDA (outside the
+    interpreter)."""
+    return vocab_parallel_logprobs(logits, labels, core=_fused_core, **kwargs)
 
 
 register_logprob_backend("triton", fused_vocab_parallel_logprobs)

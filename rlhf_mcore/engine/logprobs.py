@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprobs", "check_logprob_args", "register_logprob_backend", "get_logprob_backend",
+__all__ = ["vocab_parallel_logprobs", "register_logprob_backend", "get_logprob_backend",
            "LogprobFn"]
 
 LogprobFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -155,6 +155,12 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None, None
 
 
+def _chunked_core(flat, labels, rows, tp_group, temperature, vocab_start, valid_cols, chunk_size, compute_entropy):
+    """The torch reference's computation (see the module docstring): chunks of `chunk_size` rows in fp32."""
+    return _VocabParallelLogprobs.apply(flat, labels, rows, tp_group, temperature, vocab_start, valid_cols,
+                                        chunk_size, compute_entropy)
+
+
 def check_logprob_args(logits, labels, rows, tp_group, temperature, vocab_size, chunk_size):
     """The argument checks every log-prob backend shares. Returns `(flat (N, V_local) logits view, labels (M,),
     this rank's first global vocabulary id, its number of real (unpadded) columns)`."""
@@ -190,6 +196,7 @@ def vocab_parallel_logprobs(
     vocab_size: Optional[int] = None,
     compute_entropy: bool = True,
     chunk_size: int = 2048,
+    core: Optional[Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of `labels` and the entropy under `softmax(logits / temperature)`, vocab-parallel.
 
@@ -201,13 +208,16 @@ def vocab_parallel_logprobs(
     tp_group: the tensor-parallel group the vocabulary is split over (`None` or size 1: no communication).
     vocab_size: the real vocabulary size; columns at global ids `>= vocab_size` are ignored (padding).
     chunk_size: rows processed at once; bounds the fp32 working memory to `chunk_size × V_local`.
+    core: the computation on the checked, flattened arguments, `core(flat, labels, rows, tp_group, temperature,
+        vocab_start, valid_cols, chunk_size, compute_entropy) -> (log_probs, entropy)`; default the chunked
+        torch reference. A kernel (rlhf_mcore.kernels) passes its own and shares everything else.
 
     Returns `(log_probs, entropy)`, each `(M,)` fp32 (entropy `None` when `compute_entropy=False`), both
     differentiable with respect to `logits`.
     """
     flat, labels_flat, vocab_start, valid_cols = check_logprob_args(logits, labels, rows, tp_group, temperature,
                                                                      vocab_size, chunk_size)
-    log_probs, entropy = _VocabParallelLogprobs.apply(
+    log_probs, entropy = (core or _chunked_core)(
         flat, labels_flat.long(), None if rows is None else rows.long(), tp_group, float(temperature),
         vocab_start, valid_cols, int(chunk_size), bool(compute_entropy))
     if rows is None:
