@@ -149,11 +149,17 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke run)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per shape")
     p.add_argument("--out", default=None)
+    p.add_argument("--megatron-thd-rope", action="store_true",
+                   help="Megatron's own packed RoPE (host syncs per layer) instead of rlhf_mcore's: the 'before'")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.one_shape:
+        if args.megatron_thd_rope:
+            from rlhf_mcore.models import rope
+
+            rope.ENABLED = False
         run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro, args.layout)
         return {}
 
@@ -163,6 +169,7 @@ def main(argv=None) -> dict:
     for name in shapes:
         get_shape(name)  # unknown names fail here, with the choices
     report = {"benchmark": "actor_update_mfu", "commit": git_commit(), "torch": torch.__version__,
+              "megatron_thd_rope": args.megatron_thd_rope,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "peak_tflops": 989 if torch.cuda.is_available() else None, "results": {}}
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
@@ -175,6 +182,8 @@ def main(argv=None) -> dict:
                    *map(str, seqs), "--warmup", str(args.warmup), "--steps", str(args.steps), "--layout", args.layout]
             if args.micro:
                 cmd += ["--micro", str(args.micro)]
+            if args.megatron_thd_rope:
+                cmd.append("--megatron-thd-rope")
             t0 = time.time()
             try:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout).returncode

@@ -132,6 +132,15 @@ def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
         lines.append(f"{t:13.3f} {t / max(busy, 1e-9):6.1%} {count:8d}  {name[:110]}")
     summary = {"wall_s": wall_s, "device_busy_s": busy, "by_category_s": by_cat,
                "top": [{"name": n[:200], "calls": c, "self_device_s": t} for n, c, t in rows[:top]]}
+    host = sorted(((e.key, e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()
+                   if on_gpu and e.self_cpu_time_total > 0), key=lambda r: -r[2])
+    if host:  # CPU activity was recorded (--profile-cpu): where the host time goes, and the syncs
+        syncs = {n: c for n, c, _ in host if any(k in n for k in ("Synchronize", "_local_scalar_dense", "aten::item"))}
+        lines += ["", f"host: {sum(r[2] for r in host):.2f} s of self CPU time in ops; sync-like calls: {syncs}",
+                  f"{'self host s':>13} {'calls':>8}  op"]
+        lines += [f"{t:13.3f} {c:8d}  {n[:110]}" for n, c, t in host[:top]]
+        summary["host_top"] = [{"name": n[:200], "calls": c, "self_cpu_s": t} for n, c, t in host[:top]]
+        summary["host_syncs"] = syncs
     return "\n".join(lines), summary
 
 
@@ -233,6 +242,9 @@ def main(argv=None) -> dict:
     p.add_argument("--model-dir", default=None, help="reuse/create the model directory here (default: temporary)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--profile-out", default=None, help="kernel table (text); default next to --out")
+    p.add_argument("--profile-cpu", action="store_true", help="profile host (CPU) ops too, not only CUDA kernels")
+    p.add_argument("--megatron-thd-rope", action="store_true",
+                   help="use Megatron's own packed RoPE (host syncs per layer) instead of rlhf_mcore's: the 'before'")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
     args = p.parse_args(argv)
 
@@ -241,6 +253,10 @@ def main(argv=None) -> dict:
     from rlhf_mcore.config import load_config, model_max_positions, validate_config
     from rlhf_mcore.data import preprocess_gsm8k
 
+    if args.megatron_thd_rope:
+        from rlhf_mcore.models import rope
+
+        rope.ENABLED = False
     w = WORKLOADS[args.workload]
     vocab = {"vocab_size": w["vocab"]} if w["vocab"] else {}
     s = get_shape("tiny" if args.tiny else "qwen2.5-0.5b", **({} if args.tiny else vocab))
@@ -265,7 +281,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     init_s = time.perf_counter() - t0
-    trainer.instrument(profile_step=n_steps if args.profile else None)
+    trainer.instrument(profile_step=n_steps if args.profile else None, profile_cuda_only=not args.profile_cpu)
     trainer.partial_out = args.out
     t0 = time.perf_counter()
     try:
@@ -282,7 +298,7 @@ def main(argv=None) -> dict:
         median[f"trainer/{k}"] = statistics.median(r["trainer_timing_s"].get(k, 0.0) for r in timed_recs)
     report = {
         "benchmark": f"rl_step_{args.workload}", "workload": args.workload, "config": w["config"],
-        "overrides": overrides, "shape": s, "tiny": args.tiny,
+        "overrides": overrides, "shape": s, "tiny": args.tiny, "megatron_thd_rope": args.megatron_thd_rope,
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
         "model_build_s": model_s, "trainer_init_s": init_s, "fit_s": fit_s,
         "step_s": median["step"], "phases_median_s": median, "steps": recs,

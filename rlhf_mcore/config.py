@@ -184,6 +184,9 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 32768
+    # the value pass (forward-only, no activations kept) may take larger micro-batches than the update
+    forward_micro_batch_size_per_gpu: Optional[int] = None  # None: ppo_micro_batch_size_per_gpu
+    forward_max_token_len_per_gpu: Optional[int] = None  # None: ppo_max_token_len_per_gpu (use_dynamic_bsz)
     ppo_epochs: Optional[int] = None  # None: the actor's
     grad_clip: float = 1.0
     cliprange_value: float = 0.5

@@ -503,3 +503,114 @@ def test_compiled_flex_attention_one_graph_for_every_packed_length():
             for a, b in ((qg, qr), (kg, kr), (vg, vr)):
                 assert torch.allclose(a.grad, b.grad, atol=1e-3), (t, (a.grad - b.grad).abs().max())
     assert all(n <= 1 for n in graphs.values()), f"recompiled per packed length: {graphs}"
+
+
+class _OneRankGroup:  # what megatron's RoPE reads of a context-parallel group
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("dtype,rot_dim", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 8)])
+def test_packed_rope_is_megatrons_thd_rope_bitwise(dtype, rot_dim):
+    """The sync-free packed RoPE (positions restart per document, computed on the device) gives Megatron's
+    per-document THD RoPE bit for bit, values and gradients, with a trailing dummy document (the packer's
+    padding), an empty document and partial rotary dims; unpacked calls still go to Megatron's function."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    from rlhf_mcore.models.rope import apply_rope_packed, install_packed_rope, packed_positions
+
+    install_packed_rope()
+    cfg = SimpleNamespace(apply_rope_fusion=False, multi_latent_attention=False, rotary_interleaved=False)
+    cu = torch.tensor([0, 5, 5, 17, 20, 31], dtype=torch.int32)  # 5 documents (one empty) + dummy of 11
+    total, heads, dim, max_len = 31, 3, 16, 12
+    assert packed_positions(cu, total).tolist() == [*range(5), *range(12), *range(3), *range(11)]
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.randn(max_len, 1, 1, rot_dim, generator=g) * 3
+    t = torch.randn(total, heads, dim, generator=g).to(dtype)
+    a, b = t.clone().requires_grad_(), t.clone().requires_grad_()
+    ours = apply_rope_packed(a, freqs, cfg, cu_seqlens=cu, cp_group=_OneRankGroup())
+    ref = _apply_rotary_pos_emb_thd(b, cu, freqs, cp_group=_OneRankGroup())
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+    w = torch.randn(total, heads, dim, generator=g).to(dtype)
+    (ours * w).sum().backward()
+    (ref * w).sum().backward()
+    assert torch.equal(a.grad, b.grad)
+    # the tables are cached per batch: a second call (the key) with the same cu/freqs reuses them
+    assert torch.equal(apply_rope_packed(t, freqs, cfg, cu_seqlens=cu, cp_group=_OneRankGroup()), ref.detach())
+    # one document filling the packed tensor (freqs as long as it): positions 0..T-1 either way
+    one = torch.tensor([0, max_len], dtype=torch.int32)
+    single = t[:max_len]
+    assert torch.equal(apply_rope_packed(single, freqs, cfg, cu_seqlens=one, cp_group=_OneRankGroup()),
+                       _apply_rotary_pos_emb_thd(single, one, freqs, cp_group=_OneRankGroup()))
+    # unpacked (bshd) goes to megatron unchanged
+    s = torch.randn(max_len, 2, heads, dim, generator=g)
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    assert torch.equal(apply_rope_packed(s, freqs, cfg, cp_group=_OneRankGroup()), _apply_rotary_pos_emb_bshd(s, freqs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks for device-to-host syncs")
+def test_packed_forward_and_backward_never_sync_with_the_host(tiny_model_dir):
+    """A packed (THD) forward and backward of the model on the GPU run without a device->host synchronisation
+    (megatron's own THD RoPE synchronised twice a layer, which kept the host from running ahead)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    state = init_distributed(device="cuda")
+    try:
+        model = build_model(tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2), state)[0]
+        lens = [37, 5, 120, 64, 1]
+        total = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        ids = torch.randint(0, 1000, (1, total), device="cuda")
+        pos = torch.cat([torch.arange(n) for n in lens]).to("cuda")[None]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                                 max_seqlen_kv=max(lens))
+        model(ids, pos, None, packed_seq_params=params).float().square().mean().backward()  # compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.clone(), cu_seqlens_kv=cu.clone(),
+                                     max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            model(ids, pos, None, packed_seq_params=params).float().square().mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch's varlen attention is Flash Attention")
+def test_varlen_packed_attention_matches_per_document_sdpa():
+    """The packed path the engine takes on GPU (bf16): torch's varlen Flash Attention equals one causal SDPA per
+    document in fp32 within bf16 rounding, values and gradients, with GQA and a trailing dummy document."""
+    from rlhf_mcore.models.attention_ops import (
+        packed_attention_per_document,
+        packed_attention_varlen,
+        varlen_available,
+    )
+
+    if not varlen_available():
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
+    docs = [0, 100, 101, 356, 700, 830]
+    cu = torch.tensor(docs, dtype=torch.int32, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    t, scale = docs[-1], 0.125
+    q, k, v = (torch.randn(t, n, 64, generator=g).cuda() for n in (14, 2, 2))
+    grad = torch.randn(t, 14, 64, generator=g).cuda()
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = packed_attention_per_document(*ref, cu, scale)
+    want.backward(grad)
+    got_in = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    got = packed_attention_varlen(*got_in, cu, max(b - a for a, b in zip(docs, docs[1:])), scale)
+    got.backward(grad.to(torch.bfloat16))
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() < 3e-2
+    for a, b in zip(got_in, ref):
+        assert (a.grad.float() - b.grad).abs().max() < 6e-2 * max(1.0, b.grad.abs().max().item())

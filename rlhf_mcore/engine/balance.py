@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore.parallel.dist import collective_device
+
 __all__ = ["karmarkar_karp", "greedy_partition", "partition_balanced", "split_by_token_budget", "partition_spread"]
 
 
@@ -187,7 +189,8 @@ def partition_spread(seqlens: Sequence[int], parts: list[list[int]]) -> int:
 
 
 def split_by_token_budget(seqlens: Sequence[int], max_tokens: int, *, min_parts: int = 1, multiple_of: int = 1,
-                          group: Optional[dist.ProcessGroup] = None) -> list[list[int]]:
+                          group: Optional[dist.ProcessGroup] = None,
+                          budget_key: str = "ppo_max_token_len_per_gpu") -> list[list[int]]:
     """Micro-batches (lists of item indices) of at most `max_tokens` tokens each, balanced, in few parts.
 
     Starts from `ceil(total / max_tokens)` parts (at least `min_parts`) and adds parts until Karmarkar-Karp
@@ -195,13 +198,13 @@ def split_by_token_budget(seqlens: Sequence[int], max_tokens: int, *, min_parts:
     so data-parallel ranks run the same number of micro-batches (capped at this rank's sequence count: a
     micro-batch is never empty). `multiple_of` rounds the count up to a multiple (the interleaved pipeline
     schedule needs a multiple of the pipeline size). Every sequence must fit the budget alone. Parts come
-    back ordered by their smallest item index.
+    back ordered by their smallest item index. `budget_key`: the config key errors name.
     """
     if max_tokens < 1:
-        raise ValueError(f"max_tokens (ppo_max_token_len_per_gpu) must be >= 1, got {max_tokens}")
+        raise ValueError(f"max_tokens ({budget_key}) must be >= 1, got {max_tokens}")
     longest = max((int(s) for s in seqlens), default=0)
     if longest > max_tokens:
-        raise ValueError(f"a sequence of {longest} tokens exceeds ppo_max_token_len_per_gpu={max_tokens}: raise it "
+        raise ValueError(f"a sequence of {longest} tokens exceeds {budget_key}={max_tokens}: raise it "
                          "to at least max_prompt_length + max_response_length")
     n = len(seqlens)
     if n < multiple_of:
@@ -217,7 +220,7 @@ def split_by_token_budget(seqlens: Sequence[int], max_tokens: int, *, min_parts:
     target = k
     if group is not None and dist.get_world_size(group) > 1:
         # every DP rank runs the same number of micro-batches (the largest any rank needs)
-        count = torch.tensor([k], dtype=torch.long)
+        count = torch.tensor([k], dtype=torch.long, device=collective_device(group))  # CUDA for NCCL
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         target = int(count)
     target = -(-target // multiple_of) * multiple_of
@@ -228,5 +231,5 @@ def split_by_token_budget(seqlens: Sequence[int], max_tokens: int, *, min_parts:
         heaviest = max(sum(int(seqlens[i]) for i in p) for p in parts)
         if heaviest > max_tokens:
             raise ValueError(f"{n} sequences cannot be split into a multiple of {multiple_of} micro-batches within "
-                             f"ppo_max_token_len_per_gpu={max_tokens} (a micro-batch needs {heaviest}): raise it")
+                             f"{budget_key}={max_tokens} (a micro-batch needs {heaviest}): raise it")
     return sorted((p for p in parts if p), key=lambda p: p[0])

@@ -56,11 +56,28 @@ class EngineConfig:
         for key in ("micro_batch_size", "max_token_len", "ppo_epochs", "logprob_chunk_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine {key} must be >= 1, got {getattr(self, key)}")
+        for key, name in zip(("forward_micro_batch_size", "forward_max_token_len"), self.forward_keys):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {getattr(self, key)}")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(f"engine mini_batch_size must be >= 1 or None, got {self.mini_batch_size}")
         if self.temperature <= 0:
             raise ValueError(f"engine temperature must be > 0 (log-probs are scored under logits / T), got "
                              f"{self.temperature}; for greedy rollouts use 1.0")
+
+    @property
+    def update_keys(self) -> tuple[str, str]:
+        """The run-config keys of this role's update micro-batch size and token budget (for error messages)."""
+        prefix = "critic" if self.role == "critic" else "actor_rollout_ref.actor"
+        return f"{prefix}.ppo_micro_batch_size_per_gpu", f"{prefix}.ppo_max_token_len_per_gpu"
+
+    @property
+    def forward_keys(self) -> tuple[str, str]:
+        """The run-config keys of this role's forward-only micro-batch size and token budget."""
+        if self.role == "critic":
+            return "critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"
+        prefix = "actor_rollout_ref.ref" if self.role == "ref" else "actor_rollout_ref.rollout"
+        return f"{prefix}.log_prob_micro_batch_size_per_gpu", f"{prefix}.log_prob_max_token_len_per_gpu"
 
     @property
     def fwd_micro_batch_size(self) -> int:
@@ -108,6 +125,8 @@ class EngineConfig:
             role="critic", mini_batch_size=_per_rank(mini, rollout.n, dp_size, "critic.ppo_mini_batch_size"),
             micro_batch_size=critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu or 1,
             use_dynamic_bsz=critic.use_dynamic_bsz, max_token_len=critic.ppo_max_token_len_per_gpu,
+            forward_micro_batch_size=getattr(critic, "forward_micro_batch_size_per_gpu", None),
+            forward_max_token_len=getattr(critic, "forward_max_token_len_per_gpu", None),
             ppo_epochs=critic.ppo_epochs or actor.ppo_epochs, shuffle=actor.shuffle, seed=critic.megatron.seed,
             use_remove_padding=critic.model.use_remove_padding, loss_agg_mode=critic.loss_agg_mode,
             cliprange_value=critic.cliprange_value, grad_clip=critic.grad_clip)

@@ -47,19 +47,22 @@ def select_rows(batch: dict, index: torch.Tensor) -> dict:
 
 
 def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
-                       multiple_of: int = 1, dp_group: Optional[dist.ProcessGroup] = None) -> list[list[int]]:
-    """Row indices of each micro-batch. `multiple_of`: the count must be a multiple (interleaved PP)."""
+                       multiple_of: int = 1, dp_group: Optional[dist.ProcessGroup] = None,
+                       keys: tuple[str, str] = ("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+                       ) -> list[list[int]]:
+    """Row indices of each micro-batch. `multiple_of`: the count must be a multiple (interleaved PP).
+    `keys`: the config keys of the micro-batch size and token budget, for error messages."""
     n = len(seqlens)
     if use_dynamic_bsz:
         return split_by_token_budget(seqlens, max_token_len, min_parts=multiple_of, multiple_of=multiple_of,
-                                     group=dp_group)
+                                     group=dp_group, budget_key=keys[1])
     if n % micro_batch_size:
-        raise ValueError(f"{n} sequences per rank are not divisible by micro_batch_size={micro_batch_size} "
-                         "(ppo_micro_batch_size_per_gpu): choose a divisor, or use_dynamic_bsz=true")
+        raise ValueError(f"{n} sequences per rank are not divisible by {keys[0]}={micro_batch_size}: choose a "
+                         "divisor, or turn on dynamic (token-budget) batching")
     count = n // micro_batch_size
     if count % multiple_of:
         raise ValueError(f"{count} micro-batches per mini-batch; the interleaved pipeline schedule needs a multiple "
-                         f"of the pipeline size {multiple_of}: lower ppo_micro_batch_size_per_gpu")
+                         f"of the pipeline size {multiple_of}: lower {keys[0]}")
     return [list(range(i, i + micro_batch_size)) for i in range(0, n, micro_batch_size)]
 
 

@@ -171,7 +171,7 @@ class TrainEngine:
         cfg = self.cfg
         plan = plan_micro_batches(seqlens, micro_batch_size=cfg.fwd_micro_batch_size,
                                   use_dynamic_bsz=cfg.fwd_use_dynamic_bsz, max_token_len=cfg.fwd_max_token_len,
-                                  multiple_of=self._multiple_of, dp_group=self.state.dp_group)
+                                  multiple_of=self._multiple_of, dp_group=self.state.dp_group, keys=cfg.forward_keys)
         mbs = make_micro_batches(batch, plan, keys=(), packed=self.cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
                                  uniform_shape=self.state.dims.pp > 1)
@@ -261,7 +261,7 @@ class TrainEngine:
         seqlens = [int(s) for s in sub["attention_mask"].sum(-1).tolist()]
         plan = plan_micro_batches(seqlens, micro_batch_size=cfg.micro_batch_size, use_dynamic_bsz=cfg.use_dynamic_bsz,
                                   max_token_len=cfg.max_token_len, multiple_of=self._multiple_of,
-                                  dp_group=state.dp_group)
+                                  dp_group=state.dp_group, keys=cfg.update_keys)
         mbs = make_micro_batches(sub, plan, keys=keys, packed=cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
                                  uniform_shape=self.state.dims.pp > 1)

@@ -1,7 +1,8 @@
 """Model definitions: HF config -> Megatron TransformerConfig, layer specs, weight conversion, tiny test models.
 
     hf_config     config.json -> ModelShape -> TransformerConfig + GPTModel args (Qwen2/2.5, Llama 3, Qwen3)
-    rope          HF-exact RoPE frequencies (Llama 3 scaling) installed into Megatron's rotary module
+    rope          HF-exact RoPE frequencies (Llama 3 scaling) installed into Megatron's rotary module; packed
+                  (THD) RoPE without host syncs
     attention     SDPACoreAttention: Megatron core_attention on SDPA / flex_attention
     attention_ops its plain-torch math (causal, padding masks, packed THD document-causal, GQA)
     layer_specs   Transformer Engine spec when importable, else local spec + SDPA attention

@@ -8,9 +8,10 @@ mask and multiplies again; it also refuses packed sequences. This module calls
 - a boolean mask (B or 1, 1, S, S) with True = masked out (Megatron's convention; e.g. causal + left padding):
   passed to SDPA inverted. Rows that would mask everything (a padding query in a left-padded row) are allowed
   to attend to themselves, so they stay finite instead of NaN (their outputs are padding and never used);
-- packed sequences (`PackedSeqParams(qkv_format="thd")`, documents back to back, cu_seqlens): on GPU
-  `flex_attention`, compiled, with a document-causal block mask; on CPU (where flex_attention has no backward)
-  one causal SDPA call per document;
+- packed sequences (`PackedSeqParams(qkv_format="thd")`, documents back to back, cu_seqlens): on GPU in
+  bf16/fp16 torch's variable-length Flash Attention (`torch.nn.attention.varlen`, where torch has it: 2.11
+  and 2.13 do), else `flex_attention`, compiled, with a document-causal block mask; on CPU (where
+  flex_attention has no backward) one causal SDPA call per document;
 - grouped-query attention through `enable_gqa=True`: keys/values are never repeated in memory.
 
 Megatron's attention hands over query (sq, b, np, hn), key/value (sk, b, ng, hn) — or (t, np, hn) when
@@ -32,6 +33,8 @@ from rlhf_mcore.models.attention_ops import (
     flex_block_mask,
     packed_attention_flex,
     packed_attention_per_document,
+    packed_attention_varlen,
+    varlen_available,
 )
 
 
@@ -79,6 +82,11 @@ class SDPACoreAttention(MegatronModule):
 
     def _packed(self, query, key, value, params: PackedSeqParams, dropout_p: float) -> torch.Tensor:
         cu = _packed_boundaries(params)
+        max_len = max(params.max_seqlen_q or 0, params.max_seqlen_kv or 0)
+        if (query.is_cuda and dropout_p == 0.0 and query.dtype in (torch.bfloat16, torch.float16) and max_len > 0
+                and varlen_available()):
+            # Flash Attention over cu_seqlens: no mask to build, 1.3-2x flex's kernel (BENCHMARKS.md)
+            return packed_attention_varlen(query, key, value, cu, max_len, self.softmax_scale)
         if query.is_cuda and dropout_p == 0.0:
             # one BlockMask per packed batch, shared by all layers: cached on the params object
             cached = getattr(params, "_rlhf_block_mask", None)

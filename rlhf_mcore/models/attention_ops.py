@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 _COMPILED_FLEX = None
+_VARLEN = None  # (varlen_attn, its keyword parameters) once looked up; False where torch has none
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -113,3 +114,54 @@ def packed_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
              scale=scale, enable_gqa=q.size(1) != k.size(1))  # (1, np, T, hn)
     return out[0].transpose(0, 1)
+
+
+def varlen_available() -> bool:
+    """Whether torch has `torch.nn.attention.varlen.varlen_attn` (Flash Attention over cu_seqlens; CUDA only)
+    with a causal mode this module can drive."""
+    return _varlen() is not False
+
+
+def _varlen():
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = set(inspect.signature(varlen_attn).parameters)
+            _VARLEN = (varlen_attn, params) if ({"is_causal"} & params or {"window_size"} & params) else False
+        except (ImportError, AttributeError, TypeError, ValueError):
+            _VARLEN = False
+    return _VARLEN
+
+
+def packed_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float) -> torch.Tensor:
+    """Packed (THD) causal attention with torch's variable-length Flash Attention (no mask at all: each
+    document is its own sequence). q (T, np, hn), k/v (T, ng, hn) -> (T, np, hn); CUDA, bf16/fp16.
+
+    Adapts to the torch version's signature: causal via `window_size=(-1, 0)` or `is_causal=True`; grouped
+    keys via `enable_gqa` (else repeated); `scale` (else folded into the query)."""
+    found = _varlen()
+    if found is False:
+        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch")
+    fn, params = found
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if q.size(1) != k.size(1):
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:
+        q = q * (scale * q.size(-1) ** 0.5)
+    cu = cu_seqlens.to(torch.int32)
+    return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)

@@ -11,9 +11,9 @@ last stage returns vocabulary-parallel logits (B, S, V_padded / TP) — not gath
 `PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=..., max_seqlen_q=..., max_seqlen_kv=...)`.
 
 About position_ids: Megatron's RoPE uses positions 0..S-1 of the row (restarting at every document when
-packed), not `position_ids`. RoPE only sees position differences, so a left-padded row, whose real tokens
-sit at S-n..S-1 instead of 0..n-1, gets the same attention scores up to float rounding (checked against HF
-at 1e-4 in tests/test_models.py).
+packed; computed on the device, see `rope.install_packed_rope`), not `position_ids`. RoPE only sees position
+differences, so a left-padded row, whose real tokens sit at S-n..S-1 instead of 0..n-1, gets the same
+attention scores up to float rounding (checked against HF at 1e-4 in tests/test_models.py).
 
 Each chunk carries `hf_shape` (the `ModelShape`), `model_role` and `hf_dir`; the loader and the exporter read
 them (through DDP-style wrappers too).
@@ -26,7 +26,7 @@ import torch
 
 from rlhf_mcore.models.hf_config import ModelShape, gpt_model_kwargs, transformer_config
 from rlhf_mcore.models.layer_specs import layer_spec, resolve_backend
-from rlhf_mcore.models.rope import install_rope
+from rlhf_mcore.models.rope import install_packed_rope, install_rope
 
 ROLES = ("actor", "ref", "critic")
 
@@ -65,6 +65,7 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
                          f"RMSNorm refuses it (attention backend here: {backend!r}). Turn sequence parallelism off "
                          "or install Transformer Engine.")
     spec = layer_spec(shape, backend)
+    install_packed_rope()
     n_virtual = dims.vpp or 1
     chunks = []
     for vp in range(n_virtual):

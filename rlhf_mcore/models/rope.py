@@ -9,6 +9,7 @@ written over the module's `inv_freq`.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -56,3 +57,81 @@ def install_rope(model, shape: ModelShape, device) -> None:
     cache_clear = getattr(type(rotary).forward, "cache_clear", None)  # forward is lru_cached on (self, len, ...)
     if cache_clear is not None:
         cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed (THD) RoPE without host synchronisation
+#
+# Megatron-Core's unfused THD RoPE (`rope_utils._apply_rotary_pos_emb_thd`) reads the document lengths on the host
+# (`cu_seqlens.tolist()`) and slices the frequencies document by document, for the query and the key of every
+# layer: 2 × layers device→host synchronisations and ~2 × documents small kernels per layer in every forward. The
+# CPU can then never run ahead of the GPU, and on packed micro-batches of many short RL sequences the step is
+# bound by the host (BENCHMARKS.md, issue 9 profile). The fused THD kernel that avoids this needs Transformer
+# Engine. Here the position of every packed token inside its document is computed on the device (no sync), the
+# cos/sin tables are gathered once per forward (shared by all layers, query and key) and applied in one pass;
+# the result is the same arithmetic as Megatron's, bit for bit (tests/test_models.py).
+# ---------------------------------------------------------------------------------------------------------------
+
+_PACKED_TABLES: tuple = (None, -1, None, 0, None, None)  # (cu_seqlens, its _version, freqs, total, dtype, (cos, sin))
+_MEGATRON_APPLY = None  # megatron.core.transformer.attention.apply_rotary_pos_emb before install_packed_rope
+ENABLED = True  # False: every call goes to Megatron's function (the before/after of launch/bench_ppo_step.py)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) int64: the position of each packed token inside its document (documents start at the offsets
+    `cu_seqlens`, int, [0, ..., total]); computed on the device without reading it on the host."""
+    cu = cu_seqlens.to(torch.int64)
+    tokens = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu[1:].contiguous(), tokens, right=True).clamp_(max=cu.numel() - 2)
+    return tokens - cu[doc]
+
+
+def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, dtype: torch.dtype, mscale: float):
+    """(cos, sin) of shape (total, 1, 1, rot_dim) in `dtype` for the packed tokens; cached for the last batch
+    (every layer and both query and key of one forward pass share them)."""
+    global _PACKED_TABLES
+    c = _PACKED_TABLES
+    if c[0] is cu_seqlens and c[1] == cu_seqlens._version and c[2] is freqs and c[3] == total and c[4] == (
+            dtype, mscale):
+        return c[5]
+    f = freqs.index_select(0, packed_positions(cu_seqlens, total))  # (total, 1, 1, rot_dim)
+    tables = ((torch.cos(f) * mscale).to(dtype), (torch.sin(f) * mscale).to(dtype))
+    _PACKED_TABLES = (cu_seqlens, cu_seqlens._version, freqs, total, (dtype, mscale), tables)
+    return tables
+
+
+def apply_rope_packed(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: Optional[torch.Tensor] = None,
+                      mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """Drop-in for megatron's `apply_rotary_pos_emb` (same signature). Packed input `t` (total, heads, dim) with
+    `cu_seqlens` and per-document frequencies `freqs` (max_len, 1, 1, rot_dim) takes the sync-free path; all
+    other cases (unpacked, fused RoPE, context parallelism, multi-latent attention, interleaved rotation, or
+    `freqs` spanning a packed tensor of several documents, where Megatron uses positions in the packed tensor)
+    go to Megatron's function unchanged. One document alone reads the same positions either way."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    total = t.size(0)
+    if (not ENABLED or cu_seqlens is None or cp_group is None or cp_group.size() != 1 or config.apply_rope_fusion
+            or config.multi_latent_attention or config.rotary_interleaved or t.dim() != 3
+            or (freqs.size(0) == total and cu_seqlens.numel() > 2)):
+        return _MEGATRON_APPLY(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+    rot_dim = freqs.size(-1)
+    x = t.unsqueeze(1)  # (total, 1, heads, dim): the bshd layout Megatron rotates
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    cos, sin = _packed_cos_sin(freqs, cu_seqlens, total, x.dtype, mscale)
+    out = x_rot * cos + _rotate_half(x_rot, False) * sin
+    if x_pass.size(-1):
+        out = torch.cat((out, x_pass), dim=-1)
+    return out.squeeze(1)
+
+
+def install_packed_rope() -> None:
+    """Route megatron's self-attention RoPE through :func:`apply_rope_packed` (idempotent). Megatron offers no
+    hook for this (its fused THD path needs Transformer Engine), so the name its attention module calls is
+    rebound; anything but the packed, unfused, CP=1 case still runs Megatron's own function."""
+    global _MEGATRON_APPLY
+    import megatron.core.transformer.attention as attention
+
+    if attention.apply_rotary_pos_emb is apply_rope_packed:
+        return
+    _MEGATRON_APPLY = attention.apply_rotary_pos_emb
+    attention.apply_rotary_pos_emb = apply_rope_packed

@@ -2,11 +2,12 @@
 from rlhf_mcore.parallel.dist import (
                                       ParallelDims,
                                       ParallelState,
+                                      collective_device,
                                       destroy_distributed,
                                       init_distributed,
                                       pick_device,
                                       seed_everything,
 )
 
-__all__ = ["ParallelDims", "ParallelState", "init_distributed", "destroy_distributed", "pick_device",
-           "seed_everything"]
+__all__ = ["ParallelDims", "ParallelState", "collective_device", "init_distributed", "destroy_distributed",
+           "pick_device", "seed_everything"]

@@ -75,6 +75,15 @@ class ParallelState:
         return self.pp_rank == self.dims.pp - 1
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a tensor must live to go through a collective on `group`: the current CUDA device for NCCL, the
+    CPU for gloo (the default group is NCCL-only on GPU: a CPU tensor there fails with "No backend type
+    associated with device type cpu")."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu.")

@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore.parallel.dist import collective_device
+
 
 def reduce_metrics(metrics: dict[str, float], group=None) -> dict[str, float]:
     """Mean over ranks of ``group`` (max for ``*/max``, min for ``*/min``); same key set required on all ranks.
@@ -25,7 +27,7 @@ def reduce_metrics(metrics: dict[str, float], group=None) -> dict[str, float]:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
     keys = sorted(metrics)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = collective_device(group)
     vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     kinds = {"max": [], "min": [], "mean": []}
     for i, k in enumerate(keys):

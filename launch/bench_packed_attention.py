@@ -1,0 +1,151 @@
+"""Packed (THD) document-causal attention kernels on RL-shaped micro-batches, side by side.
+
+    python launch/bench_packed_attention.py [--reps 20] [--out FILE.json]
+    python launch/bench_packed_attention.py --tiny          # CPU smoke run (reference and eager flex only)
+
+What the train engine runs for packed micro-batches (many short documents back to back): the compiled
+`flex_attention` with a document-causal block mask, torch's variable-length Flash Attention
+(`torch.nn.attention.varlen.varlen_attn`, where this torch has it), and one causal SDPA call per document (the
+reference, and the CPU path). Qwen2.5-0.5B's attention shape (14 query heads, 2 KV heads, head_dim 64, bf16).
+Cases: GRPO-like documents (~95-token prompts + up to 256 response tokens) and PPO-like ones (up to 512 + 512),
+packed to the token budgets of the 0.5B configs. Reported per kernel: forward (no grad) and forward + backward
+milliseconds (CUDA events, median of `--reps`), block-mask creation for flex separately, and the largest
+difference from the reference (output and query gradient).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_shapes import git_commit  # noqa: E402
+
+CASES = {  # name: (tokens in the micro-batch, (min, max) document length)
+    "grpo_16k": (16384, (200, 352)),
+    "grpo_24k": (24576, (200, 352)),
+    "ppo_16k": (16384, (300, 1024)),
+}
+TINY_CASES = {"tiny": (200, (10, 40))}
+
+
+def documents(total: int, lengths: tuple[int, int], seed: int = 0) -> list[int]:
+    """Document lengths drawn uniformly in `lengths` until `total` tokens are filled (the last one cut)."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(min(rng.randint(*lengths), total - sum(out)))
+    return out
+
+
+def timed(fn, reps: int, device) -> float:
+    """Median milliseconds of `fn()` over `reps` calls (after 3 warm-ups); CUDA events on GPU."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_case(total: int, lengths: tuple[int, int], reps: int, device, dtype) -> dict:
+    import torch
+
+    from rlhf_mcore.models.attention_ops import (
+        flex_block_mask,
+        packed_attention_flex,
+        packed_attention_per_document,
+        packed_attention_varlen,
+        varlen_available,
+    )
+
+    docs = documents(total, lengths)
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    heads, groups, dim = 14, 2, 64
+    scale = dim ** -0.5
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(total, n, dim, generator=g).to(device, dtype) for n in (heads, groups, groups))
+    grad = torch.randn(total, heads, dim, generator=g).to(device, dtype)
+    on_gpu = device.type == "cuda"
+    kernels = {"per_document_sdpa": lambda a, b, c: packed_attention_per_document(a, b, c, cu, scale)}
+    mask_ms = timed(lambda: flex_block_mask(cu, total), reps, device)
+    mask = flex_block_mask(cu, total)
+    kernels["flex"] = lambda a, b, c: packed_attention_flex(a, b, c, mask, scale, compiled=on_gpu)
+    if on_gpu and varlen_available():
+        kernels["varlen"] = lambda a, b, c: packed_attention_varlen(a, b, c, cu, max(docs), scale)
+
+    def fwd_bwd(fn):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        fn(*leaves).backward(grad)
+        return leaves[0].grad
+
+    want = packed_attention_per_document(q.float(), k.float(), v.float(), cu, scale)
+    want_dq = fwd_bwd(lambda a, b, c: packed_attention_per_document(a.float(), b.float(), c.float(), cu, scale))
+    out = {"tokens": total, "documents": len(docs), "mean_doc_len": total / len(docs), "flex_block_mask_ms": mask_ms}
+    for name, fn in kernels.items():
+        row = {}
+        try:
+            with torch.no_grad():
+                row["forward_ms"] = timed(partial(fn, q, k, v), reps, device)
+                row["max_abs_err"] = float((fn(q, k, v).float() - want).abs().max())
+            if on_gpu or name != "flex":  # eager flex has no backward on CPU
+                row["fwd_bwd_ms"] = timed(partial(fwd_bwd, fn), reps, device)
+                row["max_abs_err_dq"] = float((fwd_bwd(fn).float() - want_dq).abs().max())
+        except Exception as e:  # noqa: BLE001 - a kernel that fails is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out[name] = row
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--tiny", action="store_true", help="tiny case on CPU (smoke run)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report = {"benchmark": "packed_attention", "commit": git_commit(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "cases": {}}
+    for name, (total, lengths) in (TINY_CASES if args.tiny else CASES).items():
+        report["cases"][name] = run_case(total, lengths, args.reps, device, dtype)
+    print(f"\n{report['device']}  torch {report['torch']}  commit {report['commit']}")
+    print(f"{'case':<10} {'docs':>5} {'kernel':<18} {'fwd ms':>8} {'fwd+bwd ms':>11} {'err':>9} {'err dq':>9}")
+    for name, c in report["cases"].items():
+        for kernel in ("per_document_sdpa", "flex", "varlen"):
+            r = c.get(kernel)
+            if r is None:
+                continue
+            print(f"{name:<10} {c['documents']:>5} {kernel:<18} {r.get('forward_ms', float('nan')):>8.3f} "
+                  f"{r.get('fwd_bwd_ms', float('nan')):>11.3f} {r.get('max_abs_err', float('nan')):>9.2e} "
+                  f"{r.get('max_abs_err_dq', float('nan')):>9.2e} {r.get('error', '')}")
+        print(f"{name:<10} {'':>5} {'(flex block mask)':<18} {c['flex_block_mask_ms']:>8.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
