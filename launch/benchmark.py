@@ -1,6 +1,7 @@
 """`make benchmark`: the project's benchmarks in one run, a table on the console and JSON on disk.
 
-    python launch/benchmark.py [--only mfu ppo_step grpo_step trl memory rollout sync attention] [--out-dir DIR]
+    python launch/benchmark.py [--only mfu ppo_step grpo_step trl memory rollout sync attention packed_attention]
+                               [--out-dir DIR]
     python launch/benchmark.py --tiny          # force the tiny CPU shapes (what CI runs; the default without CUDA)
 
 Runs each benchmark script as its own process (they initialise process groups and CUDA state of their own) and
@@ -13,7 +14,9 @@ records hardware, commit and configuration next to the results:
 - `memory`: colocated GRPO step memory at the 7B shape, computed plan + measured phases (launch/bench_memory.py);
 - `rollout`: native engine vs Hugging Face `generate` (launch/bench_rollout.py);
 - `sync`: weight-sync seconds, Megatron actor -> native rollout engine (launch/bench_sync.py);
-- `attention`: local spec vs SDPA spec training throughput (launch/bench_attention.py).
+- `attention`: local spec vs SDPA spec training throughput (launch/bench_attention.py);
+- `packed_attention`: packed document-causal attention kernels (varlen Flash Attention, flex_attention, per-document
+  SDPA) on RL-shaped micro-batches (launch/bench_packed_attention.py).
 
 Without CUDA every script runs its tiny shape so CI exercises the code paths; those numbers mean nothing. The
 performance targets live in DESIGN.md and are checked in the table below (`targets`); figures go in
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("mfu", "ppo_step", "grpo_step", "trl", "memory", "rollout", "sync", "attention")
+ORDER = ("mfu", "ppo_step", "grpo_step", "trl", "memory", "rollout", "sync", "attention", "packed_attention")
 TRL_REFERENCE_STEP_S = 12.6  # DESIGN.md: TRL 1.16 GRPOTrainer on this workload, H200, median step
 
 
@@ -81,6 +84,7 @@ def plan(tiny: bool, args, model_dir: Path) -> dict:
         "rollout": ("bench_rollout.py", t),
         "sync": ("bench_sync.py", t),
         "attention": ("bench_attention.py", t),
+        "packed_attention": ("bench_packed_attention.py", t),
     }
 
 

@@ -29,7 +29,7 @@ def outputs(tmp_path_factory):
     driver = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'launch')!r})
-        import bench_memory, bench_mfu, bench_ppo_step, bench_trl
+        import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
@@ -39,12 +39,23 @@ def outputs(tmp_path_factory):
                              "--out", out + "/grpo_step.json"])
         bench_memory.main(["--tiny", "--measure", "--out", out + "/memory.json"])
         bench_trl.main(["--tiny", "--steps", "2", "--model-dir", model, "--out", out + "/trl.json"])
+        bench_packed_attention.main(["--tiny", "--reps", "2", "--out", out + "/packed_attention.json"])
     """)
     proc = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")} | {
         "profile": (out / "ppo_step_profile.txt").read_text()}
+
+
+def test_packed_attention_json(outputs):
+    case = outputs["packed_attention"]["cases"]["tiny"]
+    assert case["documents"] > 1 and case["flex_block_mask_ms"] > 0
+    ref, flex = case["per_document_sdpa"], case["flex"]
+    assert "error" not in ref and "error" not in flex, case
+    assert ref["max_abs_err"] < 1e-5 and ref["forward_ms"] > 0 and ref["fwd_bwd_ms"] > 0  # fp32 against fp32
+    assert flex["max_abs_err"] < 1e-4 and "fwd_bwd_ms" not in flex  # eager flex: no backward on CPU
+    assert "varlen" not in case  # CUDA only
 
 
 def test_mfu_json(outputs):
