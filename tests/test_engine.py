@@ -351,6 +351,30 @@ def test_storage_offloader_round_trip():
     assert not off.is_offloaded("params")
 
 
+def test_offload_host_memory_is_exact_size_and_reused():
+    """The host copy of an offload is one arena sized to the storages (aligned slots, no power-of-two rounding:
+    85 GiB of 7B optimizer state must not become 128), allocated once and reused by later offloads."""
+    from rlhf_mcore.engine.offload import HostArena
+
+    arena = HostArena([3, 1000, 513], pin=False)
+    assert arena.offsets == [0, 512, 1536] and arena.buffer.numel() == 2560  # 512-byte aligned slots, exact total
+    assert [arena.slot(i).numel() for i in range(3)] == [3, 1000, 513]
+
+    a, b = torch.randn(1000), torch.arange(300, dtype=torch.int64)  # 4,000 and 2,400 bytes
+    want_a, want_b = a.clone(), b.clone()
+    off = StorageOffloader(torch.device("cpu"))
+    ptrs = set()
+    for _ in range(3):
+        assert off.offload("optimizer", [a.untyped_storage(), b.untyped_storage()]) == 6400
+        ptrs.add(off.arenas["optimizer"].buffer.data_ptr())
+        assert off.arenas["optimizer"].buffer.numel() == 4096 + 2560
+        assert len(ptrs) == 1  # the same host memory every step
+        off.onload("optimizer")
+        assert torch.equal(a, want_a) and torch.equal(b, want_b)
+        a.add_(1.0)  # the state changes between offloads: the copy must be fresh each time
+        want_a = a.clone()
+
+
 # ============================================================================ distributed (torchrun)
 
 
@@ -511,3 +535,16 @@ def test_vocab_parallel_logprobs_at_tp2(runs):
             assert err["grad"] <= 1e-5 * max(1.0, err["grad_scale"])
             padding_only_rank_seen |= err["grad_scale"] == 0.0
     assert padding_only_rank_seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: page-locks host memory")
+def test_offload_arena_is_page_locked_on_cuda():
+    x = torch.randn(3, 1000, device="cuda")
+    want = x.clone()
+    off = StorageOffloader(torch.device("cuda"))
+    assert off.offload("optimizer", [x.untyped_storage()]) == 12000
+    arena = off.arenas["optimizer"]
+    assert arena.pinned and arena.buffer.is_pinned() and x.untyped_storage().nbytes() == 0
+    off.onload("optimizer")
+    assert torch.equal(x, want)
+    del off, arena  # unregisters the host memory
