@@ -138,6 +138,10 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     max_num_seqs: int = 256
     free_cache_engine: bool = True
+    # what the rollout releases after generating (with free_cache_engine): 1 = its KV cache, weights kept (synced
+    # after each update); 2 = its weights too, re-sent at the next wake after the training engines' offload (the
+    # order a 7B model needs to fit one H200, BENCHMARKS.md)
+    sleep_level: int = 1
     enforce_eager: bool = False  # no CUDA graphs
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
@@ -532,6 +536,12 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     _require(rollout.temperature >= 0,
              f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}.")
     _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}.")
+    _require(rollout.sleep_level in (1, 2),
+             f"actor_rollout_ref.rollout.sleep_level must be 1 (free the KV cache) or 2 (KV cache and weights), got "
+             f"{rollout.sleep_level}.")
+    _require(rollout.sleep_level == 1 or rollout.free_cache_engine,
+             "actor_rollout_ref.rollout.sleep_level=2 releases the rollout's memory after generating, which "
+             "free_cache_engine=false turns off: set free_cache_engine=true or sleep_level=1.")
     load_plugins(cfg.trainer.plugins)
     from rlhf_mcore.algos import list_policy_losses
 

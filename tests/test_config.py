@@ -166,6 +166,12 @@ def test_cross_field_checks_say_what_to_change():
         validate_config(layout("algorithm.adv_estimator=grpoo"), world_size=1)
     with pytest.raises(ConfigError, match=r"needs a critic"):
         validate_config(layout("critic.enable=false"), world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.sleep_level must be 1 \(free the KV cache\) or 2 .*got 3"):
+        validate_config(layout("actor_rollout_ref.rollout.sleep_level=3"), world_size=1)
+    with pytest.raises(ConfigError, match=r"sleep_level=2 releases .* set free_cache_engine=true or sleep_level=1"):
+        validate_config(layout("actor_rollout_ref.rollout.sleep_level=2",
+                               "actor_rollout_ref.rollout.free_cache_engine=false"), world_size=1)
+    validate_config(layout("actor_rollout_ref.rollout.sleep_level=2"), world_size=1)
 
 
 def test_grpo_needs_no_critic_and_kl_loss_needs_reference():

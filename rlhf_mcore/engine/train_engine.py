@@ -380,7 +380,7 @@ class TrainEngine:
         """Full Hugging Face-named tensors of the model, streamed (see `rlhf_mcore.models.export_hf_weights`)."""
         from rlhf_mcore.models import export_hf_weights
 
-        self._require_onloaded()
+        self._require_onloaded(("params",))  # the weight sync at the rollout's wake runs with the optimizer parked
         return export_hf_weights(self.chunks, self.state, dtype=dtype)
 
     def save_hf(self, out_dir, dtype: Optional[torch.dtype] = None) -> None:
@@ -394,8 +394,8 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ helpers
 
-    def _require_onloaded(self) -> None:
-        parked = [n for n in ("params", "grads", "optimizer") if self._offloader.is_offloaded(n)]
+    def _require_onloaded(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        parked = [n for n in kinds if self._offloader.is_offloaded(n)]
         if parked:
             raise RuntimeError(f"the {self.cfg.role} engine's {', '.join(parked)} are offloaded; call onload() first")
 

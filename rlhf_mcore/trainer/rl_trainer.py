@@ -61,6 +61,7 @@ class RLTrainer:
                                       self.state.rank, group=self.state.cpu_group)
         self.step = 0
         self.logger: Optional[MetricLogger] = None
+        self.wake_sync_metrics: dict[str, float] = {}  # filled by roles.colocated_rollout at rollout.sleep_level=2
 
     # ------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -87,7 +88,7 @@ class RLTrainer:
                 with t("update"):
                     update_metrics = self.update(batch)            # 6. critic, then actor
                 with t("sync"):
-                    sync_metrics = self.sync_weights()             # 7. actor -> rollout
+                    sync_metrics = self.sync_weights()             # 7. actor -> rollout (at sleep level 2: at wake)
             last = self.finish_step(batch, {**gen_stats, **update_metrics, **sync_metrics}, t)  # 8.
         self.export_final()
         return last
@@ -125,7 +126,8 @@ class RLTrainer:
             1, last[:, None], scores[:, None])  # (B, R)
         if cfg.algorithm.adv_estimator == "remax":
             batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])
-        return batch, {"reward/num_warnings": stats.get("num_warnings", 0.0)}
+        wake_sync, self.wake_sync_metrics = self.wake_sync_metrics, {}  # sleep level 2: the sync ran at the wake
+        return batch, {"reward/num_warnings": stats.get("num_warnings", 0.0), **wake_sync}
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)

@@ -71,7 +71,7 @@ def build_rollout(cfg: RLConfig, state: ParallelState):
     if r.name == "native":
         kwargs = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=state.device,
                       dtype=None if r.dtype == "auto" else r.dtype, cuda_graphs=None if not r.enforce_eager else False,
-                      load_weights=False)
+                      load_weights=False, weight_offload="drop" if r.sleep_level == 2 else "cpu")
         if r.tensor_model_parallel_size > 1:
             kwargs["tp_group"] = rollout_tp_group(state, r.tensor_model_parallel_size)
     elif r.name == "hf":
@@ -112,13 +112,23 @@ def offload_plan(engine) -> dict[str, bool]:
             "optimizer": bool(getattr(engine, "optimizer_offload", False))}
 
 
+def syncs_at_wake(cfg: RLConfig) -> bool:
+    """Whether the rollout drops its weights when it sleeps (`rollout.sleep_level=2`): the actor's weights are
+    then sent at every wake instead of after every update."""
+    r = cfg.actor_rollout_ref.rollout
+    return r.free_cache_engine and r.sleep_level == 2
+
+
 @contextmanager
 def colocated_rollout(trainer):
-    """Wake the rollout engine for generation and put it back to sleep after (KV cache freed when
+    """Wake the rollout engine for generation and put it back to sleep after (at `rollout.sleep_level` when
     `rollout.free_cache_engine`). Meanwhile each training engine (actor, critic, reference) moves to the host
     what its config asks for (:func:`offload_plan`) and nothing else: offloading is opt-in, as in veRL. A small
     model leaves most of the GPU free, and copying its optimizer state out and back cost more than anything it
-    saved (2.9 s of a 9.5 s GRPO step at 0.5B on an H200, 7-19 GiB used of 140); the 7B 8-GPU config turns it on."""
+    saved (2.9 s of a 9.5 s GRPO step at 0.5B on an H200, 7-19 GiB used of 140); the 7B 8-GPU config turns it on.
+
+    At sleep level 2 the rollout's weights were dropped, so they are synced here, after the offload and the wake
+    (the actor's optimizer state has left the GPU by then): the sync's metrics go to `trainer.wake_sync_metrics`."""
     on_gpu = trainer.state.device.type == "cuda"
     offloaded = []
     for e in (trainer.actor, trainer.critic, trainer.ref):
@@ -127,11 +137,14 @@ def colocated_rollout(trainer):
             e.offload(**plan)
             offloaded.append(e)
     trainer.rollout.wake()
+    level2 = syncs_at_wake(trainer.cfg)
     try:
+        if level2:
+            trainer.wake_sync_metrics = _sync_actor(trainer)
         yield
     finally:
         if trainer.cfg.actor_rollout_ref.rollout.free_cache_engine:
-            trainer.rollout.sleep(1)
+            trainer.rollout.sleep(2 if level2 else 1)
         for e in offloaded:
             e.onload()
         if on_gpu and offloaded:
@@ -139,6 +152,13 @@ def colocated_rollout(trainer):
 
 
 def sync_weights(trainer) -> dict[str, float]:
+    """Actor -> rollout after an update; at sleep level 2 nothing here (the next wake syncs)."""
+    if syncs_at_wake(trainer.cfg):
+        return {}
+    return _sync_actor(trainer)
+
+
+def _sync_actor(trainer) -> dict[str, float]:
     from rlhf_mcore.sync import sync_actor_to_rollout
 
     r = trainer.cfg.actor_rollout_ref.rollout
