@@ -9,6 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 # megatron-core 0.17+ needs Python >= 3.12; older Pythons get the pinned 0.16.1 (what CI runs).
 MCORE_SPEC ?= $(shell $(PYTHON) -c 'import sys; print("megatron-core==0.16.1" if sys.version_info < (3, 12) else "megatron-core>=0.16.1")')
 PYTEST_ARGS ?=
+# two workers on CI's two cores, whole files per worker (module fixtures build once); TEST_WORKERS=0: one process
+TEST_WORKERS ?= 2
 NPROC ?= 2
 
 .PHONY: install test demo benchmark lint clean
@@ -25,7 +27,8 @@ $(STAMP): setup.py
 
 # pytest exits 5 when it collected no test: that is a failure here, never a silent green.
 test: $(STAMP)
-	@$(BIN)/python -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
+		$(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo: $(STAMP)

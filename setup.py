@@ -39,7 +39,7 @@ setup(
         "sglang": ["sglang>=0.5"],
         "triton": ["triton>=3.2"],
         "wandb": ["wandb>=0.18"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "triton>=3.2"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6", "triton>=3.2"],
     },
     entry_points={},
 )

@@ -17,6 +17,17 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 
+# `make test` runs two pytest-xdist workers, one test file per worker at a time (--dist loadfile). The files that
+# take minutes go first, so that the last files to start are short ones and both workers end together.
+_HEAVY_FIRST = ("test_trainer.py", "test_models.py", "test_engine.py", "test_parallel.py", "test_sync.py",
+                "test_benchmark.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: file order kept
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory fixture: `tiny_model_dir("qwen2", vocab=1000, ...) -> Path`, cached per argument set.
