@@ -177,8 +177,6 @@ def make_trainer_class():
             import torch
 
             self.sub.clear()
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
             if self.step == self.profile_step:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -202,6 +200,7 @@ def make_trainer_class():
                 self.profile_summary["analysis_s"] = time.perf_counter() - t0
                 self.prof = None
             metrics = super().finish_step(batch, step_metrics, timer)
+            on_gpu = torch.cuda.is_available()
             mask = batch["response_mask"]
             rec = {"step": self.step, "profiled": self.step == self.profile_step,
                    "phases_s": dict(self.sub), "trainer_timing_s": {k: v for k, v in timer.seconds.items()},
@@ -210,7 +209,8 @@ def make_trainer_class():
                    "response_length_mean": float(mask.sum(1).float().mean()),
                    "response_length_max": int(mask.sum(1).max()),
                    "prompt_length_mean": float((batch["attention_mask"].sum(1) - mask.sum(1)).float().mean()),
-                   "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+                   # the trainer's own per-step peak (a weight sync's measurement does not hide what came before)
+                   "peak_mem_gib": metrics.get("perf/max_memory_allocated_gb/max") if on_gpu else None,
                    "metrics": {k: v for k, v in metrics.items() if k.startswith(("perf/", "timing_s/", "sync/"))}}
             self.records.append(rec)
             if getattr(self, "partial_out", None):  # steps so far survive a later crash or timeout

@@ -430,3 +430,24 @@ def test_broadcast_transport_over_gloo(distributed):
                 c = got["compare"]
                 assert got["role"] == "receiver" and got["order"]
                 assert (c["missing"], c["extra"], c["differ"]) == ([], [], []) and c["count"] == 7
+
+
+def test_sync_memory_measurement_keeps_the_step_peak(monkeypatch):
+    """A sync resets the allocator's peak to measure its own; the trainer's per-step peak must still see what the
+    step reached before (it logged only the post-sync peak: 7 GiB for a 30 GiB GRPO step). Fake allocator."""
+    from rlhf_mcore.sync import memory
+
+    alloc = {"now": 2 << 30, "peak": 30 << 30}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: alloc["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: alloc["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: alloc.update(peak=alloc["now"]))
+    monkeypatch.setattr(memory, "_CARRIED_PEAK", {})
+    tracker = MemoryTracker(torch.device("cuda", 0))
+    tracker.start()  # the sync begins: allocator peak reset to 2 GiB
+    alloc["peak"] = 3 << 30  # the sync's own buckets
+    assert tracker.cuda_peak_delta() == 1 << 30
+    assert memory.device_peak_bytes() == 30 << 30  # the step's peak survives
+    memory.reset_device_peak()  # the trainer starts the next step's window
+    assert memory.device_peak_bytes() == 2 << 30

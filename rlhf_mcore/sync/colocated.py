@@ -32,7 +32,7 @@ def sync_actor_to_rollout(named_tensors: Iterable[NamedTensor], rollout_engine, 
     Metrics: sync/seconds (excluding verification), sync/bytes, sync/buckets, sync/tensors,
     sync/largest_tensor_bytes, sync/peak_extra_bytes, sync/gbytes_per_s, sync/verify_seconds (verify only),
     and on GPU sync/cuda_peak_delta_bytes — for which the device's peak memory statistics are reset when the
-    sync starts (read `torch.cuda.max_memory_allocated` before the sync if you log it per step).
+    sync starts (`rlhf_mcore.sync.memory.device_peak_bytes` keeps the peak from before the reset).
     Raises `WeightSyncError` (verify) naming the first tensor that differs.
     """
     bucket_bytes = bucket_bytes_from_mb(bucket_mb)

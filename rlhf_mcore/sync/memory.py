@@ -15,7 +15,8 @@ A consumer that keeps received tensors alive therefore shows up as a growing pea
 assert against (bucket size + the largest single tensor).
 
 On GPU, `cuda_peak_delta()` adds the allocator's view: `torch.cuda.max_memory_allocated` during the sync minus
-what was allocated when it started (`start()` resets the device's peak statistics).
+what was allocated when it started (`start()` resets the device's peak statistics). The peak reached before that
+reset is carried over, so :func:`device_peak_bytes` (what the trainer logs as its step's peak memory) still sees it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+_CARRIED_PEAK: dict[int, int] = {}  # device index -> the allocator's peak before a MemoryTracker reset it
+
+
+def _cuda_index(device) -> int:
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_peak_bytes(device=None) -> int:
+    """`torch.cuda.max_memory_allocated(device)`, including any peak a sync's `MemoryTracker.start()` reset."""
+    index = _cuda_index(device)
+    return max(torch.cuda.max_memory_allocated(index), _CARRIED_PEAK.get(index, 0))
+
+
+def reset_device_peak(device=None) -> None:
+    """Start a new peak window (the carried peak too)."""
+    index = _cuda_index(device)
+    _CARRIED_PEAK.pop(index, None)
+    torch.cuda.reset_peak_memory_stats(index)
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -73,6 +94,8 @@ class MemoryTracker:
         self.peak = self.live
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            index = _cuda_index(self.device)
+            _CARRIED_PEAK[index] = device_peak_bytes(index)  # the outer peak survives the reset below
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_base = torch.cuda.memory_allocated(self.device)
 

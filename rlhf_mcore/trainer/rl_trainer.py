@@ -23,7 +23,7 @@ from rlhf_mcore.trainer.checkpoint import CheckpointManager, resolve_resume
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
 from rlhf_mcore.trainer.rollout_phase import generate_and_score
-from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb
+from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
 from rlhf_mcore.trainer.validation import validate
 
 
@@ -163,8 +163,9 @@ class RLTrainer:
 
     def finish_step(self, batch, step_metrics: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
         local = {**batch_metrics(batch), **step_metrics, **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
-                 "perf/max_memory_allocated_gb/max": peak_memory_gb(),
+                 "perf/max_memory_allocated_gb/max": peak_memory_gb(),  # this step's (reset below)
                  "actor/kl_coef": float(self.kl_ctrl.value)}
+        reset_peak_memory()
         tokens = float(batch["attention_mask"].sum())
         local["perf/throughput"] = tokens / max(timer.seconds["step"], 1e-9)
         metrics = reduce_metrics(local, group=None)

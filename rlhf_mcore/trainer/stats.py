@@ -41,8 +41,19 @@ def batch_metrics(batch: dict[str, Any]) -> dict[str, float]:
 
 
 def peak_memory_gb() -> float:
-    """Peak GPU memory on CUDA, else the process's peak resident memory."""
+    """Peak GPU memory on CUDA (GiB; a weight sync's own measurement does not hide it), else the process's peak
+    resident memory."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        from rlhf_mcore.sync.memory import device_peak_bytes
+
+        return device_peak_bytes() / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def reset_peak_memory() -> None:
+    """Start the next step's peak window (GPU only; a process's peak resident memory cannot be reset)."""
+    if torch.cuda.is_available():
+        from rlhf_mcore.sync.memory import reset_device_peak
+
+        reset_device_peak()
