@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_shapes import (  # noqa: E402
     ALIASES,
+    cell,
     git_commit,  # noqa: E402
     write_config,
 )
@@ -196,11 +197,9 @@ def main(argv=None) -> dict:
     print(f"{'shape':<14} {'seq':>5} {'micro':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  note")
     for name, res in report["results"].items():
         for seq, c in res.get("cases", {}).items():
-            mfu = c.get("mfu")
             print(f"{name:<14} {seq:>5} {c['micro_batch_seqs']:>3}x{c['micro_batches']:<3} "
-                  f"{c.get('tokens_per_s', float('nan')):>9.0f} {c.get('tflops', float('nan')):>8.1f} "
-                  f"{'n/a' if mfu is None else f'{mfu:.1%}':>6} {c.get('peak_mem_gib') or float('nan'):>9.1f}  "
-                  f"{c.get('error', '')}")
+                  f"{cell(c, 'tokens_per_s', '>9.0f')} {cell(c, 'tflops', '>8.1f')} {cell(c, 'mfu', '>6.1%')} "
+                  f"{cell(c, 'peak_mem_gib', '>9.1f')}  {c.get('error', '')}")
         if res.get("returncode") not in (0, None):
             print(f"{name:<14} process ended with {res['returncode']}")
     if args.out:

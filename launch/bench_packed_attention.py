@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import git_commit  # noqa: E402
+from bench_shapes import cell, git_commit  # noqa: E402
 
 CASES = {  # name: (tokens in the micro-batch, (min, max) document length)
     "grpo_16k": (16384, (200, 352)),
@@ -138,9 +138,9 @@ def main(argv=None) -> dict:
             r = c.get(kernel)
             if r is None:
                 continue
-            print(f"{name:<10} {c['documents']:>5} {kernel:<18} {r.get('forward_ms', float('nan')):>8.3f} "
-                  f"{r.get('fwd_bwd_ms', float('nan')):>11.3f} {r.get('max_abs_err', float('nan')):>9.2e} "
-                  f"{r.get('max_abs_err_dq', float('nan')):>9.2e} {r.get('error', '')}")
+            print(f"{name:<10} {c['documents']:>5} {kernel:<18} {cell(r, 'forward_ms', '>8.3f')} "
+                  f"{cell(r, 'fwd_bwd_ms', '>11.3f')} {cell(r, 'max_abs_err', '>9.2e')} "
+                  f"{cell(r, 'max_abs_err_dq', '>9.2e')} {r.get('error', '')}")
         print(f"{name:<10} {'':>5} {'(flex block mask)':<18} {c['flex_block_mask_ms']:>8.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

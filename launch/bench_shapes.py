@@ -116,3 +116,13 @@ def git_commit() -> str:
         return out + (" + working tree" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def cell(row: dict, key: str, spec: str) -> str:
+    """`row[key]` formatted with `spec` (e.g. ">8.3f"), or "n/a" right-aligned to the same width when missing or
+    None: benchmark tables print rows whose measurement failed or does not apply."""
+    value = row.get(key)
+    if value is None:
+        width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or "0"
+        return format("n/a", f">{width}")
+    return format(value, spec)
