@@ -7,16 +7,16 @@
 Runs each benchmark script as its own process (they initialise process groups and CUDA state of their own) and
 records hardware, commit and configuration next to the results:
 
-- `mfu`: actor-update MFU, Qwen2.5 0.5B / 1.5B / 7B shapes, 1k and 4k tokens (launch/bench_mfu.py);
-- `ppo_step`: one PPO step of the GSM8K run with its per-phase breakdown, profiled (launch/bench_ppo_step.py);
-- `grpo_step`: one GRPO step of TRL's workload (launch/bench_ppo_step.py --workload trl_grpo);
-- `trl`: TRL's GRPOTrainer on the same workload and model directory, when trl is importable (launch/bench_trl.py);
-- `memory`: colocated GRPO step memory at the 7B shape, computed plan + measured phases (launch/bench_memory.py);
-- `rollout`: native engine vs Hugging Face `generate` (launch/bench_rollout.py);
-- `sync`: weight-sync seconds, Megatron actor -> native rollout engine (launch/bench_sync.py);
-- `attention`: local spec vs SDPA spec training throughput (launch/bench_attention.py);
+- `mfu`: actor-update MFU, Qwen2.5 0.5B / 1.5B / 7B shapes, 1k and 4k tokens (launch/bench/bench_mfu.py);
+- `ppo_step`: one PPO step of the GSM8K run with its per-phase breakdown, profiled (launch/bench/bench_ppo_step.py);
+- `grpo_step`: one GRPO step of TRL's workload (launch/bench/bench_ppo_step.py --workload trl_grpo);
+- `trl`: TRL's GRPOTrainer on the same workload and model directory, when trl is importable (launch/bench/bench_trl.py);
+- `memory`: colocated GRPO step memory at the 7B shape, computed plan + measured phases (launch/bench/bench_memory.py);
+- `rollout`: native engine vs Hugging Face `generate` (launch/bench/bench_rollout.py);
+- `sync`: weight-sync seconds, Megatron actor -> native rollout engine (launch/bench/bench_sync.py);
+- `attention`: local spec vs SDPA spec training throughput (launch/bench/bench_attention.py);
 - `packed_attention`: packed document-causal attention kernels (varlen Flash Attention, flex_attention, per-document
-  SDPA) on RL-shaped micro-batches (launch/bench_packed_attention.py).
+  SDPA) on RL-shaped micro-batches (launch/bench/bench_packed_attention.py).
 
 Without CUDA every script runs its tiny shape so CI exercises the code paths; those numbers mean nothing. The
 performance targets live in DESIGN.md and are checked in the table below (`targets`); figures go in
@@ -90,7 +90,7 @@ def plan(tiny: bool, args, model_dir: Path) -> dict:
 
 def run_bench(name: str, script: str, args: list[str], out_dir: Path, timeout: int) -> dict:
     out = out_dir / f"{name}.json"
-    cmd = [sys.executable, str(ROOT / "launch" / script), *args, "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "launch" / "bench" / script), *args, "--out", str(out)]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
     try:

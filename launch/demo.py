@@ -13,6 +13,7 @@
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -64,12 +65,15 @@ def main() -> int:
                  "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size),
                  "--lr", "3e-3", "--max-length", "160", "trainer.device=cpu"))
 
+    grpo = out / "grpo"
+    if grpo.exists():  # a rerun trains again: the previous run's checkpoints would otherwise be resumed
+        print(f"[4/4] removing the previous demo run in {grpo}", flush=True)
+        shutil.rmtree(grpo)
     print("[4/4] GRPO", flush=True)
     extra = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []
     run(torchrun(args.nproc, "train.py", "--config", "configs/demo_cpu.yaml", f"actor_rollout_ref.model.path={sft_out}",
-                 f"trainer.n_gpus_per_node={args.nproc}", *extra))
+                 f"trainer.n_gpus_per_node={args.nproc}", f"trainer.default_local_dir={grpo}", *extra))
 
-    grpo = out / "grpo"
     metrics = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if m["kind"] == "train"]
     if train:

@@ -39,7 +39,7 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024  # prompts per step (each gets rollout.n responses)
-    val_batch_size: Optional[int] = None  # None: the whole validation set at once
+    val_batch_size: Optional[int] = None  # prompts per validation generate call; None: the whole set at once
     truncation: str = "error"  # error | left | right | filter (drop over-long prompts, counted)
     filter_overlong_prompts: bool = False  # veRL's switch; True is the same as truncation=filter
     on_bad_row: str = "error"  # error | skip (count and report malformed rows)
@@ -55,7 +55,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = True  # packed (THD) sequences in the train engine
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # must stay false: models load through rlhf_mcore's own code, never the repo's
 
 
 @dataclass
@@ -126,13 +126,13 @@ class SamplingKwargs:
 @dataclass
 class RolloutConfig:
     name: str = "native"  # native | hf | sglang
-    mode: str = "sync"
+    mode: str = "sync"  # sync (the only mode; veRL's server-based "async" rollout is not implemented)
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
     n: int = 1
-    prompt_length: Optional[int] = None  # defaults to data.max_prompt_length
-    response_length: Optional[int] = None  # defaults to data.max_response_length
+    prompt_length: Optional[int] = None  # veRL's copy of data.max_prompt_length: unset, or equal to it
+    response_length: Optional[int] = None  # veRL's copy of data.max_response_length: unset, or equal to it
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
@@ -146,7 +146,6 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
-    load_format: str = "auto"
     val_kwargs: SamplingKwargs = field(default_factory=SamplingKwargs)
     # Weight sync (actor -> rollout after every update)
     sync_bucket_mb: int = 512
@@ -206,8 +205,11 @@ class CustomRewardFunctionConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = False
+    """veRL's `reward_model` section (also accepted at the top level, as veRL writes it)."""
+
+    enable: bool = False  # learned reward models are not implemented yet: true is refused
     path: Optional[str] = None
+    reward_manager: str = "naive"  # veRL's name for scoring each sample by its data_source's function
 
 
 @dataclass
@@ -242,8 +244,9 @@ class TrainerConfig:
     project_name: str = "rlhf_mcore"
     experiment_name: str = "run"
     logger: list[str] = field(default_factory=lambda: ["console"])  # console | jsonl | tensorboard | wandb
-    nnodes: int = 1
-    n_gpus_per_node: int = 1
+    # veRL's layout keys: when set, nnodes x n_gpus_per_node must equal the processes torchrun launched
+    nnodes: Optional[int] = None
+    n_gpus_per_node: Optional[int] = None
     device: str = "auto"  # auto | cuda | cpu
     total_epochs: int = 1
     total_training_steps: Optional[int] = None
@@ -254,8 +257,9 @@ class TrainerConfig:
     default_local_dir: Optional[str] = None  # None: outputs/<project_name>/<experiment_name>
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     max_actor_ckpt_to_keep: Optional[int] = 2
+    export_hf_final: bool = True  # the final actor as a Hugging Face directory in <default_local_dir>/hf_final
     seed: int = 1
-    deterministic: bool = False
+    deterministic: bool = False  # torch.use_deterministic_algorithms (warn where an op has no deterministic kernel)
     # Python files (.py) or importable modules loaded on every rank before anything is built: the place to
     # register rewards, advantage estimators or policy losses (rlhf_mcore.rewards/.algos registries).
     plugins: list[str] = field(default_factory=list)
@@ -273,8 +277,7 @@ class RLConfig:
 
 # --------------------------------------------------------------------------------------------- loading
 
-_ADV_ESTIMATORS_NEEDING_CRITIC = {"gae"}
-_CHOICES = {
+_CHOICES = {  # fixed by the code; names that users extend (estimators, losses, KL) are checked in validate_config
     "data.truncation": ("error", "left", "right", "filter"),
     "data.on_bad_row": ("error", "skip"),
     "actor_rollout_ref.model.dtype": ("auto", "bfloat16", "float16", "float32"),
@@ -283,17 +286,44 @@ _CHOICES = {
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "critic.strategy": ("megatron",),
     "actor_rollout_ref.rollout.name": ("native", "hf", "sglang"),
-    "actor_rollout_ref.actor.loss_agg_mode": (
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
+    "actor_rollout_ref.rollout.mode": ("sync",),
+    "reward.reward_model.reward_manager": ("naive",),
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
 }
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+# veRL keys that have no meaning here, with the reason (an unknown key would only say "did you mean ...").
+_NOT_APPLICABLE = {
+    "actor_rollout_ref.rollout.load_format":
+        "the rollout engine always starts from the actor's weights, sent to it before the first step, so there is "
+        "nothing for it to load; remove the key",
+}
+# veRL's top-level sections that live under `reward` here: accepted under either name.
+_ALIASES = {"reward_model": "reward.reward_model", "custom_reward_function": "reward.custom_reward_function"}
+
+
+def _unalias(dotted: str) -> str:
+    head, _, rest = dotted.partition(".")
+    return f"{_ALIASES[head]}.{rest}" if head in _ALIASES and rest else _ALIASES.get(dotted, dotted)
+
+
+def _unalias_tree(raw: dict) -> dict:
+    """Move veRL's top-level `reward_model` / `custom_reward_function` sections under `reward`."""
+    out = {k: v for k, v in raw.items() if k not in _ALIASES}
+    for old, new in _ALIASES.items():
+        if old in raw:
+            section = out.setdefault("reward", {}) if isinstance(out.get("reward", {}), dict) else None
+            if section is None:
+                raise ConfigError("config key 'reward' must be a section when '{old}' is given too.")
+            leaf = new.split(".")[1]
+            if leaf in section:
+                raise ConfigError(f"config sets both '{old}' and '{new}' (the same section): keep one.")
+            section[leaf] = raw[old]
+    return out
 
 
 def _schema_node(path: list[str]):
@@ -306,6 +336,9 @@ def _schema_node(path: list[str]):
                 f"'{'.'.join(walked)}' is a value, not a section, so '{'.'.join(path)}' does not exist.")
         hints = get_type_hints(node)
         if key not in hints:
+            dotted = ".".join(path[:len(walked) + 1])
+            if dotted in _NOT_APPLICABLE:
+                raise ConfigError(f"config key '{dotted}' does not apply to rlhf_mcore: {_NOT_APPLICABLE[dotted]}.")
             section = ".".join(walked) or "<top level>"
             close = difflib.get_close_matches(key, list(hints), n=3, cutoff=0.5)
             full = difflib.get_close_matches(".".join(path), _all_keys(), n=3, cutoff=0.75)
@@ -353,7 +386,7 @@ def _coerce_overrides(overrides: list[str]) -> list[str]:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. data.train_batch_size=256).")
         key, value = ov.split("=", 1)
-        key = key.lstrip("+")
+        key = _unalias(key.lstrip("+"))
         node = _schema_node(key.split("."))
         if isinstance(node, type) and is_dataclass(node):
             raise ConfigError(f"'{key}' is a section, not a value: set one of its keys, e.g. '{key}.<key>=...'.")
@@ -406,6 +439,7 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
             raise ConfigError(f"cannot parse config file '{config_path}': {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{config_path}' must hold a mapping of sections, got {type(raw).__name__}.")
+        raw = _unalias_tree(raw)
         _check_keys(raw, [])
         layers.append(OmegaConf.create(_wrap_scalar_lists(raw, [])))
     if overrides:
@@ -421,6 +455,7 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
     _check_choices(cfg)
+    _check_values(cfg)
     return cfg
 
 
@@ -442,13 +477,86 @@ def _check_choices(cfg: RLConfig) -> None:
             raise ConfigError(f"config key 'trainer.logger' has {name!r}; loggers are {', '.join(_LOGGERS)}.")
 
 
+def _check_values(cfg: RLConfig) -> None:
+    """Single-key ranges, before anything is built: the key, the value, the allowed range."""
+    import math
+
+    def need(key: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{key}' has value {_get(cfg, key)!r}; it must be {what}.")
+
+    for role in ("actor_rollout_ref.actor", "critic"):
+        o = f"{role}.optim"
+        need(f"{o}.lr", math.isfinite(_get(cfg, f"{o}.lr")) and _get(cfg, f"{o}.lr") >= 0, ">= 0 (e.g. 1e-6)")
+        need(f"{o}.min_lr_ratio", 0 <= _get(cfg, f"{o}.min_lr_ratio") <= 1, "in [0, 1]")
+        need(f"{o}.lr_warmup_steps_ratio", 0 <= _get(cfg, f"{o}.lr_warmup_steps_ratio") <= 1, "in [0, 1]")
+        need(f"{o}.weight_decay", _get(cfg, f"{o}.weight_decay") >= 0, ">= 0")
+        betas = _get(cfg, f"{o}.betas")
+        need(f"{o}.betas", len(betas) == 2 and all(0 <= b < 1 for b in betas), "two numbers in [0, 1)")
+        need(f"{o}.eps", _get(cfg, f"{o}.eps") > 0, "> 0")
+        need(f"{role}.grad_clip", _get(cfg, f"{role}.grad_clip") > 0, "> 0 (the max global gradient norm)")
+    a = "actor_rollout_ref.actor"
+    need(f"{a}.clip_ratio", 0 < cfg.actor_rollout_ref.actor.clip_ratio < 1, "in (0, 1), e.g. 0.2")
+    for k in ("clip_ratio_low", "clip_ratio_high"):
+        v = _get(cfg, f"{a}.{k}")
+        need(f"{a}.{k}", v is None or 0 < v < 10, "unset or > 0 (e.g. 0.2; clip-higher uses 0.28)")
+    need(f"{a}.clip_ratio_c", cfg.actor_rollout_ref.actor.clip_ratio_c > 1, "> 1 (dual-clip bound, e.g. 3)")
+    need(f"{a}.kl_loss_coef", cfg.actor_rollout_ref.actor.kl_loss_coef >= 0, ">= 0")
+    need(f"{a}.ppo_epochs", cfg.actor_rollout_ref.actor.ppo_epochs >= 1, ">= 1")
+    need("critic.cliprange_value", cfg.critic.cliprange_value > 0, "> 0")
+    r = "actor_rollout_ref.rollout"
+    for k in ("temperature", "val_kwargs.temperature"):
+        need(f"{r}.{k}", _get(cfg, f"{r}.{k}") >= 0, ">= 0 (0 is greedy)")
+    for k in ("top_p", "val_kwargs.top_p"):
+        need(f"{r}.{k}", 0 < _get(cfg, f"{r}.{k}") <= 1, "in (0, 1]")
+    for k in ("top_k", "val_kwargs.top_k"):
+        need(f"{r}.{k}", _get(cfg, f"{r}.{k}") == -1 or _get(cfg, f"{r}.{k}") > 0, "-1 (off) or > 0")
+    for k in ("n", "val_kwargs.n", "max_num_seqs", "tensor_model_parallel_size", "sync_bucket_mb"):
+        need(f"{r}.{k}", _get(cfg, f"{r}.{k}") >= 1, ">= 1")
+    need(f"{r}.gpu_memory_utilization", 0 < cfg.actor_rollout_ref.rollout.gpu_memory_utilization <= 1, "in (0, 1]")
+    need("algorithm.gamma", 0 <= cfg.algorithm.gamma <= 1, "in [0, 1]")
+    need("algorithm.lam", 0 <= cfg.algorithm.lam <= 1, "in [0, 1]")
+    need("algorithm.kl_ctrl.kl_coef", cfg.algorithm.kl_ctrl.kl_coef >= 0, ">= 0")
+    need("reward.num_workers", cfg.reward.num_workers >= 0, ">= 0 (0 scores in the trainer process)")
+    need("reward.timeout_s", cfg.reward.timeout_s > 0, "> 0 seconds")
+    need("trainer.total_epochs", cfg.trainer.total_epochs >= 1, ">= 1")
+    for k in ("total_training_steps", "max_actor_ckpt_to_keep", "nnodes", "n_gpus_per_node"):
+        v = _get(cfg, f"trainer.{k}")
+        need(f"trainer.{k}", v is None or v >= 1, "unset or >= 1")
+    need("data.val_batch_size", cfg.data.val_batch_size is None or cfg.data.val_batch_size >= 1, "unset or >= 1")
+    need("actor_rollout_ref.model.trust_remote_code", not cfg.actor_rollout_ref.model.trust_remote_code,
+         "false: rlhf_mcore builds Qwen2/Qwen2.5/Qwen3/Llama models with its own code and never runs a model "
+         "repository's Python")
+    need("reward.reward_model.enable", not cfg.reward.reward_model.enable,
+         "false: learned reward models are not implemented yet; score with rule functions by data_source or "
+         "reward.custom_reward_function.path")
+    for k, data_key in (("prompt_length", "max_prompt_length"), ("response_length", "max_response_length")):
+        v = _get(cfg, f"{r}.{k}")
+        need(f"{r}.{k}", v is None or v == _get(cfg, f"data.{data_key}"),
+             f"unset or equal to data.{data_key} ({_get(cfg, f'data.{data_key}')}), which sets it")
+
+
 # --------------------------------------------------------------------------------------------- cross-field
 
 
 def critic_enabled(cfg: RLConfig) -> bool:
+    """`critic.enable` when set, else whether the advantage estimator needs a critic (its registered facts)."""
     if cfg.critic.enable is not None:
         return cfg.critic.enable
-    return cfg.algorithm.adv_estimator in _ADV_ESTIMATORS_NEEDING_CRITIC
+    return _estimator(cfg).needs_critic
+
+
+def _estimator(cfg: RLConfig):
+    from rlhf_mcore.algos import adv_estimator_info, list_adv_estimators
+
+    name = cfg.algorithm.adv_estimator
+    if name not in list_adv_estimators():
+        close = difflib.get_close_matches(name, list_adv_estimators(), n=1)
+        raise ConfigError(f"algorithm.adv_estimator={name!r} is not registered; choose one of "
+                          f"{', '.join(list_adv_estimators())} or register your own with "
+                          f"rlhf_mcore.algos.register_adv_estimator in a trainer.plugins file."
+                          + (f" Did you mean '{close[0]}'?" if close else ""))
+    return adv_estimator_info(name)
 
 
 def reference_enabled(cfg: RLConfig) -> bool:
@@ -478,6 +586,14 @@ def _require(cond: bool, msg: str) -> None:
 
 def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optional[int] = None) -> None:
     """Checks that relate several keys, the world size and the model. Fails on the first problem."""
+    load_plugins(cfg.trainer.plugins)  # plugins may register estimators, losses and rewards used below
+    t = cfg.trainer
+    if t.nnodes is not None or t.n_gpus_per_node is not None:
+        nodes, per_node = t.nnodes or 1, t.n_gpus_per_node or world_size // (t.nnodes or 1)
+        _require(nodes * per_node == world_size,
+                 f"trainer.nnodes={nodes} x trainer.n_gpus_per_node={per_node} = {nodes * per_node} processes, but "
+                 f"{world_size} were launched: launch with `torchrun --nnodes={nodes} --nproc_per_node={per_node} "
+                 f"launch/train.py ...`, or set the two keys to the launched layout (or leave them unset).")
     tp, pp, vpp = parallel_layout(cfg)
     _require(tp >= 1 and pp >= 1, f"tensor/pipeline parallel sizes must be >= 1, got TP={tp}, PP={pp}.")
     _require(
@@ -542,29 +658,38 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     _require(rollout.sleep_level == 1 or rollout.free_cache_engine,
              "actor_rollout_ref.rollout.sleep_level=2 releases the rollout's memory after generating, which "
              "free_cache_engine=false turns off: set free_cache_engine=true or sleep_level=1.")
-    load_plugins(cfg.trainer.plugins)
-    from rlhf_mcore.algos import list_policy_losses
-
-    _require(actor.policy_loss in list_policy_losses(),
-             f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is not registered; choose one of "
-             f"{', '.join(list_policy_losses())} or register your own with rlhf_mcore.algos.register_policy_loss "
-             f"in a trainer.plugins file.")
-    _require(cfg.algorithm.adv_estimator in _known_estimators(),
-             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} is not registered; choose one of "
-             f"{', '.join(sorted(_known_estimators()))} or register your own with "
-             f"rlhf_mcore.algos.register_adv_estimator.")
-    if cfg.algorithm.adv_estimator in _ADV_ESTIMATORS_NEEDING_CRITIC and cfg.critic.enable is False:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic but critic.enable "
-                          f"is false: set critic.enable=true or choose adv_estimator=grpo.")
+    _check_algorithm_names(cfg)
     _require(rollout.tensor_model_parallel_size >= 1 and world_size % rollout.tensor_model_parallel_size == 0,
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
              f"the world size {world_size}.")
 
 
-def _known_estimators() -> set[str]:
-    from rlhf_mcore.algos import list_adv_estimators
+def _check_algorithm_names(cfg: RLConfig) -> None:
+    """Names users can extend are checked against the registries (after trainer.plugins were imported)."""
+    from rlhf_mcore.algos import list_kl_estimators, list_loss_agg_modes, list_policy_losses
 
-    return set(list_adv_estimators())
+    actor = cfg.actor_rollout_ref.actor
+    for key, value, names, how in (
+            ("actor_rollout_ref.actor.policy_loss", actor.policy_loss, list_policy_losses(),
+             " or register your own with rlhf_mcore.algos.register_policy_loss in a trainer.plugins file"),
+            ("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, list_loss_agg_modes(), ""),
+            ("critic.loss_agg_mode", cfg.critic.loss_agg_mode, list_loss_agg_modes(), ""),
+            ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), list_kl_estimators(),
+             " (a '+' suffix takes k2's gradient)"),
+            ("algorithm.kl_penalty", cfg.algorithm.kl_penalty.rstrip("+"), list_kl_estimators(),
+             " (a '+' suffix takes k2's gradient)")):
+        if value not in names:
+            close = difflib.get_close_matches(str(value), names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"config key '{key}' has value {value!r}; choose one of {', '.join(names)}{how}.{hint}")
+    est, name, n = _estimator(cfg), cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if est.needs_critic and cfg.critic.enable is False:
+        raise ConfigError(f"algorithm.adv_estimator={name} needs a critic but critic.enable is false: set "
+                          f"critic.enable=true or choose an estimator without one (e.g. grpo).")
+    _require(not est.needs_group_index or n >= 2,
+             f"algorithm.adv_estimator={name} compares the samples of each prompt with each other, but "
+             f"actor_rollout_ref.rollout.n={n}: set rollout.n >= 2 (e.g. 5), or use an estimator that needs no "
+             f"group (gae, remax, reinforce_plus_plus).")
 
 
 def load_plugins(plugins: list[str]) -> None:

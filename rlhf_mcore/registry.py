@@ -1,13 +1,14 @@
-"""Name -> function registries (advantage estimators, policy losses, rewards by data_source).
+"""Name -> function registries (advantage estimators, policy losses, loss aggregation modes, KL estimators,
+rewards by data_source, log-prob backends).
 
 One small mechanism behind each extension point: registering a taken name fails unless `override=True`, and an
 unknown name fails with the known names and how to add one.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")  # a function, or a record of facts around one
 
 
 class Registry(Generic[F]):
@@ -18,8 +19,9 @@ class Registry(Generic[F]):
 
     def add(self, name: str, fn: F, *, override: bool = False) -> F:
         old = self._table.get(name)
-        if not override and old is not None and old is not fn:
-            raise ValueError(f"{self.what} {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
+        if not override and old is not None and old != fn:  # functions compare by identity, records by fields
+            where = getattr(old, "fn", old)  # a record of facts around a function names the function
+            raise ValueError(f"{self.what} {name!r} is already registered ({where.__module__}.{where.__qualname__}); "
                              "pick another name or pass override=True")
         self._table[name] = fn
         return fn

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
 
 def _env():
@@ -28,7 +28,7 @@ def outputs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     driver = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT / 'launch')!r})
+        sys.path.insert(0, {str(ROOT / "launch" / "bench")!r})
         import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
@@ -120,10 +120,10 @@ def test_shapes_live_in_one_place():
     assert bench_shapes.num_params(bench_shapes.shape("0.5b")) == 494_032_768  # Qwen2.5-0.5B, tied
     assert bench_shapes.num_params(bench_shapes.shape("1.5b")) == 1_543_714_304
     assert bench_shapes.num_params(bench_shapes.shape("7b")) == 7_615_616_512
-    for script in (ROOT / "launch").glob("bench*.py"):
+    for script in (ROOT / "launch" / "bench").glob("bench*.py"):
         if script.name != "bench_shapes.py":
             assert "hidden_size=896" not in script.read_text() and '"hidden_size": 896' not in script.read_text(), \
-                f"{script.name} defines a model shape: take it from launch/bench_shapes.py"
+                f"{script.name} defines a model shape: take it from launch/bench/bench_shapes.py"
 
 
 def test_driver_writes_report(tmp_path):

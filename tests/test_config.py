@@ -63,7 +63,7 @@ def test_verl_quickstart_translates_one_to_one():
 def test_shipped_configs_load_and_validate():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(path, [])
-        world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        world = (cfg.trainer.nnodes or 1) * (cfg.trainer.n_gpus_per_node or 1)
         validate_config(cfg, world_size=world)
 
 
@@ -206,5 +206,86 @@ def test_cli_print_config_and_clean_errors(tmp_path):
     assert bad.returncode != 0 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
 
     layout_bad = run_cli("--config", str(ROOT / "configs" / "gsm8k_ppo_qwen2.5_0.5b.yaml"),
-                         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", env_extra={"WORLD_SIZE": "3"})
+                         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=3",
+                         env_extra={"WORLD_SIZE": "3"})
     assert layout_bad.returncode != 0 and "world size 3 is not divisible" in layout_bad.stderr
+    # veRL's layout keys must match what torchrun launched (the config says 1 GPU; 3 processes were started)
+    world_bad = run_cli("--config", str(ROOT / "configs" / "gsm8k_ppo_qwen2.5_0.5b.yaml"),
+                        env_extra={"WORLD_SIZE": "3"})
+    assert world_bad.returncode == 2 and "Traceback" not in world_bad.stderr
+    assert "3 were launched" in world_bad.stderr and "torchrun --nnodes=1 --nproc_per_node=1" in world_bad.stderr
+
+
+def test_verl_top_level_reward_sections_are_aliases(tmp_path):
+    """veRL writes `reward_model.*` and `custom_reward_function.*` at the top level; both land under `reward`."""
+    cfg = load_config(None, VERL_QUICKSTART + [
+        "reward_model.enable=False", "custom_reward_function.path=/r/my.py", "custom_reward_function.name=score",
+        "reward_model.reward_manager=naive"])
+    assert cfg.reward.custom_reward_function.path == "/r/my.py" and cfg.reward.custom_reward_function.name == "score"
+    assert cfg.reward.reward_model.enable is False
+    validate_config(cfg, world_size=1, model_max_positions=32768)
+    p = write(tmp_path, """
+        custom_reward_function:
+          path: /r/other.py
+    """)
+    assert load_config(p, MODEL).reward.custom_reward_function.path == "/r/other.py"
+    p = write(tmp_path, """
+        custom_reward_function:
+          path: /r/a.py
+        reward:
+          custom_reward_function:
+            path: /r/b.py
+    """)
+    with pytest.raises(ConfigError, match="sets both 'custom_reward_function' and 'reward.custom_reward_function'"):
+        load_config(p, MODEL)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.lr=-1", r"optim.lr' has value -1.0; it must be >= 0"),
+    ("critic.optim.betas=[0.9,1.5]", r"critic.optim.betas' .* two numbers in \[0, 1\)"),
+    ("actor_rollout_ref.actor.clip_ratio=1.5", r"clip_ratio' has value 1.5; it must be in \(0, 1\)"),
+    ("actor_rollout_ref.actor.clip_ratio_high=-0.1", r"clip_ratio_high' has value -0.1"),
+    ("actor_rollout_ref.rollout.temperature=-0.5", r"rollout.temperature' has value -0.5; it must be >= 0"),
+    ("actor_rollout_ref.rollout.top_p=0", r"rollout.top_p' has value 0.0; it must be in \(0, 1\]"),
+    ("actor_rollout_ref.rollout.top_k=0", r"rollout.top_k' has value 0; it must be -1 \(off\) or > 0"),
+    ("algorithm.gamma=1.5", r"algorithm.gamma' has value 1.5"),
+    ("reward.timeout_s=0", r"reward.timeout_s' has value 0.0; it must be > 0"),
+    ("data.val_batch_size=0", r"data.val_batch_size' has value 0"),
+    ("actor_rollout_ref.model.trust_remote_code=true", r"never runs a model repository's Python"),
+    ("reward.reward_model.enable=true", r"learned reward models are not implemented yet"),
+    ("reward_model.enable=true", r"learned reward models are not implemented yet"),
+    ("actor_rollout_ref.rollout.mode=async", r"rollout.mode' has value 'async'; choose one of sync"),
+    ("actor_rollout_ref.rollout.response_length=300", r"equal to data.max_response_length \(512\)"),
+    ("actor_rollout_ref.rollout.load_format=dummy_dtensor", r"does not apply to rlhf_mcore: the rollout engine always"),
+])
+def test_single_key_values_are_checked_at_load(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, MODEL + [override])
+
+
+def test_accepted_values_of_the_checked_keys_load():
+    cfg = load_config(None, MODEL + ["actor_rollout_ref.rollout.response_length=512", "data.val_batch_size=8",
+                                     "actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.rollout.top_k=50"])
+    assert cfg.data.val_batch_size == 8 and cfg.actor_rollout_ref.rollout.response_length == 512
+
+
+def test_estimator_facts_come_from_the_registry():
+    """Needs are registered with the estimator (a plugin's estimator gets the same checks as the built-ins)."""
+    from rlhf_mcore.algos import register_adv_estimator
+
+    @register_adv_estimator("test_needs_critic_and_groups", needs_critic=True, needs_group_index=True)
+    def _est(*, token_level_rewards, response_mask, **_):
+        return token_level_rewards, token_level_rewards
+
+    cfg = load_config(None, MODEL + ["algorithm.adv_estimator=test_needs_critic_and_groups",
+                                     "actor_rollout_ref.rollout.n=4",
+                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                                     "critic.ppo_micro_batch_size_per_gpu=4"])
+    assert critic_enabled(cfg)
+    validate_config(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"compares the samples of each prompt.*rollout.n=1"):
+        validate_config(load_config(None, MODEL + ["algorithm.adv_estimator=grpo",
+                                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]),
+                        world_size=1)
+    grpo = load_config(None, MODEL + ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"])
+    assert not critic_enabled(grpo)

@@ -118,34 +118,39 @@ class _Rollout:
         self.log.append(("sleep", level))
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_colocated_rollout_offloads_only_what_the_config_asks(device, monkeypatch):
-    from types import SimpleNamespace
-
-    from rlhf_mcore.config import load_config
+def test_colocated_rollout_offloads_only_what_the_config_asks(monkeypatch):
     from rlhf_mcore.trainer import roles
 
     monkeypatch.setattr(roles.torch.cuda, "synchronize", lambda *a, **k: None)
-    cfg = load_config(None, ["actor_rollout_ref.model.path=/models/m"])
 
-    def trainer(actor, critic, ref):
-        return SimpleNamespace(state=SimpleNamespace(device=torch.device(device)), actor=actor, critic=critic,
-                               ref=ref, rollout=_Rollout(log), cfg=cfg)
+    def session(actor, critic, ref, sync_at_wake=None):
+        return roles.colocated_rollout(_Rollout(log), [actor, critic, ref], free_cache=True, sync_at_wake=sync_at_wake)
 
     log = []  # default flags (all off): nothing moves, on GPU as on CPU
-    with roles.colocated_rollout(trainer(_Engine(log, "actor"), _Engine(log, "critic"), _Engine(log, "ref"))):
+    with session(_Engine(log, "actor"), _Engine(log, "critic"), _Engine(log, "ref")) as wake_metrics:
         log.append(("generate",))
     assert log == [("wake",), ("generate",), ("sleep", 1)]
+    assert wake_metrics == {}
 
     log = []  # the 7B config's actor flags, a reference parking its parameters, a critic keeping everything
-    t = trainer(_Engine(log, "actor", True, True, True), _Engine(log, "critic"), _Engine(log, "ref", params=True))
-    with roles.colocated_rollout(t):
+    with session(_Engine(log, "actor", True, True, True), _Engine(log, "critic"), _Engine(log, "ref", params=True)):
         log.append(("generate",))
     assert log == [("offload", "actor", {"params": True, "grads": True, "optimizer": True}),
                    ("offload", "ref", {"params": True, "grads": False, "optimizer": False}),
                    ("wake",), ("generate",), ("sleep", 1), ("onload", "actor"), ("onload", "ref")]
     assert roles.offload_plan(_Engine(log, "x", grads=True)) == {"params": False, "grads": True, "optimizer": False}
 
+    log = []  # sleep level 2: the weights are synced after the offload and the wake; the sync's metrics come out
+
+    def sync():
+        log.append(("sync",))
+        return {"sync/seconds": 0.5}
+
+    with session(_Engine(log, "actor", optimizer=True), None, None, sync_at_wake=sync) as wake_metrics:
+        log.append(("generate",))
+    assert wake_metrics == {"sync/seconds": 0.5}
+    assert log == [("offload", "actor", {"params": False, "grads": False, "optimizer": True}), ("wake",), ("sync",),
+                   ("generate",), ("sleep", 2), ("onload", "actor")]
 
 
 def _reduce_worker(rank: int, port: int) -> None:

@@ -11,11 +11,13 @@
 Nothing here knows about models, process groups or Megatron.
 """
 from rlhf_mcore.algos.advantages import (
+    AdvEstimator,
+    adv_estimator_info,
     get_adv_estimator,
     list_adv_estimators,
     register_adv_estimator,
 )
-from rlhf_mcore.algos.aggregation import LOSS_AGG_MODES, agg_loss
+from rlhf_mcore.algos.aggregation import agg_loss, list_loss_agg_modes
 from rlhf_mcore.algos.entropy import compute_entropy_loss, entropy_from_logits
 from rlhf_mcore.algos.kl import (
     AdaptiveKLController,
@@ -24,17 +26,20 @@ from rlhf_mcore.algos.kl import (
     build_kl_controller,
     compute_kl_loss,
     kl_penalty,
+    list_kl_estimators,
 )
 from rlhf_mcore.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf_mcore.algos.policy_loss import get_policy_loss, list_policy_losses, register_policy_loss
 from rlhf_mcore.algos.value_loss import compute_value_loss
 
 __all__ = [
+    "AdvEstimator",
+    "adv_estimator_info",
     "get_adv_estimator",
     "list_adv_estimators",
     "register_adv_estimator",
-    "LOSS_AGG_MODES",
     "agg_loss",
+    "list_loss_agg_modes",
     "compute_entropy_loss",
     "entropy_from_logits",
     "AdaptiveKLController",
@@ -43,6 +48,7 @@ __all__ = [
     "build_kl_controller",
     "compute_kl_loss",
     "kl_penalty",
+    "list_kl_estimators",
     "masked_mean",
     "masked_sum",
     "masked_var",

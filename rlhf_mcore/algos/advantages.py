@@ -19,14 +19,20 @@ computed in float64, which makes a group of equal rewards give exactly zero adva
 
 Users add estimators the same way the built-ins are defined::
 
-    @register_adv_estimator("my_estimator")
-    def my_estimator(*, token_level_rewards, response_mask, **_):
+    @register_adv_estimator("my_estimator", needs_group_index=True)
+    def my_estimator(*, token_level_rewards, response_mask, index, **_):
         ...
         return advantages, returns
+
+What an estimator needs from the trainer is registered with it (:class:`AdvEstimator`): a critic's values
+(`needs_critic`, GAE), the reward of a greedy response per prompt (`needs_greedy_baseline`, ReMax), several
+samples per prompt grouped by `index` (`needs_group_index`, GRPO/RLOO). The trainer and the config checks read
+these facts; nothing outside this module names an estimator.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,8 +42,10 @@ from rlhf_mcore.registry import Registry
 
 __all__ = [
     "AdvEstimatorFn",
+    "AdvEstimator",
     "register_adv_estimator",
     "get_adv_estimator",
+    "adv_estimator_info",
     "list_adv_estimators",
     "group_ids",
     "compute_gae",
@@ -49,28 +57,50 @@ __all__ = [
 ]
 
 AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry(
+
+
+@dataclass(frozen=True)
+class AdvEstimator:
+    """A registered estimator and what the trainer has to provide for it."""
+
+    fn: AdvEstimatorFn
+    needs_critic: bool = False  # `values` (B, T) from a critic
+    needs_greedy_baseline: bool = False  # `reward_baselines` (B,): the reward of a greedy response to each prompt
+    needs_group_index: bool = False  # `index` (B,) groups the n samples of a prompt; n >= 2 to mean anything
+
+
+_ADV_ESTIMATORS: Registry[AdvEstimator] = Registry(
     "advantage estimator", "Register a new one with @rlhf_mcore.algos.register_adv_estimator(name).")
 
 GRPO_EPS = 1e-6  # veRL's epsilon in (score - mean) / (std + eps)
 
 
-def register_adv_estimator(name: str, *, override: bool = False) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Decorator: make `fn` available as `algorithm.adv_estimator=<name>`.
+def register_adv_estimator(name: str, *, needs_critic: bool = False, needs_greedy_baseline: bool = False,
+                           needs_group_index: bool = False,
+                           override: bool = False) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator: make `fn` available as `algorithm.adv_estimator=<name>`, with what it needs (see
+    :class:`AdvEstimator`).
 
     Registering a different function under a taken name raises unless `override=True`, so two plugins
     cannot silently replace each other.
     """
 
     def decorator(fn: AdvEstimatorFn) -> AdvEstimatorFn:
-        return _ADV_ESTIMATORS.add(name, fn, override=override)
+        _ADV_ESTIMATORS.add(name, AdvEstimator(fn, needs_critic, needs_greedy_baseline, needs_group_index),
+                            override=override)
+        return fn
 
     return decorator
 
 
-def get_adv_estimator(name: str) -> AdvEstimatorFn:
-    """The estimator registered as `name`; a ValueError lists the known names otherwise."""
+def adv_estimator_info(name: str) -> AdvEstimator:
+    """The estimator registered as `name` with its needs; a ValueError lists the known names otherwise."""
     return _ADV_ESTIMATORS.get(name, key="algorithm.adv_estimator")
+
+
+def get_adv_estimator(name: str) -> AdvEstimatorFn:
+    """The estimator function registered as `name`; a ValueError lists the known names otherwise."""
+    return adv_estimator_info(name).fn
 
 
 def list_adv_estimators() -> list[str]:
@@ -118,7 +148,7 @@ def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- estimators
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs_critic=True)
 def compute_gae(
     *,
     token_level_rewards: torch.Tensor,
@@ -155,7 +185,7 @@ def compute_gae(
     return advantages, returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", needs_group_index=True)
 def compute_grpo(
     *,
     token_level_rewards: torch.Tensor,
@@ -179,7 +209,7 @@ def compute_grpo(
     return advantages, advantages
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", needs_group_index=True)
 def compute_rloo(
     *,
     token_level_rewards: torch.Tensor,
@@ -201,7 +231,7 @@ def compute_rloo(
     return advantages, advantages
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", needs_greedy_baseline=True)
 def compute_remax(
     *,
     token_level_rewards: torch.Tensor,
@@ -246,7 +276,7 @@ def compute_reinforce_plus_plus(
     return advantages, returns * mask
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", needs_group_index=True)
 def compute_reinforce_plus_plus_baseline(
     *,
     token_level_rewards: torch.Tensor,

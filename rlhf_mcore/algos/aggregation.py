@@ -35,9 +35,39 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss"]
+from rlhf_mcore.registry import Registry
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+__all__ = ["agg_loss", "list_loss_agg_modes"]
+
+# mode -> fn(masked (B, T), tokens_per_seq (B,), loss_scale_factor, T) -> per-sequence losses (B,);
+# `token-mean` is the one token-level mode and is handled in agg_loss itself.
+_SEQ_MODES: Registry = Registry("loss_agg_mode", "")
+_TOKEN_MEAN = "token-mean"
+
+
+def _seq_token_sum(masked, tokens_per_seq, scale, length):
+    return masked.sum(dim=-1)
+
+
+def _seq_token_mean(masked, tokens_per_seq, scale, length):
+    return masked.sum(dim=-1) / tokens_per_seq.clamp(min=1)
+
+
+def _seq_token_sum_norm(masked, tokens_per_seq, scale, length):
+    scale = length if scale is None else scale
+    if scale <= 0:
+        raise ValueError(f"loss_scale_factor must be > 0 (e.g. max_response_length), got {scale}")
+    return masked.sum(dim=-1) / scale
+
+
+_SEQ_MODES.add("seq-mean-token-sum", _seq_token_sum)
+_SEQ_MODES.add("seq-mean-token-mean", _seq_token_mean)
+_SEQ_MODES.add("seq-mean-token-sum-norm", _seq_token_sum_norm)
+
+
+def list_loss_agg_modes() -> list[str]:
+    """Every loss aggregation mode (`actor.loss_agg_mode`, `critic.loss_agg_mode`)."""
+    return [_TOKEN_MEAN] + _SEQ_MODES.names()
 
 
 def _as_divisor(count, like: torch.Tensor) -> torch.Tensor:
@@ -64,22 +94,14 @@ def agg_loss(
     mask = loss_mask.to(loss_mat.dtype)  # (B, T)
     # Entries outside the mask may hold anything (NaN from padded positions included): zero them first.
     masked = torch.where(loss_mask.bool(), loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
-    if loss_agg_mode == "token-mean":
+    if loss_agg_mode == _TOKEN_MEAN:
         tokens = mask.sum() if global_tokens is None else global_tokens
         return masked.sum() / _as_divisor(tokens, masked)
-
+    if loss_agg_mode not in _SEQ_MODES:
+        raise ValueError(f"unknown loss_agg_mode={loss_agg_mode!r}; choose one of {list_loss_agg_modes()}")
     tokens_per_seq = mask.sum(dim=-1)  # (B,)
     seq_present = (tokens_per_seq > 0).to(masked.dtype)  # (B,)
     seqs = seq_present.sum() if global_seqs is None else global_seqs
-    if loss_agg_mode == "seq-mean-token-sum":
-        seq_losses = masked.sum(dim=-1)  # (B,)
-    elif loss_agg_mode == "seq-mean-token-mean":
-        seq_losses = masked.sum(dim=-1) / tokens_per_seq.clamp(min=1)  # (B,)
-    elif loss_agg_mode == "seq-mean-token-sum-norm":
-        scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        if scale <= 0:
-            raise ValueError(f"loss_scale_factor must be > 0 (e.g. max_response_length), got {scale}")
-        seq_losses = masked.sum(dim=-1) / scale  # (B,)
-    else:
-        raise ValueError(f"unknown loss_agg_mode={loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    seq_losses = _SEQ_MODES.get(loss_agg_mode, key="loss_agg_mode")(
+        masked, tokens_per_seq, loss_scale_factor, loss_mat.shape[-1])  # (B,)
     return (seq_losses * seq_present).sum() / _as_divisor(seqs, masked)

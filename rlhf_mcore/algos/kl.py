@@ -31,9 +31,10 @@ import torch
 
 from rlhf_mcore.algos.aggregation import agg_loss
 from rlhf_mcore.algos.masked import masked_mean
+from rlhf_mcore.registry import Registry
 
 __all__ = [
-    "KL_ESTIMATORS",
+    "list_kl_estimators",
     "kl_penalty",
     "FixedKLController",
     "AdaptiveKLController",
@@ -42,24 +43,36 @@ __all__ = [
     "compute_kl_loss",
 ]
 
-KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# name -> fn(diff = log pi - log pi_ref (B, T)) -> per-token estimate (B, T); the aliases are veRL's names.
+_KL_ESTIMATORS: Registry = Registry("KL estimator", "A '+' suffix (e.g. k3+) takes k2's gradient. Config keys: "
+                                                     "algorithm.kl_penalty / actor.kl_loss_type")
+
+
+def _k1(diff: torch.Tensor) -> torch.Tensor:
+    return diff
+
+
+def _k2(diff: torch.Tensor) -> torch.Tensor:
+    return 0.5 * diff.square()
+
+
+def _k3(diff: torch.Tensor) -> torch.Tensor:
+    neg = torch.clamp(-diff, -20.0, 20.0)
+    return torch.clamp(torch.exp(neg) - neg - 1, -10.0, 10.0)
+
+
+for _names, _fn in ((("k1", "kl"), _k1), (("abs",), torch.abs), (("k2", "mse"), _k2), (("k3", "low_var_kl"), _k3)):
+    for _name in _names:
+        _KL_ESTIMATORS.add(_name, _fn)
+
+
+def list_kl_estimators() -> list[str]:
+    """Every KL estimator name (each also takes a '+' suffix: the k2 gradient, straight-through)."""
+    return _KL_ESTIMATORS.names()
 
 
 def _kl_forward(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    diff = log_prob - ref_log_prob  # (B, T)
-    if kind in ("k1", "kl"):
-        return diff
-    if kind == "abs":
-        return diff.abs()
-    if kind in ("k2", "mse"):
-        return 0.5 * diff.square()
-    if kind in ("k3", "low_var_kl"):
-        neg = torch.clamp(-diff, -20.0, 20.0)
-        return torch.clamp(torch.exp(neg) - neg - 1, -10.0, 10.0)
-    raise ValueError(
-        f"unknown KL estimator {kind!r}; choose one of {list(KL_ESTIMATORS)}, optionally with a '+' suffix "
-        "(k2 gradient, straight-through). Config keys: algorithm.kl_penalty / actor.kl_loss_type"
-    )
+    return _KL_ESTIMATORS.get(kind, key="KL estimator")(log_prob - ref_log_prob)  # (B, T)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "kl") -> torch.Tensor:

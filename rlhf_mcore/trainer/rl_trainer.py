@@ -1,4 +1,5 @@
-"""The PPO/GRPO loop: DESIGN.md's step list, one method per step.
+"""The PPO/GRPO loop, one method per step: plan, generate + score, forward passes, advantages, update, sync,
+then metrics / validation / checkpoint.
 
 Simplifications, on purpose: one synchronous step at a time (generation of step k+1 does not overlap training of
 step k); all training models share one process layout; the rollout engine is rebuilt from the actor's weights at
@@ -6,6 +7,7 @@ start (and after a resume) rather than from its own checkpoint.
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +30,8 @@ from rlhf_mcore.trainer.validation import validate
 
 
 class PhaseTimer:
+    """Seconds per named phase of one step (`timing_s/<name>` in the metrics)."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
@@ -38,14 +42,30 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
+class StepHooks:
+    """Observers of the loop (benchmarks, profilers), called on every rank; they read, never steer. The default
+    does nothing; pass a subclass as ``RLTrainer(cfg, hooks=...)``."""
+
+    def step_start(self, trainer: "RLTrainer", step: int) -> None:
+        pass
+
+    def step_end(self, trainer: "RLTrainer", step: int, batch: dict[str, Any], metrics: dict[str, float],
+                 timer: PhaseTimer) -> None:
+        pass
+
+
 class RLTrainer:
-    def __init__(self, cfg: RLConfig):
+    def __init__(self, cfg: RLConfig, hooks: Optional[StepHooks] = None):
         self.cfg = cfg
+        self.hooks = hooks or StepHooks()
         load_plugins(cfg.trainer.plugins)
         self.out_dir = Path(cfg.trainer.default_local_dir
                             or f"outputs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}")
         self.tokenizer, self.train_set, self.val_set = roles.build_data(cfg)  # bad inputs fail before any compute
         tp, pp, vpp = parallel_layout(cfg)
+        if cfg.trainer.deterministic:  # warn_only: an op without a deterministic kernel warns instead of failing
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: set it first
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self.state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed)
         self.sampler = roles.build_sampler(cfg, len(self.train_set))
         steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
@@ -56,12 +76,11 @@ class RLTrainer:
         self.rollout = roles.build_rollout(cfg, self.state)
         self.scorer = roles.build_scorer(cfg)
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
-        self.adv_fn = algos.get_adv_estimator(cfg.algorithm.adv_estimator)
+        self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep,
                                       self.state.rank, group=self.state.cpu_group)
         self.step = 0
         self.logger: Optional[MetricLogger] = None
-        self.wake_sync_metrics: dict[str, float] = {}  # filled by roles.colocated_rollout at rollout.sleep_level=2
 
     # ------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -69,18 +88,19 @@ class RLTrainer:
         self.logger = MetricLogger(self.cfg.trainer.logger, self.out_dir, self.total_steps, to_dict(self.cfg),
                                    self.cfg.trainer.project_name, self.cfg.trainer.experiment_name,
                                    enabled=self.state.is_coordinator, start_step=self.step)
-        self.sync_weights()
+        self.sync_weights()  # the rollout starts from the actor's weights (fresh or resumed)
         last = {}
         if self.cfg.trainer.val_before_train and self.step == 0:
             self.run_validation()
         while self.step < self.total_steps:
             self.step += 1
+            self.hooks.step_start(self, self.step)
             t = PhaseTimer()
             with t("step"):
                 with t("plan"):
-                    prompts = self.plan()                          # 1. coordinator: whose prompts where
+                    plan = self.plan()                             # 1. coordinator: prompts per DP rank
                 with t("gen"):
-                    batch, gen_stats = self.generate(prompts)      # 2-3. rollout + reward
+                    batch, gen_metrics = self.generate(plan)       # 2-3. rollout + reward (sleep level 2: + sync)
                 with t("old_log_prob"):
                     self.forward_passes(batch)                     # 4. ref / old log-probs, values
                 with t("adv"):
@@ -88,32 +108,36 @@ class RLTrainer:
                 with t("update"):
                     update_metrics = self.update(batch)            # 6. critic, then actor
                 with t("sync"):
-                    sync_metrics = self.sync_weights()             # 7. actor -> rollout (at sleep level 2: at wake)
-            last = self.finish_step(batch, {**gen_stats, **update_metrics, **sync_metrics}, t)  # 8.
-        self.export_final()
+                    sync_metrics = self.sync_weights()             # 7. actor -> rollout (sleep level 2: at wake)
+            last = self.finish_step(batch, {**gen_metrics, **update_metrics, **sync_metrics}, t)  # 8.
+            self.hooks.step_end(self, self.step, batch, last, t)
+        if self.cfg.trainer.export_hf_final:
+            self.export_final()
         return last
 
     # ------------------------------------------------------------------------------------------- the steps
-    def plan(self) -> list[int]:
-        """Rank 0 draws the batch and splits it over DP ranks; returns the step's prompt list (rank order)."""
+    def plan(self) -> list[list[int]]:
+        """Rank 0 draws the batch and splits it over DP ranks; every rank gets the dataset indices per DP rank."""
         plan = None
         if self.state.is_coordinator:
             ids = self.sampler.next_batch(self.cfg.data.train_batch_size)
             lengths = [len(self.train_set[i]["input_ids"]) for i in ids]
             plan = plan_step(ids, lengths, self.state.dims.dp)
-        self.plan_parts = broadcast_object(plan, group=self.state.cpu_group)
-        return [i for part in self.plan_parts for i in part]
+        return broadcast_object(plan, group=self.state.cpu_group)
 
-    def generate(self, prompt_ids: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
+    def generate(self, plan: list[list[int]]) -> tuple[dict[str, Any], dict[str, float]]:
+        """Every rollout replica generates its share of the whole step's prompts; this DP rank keeps its groups."""
         cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        prompt_ids = [i for part in plan for i in part]  # rank order
         items = [self.train_set[i] for i in prompt_ids]
-        params = roles.train_sampling_params(cfg, self.rollout, seed=cfg.trainer.seed * 100_003 + self.step)
-        with roles.colocated_rollout(self):
+        params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step)
+        greedy_baseline = self.estimator.needs_greedy_baseline
+        with self.rollout_session() as wake_sync_metrics:
             rows, stats = generate_and_score(
                 self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
                 rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-                greedy_baseline=cfg.algorithm.adv_estimator == "remax")
-        per_rank = len(self.plan_parts[0]) * n
+                greedy_baseline=greedy_baseline)
+        per_rank = len(plan[0]) * n
         mine = rows[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]  # this DP rank's groups
         meta = {"data_source": [items[r.prompt_pos]["data_source"] for r in mine],
                 "ground_truth": [items[r.prompt_pos]["ground_truth"] for r in mine]}
@@ -124,10 +148,9 @@ class RLTrainer:
         scores = torch.tensor([r.score for r in mine])
         batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(
             1, last[:, None], scores[:, None])  # (B, R)
-        if cfg.algorithm.adv_estimator == "remax":
-            batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])
-        wake_sync, self.wake_sync_metrics = self.wake_sync_metrics, {}  # sleep level 2: the sync ran at the wake
-        return batch, {"reward/num_warnings": stats.get("num_warnings", 0.0), **wake_sync}
+        if greedy_baseline:
+            batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])  # (B,)
+        return batch, {"reward/num_warnings": stats.get("num_warnings", 0.0), **wake_sync_metrics}
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
@@ -146,7 +169,7 @@ class RLTrainer:
             current = reduce_metrics({"kl": float(kl_metrics["reward_kl_penalty"])}, self.state.dp_group)["kl"]
             self.kl_ctrl.update(current, n_steps=self.cfg.data.train_batch_size)
             batch["kl_metrics"] = kl_metrics
-        batch["advantages"], batch["returns"] = self.adv_fn(
+        batch["advantages"], batch["returns"] = self.estimator.fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"].float(),
             values=batch.get("values"), index=batch["index"], gamma=alg.gamma, lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, reward_baselines=batch.get("reward_baselines"))
@@ -159,7 +182,18 @@ class RLTrainer:
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
-        return roles.sync_weights(self)
+        """Actor -> rollout after an update; at sleep level 2 nothing here (the next wake syncs)."""
+        if roles.syncs_at_wake(self.cfg):
+            return {}
+        return roles.sync_weights(self.actor, self.rollout, self.state, self.cfg.actor_rollout_ref.rollout)
+
+    def rollout_session(self):
+        """The rollout awake, the training engines' opt-in offload around it; yields the wake's sync metrics."""
+        r = self.cfg.actor_rollout_ref.rollout
+        at_wake = (lambda: roles.sync_weights(self.actor, self.rollout, self.state, r)) \
+            if roles.syncs_at_wake(self.cfg) else None
+        return roles.colocated_rollout(self.rollout, (self.actor, self.critic, self.ref),
+                                       free_cache=r.free_cache_engine, sync_at_wake=at_wake)
 
     def finish_step(self, batch, step_metrics: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
         local = {**batch_metrics(batch), **step_metrics, **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
@@ -187,8 +221,11 @@ class RLTrainer:
     def run_validation(self) -> dict[str, float]:
         if self.val_set is None:
             return {}
-        with roles.colocated_rollout(self):
-            metrics, samples = validate(self, self.val_set)
+        with self.rollout_session():
+            metrics, samples = validate(
+                self.rollout, self.scorer, self.tokenizer, self.val_set, roles.val_sampling_params(self.cfg),
+                rollout_tp=self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
+                batch_size=self.cfg.data.val_batch_size)
         if self.state.is_coordinator:
             self.logger.log(self.step, metrics, kind="val")
             for s in samples[: self.cfg.trainer.log_val_generations]:
@@ -246,4 +283,4 @@ def train(cfg: RLConfig) -> dict[str, float]:
         trainer.close()
 
 
-__all__ = ["RLTrainer", "train"]
+__all__ = ["RLTrainer", "StepHooks", "PhaseTimer", "train"]

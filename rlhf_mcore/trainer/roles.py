@@ -4,8 +4,10 @@ Everything config-shaped is translated here, so the loop in :mod:`rl_trainer` on
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -98,10 +100,19 @@ def rollout_tp_group(state: ParallelState, size: int):
     return _ROLLOUT_GROUPS[size]
 
 
-def train_sampling_params(cfg: RLConfig, engine, seed: int) -> SamplingParams:
+def train_sampling_params(cfg: RLConfig, seed: int) -> SamplingParams:
     r = cfg.actor_rollout_ref.rollout
     return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                           max_new_tokens=cfg.data.max_response_length, seed=seed)
+
+
+def val_sampling_params(cfg: RLConfig) -> SamplingParams:
+    """`rollout.val_kwargs`: greedy by default, sampled with its own n/temperature/top-p/top-k when do_sample."""
+    vk = cfg.actor_rollout_ref.rollout.val_kwargs
+    if vk.do_sample:
+        return SamplingParams(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
+                              max_new_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed)
+    return SamplingParams.for_validation(cfg.data.max_response_length)
 
 
 def offload_plan(engine) -> dict[str, bool]:
@@ -120,50 +131,40 @@ def syncs_at_wake(cfg: RLConfig) -> bool:
 
 
 @contextmanager
-def colocated_rollout(trainer):
-    """Wake the rollout engine for generation and put it back to sleep after (at `rollout.sleep_level` when
-    `rollout.free_cache_engine`). Meanwhile each training engine (actor, critic, reference) moves to the host
-    what its config asks for (:func:`offload_plan`) and nothing else: offloading is opt-in, as in veRL. A small
-    model leaves most of the GPU free, and copying its optimizer state out and back cost more than anything it
-    saved (2.9 s of a 9.5 s GRPO step at 0.5B on an H200, 7-19 GiB used of 140); the 7B 8-GPU config turns it on.
+def colocated_rollout(rollout, engines: Sequence, *, free_cache: bool, sync_at_wake: Optional[Callable[[], dict]]):
+    """Wake `rollout` for generation and put it back to sleep after (when `free_cache`; at level 2 when it
+    syncs at wake, else 1). Meanwhile each training engine in `engines` (None entries skipped) moves to the host
+    what its config asks for (:func:`offload_plan`) and nothing else: offloading is opt-in, as in veRL, because
+    for a model that leaves most of the GPU free, copying its optimizer state out and back costs more than it
+    saves.
 
-    At sleep level 2 the rollout's weights were dropped, so they are synced here, after the offload and the wake
-    (the actor's optimizer state has left the GPU by then): the sync's metrics go to `trainer.wake_sync_metrics`."""
-    on_gpu = trainer.state.device.type == "cuda"
+    `sync_at_wake` (sleep level 2, where the rollout's weights were dropped): called after the offload and the
+    wake, so the actor's optimizer state has left the GPU by then. Yields its metrics ({} without it)."""
     offloaded = []
-    for e in (trainer.actor, trainer.critic, trainer.ref):
+    for e in engines:
         plan = offload_plan(e) if e is not None else {}
         if any(plan.values()):
             e.offload(**plan)
             offloaded.append(e)
-    trainer.rollout.wake()
-    level2 = syncs_at_wake(trainer.cfg)
+    rollout.wake()
     try:
-        if level2:
-            trainer.wake_sync_metrics = _sync_actor(trainer)
-        yield
+        yield sync_at_wake() if sync_at_wake is not None else {}
     finally:
-        if trainer.cfg.actor_rollout_ref.rollout.free_cache_engine:
-            trainer.rollout.sleep(2 if level2 else 1)
+        if free_cache:
+            rollout.sleep(2 if sync_at_wake is not None else 1)
         for e in offloaded:
             e.onload()
-        if on_gpu and offloaded:
+        if offloaded and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
 
-def sync_weights(trainer) -> dict[str, float]:
-    """Actor -> rollout after an update; at sleep level 2 nothing here (the next wake syncs)."""
-    if syncs_at_wake(trainer.cfg):
-        return {}
-    return _sync_actor(trainer)
-
-
-def _sync_actor(trainer) -> dict[str, float]:
+def sync_weights(actor, rollout, state: ParallelState, rollout_cfg) -> dict[str, float]:
+    """Actor -> rollout: the actor's weights as full HF-named tensors, streamed in buckets, resharded to the
+    rollout's layout. Returns the sync's metrics (`sync/*`)."""
     from rlhf_mcore.sync import sync_actor_to_rollout
 
-    r = trainer.cfg.actor_rollout_ref.rollout
-    return sync_actor_to_rollout(trainer.actor.export_hf_weights(), trainer.rollout, trainer.state,
-                                 bucket_mb=r.sync_bucket_mb, verify=r.sync_verify)
+    return sync_actor_to_rollout(actor.export_hf_weights(), rollout, state,
+                                 bucket_mb=rollout_cfg.sync_bucket_mb, verify=rollout_cfg.sync_verify)
 
 
 # --- training engines: filled in against rlhf_mcore.engine ------------------------------------------------

@@ -28,7 +28,8 @@ class Row:
     finish_reason: str
     score: float = 0.0
     reward_extra: dict = field(default_factory=dict)
-    baseline_score: Optional[float] = None  # ReMax: the greedy response's reward
+    baseline_ids: Optional[list[int]] = None  # greedy baseline (ReMax): the greedy response to this prompt
+    baseline_score: Optional[float] = None  # ... and its reward
 
 
 def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:
@@ -62,7 +63,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
                 local.append(Row(i, j, list(prompts[i]), list(s.token_ids), list(s.logprobs), s.finish_reason))
             if baselines is not None:
                 for row in local[-len(out.samples):]:
-                    row.baseline_score = baselines[k].samples[0].token_ids  # scored below
+                    row.baseline_ids = list(baselines[k].samples[0].token_ids)  # scored below
     if sub_rank == 0 and local:
         texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in local]
         m = [meta[r.prompt_pos] for r in local]
@@ -71,7 +72,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         for r, s in zip(local, scores):
             r.score = float(s)
         if greedy_baseline:
-            base_texts = [tokenizer.decode(r.baseline_score, skip_special_tokens=True) for r in local]
+            base_texts = [tokenizer.decode(r.baseline_ids, skip_special_tokens=True) for r in local]
             base_scores, _ = scorer.score([x["data_source"] for x in m], base_texts,
                                           [x["ground_truth"] for x in m], [x.get("extra_info") for x in m])
             for r, s in zip(local, base_scores):

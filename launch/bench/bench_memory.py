@@ -1,7 +1,7 @@
 """GPU memory of a colocated GRPO step, 7B shape, one H200: the computed plan, and (`--measure`) a measured one.
 
-    python launch/bench_memory.py [--shape 7b] [--measure] [--out FILE.json]
-    python launch/bench_memory.py --tiny --measure           # CPU smoke run (no memory numbers on CPU)
+    python launch/bench/bench_memory.py [--shape 7b] [--measure] [--out FILE.json]
+    python launch/bench/bench_memory.py --tiny --measure           # CPU smoke run (no memory numbers on CPU)
 
 Workload: TRL's GRPO workload at the 7B shape (64 prompts x 8 samples, prompts <= 512, responses <= 256 tokens:
 rollout KV cache for 512 sequences x 769 positions), no reference model unless `--ref`. Actor: bf16 parameters,
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

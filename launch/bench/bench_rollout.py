@@ -1,7 +1,7 @@
 """Rollout throughput: the native engine against Hugging Face `generate`, measured side by side in one run.
 
-    python launch/bench_rollout.py [--batches 64 256] [--prompt-len 256] [--new-tokens 256] [--out FILE.json]
-    python launch/bench_rollout.py --tiny          # CPU smoke run on a tiny shape
+    python launch/bench/bench_rollout.py [--batches 64 256] [--prompt-len 256] [--new-tokens 256] [--out FILE.json]
+    python launch/bench/bench_rollout.py --tiny          # CPU smoke run on a tiny shape
 
 The model is Qwen2.5-0.5B-shaped with random weights built from a config in code (hidden 896, 24 layers,
 14 heads, 2 kv heads, intermediate 4864, vocab 151936, tied embeddings, rope theta 1e6), saved to a temporary
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

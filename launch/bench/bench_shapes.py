@@ -14,7 +14,7 @@ shape every script runs under `--tiny`.
 
 `git_commit()` is the commit stamp every report carries ("abc1234 + working tree" when tracked files differ).
 
-Scripts import this module as `bench_shapes` (they run as `python launch/bench_x.py`, so launch/ is on the path).
+Scripts import this module as `bench_shapes` (they run as `python launch/bench/bench_x.py`, so launch/ is on the path).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def tokenizer_model_dir(s: dict, out: Path, *, tokenizer_vocab: int | None = Non
 
 def git_commit() -> str:
     """The short commit of the checkout, with " + working tree" when tracked files differ from it."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()

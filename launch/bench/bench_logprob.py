@@ -1,6 +1,6 @@
 """Log-prob + entropy scoring time and memory: the torch reference vs the fused Triton kernel, one GPU.
 
-    python launch/bench_logprob.py [--rows 4096 16384] [--vocab 151936] [--iters 10] [--out FILE.json]
+    python launch/bench/bench_logprob.py [--rows 4096 16384] [--vocab 151936] [--iters 10] [--out FILE.json]
 
 For each row count, bf16 logits `[rows, vocab]` (Qwen2.5's vocabulary by default, TP=1) are scored at
 temperature 0.7 by each backend of `rlhf_mcore.engine.logprobs` ("torch", "triton"): a forward pass alone
@@ -19,10 +19,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from bench_shapes import git_commit  # noqa: E402  (launch/ is on the path when run as a script)
+from bench_shapes import git_commit  # noqa: E402  (launch/bench/ is on the path when run as a script)
 
 TEMPERATURE = 0.7
 GIB = 2**30

@@ -1,7 +1,7 @@
 """Actor-update MFU through the train engine's real update path: Qwen2.5 0.5B / 1.5B / 7B shapes, 1k and 4k tokens.
 
-    python launch/bench_mfu.py [--shapes 0.5b 1.5b 7b] [--seqs 1024 4096] [--steps 3] [--out FILE.json]
-    python launch/bench_mfu.py --tiny                      # CPU smoke run on a tiny shape
+    python launch/bench/bench_mfu.py [--shapes 0.5b 1.5b 7b] [--seqs 1024 4096] [--steps 3] [--out FILE.json]
+    python launch/bench/bench_mfu.py --tiny                      # CPU smoke run on a tiny shape
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -150,17 +150,11 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke run)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per shape")
     p.add_argument("--out", default=None)
-    p.add_argument("--megatron-thd-rope", action="store_true",
-                   help="Megatron's own packed RoPE (host syncs per layer) instead of rlhf_mcore's: the 'before'")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.one_shape:
-        if args.megatron_thd_rope:
-            from rlhf_mcore.models import rope
-
-            rope.ENABLED = False
         run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro, args.layout)
         return {}
 
@@ -170,7 +164,6 @@ def main(argv=None) -> dict:
     for name in shapes:
         get_shape(name)  # unknown names fail here, with the choices
     report = {"benchmark": "actor_update_mfu", "commit": git_commit(), "torch": torch.__version__,
-              "megatron_thd_rope": args.megatron_thd_rope,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "peak_tflops": 989 if torch.cuda.is_available() else None, "results": {}}
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
@@ -183,8 +176,6 @@ def main(argv=None) -> dict:
                    *map(str, seqs), "--warmup", str(args.warmup), "--steps", str(args.steps), "--layout", args.layout]
             if args.micro:
                 cmd += ["--micro", str(args.micro)]
-            if args.megatron_thd_rope:
-                cmd.append("--megatron-thd-rope")
             t0 = time.time()
             try:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout).returncode

@@ -1,7 +1,7 @@
 """Training throughput of Megatron's local layer spec against the same spec with SDPA core attention.
 
-    python launch/bench_attention.py [--backends local sdpa] [--steps 10] [--out FILE.json]
-    python launch/bench_attention.py --tiny --steps 2      # CPU smoke run on a tiny shape
+    python launch/bench/bench_attention.py [--backends local sdpa] [--steps 10] [--out FILE.json]
+    python launch/bench/bench_attention.py --tiny --steps 2      # CPU smoke run on a tiny shape
 
 Side by side in one run, on one GPU: a Qwen2.5-0.5B-shaped GPTModel (hidden 896, 24 layers, 14 heads, 2 KV
 heads, ffn 4864, vocab 151936, tied embeddings; random weights) in bf16 with fp32 master weights, Megatron
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_shapes import QWEN25_05B, TINY, write_config  # noqa: E402
@@ -51,7 +51,7 @@ def environment() -> dict:
         info["device"] = "cpu"
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
+                                        cwd=Path(__file__).resolve().parents[2]).stdout.strip() or "unknown"
     except OSError:
         info["commit"] = "unknown"
     return info

@@ -1,7 +1,7 @@
 """Packed (THD) document-causal attention kernels on RL-shaped micro-batches, side by side.
 
-    python launch/bench_packed_attention.py [--reps 20] [--out FILE.json]
-    python launch/bench_packed_attention.py --tiny          # CPU smoke run (reference and eager flex only)
+    python launch/bench/bench_packed_attention.py [--reps 20] [--out FILE.json]
+    python launch/bench/bench_packed_attention.py --tiny          # CPU smoke run (reference and eager flex only)
 
 What the train engine runs for packed micro-batches (many short documents back to back): the compiled
 `flex_attention` with a document-causal block mask, torch's variable-length Flash Attention
@@ -22,7 +22,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_shapes import cell, git_commit  # noqa: E402

@@ -1,14 +1,14 @@
 """One RL step of the real trainer, timed phase by phase: the GSM8K PPO run, or a GRPO step of TRL's workload.
 
-    python launch/bench_ppo_step.py --workload gsm8k_ppo [--steps 1] [--profile] [--out FILE.json]
-    python launch/bench_ppo_step.py --workload trl_grpo  [--steps 2] [--out FILE.json]
-    python launch/bench_ppo_step.py --workload gsm8k_ppo --tiny            # CPU smoke run on a tiny shape
+    python launch/bench/bench_ppo_step.py --workload gsm8k_ppo [--steps 1] [--profile] [--out FILE.json]
+    python launch/bench/bench_ppo_step.py --workload trl_grpo  [--steps 2] [--out FILE.json]
+    python launch/bench/bench_ppo_step.py --workload gsm8k_ppo --tiny            # CPU smoke run on a tiny shape
 
 What runs: `rlhf_mcore.trainer.RLTrainer`, unchanged, on one GPU, for 1 warm-up step + `--steps` timed steps
 (+ one profiled step with `--profile`). Only the observation is added: the trainer's engines, rollout engine
 and reward scorer are wrapped so each call is timed (with a device synchronisation on both sides), and the
 trainer's own `timing_s/*` metrics are kept. Nothing else is changed; checkpointing, validation and the final
-export are switched off by config (save_freq/test_freq -1) or skipped (`export_final`).
+export are switched off by config (save_freq/test_freq -1, export_hf_final=false).
 
 Model: a random-weight Qwen2.5-0.5B-shaped HF directory with a tokenizer (`bench_shapes.tokenizer_model_dir`:
 the exact 0.5B shape; a byte-level BPE tokenizer of 8,192 tokens trained on GSM8K text, so prompts have GSM8K's
@@ -25,7 +25,7 @@ Workloads:
 - `trl_grpo`: TRL's GRPO workload from DESIGN.md (64 prompts x 8 samples, up to 256 new tokens, no reference
   model, one optimizer step a step) on configs/gsm8k_grpo_qwen2.5_0.5b.yaml with those overrides and the same
   model with a vocabulary of 8,192 (as TRL was measured); responses run to 256 tokens for the same reason.
-  launch/bench_trl.py runs TRL's GRPOTrainer on the same model directory and prompts.
+  launch/bench/bench_trl.py runs TRL's GRPOTrainer on the same model directory and prompts.
 
 Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rollout/reward`, `rollout/offload`
 + `rollout/onload` (training state off/on the GPU around generation; only
@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -144,85 +144,74 @@ def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
     return "\n".join(lines), summary
 
 
-def make_trainer_class():
-    from rlhf_mcore.trainer.rl_trainer import RLTrainer
+class BenchHooks:
+    """Per-call timings and an optional profiled step, observed through the trainer's StepHooks; the loop is the
+    trainer's own. Components (engines, rollout, scorer) are wrapped per instance so each call is timed."""
 
-    class BenchTrainer(RLTrainer):
-        """RLTrainer + per-call timings and an optional profiled step; the loop itself is the base class's."""
+    def __init__(self, trainer, profile_step: int | None, profile_cuda_only: bool = True, partial_out=None):
+        self.sub: dict[str, float] = {}
+        self.records: list[dict] = []
+        self.profile_step, self.profile_cuda_only, self.partial_out = profile_step, profile_cuda_only, partial_out
+        self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
+        s = self.sub
+        timed(trainer.rollout, "generate", "rollout/generate", s)
+        timed(trainer.rollout, "wake", "rollout/wake_sleep", s)
+        timed(trainer.rollout, "sleep", "rollout/wake_sleep", s)
+        timed(trainer.scorer, "score", "rollout/reward", s)
+        timed(trainer.actor, "compute_log_probs", "old_log_prob", s)
+        timed(trainer.actor, "update_policy", "actor_update", s)
+        for e in (trainer.actor, trainer.ref, trainer.critic):
+            if e is not None:
+                timed(e, "offload", "rollout/offload", s)
+                timed(e, "onload", "rollout/onload", s)
+        if trainer.ref is not None:
+            timed(trainer.ref, "compute_log_probs", "ref", s)
+        if trainer.critic is not None:
+            timed(trainer.critic, "compute_values", "values", s)
+            timed(trainer.critic, "update_critic", "critic_update", s)
 
-        def instrument(self, profile_step: int | None, profile_cuda_only: bool = True):
-            self.sub: dict[str, float] = {}
-            self.records: list[dict] = []
-            self.profile_step, self.profile_cuda_only, self.prof, self.profile_summary = (
-                profile_step, profile_cuda_only, None, None)
-            self.profile_text = ""
-            s = self.sub
-            timed(self.rollout, "generate", "rollout/generate", s)
-            timed(self.rollout, "wake", "rollout/wake_sleep", s)
-            timed(self.rollout, "sleep", "rollout/wake_sleep", s)
-            timed(self.scorer, "score", "rollout/reward", s)
-            timed(self.actor, "compute_log_probs", "old_log_prob", s)
-            timed(self.actor, "update_policy", "actor_update", s)
-            for e in (self.actor, self.ref, self.critic):
-                if e is not None:
-                    timed(e, "offload", "rollout/offload", s)
-                    timed(e, "onload", "rollout/onload", s)
-            if self.ref is not None:
-                timed(self.ref, "compute_log_probs", "ref", s)
-            if self.critic is not None:
-                timed(self.critic, "compute_values", "values", s)
-                timed(self.critic, "update_critic", "critic_update", s)
+    def step_start(self, trainer, step):
+        import torch
 
-        def plan(self):
-            import torch
+        self.sub.clear()
+        if step == self.profile_step:
+            from torch.profiler import ProfilerActivity, profile
 
-            self.sub.clear()
-            if self.step == self.profile_step:
-                from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+            if not self.profile_cuda_only:
+                acts.append(ProfilerActivity.CPU)
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self._prof_t0 = time.perf_counter()
 
-                acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
-                if not self.profile_cuda_only:
-                    acts.append(ProfilerActivity.CPU)
-                self.prof = profile(activities=acts)
-                self.prof.__enter__()
-                self._prof_t0 = time.perf_counter()
-            return super().plan()
+    def step_end(self, trainer, step, batch, metrics, timer):
+        import torch
 
-        def finish_step(self, batch, step_metrics, timer):
-            import torch
-
-            if self.prof is not None:
-                _sync()
-                wall = time.perf_counter() - self._prof_t0
-                self.prof.__exit__(None, None, None)
-                t0 = time.perf_counter()
-                self.profile_text, self.profile_summary = kernel_table(self.prof, wall)
-                self.profile_summary["analysis_s"] = time.perf_counter() - t0
-                self.prof = None
-            metrics = super().finish_step(batch, step_metrics, timer)
-            on_gpu = torch.cuda.is_available()
-            mask = batch["response_mask"]
-            rec = {"step": self.step, "profiled": self.step == self.profile_step,
-                   "phases_s": dict(self.sub), "trainer_timing_s": {k: v for k, v in timer.seconds.items()},
-                   "sequences": int(mask.shape[0]), "response_tokens": int(mask.sum()),
-                   "total_tokens": int(batch["attention_mask"].sum()),
-                   "response_length_mean": float(mask.sum(1).float().mean()),
-                   "response_length_max": int(mask.sum(1).max()),
-                   "prompt_length_mean": float((batch["attention_mask"].sum(1) - mask.sum(1)).float().mean()),
-                   # the trainer's own per-step peak (a weight sync's measurement does not hide what came before)
-                   "peak_mem_gib": metrics.get("perf/max_memory_allocated_gb/max") if on_gpu else None,
-                   "metrics": {k: v for k, v in metrics.items() if k.startswith(("perf/", "timing_s/", "sync/"))}}
-            self.records.append(rec)
-            if getattr(self, "partial_out", None):  # steps so far survive a later crash or timeout
-                Path(self.partial_out).write_text(json.dumps({"partial": True, "steps": self.records}, indent=1))
-            shown = {**rec["phases_s"], "step": timer.seconds["step"]}
-            print(f"[bench] step {self.step}: " + json.dumps({k: round(v, 3) for k, v in shown.items()}), flush=True)
-            return metrics
-
-        def export_final(self):  # a benchmark keeps no model
-            pass
-
-    return BenchTrainer
+        if self.prof is not None:
+            _sync()
+            wall = time.perf_counter() - self._prof_t0
+            self.prof.__exit__(None, None, None)
+            t0 = time.perf_counter()
+            self.profile_text, self.profile_summary = kernel_table(self.prof, wall)
+            self.profile_summary["analysis_s"] = time.perf_counter() - t0
+            self.prof = None
+        on_gpu = torch.cuda.is_available()
+        mask = batch["response_mask"]
+        rec = {"step": step, "profiled": step == self.profile_step,
+               "phases_s": dict(self.sub), "trainer_timing_s": dict(timer.seconds),
+               "sequences": int(mask.shape[0]), "response_tokens": int(mask.sum()),
+               "total_tokens": int(batch["attention_mask"].sum()),
+               "response_length_mean": float(mask.sum(1).float().mean()),
+               "response_length_max": int(mask.sum(1).max()),
+               "prompt_length_mean": float((batch["attention_mask"].sum(1) - mask.sum(1)).float().mean()),
+               # the trainer's own per-step peak (a weight sync's measurement does not hide what came before)
+               "peak_mem_gib": metrics.get("perf/max_memory_allocated_gb/max") if on_gpu else None,
+               "metrics": {k: v for k, v in metrics.items() if k.startswith(("perf/", "timing_s/", "sync/"))}}
+        self.records.append(rec)
+        if self.partial_out:  # steps so far survive a later crash or timeout
+            Path(self.partial_out).write_text(json.dumps({"partial": True, "steps": self.records}, indent=1))
+        shown = {**rec["phases_s"], "step": timer.seconds["step"]}
+        print(f"[bench] step {step}: " + json.dumps({k: round(v, 3) for k, v in shown.items()}), flush=True)
 
 
 def dynamo_counters() -> dict:
@@ -243,8 +232,6 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--profile-out", default=None, help="kernel table (text); default next to --out")
     p.add_argument("--profile-cpu", action="store_true", help="profile host (CPU) ops too, not only CUDA kernels")
-    p.add_argument("--megatron-thd-rope", action="store_true",
-                   help="use Megatron's own packed RoPE (host syncs per layer) instead of rlhf_mcore's: the 'before'")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
     args = p.parse_args(argv)
 
@@ -253,10 +240,6 @@ def main(argv=None) -> dict:
     from rlhf_mcore.config import load_config, model_max_positions, validate_config
     from rlhf_mcore.data import preprocess_gsm8k
 
-    if args.megatron_thd_rope:
-        from rlhf_mcore.models import rope
-
-        rope.ENABLED = False
     w = WORKLOADS[args.workload]
     vocab = {"vocab_size": w["vocab"]} if w["vocab"] else {}
     s = get_shape("tiny" if args.tiny else "qwen2.5-0.5b", **({} if args.tiny else vocab))
@@ -273,23 +256,26 @@ def main(argv=None) -> dict:
                  f"data.train_files=[{data['train']['path']}]", "data.val_files=[]",
                  f"trainer.total_training_steps={n_steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
                  "trainer.val_before_train=false", "trainer.logger=[console]", "trainer.resume_mode=disable",
+                 "trainer.export_hf_final=false",
                  f"trainer.default_local_dir={Path(tmp.name) / 'run'}", "data.max_train_samples=4096",
                  *w["overrides"], *(TINY_OVERRIDES[args.workload] if args.tiny else []), *args.overrides]
     cfg = load_config(ROOT / w["config"], overrides)
     validate_config(cfg, 1, model_max_positions(str(model_dir)))
-    Trainer = make_trainer_class()
+    from rlhf_mcore.trainer import RLTrainer
+
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = RLTrainer(cfg)
     init_s = time.perf_counter() - t0
-    trainer.instrument(profile_step=n_steps if args.profile else None, profile_cuda_only=not args.profile_cpu)
-    trainer.partial_out = args.out
+    hooks = BenchHooks(trainer, profile_step=n_steps if args.profile else None,
+                       profile_cuda_only=not args.profile_cpu, partial_out=args.out)
+    trainer.hooks = hooks
     t0 = time.perf_counter()
     try:
         trainer.fit()
     finally:
         fit_s = time.perf_counter() - t0
         trainer.close()
-    recs = trainer.records
+    recs = hooks.records
     timed_recs = [r for r in recs[1:] if not r["profiled"]] or recs[-1:]
     phases = sorted({k for r in timed_recs for k in r["phases_s"]})
     median = {k: statistics.median(r["phases_s"].get(k, 0.0) for r in timed_recs) for k in phases}
@@ -298,7 +284,7 @@ def main(argv=None) -> dict:
         median[f"trainer/{k}"] = statistics.median(r["trainer_timing_s"].get(k, 0.0) for r in timed_recs)
     report = {
         "benchmark": f"rl_step_{args.workload}", "workload": args.workload, "config": w["config"],
-        "overrides": overrides, "shape": s, "tiny": args.tiny, "megatron_thd_rope": args.megatron_thd_rope,
+        "overrides": overrides, "shape": s, "tiny": args.tiny,
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
         "model_build_s": model_s, "trainer_init_s": init_s, "fit_s": fit_s,
         "step_s": median["step"], "phases_median_s": median, "steps": recs,
@@ -306,19 +292,19 @@ def main(argv=None) -> dict:
         "response_tokens_per_step": timed_recs[-1]["response_tokens"],
         "dynamo_counters": dynamo_counters(),
     }
-    if trainer.profile_summary is not None:
-        report["profile"] = trainer.profile_summary
+    if hooks.profile_summary is not None:
+        report["profile"] = hooks.profile_summary
     print(f"\n{args.workload}: {report['device']}  step {median['step']:.2f} s (median of {len(timed_recs)} timed, "
           f"after 1 warm-up); {report['tokens_per_step']} tokens, {report['response_tokens_per_step']} generated")
     for k, v in median.items():
         print(f"  {k:<22} {v:8.3f} s")
-    if trainer.profile_text:
-        print("\n" + trainer.profile_text)
+    if hooks.profile_text:
+        print("\n" + hooks.profile_text)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         prof_out = args.profile_out or (str(Path(args.out).with_suffix("")) + "_profile.txt")
-        if trainer.profile_text:
-            Path(prof_out).write_text(trainer.profile_text + "\n")
+        if hooks.profile_text:
+            Path(prof_out).write_text(hooks.profile_text + "\n")
     tmp.cleanup()
     return report
 

@@ -1,7 +1,7 @@
 """The peer: TRL's `GRPOTrainer` on the GRPO workload of DESIGN.md, timed step by step.
 
-    python launch/bench_trl.py [--steps 3] [--model-dir DIR] [--out FILE.json]
-    python launch/bench_trl.py --tiny            # CPU smoke run (skipped, with a reason, when trl is missing)
+    python launch/bench/bench_trl.py [--steps 3] [--model-dir DIR] [--out FILE.json]
+    python launch/bench/bench_trl.py --tiny            # CPU smoke run (skipped, with a reason, when trl is missing)
 
 Workload (DESIGN.md, "TRL 1.16 GRPOTrainer ... 64 prompts x 8 samples x up to 256 new tokens a step"): the
 Qwen2.5-0.5B shape with a vocabulary of 8,192 and random weights, the same HF directory and GSM8K prompts as
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -1,8 +1,8 @@
 """Weight-sync time, colocated: a Megatron actor -> the native rollout engine on the same GPU, per sync.
 
-    python launch/bench_sync.py [--bucket-mb 128 512 2048] [--iters 10] [--out FILE.json]
-    torchrun --nproc_per_node=2 launch/bench_sync.py --tp 2 [--rollout-tp 1]   # other layouts
-    python launch/bench_sync.py --tiny                                         # CPU smoke run
+    python launch/bench/bench_sync.py [--bucket-mb 128 512 2048] [--iters 10] [--out FILE.json]
+    torchrun --nproc_per_node=2 launch/bench/bench_sync.py --tp 2 [--rollout-tp 1]   # other layouts
+    python launch/bench/bench_sync.py --tiny                                         # CPU smoke run
 
 The model is Qwen2.5-0.5B-shaped (hidden 896, 24 layers, 14 heads, 2 kv heads, ffn 4864, vocab 151936, tied
 embeddings) in bf16 with Megatron's random initialisation: only config.json is written (to a temporary
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
