@@ -54,6 +54,28 @@ def _jsonable(x):
     return x
 
 
+def fit_to_context(prompt_ids: list[list[int]], context: int | None, max_new_tokens: int, mode: str,
+                   error) -> list[list[int]]:
+    """Each prompt must leave `max_new_tokens` of the model's `context` (max_position_embeddings): else
+    `error(message)` (mode "error") or keep the prompt's last tokens (mode "left", reported once)."""
+    if context is None:
+        return prompt_ids
+    room = context - max_new_tokens
+    if room <= 0:
+        error(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of {context} "
+              f"tokens (max_position_embeddings): lower --max-new-tokens.")
+    long = [i for i, ids in enumerate(prompt_ids) if len(ids) > room]
+    if not long:
+        return prompt_ids
+    if mode == "error":
+        i = long[0]
+        error(f"row {i}: its prompt is {len(prompt_ids[i])} tokens, but the model's context of {context} tokens "
+              f"leaves {room} after --max-new-tokens {max_new_tokens} ({len(long)} row(s) too long): shorten the "
+              f"prompts, lower --max-new-tokens, or pass --truncate-prompts left.")
+    print(f"--truncate-prompts left: {len(long)} prompt(s) cut to their last {room} tokens", file=sys.stderr)
+    return [ids[-room:] if len(ids) > room else ids for ids in prompt_ids]
+
+
 def main(argv=None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -68,6 +90,9 @@ def main(argv=None) -> Path:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256, help="native: concurrent sequences")
     p.add_argument("--device", default=None, help="native/hf: cuda or cpu (default: cuda if available)")
+    p.add_argument("--truncate-prompts", choices=("error", "left"), default="error",
+                   help="a prompt that leaves no room for --max-new-tokens in the model's context: stop with the "
+                        "row named (error, default) or keep its last tokens (left, counted in a message)")
     args = p.parse_args(argv)
 
     model_dir, in_path, out_path = Path(args.model), Path(args.input), Path(args.output)
@@ -78,6 +103,7 @@ def main(argv=None) -> Path:
 
     from transformers import AutoTokenizer
 
+    from rlhf_mcore.config import model_max_positions
     from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
 
     try:
@@ -92,6 +118,8 @@ def main(argv=None) -> Path:
     except ValueError as e:
         p.error(str(e))
     prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompt_ids = fit_to_context(prompt_ids, model_max_positions(str(model_dir)), args.max_new_tokens,
+                                args.truncate_prompts, p.error)
 
     cfg = {}
     if args.engine == "native":

@@ -88,3 +88,22 @@ def test_clear_errors(tiny_model_dir, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(args + ["--output", str(tmp_path / "o.jsonl")])
         assert message in capsys.readouterr().err
+
+
+def test_over_long_prompts_are_refused_or_cut(tiny_model_dir, tmp_path, capsys):
+    """A 12k-token prompt on a 4k-context model: refused with the row named, or cut from the left on request."""
+    model = tiny_model_dir("qwen2")  # max_position_embeddings 4096
+    inp = tmp_path / "long.jsonl"
+    inp.write_text(json.dumps({"prompt": "What is 7 times 8?"}) + "\n"
+                   + json.dumps({"prompt": "seven " * 12_000}) + "\n")
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(model), "--input", str(inp), "--output", str(out), "--max-new-tokens", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "row 1: its prompt is" in err and "context of 4096 tokens" in err and "--truncate-prompts left" in err
+    assert not out.exists()
+    main(["--model", str(model), "--input", str(inp), "--output", str(out), "--max-new-tokens", "4",
+          "--temperature", "0", "--truncate-prompts", "left", "--device", "cpu"])
+    assert "1 prompt(s) cut to their last 4092 tokens" in capsys.readouterr().err
+    assert len(read_jsonl(out)) == 2

@@ -18,12 +18,17 @@ from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
 
 def _require_model_dir(path: str, key: str) -> Path:
     p = Path(path)
-    if not (p / "config.json").is_file():
+    if (p / "config.json").is_file():
+        return p
+    if not p.exists() and not p.is_absolute() and len(p.parts) == 2 and not path.startswith("."):
         raise FileNotFoundError(
-            f"{key}={path!r} is not a Hugging Face model directory (no config.json there). Point it at a local "
-            f"directory with config.json, *.safetensors and the tokenizer, e.g. one made by "
-            f"`python launch/make_tiny_model.py --out {path}`.")
-    return p
+            f"{key}={path!r} is not a local directory; it looks like a Hugging Face Hub id, and rlhf_mcore reads "
+            f"local model directories only: download it first (e.g. `huggingface-cli download {path} --local-dir "
+            f"models/{p.name}`) and set {key}=models/{p.name}.")
+    raise FileNotFoundError(
+        f"{key}={path!r} is not a Hugging Face model directory (no config.json there). Point it at a local "
+        f"directory with config.json, *.safetensors and the tokenizer (a tiny one for trying things out: "
+        f"`python launch/make_tiny_model.py --out models/tiny`).")
 
 
 def build_data(cfg: RLConfig):
