@@ -36,7 +36,7 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
-        "sglang": ["sglang>=0.5"],
+        "sglang": ["sglang>=0.5.3"],  # rollout/sglang_backend.SGLANG_MIN_VERSION (sampling_seed)
         "triton": ["triton>=3.2"],
         "wandb": ["wandb>=0.18"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6", "triton>=3.2"],

@@ -25,7 +25,7 @@ def build_rollout_engine(name: str, model_dir, **cfg) -> RolloutEngine:
     """Build the rollout engine `name` ("native" | "hf" | "sglang") for the HF model directory `model_dir`.
 
     Keyword arguments go to the backend's constructor (e.g. `max_num_seqs`, `max_model_len`, `device`,
-    `dtype` for native; `tp_size`, `mem_fraction_static` for sglang).
+    `dtype` for native; `tp_size`, `gpu_memory_utilization`, `tp_group` for sglang).
     """
     if name == "native":
         from .native.engine import NativeRolloutEngine

@@ -8,7 +8,9 @@ Log-probability convention (all backends): the log-prob of a sampled token under
 actually sampled from — `log_softmax(logits / temperature)`, renormalised over the tokens kept by top-k /
 top-p when those are active. With top-k and top-p off this equals a teacher-forced forward pass whose logits
 are divided by the same temperature, which is what the actor recomputes. Greedy decoding (temperature 0)
-reports `log_softmax(logits)`, the temperature-1 distribution.
+reports `log_softmax(logits)`, the temperature-1 distribution. A backend that cannot renormalise (SGLang does
+not return the kept mass) reports the full-vocabulary `log_softmax(logits / temperature)` under top-k / top-p
+too, and says so with `logprobs_renormalised = False`.
 
 Responses include the stop token that ended them (as vLLM/SGLang return it), so `finish_reason == "stop"`
 means `token_ids[-1]` is one of the stop ids.
@@ -139,6 +141,9 @@ class RolloutEngine(abc.ABC):
 
     Lifecycle in RL: `wake()` -> `generate(...)` -> `sleep()` -> (training) -> `update_weights(...)` -> ...
     """
+
+    #: whether reported log-probs are renormalised over the tokens top-k / top-p keep (see the module docstring)
+    logprobs_renormalised: bool = True
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,

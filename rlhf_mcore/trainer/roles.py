@@ -84,7 +84,11 @@ def build_rollout(cfg: RLConfig, state: ParallelState):
     elif r.name == "hf":
         kwargs = dict(device=state.device)
     elif r.name == "sglang":
-        kwargs = dict(tp_size=r.tensor_model_parallel_size, mem_fraction_static=r.gpu_memory_utilization)
+        from rlhf_mcore.rollout.sglang_colocation import rollout_cpu_group
+
+        tp = r.tensor_model_parallel_size
+        kwargs = dict(tp_size=tp, gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=max_len,
+                      tp_group=rollout_cpu_group(state.world_size, state.rank, tp) if tp > 1 else None)
     return build_rollout_engine(r.name, cfg.actor_rollout_ref.model.path, **kwargs)
 
 
