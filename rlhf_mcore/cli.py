@@ -37,8 +37,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "fix your input" (bad config, missing files, malformed data rows): shown without a
     traceback. Anything else is a bug and keeps its traceback."""
     from rlhf_mcore.data import DataError
+    from rlhf_mcore.trainer.errors import RolloutMismatchError
 
-    return (ConfigError, FileNotFoundError, DataError)
+    return (ConfigError, FileNotFoundError, DataError, RolloutMismatchError)
 
 
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:
@@ -53,7 +54,7 @@ def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, desc
         run(cfg)
     except _user_errors() as e:
         if rank0:
-            kind = "config error" if isinstance(e, ConfigError) else "input error"
+            kind = {ConfigError: "config error"}.get(type(e), "error" if isinstance(e, RuntimeError) else "input error")
             print(f"{kind}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -258,6 +258,13 @@ class TrainerConfig:
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     max_actor_ckpt_to_keep: Optional[int] = 2
     export_hf_final: bool = True  # the final actor as a Hugging Face directory in <default_local_dir>/hf_final
+    # The rollout's log-probs against the actor's recomputed ones on the same weights (`rollout/k3_kl`, the mean
+    # k3 KL): numerics only, ~1e-7 in fp32 on CPU and ~1e-4 in bf16 on a GPU. A step above the limit means the
+    # engines disagree about the policy (a broken weight sync, a kernel bug): it stops the run (error) or logs a
+    # warning (warn). Not applied under top-k/top-p sampling, whose rollout log-probs are renormalised over the
+    # kept tokens by design. None: no limit.
+    max_rollout_logprob_gap: Optional[float] = 0.02
+    rollout_logprob_gap_action: str = "error"  # error | warn
     seed: int = 1
     deterministic: bool = False  # torch.use_deterministic_algorithms (warn where an op has no deterministic kernel)
     # Python files (.py) or importable modules loaded on every rank before anything is built: the place to
@@ -289,6 +296,7 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
     "actor_rollout_ref.rollout.mode": ("sync",),
+    "trainer.rollout_logprob_gap_action": ("error", "warn"),
     "reward.reward_model.reward_manager": ("naive",),
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
@@ -523,6 +531,8 @@ def _check_values(cfg: RLConfig) -> None:
     for k in ("total_training_steps", "max_actor_ckpt_to_keep", "nnodes", "n_gpus_per_node"):
         v = _get(cfg, f"trainer.{k}")
         need(f"trainer.{k}", v is None or v >= 1, "unset or >= 1")
+    need("trainer.max_rollout_logprob_gap", cfg.trainer.max_rollout_logprob_gap is None
+         or cfg.trainer.max_rollout_logprob_gap > 0, "unset (no limit) or > 0")
     need("data.val_batch_size", cfg.data.val_batch_size is None or cfg.data.val_batch_size >= 1, "unset or >= 1")
     need("actor_rollout_ref.model.trust_remote_code", not cfg.actor_rollout_ref.model.trust_remote_code,
          "false: rlhf_mcore builds Qwen2/Qwen2.5/Qwen3/Llama models with its own code and never runs a model "

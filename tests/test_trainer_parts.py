@@ -175,3 +175,57 @@ def test_reduce_metrics_over_two_ranks():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_reduce_worker, args=(port,), nprocs=2)
+
+
+def test_rollout_gap_metrics_match_a_naive_loop():
+    import math
+
+    from rlhf_mcore.trainer.stats import rollout_gap_metrics
+
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(3, 5, generator=g) * 3  # (B, R) log-probs
+    actor = rollout + torch.randn(3, 5, generator=g) * 0.1
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    diffs, k3s = [], []
+    for b in range(3):
+        for t in range(5):
+            if mask[b, t]:
+                r = float(actor[b, t]) - float(rollout[b, t])
+                diffs.append(abs(r))
+                k3s.append(math.exp(r) - r - 1)
+    got = rollout_gap_metrics(rollout, actor, mask)
+    assert got["rollout/logprob_diff_abs"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-9)
+    assert got["rollout/k3_kl"] == pytest.approx(sum(k3s) / len(k3s), rel=1e-9)
+    assert got["rollout/k3_kl/max"] == pytest.approx(max(k3s), rel=1e-9)
+    assert rollout_gap_metrics(rollout, rollout, mask)["rollout/k3_kl"] == 0.0
+
+
+def test_rollout_gap_limit_trips_with_both_numbers():
+    """An injected mismatch (rollout log-probs shifted by 0.5) trips the limit; warn mode only logs; top-p
+    sampling (renormalised rollout log-probs) is exempt."""
+    from types import SimpleNamespace
+
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.trainer.errors import RolloutMismatchError
+    from rlhf_mcore.trainer.rl_trainer import RLTrainer
+    from rlhf_mcore.trainer.stats import rollout_gap_metrics
+
+    mask = torch.ones(2, 4)
+    lp = torch.full((2, 4), -1.0)
+    shifted = rollout_gap_metrics(lp - 0.5, lp, mask)  # k3 = e^0.5 - 1.5 = 0.149 per token
+    texts = []
+
+    def trainer(*overrides):
+        cfg = load_config(None, ["actor_rollout_ref.model.path=/m", *overrides])
+        return SimpleNamespace(cfg=cfg, step=3, rollout=SimpleNamespace(logprobs_renormalised=True),
+                               logger=SimpleNamespace(text=texts.append))
+
+    RLTrainer.check_rollout_gap(trainer(), rollout_gap_metrics(lp, lp, mask))  # same weights, same numbers: fine
+    with pytest.raises(RolloutMismatchError, match=r"step 3: the rollout's log-probs are 0.149 \(mean k3 KL.*"
+                                                   r"over trainer.max_rollout_logprob_gap=0.02"):
+        RLTrainer.check_rollout_gap(trainer(), shifted)
+    RLTrainer.check_rollout_gap(trainer("trainer.rollout_logprob_gap_action=warn"), shifted)
+    assert len(texts) == 1 and texts[0].startswith("warning: step 3") and "0.149" in texts[0]
+    RLTrainer.check_rollout_gap(trainer("actor_rollout_ref.rollout.top_p=0.9"), shifted)
+    RLTrainer.check_rollout_gap(trainer("trainer.max_rollout_logprob_gap=0.2"), shifted)
+    assert len(texts) == 1

@@ -293,6 +293,8 @@ class TrainEngine:
         totals = torch.tensor([flops, float(tokens)], dtype=torch.float64, device=state.device)
         if state.dims.dp > 1:  # each replica counted its own share; the model's FLOPs span TP × PP ranks
             dist.all_reduce(totals, group=state.dp_group)
+        if "ppo_kl" in steps[0]:  # before the first optimizer step the policy is the old one: numerics only
+            out[f"{role}/ppo_kl_first_minibatch"] = steps[0]["ppo_kl"]
         out[f"{role}/lr"] = lr
         out[f"{role}/num_optimizer_steps"] = float(len(steps))
         out[f"perf/{role}/update_s"] = elapsed

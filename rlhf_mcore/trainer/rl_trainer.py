@@ -22,6 +22,7 @@ from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch
 from rlhf_mcore.trainer.checkpoint import CheckpointManager, resolve_resume
+from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
 from rlhf_mcore.trainer.rollout_phase import generate_and_score
@@ -205,6 +206,7 @@ class RLTrainer:
         metrics = reduce_metrics(local, group=None)
         metrics["perf/throughput"] *= self.state.dims.dp  # tokens/s of the whole job
         self.logger.log(self.step, metrics)
+        self.check_rollout_gap(metrics)
         for role in ("actor", "critic"):
             if metrics.get(f"{role}/update_skipped", 0.0) > 0:
                 self.logger.text(f"step {self.step}: {role} skipped an optimizer step (non-finite loss); "
@@ -216,6 +218,24 @@ class RLTrainer:
         if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last_step):
             self.save_checkpoint()
         return metrics
+
+    def check_rollout_gap(self, metrics: dict[str, float]) -> None:
+        """`trainer.max_rollout_logprob_gap` on the reduced `rollout/k3_kl` (the same on every rank, so every
+        rank stops together)."""
+        t, r = self.cfg.trainer, self.cfg.actor_rollout_ref.rollout
+        gap = metrics.get("rollout/k3_kl")
+        truncated = (r.top_k > 0 or r.top_p < 1) and getattr(self.rollout, "logprobs_renormalised", True)
+        if t.max_rollout_logprob_gap is None or gap is None or truncated or gap <= t.max_rollout_logprob_gap:
+            return
+        msg = (f"step {self.step}: the rollout's log-probs are {gap:.3g} (mean k3 KL; worst token "
+               f"{metrics.get('rollout/k3_kl/max', float('nan')):.3g}, mean |diff| "
+               f"{metrics.get('rollout/logprob_diff_abs', float('nan')):.3g}) from the actor's on the same weights, "
+               f"over trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap}: the rollout engine and the trainer "
+               f"disagree about the policy (weight sync, dtype or kernel). Raise the limit or set "
+               f"trainer.rollout_logprob_gap_action=warn to continue.")
+        if t.rollout_logprob_gap_action == "error":
+            raise RolloutMismatchError(msg)
+        self.logger.text("warning: " + msg)
 
     # ------------------------------------------------------------------------------------------- around
     def run_validation(self) -> dict[str, float]:
@@ -283,4 +303,4 @@ def train(cfg: RLConfig) -> dict[str, float]:
         trainer.close()
 
 
-__all__ = ["RLTrainer", "StepHooks", "PhaseTimer", "train"]
+__all__ = ["RLTrainer", "StepHooks", "PhaseTimer", "RolloutMismatchError", "train"]

@@ -33,11 +33,28 @@ def batch_metrics(batch: dict[str, Any]) -> dict[str, float]:
     if "ref_log_prob" in batch:
         kl = batch["old_log_probs"] - batch["ref_log_prob"]
         out["actor/reward_kl"] = _masked_mean(kl, mask)
-    # how far the rollout engine's log-probs are from the trainer's (same weights: numerics only)
     if "old_log_probs" in batch:
-        out["rollout/logprob_diff_abs"] = _masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
-                                                       mask)
+        out.update(rollout_gap_metrics(batch["rollout_log_probs"], batch["old_log_probs"], mask))
     return out
+
+
+def rollout_gap_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                        mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs (B, R) are from the actor's recomputed ones (B, R) on the response
+    tokens of `mask` (B, R). With the same weights this is numerics only (kernels, dtype, batch shapes).
+
+    - `rollout/logprob_diff_abs`: mean |log pi_rollout - log pi_actor|;
+    - `rollout/k3_kl`: mean k3 estimate of KL(pi_rollout || pi_actor) from the rollout's own samples,
+      exp(r) - r - 1 with r = log pi_actor - log pi_rollout (>= 0, unbiased);
+    - `rollout/k3_kl/max`: its largest token (one broken token shows here when the mean hides it).
+    """
+    m = mask.bool()
+    if not m.any():
+        return {"rollout/logprob_diff_abs": 0.0, "rollout/k3_kl": 0.0, "rollout/k3_kl/max": 0.0}
+    r = (old_log_probs.double() - rollout_log_probs.double())[m]  # (N,) valid tokens
+    k3 = torch.expm1(r) - r  # (N,)
+    return {"rollout/logprob_diff_abs": float(r.abs().mean()), "rollout/k3_kl": float(k3.mean()),
+            "rollout/k3_kl/max": float(k3.max())}
 
 
 def peak_memory_gb() -> float:

@@ -1,0 +1,5 @@
+"""Errors a run stops with that are not bugs: the launch scripts print them as one line (exit 2)."""
+
+
+class RolloutMismatchError(RuntimeError):
+    """The rollout's log-probs left `trainer.max_rollout_logprob_gap` (see `RLTrainer.check_rollout_gap`)."""
