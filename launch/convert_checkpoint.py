@@ -5,13 +5,18 @@
         --hf-dir Qwen2.5-0.5B-Instruct --mcore-dir ckpt/mcore --tp 2 --pp 2
     # Megatron (saved under any layout) -> HF
     python launch/convert_checkpoint.py --direction mcore2hf --mcore-dir ckpt/mcore --out-hf-dir ckpt/hf
+    # a training checkpoint (the actor; --role critic for the critic) -> HF
+    python launch/convert_checkpoint.py --direction mcore2hf \
+        --mcore-dir outputs/run/checkpoints/global_step_100 --out-hf-dir hf_step_100
 
 hf2mcore loads the HF safetensors shard by shard (each rank reads only its slices) and saves the model's
 `sharded_state_dict()` with `megatron.core.dist_checkpointing`, plus `hf_meta/` (config.json, tokenizer,
-chat template). mcore2hf builds the model from `hf_meta/` (or from --hf-dir when given), loads the checkpoint
-into this run's TP/PP layout and writes an HF directory that `transformers` loads (to --out-hf-dir, else
---hf-dir). The world size must be a multiple of TP×PP (extra ranks are data-parallel replicas). `--role
-critic` converts a critic (value head saved as `score.*` in HF form).
+chat template). mcore2hf builds the model from the checkpoint's `hf_meta/` (training checkpoints carry one
+too; --hf-dir, when given, replaces it as the config/tokenizer source), loads the checkpoint into this run's
+TP/PP layout and writes an HF directory that `transformers` loads to --out-hf-dir. A training checkpoint
+(`global_step_N/`, or its `actor/` / `critic/` directory) is checked against its manifest first and refused
+when it does not match. The world size must be a multiple of TP×PP (extra ranks are data-parallel replicas).
+`--role critic` converts a critic (value head saved as `score.*` in HF form).
 
 The `if __name__ == "__main__":` guard is required: dist_checkpointing's writer spawns helper processes that
 re-import this file.
@@ -19,6 +24,7 @@ re-import this file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -33,15 +39,39 @@ def hf_to_mcore(hf_dir, mcore_dir, state, role: str = "actor") -> Path:
     return save_mcore_checkpoint(chunks, state, mcore_dir, hf_dir)
 
 
+def checked_model_dir(mcore_dir, role: str | None) -> Path:
+    """The distributed checkpoint to convert, checked before anything in it is unpickled.
+
+    `mcore_dir` may be a trainer checkpoint (`global_step_N/`: its `<role>/`, default `actor/`, is converted) or a
+    model directory inside one (`global_step_N/actor/`): the trainer checkpoint must pass its manifest check.
+    Any other directory (an hf2mcore output) is returned as is. In every case torch's `.metadata` pickle must
+    name only checkpoint-metadata classes. Raises ValueError naming the problem."""
+    from rlhf_mcore.trainer.manifest import COMPLETE, MANIFEST, check_metadata_pickle, verify_checkpoint
+
+    path = Path(mcore_dir)
+    root = None
+    if (path / MANIFEST).is_file() or (path / COMPLETE).is_file():
+        root, path = path, path / (role or "actor")
+    elif (path.parent / MANIFEST).is_file():
+        root = path.parent
+    problem = verify_checkpoint(root) if root is not None else None
+    if problem:
+        raise ValueError(f"training checkpoint {root} is unusable: {problem}; convert an earlier global_step_N")
+    if (path / ".metadata").is_file():
+        problem = check_metadata_pickle(path / ".metadata")
+        if problem:
+            raise ValueError(f"{path / '.metadata'} is {problem}; refusing to load it")
+    return path
+
+
 def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = None) -> Path:
     from rlhf_mcore.models import build_model, save_hf_checkpoint
     from rlhf_mcore.models.mcore_checkpoint import HF_META, load_mcore_checkpoint, saved_role
 
-    meta = Path(mcore_dir) / HF_META
-    if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
-        meta = Path(hf_dir)
+    meta = Path(hf_dir) if hf_dir is not None else Path(mcore_dir) / HF_META
     if not (meta / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {meta}; pass --hf-dir with the model's config and tokenizer.")
+        raise FileNotFoundError(f"no config.json in {meta}; pass --hf-dir with the model's HF config and tokenizer "
+                                "(checkpoints written by older versions carry none).")
     chunks = build_model(meta, state, role=role or saved_role(mcore_dir), load_weights=False)
     load_mcore_checkpoint(chunks, mcore_dir)
     return save_hf_checkpoint(chunks, state, out_hf_dir, meta)
@@ -50,10 +80,11 @@ def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = No
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--direction", choices=("hf2mcore", "mcore2hf"), required=True)
-    p.add_argument("--hf-dir", help="HF model directory (input of hf2mcore; config/tokenizer source or output "
-                                    "of mcore2hf)")
-    p.add_argument("--mcore-dir", required=True, help="Megatron distributed checkpoint directory")
-    p.add_argument("--out-hf-dir", help="mcore2hf output directory (default: --hf-dir)")
+    p.add_argument("--hf-dir", help="HF model directory: the input of hf2mcore; for mcore2hf optional, the "
+                                    "config/tokenizer source instead of the checkpoint's hf_meta/")
+    p.add_argument("--mcore-dir", required=True, help="Megatron distributed checkpoint directory, or a training "
+                                                      "checkpoint (global_step_N/ or its actor/, critic/)")
+    p.add_argument("--out-hf-dir", help="mcore2hf: the output HF directory (required)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--role", choices=("actor", "ref", "critic"), default=None,
@@ -63,9 +94,16 @@ def main(argv=None) -> None:
 
     if args.direction == "hf2mcore" and not args.hf_dir:
         p.error("--direction hf2mcore needs --hf-dir (the HF model to convert)")
-    out_hf = args.out_hf_dir or args.hf_dir
-    if args.direction == "mcore2hf" and not out_hf:
-        p.error("--direction mcore2hf needs --out-hf-dir (or --hf-dir) for the output")
+    mcore_dir = args.mcore_dir
+    if args.direction == "mcore2hf":
+        if not args.out_hf_dir:
+            p.error("--direction mcore2hf needs --out-hf-dir (where to write the HF model)")
+        try:  # every rank checks (before any process group exists) so that all stop together
+            mcore_dir = checked_model_dir(args.mcore_dir, args.role)
+        except ValueError as e:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"input error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
@@ -74,8 +112,7 @@ def main(argv=None) -> None:
         if args.direction == "hf2mcore":
             out = hf_to_mcore(args.hf_dir, args.mcore_dir, state, role=args.role or "actor")
         else:
-            src = args.hf_dir if args.out_hf_dir else None  # --hf-dir alone is the output, not a source
-            out = mcore_to_hf(args.mcore_dir, out_hf, state, hf_dir=src, role=args.role)
+            out = mcore_to_hf(mcore_dir, args.out_hf_dir, state, hf_dir=args.hf_dir, role=args.role)
         if state.rank == 0:
             print(f"{args.direction}: wrote {out} (TP={args.tp}, PP={args.pp}, world={state.world_size})")
     finally:

@@ -255,7 +255,13 @@ class TrainerConfig:
     val_before_train: bool = True
     log_val_generations: int = 3
     default_local_dir: Optional[str] = None  # None: outputs/<project_name>/<experiment_name>
-    resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    # auto: the newest checkpoint under default_local_dir that passes its manifest check (each newer broken one is
+    # reported and skipped) | disable: start from step 0 | <checkpoint path>: that one, which must pass the check
+    resume_mode: str = "auto"
+    # resuming a checkpoint saved with different algorithm settings (rlhf_mcore.trainer.checkpoint.ALGORITHM_KEYS:
+    # algorithm.*, the actor's loss/KL keys, model paths, rollout.n, data.train_batch_size, ...) is refused with
+    # the differing keys listed; true resumes anyway
+    resume_ignore_config_changes: bool = False
     max_actor_ckpt_to_keep: Optional[int] = 2
     export_hf_final: bool = True  # the final actor as a Hugging Face directory in <default_local_dir>/hf_final
     # The rollout's log-probs against the actor's recomputed ones on the same weights (`rollout/k3_kl`, the mean

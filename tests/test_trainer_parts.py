@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf_mcore.trainer.batch import build_batch, select_rows
-from rlhf_mcore.trainer.checkpoint import COMPLETE, CheckpointManager, list_complete, resolve_resume
+from rlhf_mcore.trainer.checkpoint import COMPLETE, CheckpointError, CheckpointManager, list_complete, resolve_resume
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import plan_step
 
@@ -30,7 +30,7 @@ def test_checkpoint_atomic_keep_last_and_resume(tmp_path):
     (tmp_path / "global_step_50").mkdir()
     assert resolve_resume(tmp_path, "auto").name == "global_step_30"
     assert resolve_resume(tmp_path, "disable") is None
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="not a usable checkpoint: incomplete"):
         resolve_resume(tmp_path, str(tmp_path / "global_step_50"))
     random.seed(5)
     torch.manual_seed(5)

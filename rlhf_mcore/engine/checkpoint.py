@@ -4,6 +4,9 @@ One directory holds the model (every tensor as a global `ShardedTensor`, so any 
 the optimizer, the LR scheduler and the RNG states. Every rank calls :func:`save_checkpoint` /
 :func:`load_checkpoint` (collective); each writes/reads only its own shards.
 
+The directory also holds `hf_meta/` (the HF config, tokenizer and chat template of the model's source
+directory), so a training checkpoint converts to HF on its own (`launch/convert_checkpoint.py`).
+
 Resharding:
 - model: loadable under any TP/PP/VPP/DP layout (the tensors are stored in their global shape);
 - optimizer: the distributed optimizer is saved in Megatron's `fully_reshardable` form (gathered per
@@ -141,9 +144,14 @@ def _sharded_state_dict(modules, optimizer, scheduler, state, is_loading: bool, 
 
 
 def save_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, optimizer=None, scheduler=None,
-                    extra: Optional[dict] = None) -> None:
-    """Write model (+ optimizer, scheduler, RNG, `extra` plain values) into the directory `path`."""
+                    extra: Optional[dict] = None, hf_dir: Optional[str] = None) -> None:
+    """Write model (+ optimizer, scheduler, RNG, `extra` plain values) into the directory `path`, and the
+    model's HF config and tokenizer into `path/hf_meta/` (from `hf_dir`, default the chunks' own `hf_dir`), so
+    that `launch/convert_checkpoint.py --direction mcore2hf` needs nothing but the checkpoint."""
     from megatron.core import dist_checkpointing
+
+    from rlhf_mcore.models.hf_loader import unwrap_model
+    from rlhf_mcore.models.mcore_checkpoint import write_hf_meta
 
     path = Path(path)
     if state.rank == 0:
@@ -153,6 +161,10 @@ def save_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
     if extra:
         sd["extra"] = extra
     dist_checkpointing.save(sd, str(path))
+    model = unwrap_model(modules[0])
+    hf_dir = hf_dir or getattr(model, "hf_dir", None)
+    if state.rank == 0 and hf_dir is not None:
+        write_hf_meta(path, hf_dir, getattr(model, "model_role", "actor"), state)
     dist.barrier()
 
 

@@ -40,17 +40,23 @@ def save_mcore_checkpoint(model_chunks, state, mcore_dir, hf_dir) -> Path:
     dist.barrier(group=state.world_group)
     dist_checkpointing.save(_sharded_state_dict(model_chunks), str(out))
     if state.rank == 0:
-        meta = out / HF_META
-        meta.mkdir(exist_ok=True)
-        for f in Path(hf_dir).iterdir():
-            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != INDEX_FILE:
-                shutil.copy2(f, meta / f.name)
-        role = unwrap_model(model_chunks[0]).model_role
-        (meta / "rlhf_mcore.json").write_text(json.dumps(
-            {"role": role, "saved_tp": state.dims.tp, "saved_pp": state.dims.pp, "saved_vpp": state.dims.vpp},
-            indent=2) + "\n")
+        write_hf_meta(out, hf_dir, unwrap_model(model_chunks[0]).model_role, state)
     dist.barrier(group=state.world_group)
     return out
+
+
+def write_hf_meta(mcore_dir, hf_dir, role: str, state) -> Path:
+    """Copy `hf_dir`'s config.json, tokenizer, chat template and generation config (no weights) into
+    `mcore_dir/hf_meta/`, with `rlhf_mcore.json` (role, saving layout). Called by one rank."""
+    meta = Path(mcore_dir) / HF_META
+    meta.mkdir(parents=True, exist_ok=True)
+    for f in Path(hf_dir).iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != INDEX_FILE:
+            shutil.copy2(f, meta / f.name)
+    (meta / "rlhf_mcore.json").write_text(json.dumps(
+        {"role": role, "saved_tp": state.dims.tp, "saved_pp": state.dims.pp, "saved_vpp": state.dims.vpp},
+        indent=2) + "\n")
+    return meta
 
 
 def saved_role(mcore_dir) -> str:

@@ -54,8 +54,36 @@ _CONSOLE_KEYS = [  # (metric, short label, format) for the one-line summary
 ]
 
 
+def cut_back_jsonl(path: Path, start_step: int) -> int:
+    """Make a ``metrics.jsonl`` continue a run that (re)starts after step `start_step`: drop the records of later
+    steps (written after the checkpoint a resumed run went back to) and unreadable lines (a record cut by a
+    kill); at ``start_step == 0`` (a fresh start) drop everything. Rewrites the file atomically; returns how
+    many lines were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if start_step > 0 and step <= start_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        tmp.replace(path)
+    return dropped
+
+
 class MetricLogger:
-    """Fan-out to the configured sinks; only rank 0 writes anything."""
+    """Fan-out to the configured sinks; only rank 0 writes anything.
+
+    `start_step`: the step the run continues from (a resume); the JSONL log is cut back to it
+    (:func:`cut_back_jsonl`) and TensorBoard purges its later events, so no step is recorded twice."""
 
     def __init__(self, loggers: list[str], out_dir: Path, total_steps: int, config: Optional[dict] = None,
                  project: str = "rlhf_mcore", name: str = "run", enabled: bool = True, start_step: int = 0):
@@ -71,11 +99,13 @@ class MetricLogger:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = out_dir / "metrics.jsonl"
         if "jsonl" in self.loggers:
+            cut_back_jsonl(self.jsonl_path, start_step)
             self._jsonl = open(self.jsonl_path, "a", buffering=1)
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            purge = start_step + 1 if start_step > 0 else 0  # the events of later steps (a fresh start: all)
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
         if "wandb" in self.loggers:
             try:
                 import wandb

@@ -21,7 +21,7 @@ from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_l
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch
-from rlhf_mcore.trainer.checkpoint import CheckpointManager, resolve_resume
+from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
@@ -262,14 +262,13 @@ class RLTrainer:
             if self.critic is not None:
                 self.critic.save_checkpoint(path / "critic")
 
-        return self.ckpt.save(self.step, self.trainer_state(), save_engines)
+        return self.ckpt.save(self.step, self.trainer_state(), save_engines, config=to_dict(self.cfg))
 
     def resume(self) -> None:
-        path = resolve_resume(self.ckpt.root, self.cfg.trainer.resume_mode)
-        path = broadcast_object(str(path) if path else None, group=self.state.cpu_group)
+        path = self.ckpt.resume_point(self.cfg.trainer.resume_mode, to_dict(self.cfg),
+                                      self.cfg.trainer.resume_ignore_config_changes)  # verified, config checked
         if path is None:
             return
-        path = Path(path)
         self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
