@@ -37,8 +37,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "fix your input" (bad config, missing files, malformed data rows): shown without a
     traceback. Anything else is a bug and keeps its traceback."""
     from rlhf_mcore.data import DataError
+    from rlhf_mcore.rewards import RewardError
 
-    return (ConfigError, FileNotFoundError, DataError)
+    return (ConfigError, FileNotFoundError, DataError, RewardError)
 
 
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:
@@ -52,8 +53,12 @@ def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, desc
             return 0
         run(cfg)
     except _user_errors() as e:
-        if rank0:
-            kind = "config error" if isinstance(e, ConfigError) else "input error"
-            print(f"{kind}: {e}", file=sys.stderr)
+        from rlhf_mcore.rewards import RewardError, RewardFunctionError
+
+        if rank0 or isinstance(e, RewardFunctionError):  # that one is raised only by the ranks that scored
+            kind = "config error" if isinstance(e, ConfigError) else "reward error" if isinstance(
+                e, RewardError) else "input error"
+            where = "" if rank0 else f"[rank {os.environ.get('RANK')}] "
+            print(f"{where}{kind}: {e}", file=sys.stderr)
         return 2
     return 0

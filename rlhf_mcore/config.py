@@ -213,7 +213,12 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     num_workers: int = 0  # 0: score in the trainer process
-    timeout_s: float = 10.0  # per item; a scorer that hangs scores 0
+    timeout_s: float = 10.0  # per item, also with num_workers=0; an item that hangs scores 0 and counts as a timeout
+    # Fail the run (RewardFunctionError, with the function's first error) when more than this fraction of a
+    # step's items raised, returned no valid number or timed out. 0.5: a working function fails on a few odd
+    # outputs at most; when most items fail the function is broken and the step would train on zeros. 0.0
+    # tolerates no failure; 1.0 turns the check off.
+    max_failure_ratio: float = 0.5
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
@@ -556,6 +561,13 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     if cfg.algorithm.adv_estimator in _ADV_ESTIMATORS_NEEDING_CRITIC and cfg.critic.enable is False:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic but critic.enable "
                           f"is false: set critic.enable=true or choose adv_estimator=grpo.")
+    rw = cfg.reward
+    _require(rw.num_workers >= 0, f"reward.num_workers must be >= 0 (0 scores in the trainer process), got "
+                                  f"{rw.num_workers}.")
+    _require(rw.timeout_s > 0, f"reward.timeout_s must be > 0 seconds, got {rw.timeout_s}.")
+    _require(0.0 <= rw.max_failure_ratio <= 1.0,
+             f"reward.max_failure_ratio must be in [0, 1] (the fraction of a step's items whose reward may fail; "
+             f"1.0 turns the check off), got {rw.max_failure_ratio}.")
     _require(rollout.tensor_model_parallel_size >= 1 and world_size % rollout.tensor_model_parallel_size == 0,
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
              f"the world size {world_size}.")
