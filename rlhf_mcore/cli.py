@@ -37,9 +37,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "fix your input" (bad config, missing files, malformed data rows): shown without a
     traceback. Anything else is a bug and keeps its traceback."""
     from rlhf_mcore.data import DataError
+    from rlhf_mcore.rewards import RewardError
     from rlhf_mcore.trainer.errors import RolloutMismatchError
 
-    return (ConfigError, FileNotFoundError, DataError, RolloutMismatchError)
+    return (ConfigError, FileNotFoundError, DataError, RewardError, RolloutMismatchError)
 
 
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:
@@ -53,8 +54,11 @@ def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, desc
             return 0
         run(cfg)
     except _user_errors() as e:
+        from rlhf_mcore.rewards import RewardError
+
         if rank0:
-            kind = {ConfigError: "config error"}.get(type(e), "error" if isinstance(e, RuntimeError) else "input error")
+            kind = ("config error" if isinstance(e, ConfigError) else "reward error" if isinstance(e, RewardError)
+                    else "error" if isinstance(e, RuntimeError) else "input error")
             print(f"{kind}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -215,7 +215,12 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     num_workers: int = 0  # 0: score in the trainer process
-    timeout_s: float = 10.0  # per item; a scorer that hangs scores 0
+    timeout_s: float = 10.0  # per item, also with num_workers=0; an item that hangs scores 0 and counts as a timeout
+    # Fail the run (RewardFunctionError, with the function's first error) when more than this fraction of a
+    # step's items raised, returned no valid number or timed out. 0.5: a working function fails on a few odd
+    # outputs at most; when most items fail the function is broken and the step would train on zeros. 0.0
+    # tolerates no failure; 1.0 turns the check off.
+    max_failure_ratio: float = 0.5
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
@@ -533,6 +538,8 @@ def _check_values(cfg: RLConfig) -> None:
     need("algorithm.kl_ctrl.kl_coef", cfg.algorithm.kl_ctrl.kl_coef >= 0, ">= 0")
     need("reward.num_workers", cfg.reward.num_workers >= 0, ">= 0 (0 scores in the trainer process)")
     need("reward.timeout_s", cfg.reward.timeout_s > 0, "> 0 seconds")
+    need("reward.max_failure_ratio", 0 <= cfg.reward.max_failure_ratio <= 1,
+         "in [0, 1] (the fraction of a step's items whose reward may fail; 1.0 turns the check off)")
     need("trainer.total_epochs", cfg.trainer.total_epochs >= 1, ">= 1")
     for k in ("total_training_steps", "max_actor_ckpt_to_keep", "nnodes", "n_gpus_per_node"):
         v = _get(cfg, f"trainer.{k}")

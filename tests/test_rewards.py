@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from rlhf_mcore.rewards import (
+    RewardFileError,
     RewardScorer,
     default_compute_score,
     get_reward_fn,
@@ -172,18 +173,41 @@ def test_load_custom_reward_fn_float_and_dict_returns(custom_file):
 
 
 def test_load_custom_reward_fn_errors(custom_file, tmp_path):
-    with pytest.raises(FileNotFoundError, match="custom_reward_function.path"):
+    with pytest.raises(RewardFileError, match="custom_reward_function.path.*does not exist"):
         load_custom_reward_fn(str(tmp_path / "missing.py"))
-    with pytest.raises(AttributeError, match="compute_score.*two_args|callables"):
+    with pytest.raises(RewardFileError, match="no function 'score_fn'.*two_args"):
         load_custom_reward_fn(str(custom_file), "score_fn")
-    with pytest.raises(TypeError, match="not a function"):
+    with pytest.raises(RewardFileError, match="Did you mean 'compute_score'"):
+        load_custom_reward_fn(str(custom_file), "compute_scores")
+    with pytest.raises(RewardFileError, match="not a function"):
         load_custom_reward_fn(str(custom_file), "NOT_A_FUNCTION")
-    with pytest.raises(TypeError, match="data_source, solution_str, ground_truth, extra_info=None"):
+    with pytest.raises(RewardFileError, match="data_source, solution_str, ground_truth, extra_info=None"):
         load_custom_reward_fn(str(custom_file), "two_args")
+
+
+def test_reward_file_that_cannot_be_imported_names_the_file_and_line(tmp_path):
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("import math\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None:\n"
+                      "    return 1.0\n")
+    with pytest.raises(RewardFileError) as info:
+        load_custom_reward_fn(str(syntax))
+    message = str(info.value)
+    assert f"SyntaxError at {syntax}, line 3" in message and "\n" not in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained traceback to print
+
     broken = tmp_path / "broken.py"
-    broken.write_text("import not_a_real_module_xyz\n")
-    with pytest.raises(ImportError, match="broken.py"):
+    broken.write_text("import os\nimport not_a_real_module_xyz\n")
+    with pytest.raises(RewardFileError, match=f"ModuleNotFoundError at {broken}, line 2: .*not_a_real_module_xyz"):
         load_custom_reward_fn(str(broken))
+
+    failing = tmp_path / "failing.py"
+    failing.write_text("X = 1\nY = {}['missing']\n")
+    with pytest.raises(RewardFileError, match=f"KeyError at {failing}, line 2"):
+        load_custom_reward_fn(str(failing))
+    # A fixed file loads afterwards (the failed import left no half-initialised module behind).
+    failing.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    return 2.0\n")
+    assert load_custom_reward_fn(str(failing))("ds", "x", "y") == 2.0
 
 
 def test_normalize_reward_accepts_numbers_and_rejects_garbage():
@@ -205,27 +229,27 @@ def test_pool_survives_hang_raise_nan_garbage_and_worker_death(custom_file, capl
     fn = load_custom_reward_fn(str(custom_file))
     responses = ["7", "hang", "raise", "nan", "text", "nodict", "die", "dict", "8", "9"]
     truths = ["7", "0", "0", "0", "0", "0", "0", "0", "8", "0"]
-    with RewardScorer(fn, num_workers=2, timeout_s=1.5) as scorer:
+    with RewardScorer(fn, num_workers=2, timeout_s=1.5, max_failure_ratio=1.0) as scorer:
         with caplog.at_level(logging.WARNING, logger="rlhf_mcore.rewards.scorer"):
             scores, stats = scorer.score(["ds"] * len(responses), responses, truths, [None] * len(responses))
         assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.25, 1.0, 0.0]
-        assert stats["num_timeout"] == 1  # hang
-        assert stats["num_error"] == 2  # raise, die
+        assert stats["num_timeouts"] == 1  # hang
+        assert stats["num_exceptions"] == 2  # raise, die
         assert stats["num_invalid"] == 3  # nan, text, nodict
-        assert stats["num_warnings"] == 6 and stats["num_items"] == 10
-        assert any("scorer bug" in e for e in stats["examples"])
+        assert stats["num_failed"] == 6 and stats["num_items"] == 10
+        assert any("RuntimeError: scorer bug" in e for e in stats["examples"])
         assert "6 of 10 items scored 0" in caplog.text
         # The same pool keeps working after killing and replacing workers.
         scores, stats = scorer.score(["ds"] * 3, ["1", "2", "dict"], ["1", "0", "x"])
-        assert scores == [1.0, 0.0, 0.25] and stats["num_warnings"] == 0
+        assert scores == [1.0, 0.0, 0.25] and stats["num_failed"] == 0
 
 
 def test_inline_scoring_catches_errors_and_garbage(custom_file):
     fn = load_custom_reward_fn(str(custom_file))
     scores, stats = score_batch(["ds"] * 4, ["raise", "nan", "5", "nodict"], ["0", "0", "5", "0"], num_workers=0,
-                                fn=fn)
+                                fn=fn, max_failure_ratio=1.0)
     assert scores == [0.0, 0.0, 1.0, 0.0]
-    assert (stats["num_error"], stats["num_invalid"], stats["num_timeout"]) == (1, 2, 0)
+    assert (stats["num_exceptions"], stats["num_invalid"], stats["num_timeouts"]) == (1, 2, 0)
 
 
 def test_scorer_rejects_unpicklable_functions_and_bad_settings():
@@ -233,5 +257,7 @@ def test_scorer_rejects_unpicklable_functions_and_bad_settings():
         RewardScorer(lambda **_: 1.0, num_workers=1)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardScorer(num_workers=0, timeout_s=0)
+    with pytest.raises(ValueError, match="max_failure_ratio"):
+        RewardScorer(num_workers=0, max_failure_ratio=1.5)
     with pytest.raises(ValueError, match="one entry per item"):
         score_batch(["openai/gsm8k"], ["a", "b"], ["1"])

@@ -1,23 +1,32 @@
-"""Batch reward scoring in a reusable pool of worker processes with a per-item timeout.
+"""Batch reward scoring with a per-item timeout, in a reusable pool of worker processes or in-process.
 
 A reward function is user code: it may hang (a pathological regex, a sympy simplification that never ends),
-raise, or return garbage (NaN, a string, a dict without "score"). None of that may kill or stall a training
-run, so every such item scores 0.0 and is counted; `stats` reports the counts and a few examples, and one
-warning per batch is logged.
+raise, or return garbage (NaN, a string, a dict without "score"). An occasional such item must not kill or
+stall a run: it scores 0.0 and is counted (`stats`: `num_timeouts`, `num_exceptions`, `num_invalid`, and the
+first failure with its traceback), and one warning per batch is logged. A function that fails on most items
+is broken, and training on its zeros would waste the run: when the failed fraction of a batch exceeds
+`max_failure_ratio`, `score` raises :class:`RewardFunctionError` carrying the first failure's exception type,
+message and traceback (`max_failure_ratio=1.0` turns the check off).
 
     scorer = RewardScorer(fn=None, num_workers=4, timeout_s=10.0)   # fn=None: the registry, by data_source
     scores, stats = scorer.score(data_sources, responses, ground_truths, extra_infos)
     ...
     scorer.close()
 
-Workers are started once and reused every step. They are fresh interpreters (`python -c ...` talking over a
-socket pair), not `multiprocessing` children: nothing is forked from a process holding CUDA contexts and
-threads, and, unlike the spawn start method, the trainer's `__main__` (torch, Megatron) is not re-imported in
-every worker, so one starts in ~0.2 s. Each item is sent to an idle worker; an item that is not done
-`timeout_s` seconds after it was sent gets its worker killed and replaced (the replacement's start-up, and
-a reward function's first-call imports such as math-verify's sympy, ~1-2 s, count against its first item).
-`num_workers=0` scores in the calling process: exceptions and garbage are still caught, but a hanging
-function cannot be interrupted there.
+`num_workers >= 1`: workers are started once and reused every step. They are fresh interpreters (`python -c
+...` talking over a socket pair), not `multiprocessing` children: nothing is forked from a process holding
+CUDA contexts and threads, and, unlike the spawn start method, the trainer's `__main__` (torch, Megatron) is
+not re-imported in every worker. Each item is sent to an idle worker; an item that is not done `timeout_s`
+seconds after it was sent (or after its worker finished starting and loading the function) gets its worker
+killed and replaced (a reward function's first-call imports, such as math-verify's sympy, count against the
+first item of a new worker).
+
+`num_workers=0` scores in the calling thread, as it always has (no pickling; the caller's signal handlers,
+torch grad mode and CUDA device apply), and the timeout holds there too: a call past `timeout_s` is
+interrupted (it scores 0 and counts as a timeout; the next item runs normally), and one that cannot be
+interrupted ends the process with exit code 1 and the stuck stack on stderr rather than hang it — see
+:mod:`rlhf_mcore.rewards.inline`. Worker processes never need that last resort, so set `num_workers >= 1`
+for reward functions that may block in native code (network calls, C extensions).
 
 `fn` is called as `fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)`; with workers it
 must be picklable: a module-level function, or what `load_custom_reward_fn` returns. `fn=None` uses the
@@ -29,7 +38,6 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import numbers
 import os
 import pickle
 import signal
@@ -44,50 +52,16 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from rlhf_mcore.rewards.errors import RewardFunctionError
+from rlhf_mcore.rewards.inline import InlineScorer
+from rlhf_mcore.rewards.outcome import FAILURE_KINDS, call_reward_fn, failure
 from rlhf_mcore.rewards.registry import RegistryDispatch
 
-__all__ = ["RewardScorer", "score_batch", "normalize_reward"]
+__all__ = ["RewardScorer", "score_batch", "failure_error", "reward_metrics"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_EXAMPLES = 5  # problem descriptions kept in stats["examples"] per batch
-
-
-def normalize_reward(result: Any) -> tuple[float | None, dict | None, str | None]:
-    """`(score, extra, problem)` from a reward function's return value.
-
-    A finite real number (bools, numpy scalars and 0-dim tensors included) or a dict whose "score" is one is
-    valid; anything else gives `score=None` and a `problem` description.
-    """
-    extra = None
-    if isinstance(result, dict):
-        if "score" not in result:
-            return None, None, f"returned a dict without a 'score' key (keys: {sorted(result)[:8]})"
-        extra = {k: v for k, v in result.items() if k != "score"}
-        result = result["score"]
-    if isinstance(result, (str, bytes)) or not (isinstance(result, numbers.Real) or hasattr(result, "__float__")):
-        return None, None, f"returned {type(result).__name__} {result!r:.80}, not a number"
-    try:
-        value = float(result)
-    except (TypeError, ValueError) as exc:
-        return None, None, f"returned {type(result).__name__} that float() rejects: {exc}"
-    if not math.isfinite(value):
-        return None, None, f"returned a non-finite score {value}"
-    return value, extra, None
-
-
-def _call(fn: Callable[..., Any], args: dict[str, Any]) -> tuple[str, Any]:
-    """Run one item; `("ok", (score, extra))`, or `("error"|"invalid", message)`."""
-    try:
-        result = fn(**args)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: B036 - math-verify's TimeoutException (and sys.exit) are BaseExceptions
-        return "error", f"raised {type(exc).__name__}: {exc}"[:300]
-    value, extra, problem = normalize_reward(result)
-    if problem is not None:
-        return "invalid", problem
-    return "ok", (value, extra)
 
 
 def _worker_main() -> None:
@@ -102,7 +76,8 @@ def _worker_main() -> None:
         fn = pickle.loads(fn_bytes)
         load_error = None
     except BaseException as exc:  # noqa: B036 - report it per item rather than die silently
-        fn, load_error = None, f"the worker could not load the reward fn: {exc!r}"[:300]
+        fn, load_error = None, failure(f"the worker could not load the reward fn: {exc}", type(exc).__name__)
+    conn.send(_READY)  # items are timed from here: start-up and loading the function do not count
     while True:
         try:
             message = conn.recv()
@@ -111,13 +86,15 @@ def _worker_main() -> None:
         if message is None:
             return
         item, args = message
-        status, payload = ("error", load_error) if fn is None else _call(fn, args)
+        status, payload = ("exception", load_error) if fn is None else call_reward_fn(fn, args)
         try:
             conn.send((item, status, payload))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:  # unpicklable extra info
-            conn.send((item, "invalid", f"returned an unpicklable result: {exc}"[:300]))
+            conn.send((item, "invalid", failure(f"returned an unpicklable result: {exc}")))
 
 
+_READY = "ready"  # a worker's first message
+_STARTUP_S = 60.0  # a worker that has not loaded the reward function by then is stuck importing it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `rlhf_mcore/`
 _WORKER_CMD = "from rlhf_mcore.rewards.scorer import _worker_main; _worker_main()"
 
@@ -138,8 +115,16 @@ class _Worker:
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.conn.send_bytes(init_message)
+        self.started = time.monotonic()
+        self.ready = False  # its _READY message has been received
         self.item: int | None = None
         self.deadline = math.inf
+
+    def item_deadline(self, timeout_s: float) -> float:
+        """When the current item (sent now, or the ready message received now) is overdue."""
+        if self.ready:
+            return time.monotonic() + timeout_s
+        return self.started + _STARTUP_S + timeout_s
 
     def kill(self) -> None:
         self.proc.kill()
@@ -166,7 +151,7 @@ def _close_live_scorers() -> None:  # a worker stuck in user code must not outli
 
 
 class RewardScorer:
-    """A reusable reward-scoring pool; see the module docstring. Close it (or use `with`) when done."""
+    """A reusable reward scorer; see the module docstring. Close it (or use `with`) when done."""
 
     def __init__(
         self,
@@ -174,16 +159,24 @@ class RewardScorer:
         *,
         num_workers: int = 0,
         timeout_s: float = 10.0,
+        max_failure_ratio: float = 0.5,
     ):
         if num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0 (0 scores in-process), got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward.timeout_s must be > 0 seconds, got {timeout_s}")
+        if not 0.0 <= max_failure_ratio <= 1.0:
+            raise ValueError(f"reward.max_failure_ratio must be in [0, 1] (1.0 turns the check off), got "
+                             f"{max_failure_ratio}")
         self.fn = RegistryDispatch() if fn is None else fn
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.max_failure_ratio = float(max_failure_ratio)
         self._workers: list[_Worker] = []
-        if num_workers > 0:
+        self._inline: InlineScorer | None = None
+        if num_workers == 0:
+            self._inline = InlineScorer(self.fn, self.timeout_s)
+        else:
             try:
                 self._init_message = pickle.dumps((list(sys.path), pickle.dumps(self.fn)))
             except Exception as exc:
@@ -202,11 +195,18 @@ class RewardScorer:
         responses: Sequence[str],
         ground_truths: Sequence[Any],
         extra_infos: Sequence[Any] | None = None,
+        *,
+        check: bool = True,
     ) -> tuple[list[float], dict[str, Any]]:
         """Score a batch. Returns `scores` (one float per item, 0.0 for failed items) and `stats`:
-        `num_items`, `num_timeout`, `num_error`, `num_invalid`, `num_warnings` (their sum), `examples`
-        (a few "item i: problem" strings), `extra` (per item, the non-"score" keys of dict results, or
-        None) and `seconds`."""
+        `num_items`; `num_timeouts`, `num_exceptions`, `num_invalid` and `num_failed` (their sum);
+        `first_failure` (None, or a dict: `item`, `data_source`, `kind`, `type`, `message`, `where`,
+        `traceback`); `examples` (a few "item i: kind: problem" strings); `extra` (per item, the non-"score"
+        keys of dict results, or None); `reward_fn` (a description of the function) and `seconds`.
+
+        Raises :class:`RewardFunctionError` when `num_failed / num_items > max_failure_ratio`; `check=False`
+        leaves that to the caller (`failure_error` on stats summed over several scorers).
+        """
         n = len(responses)
         if extra_infos is None:
             extra_infos = [None] * n
@@ -221,23 +221,37 @@ class RewardScorer:
                 f"{sorted(self.fn.table)}. Register one with @rlhf_mcore.rewards.register_reward(...) or set "
                 "reward.custom_reward_function.path/.name"
             )
+        if self.num_workers < 0:
+            raise RuntimeError("this RewardScorer was closed; create a new one")
         start = time.monotonic()
         items = [
             {"data_source": ds, "solution_str": r, "ground_truth": gt, "extra_info": ei}
             for ds, r, gt, ei in zip(data_sources, responses, ground_truths, extra_infos, strict=True)
         ]
-        results: list[tuple[str, Any]] = [("error", "not scored")] * n
-        if self.num_workers == 0:
-            results = [_call(self.fn, args) for args in items]
+        results: list[tuple[str, Any]] = [("exception", failure("not scored"))] * n
+        if self._inline is not None:
+            self._inline.run(items, results)
         else:
             self._run_pool(items, results)
-        return self._collect(results, time.monotonic() - start)
+        scores, stats = self._collect(results, data_sources, time.monotonic() - start)
+        if check:
+            error = failure_error(stats, self.max_failure_ratio)
+            if error is not None:
+                raise error
+        return scores, stats
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the current workers (empty with `num_workers=0`)."""
+        return [w.proc.pid for w in self._workers]
 
     def close(self) -> None:
         """Stop the workers. The scorer cannot be used afterwards."""
         workers, self._workers = self._workers, []
         for worker in workers:
             worker.stop()
+        if self._inline is not None:
+            self._inline.close()
+            self._inline = None
         self.num_workers = -1
 
     def __enter__(self) -> RewardScorer:
@@ -247,7 +261,7 @@ class RewardScorer:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_workers", None):
+        if getattr(self, "_workers", None) or getattr(self, "_inline", None):
             try:
                 self.close()
             except Exception:  # interpreter shutdown; the atexit hook has stopped the workers already
@@ -256,8 +270,6 @@ class RewardScorer:
     # ----------------------------------------------------------------------------------------- internals
 
     def _run_pool(self, items: list[dict[str, Any]], results: list[tuple[str, Any]]) -> None:
-        if self.num_workers < 0:
-            raise RuntimeError("this RewardScorer was closed; create a new one")
         pending = deque(range(len(items)))
         idle = list(self._workers)
         busy: dict[Connection, _Worker] = {}
@@ -267,14 +279,14 @@ class RewardScorer:
                 try:
                     worker.conn.send((item, items[item]))
                 except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                    results[item] = ("invalid", f"inputs cannot be sent to a worker: {exc}"[:300])
+                    results[item] = ("invalid", failure(f"inputs cannot be sent to a worker: {exc}"))
                     idle.append(worker)
                     continue
                 except (BrokenPipeError, OSError):  # the worker died while idle: replace it, retry the item
                     pending.appendleft(item)
                     idle.append(self._replace(worker))
                     continue
-                worker.item, worker.deadline = item, time.monotonic() + self.timeout_s
+                worker.item, worker.deadline = item, worker.item_deadline(self.timeout_s)
                 busy[worker.conn] = worker
             if not busy:
                 continue
@@ -282,13 +294,20 @@ class RewardScorer:
             for conn in wait(list(busy), timeout=wait_s):
                 worker = busy.pop(conn)
                 try:
-                    item, status, payload = conn.recv()
+                    message = conn.recv()
+                    if message == _READY:  # a new worker finished starting: its item's time starts now
+                        worker.ready = True
+                        worker.deadline = worker.item_deadline(self.timeout_s)
+                        busy[conn] = worker
+                        continue
+                    item, status, payload = message
                 except (EOFError, OSError):  # the worker died mid-item (segfault, os._exit, OOM kill)
                     try:
                         code = worker.proc.wait(timeout=1)
                     except subprocess.TimeoutExpired:
                         code = None
-                    results[worker.item] = ("error", f"the worker process died (exit code {code})")
+                    results[worker.item] = ("exception", failure(f"the worker process died (exit code {code})",
+                                                                  "WorkerDied"))
                     idle.append(self._replace(worker))
                     continue
                 results[item] = (status, payload)
@@ -297,7 +316,17 @@ class RewardScorer:
             for conn, worker in list(busy.items()):
                 if now >= worker.deadline:
                     del busy[conn]
-                    results[worker.item] = ("timeout", f"no result within timeout_s={self.timeout_s:g}")
+                    if not worker.ready:  # other workers may hold items of this batch: the pool is unusable
+                        worker.kill()
+                        self.close()
+                        raise RewardFunctionError(
+                            f"a reward worker process did not load the reward function {_describe_fn(self.fn)} "
+                            f"within {_STARTUP_S:g} s of starting: importing it hangs. Fix the reward file's "
+                            "imports (or score in-process with reward.num_workers=0 to debug it).",
+                            num_items=len(items), counts={}, max_failure_ratio=self.max_failure_ratio,
+                            first_failure=None)
+                    results[worker.item] = ("timeout", failure(
+                        f"no result within reward.timeout_s={self.timeout_s:g}; the worker was killed and replaced"))
                     idle.append(self._replace(worker))
 
     def _replace(self, worker: _Worker) -> _Worker:
@@ -306,11 +335,13 @@ class RewardScorer:
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 
-    def _collect(self, results: list[tuple[str, Any]], seconds: float) -> tuple[list[float], dict[str, Any]]:
+    def _collect(self, results: list[tuple[str, Any]], data_sources: Sequence[str],
+                 seconds: float) -> tuple[list[float], dict[str, Any]]:
         scores: list[float] = []
         extra: list[dict | None] = []
-        counts = {"timeout": 0, "error": 0, "invalid": 0}
+        counts = dict.fromkeys(FAILURE_KINDS, 0)
         examples: list[str] = []
+        first: dict[str, Any] | None = None
         for i, (status, payload) in enumerate(results):
             if status == "ok":
                 scores.append(payload[0])
@@ -319,25 +350,76 @@ class RewardScorer:
             scores.append(0.0)
             extra.append(None)
             counts[status] += 1
+            if first is None:
+                first = {"item": i, "data_source": data_sources[i], "kind": status, **payload}
             if len(examples) < _MAX_EXAMPLES:
-                examples.append(f"item {i}: {status}: {payload}")
-        num_warnings = sum(counts.values())
-        if num_warnings:
+                examples.append(f"item {i}: {status}: {_describe(payload)}")
+        num_failed = sum(counts.values())
+        if num_failed:
             logger.warning(
-                "reward: %d of %d items scored 0 (%d timeout, %d error, %d invalid); e.g. %s",
-                num_warnings, len(results), counts["timeout"], counts["error"], counts["invalid"], examples[0],
+                "reward: %d of %d items scored 0 (%d timeouts, %d exceptions, %d invalid); e.g. %s",
+                num_failed, len(results), counts["timeout"], counts["exception"], counts["invalid"], examples[0],
             )
         stats = {
             "num_items": len(results),
-            "num_timeout": counts["timeout"],
-            "num_error": counts["error"],
+            "num_timeouts": counts["timeout"],
+            "num_exceptions": counts["exception"],
             "num_invalid": counts["invalid"],
-            "num_warnings": num_warnings,
+            "num_failed": num_failed,
+            "first_failure": first,
             "examples": examples,
             "extra": extra if any(e for e in extra) else None,
+            "reward_fn": _describe_fn(self.fn),
             "seconds": seconds,
         }
         return scores, stats
+
+
+def _describe(failure_payload: dict[str, Any]) -> str:
+    """`Type: message (at where)`, or the bare message for failures that are not exceptions."""
+    text = failure_payload["message"]
+    if failure_payload.get("type"):
+        text = f"{failure_payload['type']}: {text}"
+    if failure_payload.get("where"):
+        text += f" (at {failure_payload['where']})"
+    return text
+
+
+def _describe_fn(fn: Callable[..., Any]) -> str:
+    if isinstance(fn, RegistryDispatch):
+        return "the registered reward for each data_source"
+    path, name = getattr(fn, "path", None), getattr(fn, "name", None)
+    if isinstance(path, str) and isinstance(name, str):  # CustomRewardFunction
+        return f"{name} from {path}"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def failure_error(stats: dict[str, Any], max_failure_ratio: float) -> RewardFunctionError | None:
+    """The error to raise when `stats` (one batch's, or several scorers' with counts summed and one
+    `first_failure` kept) show more failed items than `max_failure_ratio` allows; else None."""
+    n, failed = stats["num_items"], stats["num_failed"]
+    if n == 0 or failed / n <= max_failure_ratio:
+        return None
+    first = stats.get("first_failure")
+    counts = {"exceptions": stats["num_exceptions"], "invalid": stats["num_invalid"],
+              "timeouts": stats["num_timeouts"]}
+    where = ""
+    if first is not None:
+        where = f" First failure (item {first['item']}, data_source={first['data_source']!r}): {_describe(first)}."
+    message = (
+        f"reward function {stats.get('reward_fn', '?')} failed on {failed} of {n} items of this batch "
+        f"({counts['exceptions']} raised, {counts['invalid']} returned no valid number, {counts['timeouts']} timed "
+        f"out), more than reward.max_failure_ratio={max_failure_ratio:g} allows.{where} Fix the reward function, "
+        "or raise reward.max_failure_ratio (1.0 turns this check off)."
+    )
+    return RewardFunctionError(message, num_items=n, counts=counts, max_failure_ratio=max_failure_ratio,
+                               first_failure=first)
+
+
+def reward_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """The per-step failure counts to log: `reward/num_timeouts`, `reward/num_exceptions`, `reward/num_invalid`
+    (missing counts, e.g. on ranks that did not score, are 0)."""
+    return {f"reward/{key}": float(stats.get(key, 0)) for key in ("num_timeouts", "num_exceptions", "num_invalid")}
 
 
 def score_batch(
@@ -348,8 +430,9 @@ def score_batch(
     *,
     num_workers: int = 0,
     timeout_s: float = 10.0,
+    max_failure_ratio: float = 0.5,
     fn: Callable[..., Any] | None = None,
 ) -> tuple[list[float], dict[str, Any]]:
     """One-off scoring with a temporary :class:`RewardScorer` (the trainer keeps one instead)."""
-    with RewardScorer(fn, num_workers=num_workers, timeout_s=timeout_s) as scorer:
+    with RewardScorer(fn, num_workers=num_workers, timeout_s=timeout_s, max_failure_ratio=max_failure_ratio) as scorer:
         return scorer.score(data_sources, responses, ground_truths, extra_infos)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlhf_mcore import algos
 from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
@@ -151,7 +152,7 @@ class RLTrainer:
             1, last[:, None], scores[:, None])  # (B, R)
         if greedy_baseline:
             batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])  # (B,)
-        return batch, {"reward/num_warnings": stats.get("num_warnings", 0.0), **wake_sync_metrics}
+        return batch, {**reward_metrics(stats), **wake_sync_metrics}
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)

@@ -68,7 +68,8 @@ def build_scorer(cfg: RLConfig):
 
     crf = cfg.reward.custom_reward_function
     fn = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
-    return RewardScorer(fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    return RewardScorer(fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                        max_failure_ratio=cfg.reward.max_failure_ratio)
 
 
 def build_rollout(cfg: RLConfig, state: ParallelState):

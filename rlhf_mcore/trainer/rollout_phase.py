@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rollout.base import SamplingParams
 
 
@@ -68,27 +69,46 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in local]
         m = [meta[r.prompt_pos] for r in local]
         scores, stats = scorer.score([x["data_source"] for x in m], texts, [x["ground_truth"] for x in m],
-                                     [x.get("extra_info") for x in m])
+                                     [x.get("extra_info") for x in m], check=False)  # checked below, on all ranks
         for r, s in zip(local, scores):
             r.score = float(s)
         if greedy_baseline:
             base_texts = [tokenizer.decode(r.baseline_ids, skip_special_tokens=True) for r in local]
-            base_scores, _ = scorer.score([x["data_source"] for x in m], base_texts,
-                                          [x["ground_truth"] for x in m], [x.get("extra_info") for x in m])
+            base_scores, base_stats = scorer.score([x["data_source"] for x in m], base_texts,
+                                                   [x["ground_truth"] for x in m], [x.get("extra_info") for x in m],
+                                                   check=False)
+            stats = _merge([stats, base_stats])
             for r, s in zip(local, base_scores):
                 r.baseline_score = float(s)
     if world == 1:
-        return local, _numeric(stats)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (local if sub_rank == 0 else [], _numeric(stats)), group=group)
-    rows = [r for part, _ in gathered for r in part]
-    rows.sort(key=lambda r: (r.prompt_pos, r.sample))
-    total: dict[str, float] = {}
-    for _, st in gathered:
-        for k, v in st.items():
-            total[k] = total.get(k, 0.0) + v
-    return rows, total
+        rows, total = local, _merge([stats])
+    else:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (local if sub_rank == 0 else [], _portable(stats)), group=group)
+        rows = sorted((r for part, _ in gathered for r in part), key=lambda r: (r.prompt_pos, r.sample))
+        total = _merge([st for _, st in gathered])
+    error = failure_error(total, scorer.max_failure_ratio) if total.get("num_items") else None
+    if error is not None:  # the same counts on every rank: every rank stops, with the same message
+        raise error
+    return rows, {k: v for k, v in total.items() if isinstance(v, float)}
 
 
-def _numeric(stats: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in (stats or {}).items() if isinstance(v, (int, float))}
+def _portable(stats: dict) -> dict:
+    """The counters (floats) and the first failure's description: what other ranks need of a scorer's stats."""
+    out: dict = {k: float(v) for k, v in (stats or {}).items() if isinstance(v, (int, float))}
+    for key in ("first_failure", "reward_fn"):
+        if (stats or {}).get(key) is not None:
+            out[key] = stats[key]
+    return out
+
+
+def _merge(parts: Sequence[dict]) -> dict:
+    """Counters summed; the first `first_failure` / `reward_fn` kept."""
+    total: dict = {}
+    for st in parts:
+        for k, v in _portable(st).items():
+            if isinstance(v, float):
+                total[k] = total.get(k, 0.0) + v
+            else:
+                total.setdefault(k, v)
+    return total
