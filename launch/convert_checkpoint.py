@@ -30,6 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlhf_mcore.cli import report_user_errors  # noqa: E402
+from rlhf_mcore.config import ConfigError  # noqa: E402
+from rlhf_mcore.trainer.checkpoint import CheckpointError  # noqa: E402
+
 
 def hf_to_mcore(hf_dir, mcore_dir, state, role: str = "actor") -> Path:
     from rlhf_mcore.models import build_model
@@ -92,18 +96,28 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = p.parse_args(argv)
 
+    sys.exit(report_user_errors(lambda: convert(args)))
+
+
+def convert(args) -> None:
+    # every rank checks its arguments (before any process group exists) so that all stop together
     if args.direction == "hf2mcore" and not args.hf_dir:
-        p.error("--direction hf2mcore needs --hf-dir (the HF model to convert)")
+        raise ConfigError("--direction hf2mcore needs --hf-dir (the Hugging Face model directory to convert)")
     mcore_dir = args.mcore_dir
     if args.direction == "mcore2hf":
         if not args.out_hf_dir:
-            p.error("--direction mcore2hf needs --out-hf-dir (where to write the HF model)")
-        try:  # every rank checks (before any process group exists) so that all stop together
+            raise ConfigError("--direction mcore2hf needs --out-hf-dir (where to write the Hugging Face model)")
+        try:
             mcore_dir = checked_model_dir(args.mcore_dir, args.role)
         except ValueError as e:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"input error: {e}", file=sys.stderr)
-            sys.exit(2)
+            raise CheckpointError(str(e)) from None
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (args.tp * args.pp):
+        raise ConfigError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world} "
+                          f"launched processes: launch with `torchrun --nproc_per_node={args.tp * args.pp}`.")
 
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 

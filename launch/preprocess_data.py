@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 
+from rlhf_mcore.cli import report_user_errors
 from rlhf_mcore.data.preprocess import VENDORED_GSM8K_DIR, preprocess_gsm8k, preprocess_math
 from rlhf_mcore.data.synthetic import write_synthetic_parquet
 
@@ -48,19 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    try:
+    def body():
         if args.task == "gsm8k":
-            summary = preprocess_gsm8k(args.input_dir, args.output_dir, on_bad_row=args.on_bad_row)
-        elif args.task == "math":
-            summary = preprocess_math(
-                args.input_dir, args.output_dir, on_bad_row=args.on_bad_row, data_source=args.data_source
-            )
-        else:
-            summary = write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
-                                              max_operand=args.max_operand)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+            return preprocess_gsm8k(args.input_dir, args.output_dir, on_bad_row=args.on_bad_row)
+        if args.task == "math":
+            return preprocess_math(args.input_dir, args.output_dir, on_bad_row=args.on_bad_row,
+                                   data_source=args.data_source)
+        return write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
+                                       max_operand=args.max_operand)
+
+    summary = {}
+    rc = report_user_errors(lambda: summary.update(body()))
+    if rc:
+        return rc
     print(json.dumps(summary, indent=2))
     return 0
 

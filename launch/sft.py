@@ -9,7 +9,7 @@ arguments are run-config overrides (e.g. trainer.device=cpu). The result is a Hu
 import argparse
 import sys
 
-from rlhf_mcore.config import ConfigError
+from rlhf_mcore.cli import report_user_errors
 from rlhf_mcore.trainer.sft import run_sft
 
 
@@ -30,14 +30,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.steps < 1 or a.batch_size < 1 or a.lr <= 0:
         ap.error("--steps and --batch-size must be >= 1 and --lr > 0")
-    try:
-        run_sft(a.model, a.train_file, a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-                max_length=a.max_length, tp=a.tp, pp=a.pp, seed=a.seed, warmup_steps=a.warmup_steps,
-                overrides=a.overrides)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"sft error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return report_user_errors(lambda: run_sft(
+        a.model, a.train_file, a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, max_length=a.max_length,
+        tp=a.tp, pp=a.pp, seed=a.seed, warmup_steps=a.warmup_steps, overrides=a.overrides) and 0)
 
 
 if __name__ == "__main__":

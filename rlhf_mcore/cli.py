@@ -1,7 +1,8 @@
 """Command-line front end shared by the launch scripts: ``--config X.yaml [key=value ...] [--print-config]``.
 
-Config mistakes end with the message of :class:`rlhf_mcore.config.ConfigError` on stderr and exit code 2,
-without a traceback, before any process group or model is created.
+Every entry script runs its body through :func:`report_user_errors`: a problem with the user's input (config,
+files, data, reward function; :class:`rlhf_mcore.errors.UserError`) ends with one line on stderr and exit code 2,
+without a traceback; config mistakes before any process group or model is created.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import os
 import sys
 from typing import Callable, Optional
 
-from rlhf_mcore.config import ConfigError, RLConfig, load_config, model_max_positions, to_yaml, validate_config
+from rlhf_mcore.config import RLConfig, load_config, model_max_positions, to_yaml, validate_config
+from rlhf_mcore.errors import UserError
 
 
 def parse_args(argv: Optional[list[str]] = None, description: str = "") -> argparse.Namespace:
@@ -33,32 +35,28 @@ def load_and_validate(args: argparse.Namespace) -> RLConfig:
     return cfg
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean "fix your input" (bad config, missing files, malformed data rows): shown without a
-    traceback. Anything else is a bug and keeps its traceback."""
-    from rlhf_mcore.data import DataError
-    from rlhf_mcore.rewards import RewardError
-    from rlhf_mcore.trainer.errors import RolloutMismatchError
-
-    return (ConfigError, FileNotFoundError, DataError, RewardError, RolloutMismatchError)
+def report_user_errors(fn: Callable[[], Optional[int]]) -> int:
+    """Run an entry point's body: a :class:`~rlhf_mcore.errors.UserError` (or a missing file) becomes one line on
+    stderr from rank 0 (``<kind>: <message>``) and exit code 2 on every rank; anything else is a bug and keeps
+    its traceback. Under torchrun, torchrun then adds its own failure summary (no traceback of ours in it)."""
+    try:
+        return fn() or 0
+    except (UserError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{getattr(e, 'kind', 'input error')}: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:
     args = parse_args(argv, description)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    try:
+
+    def body() -> int:
         cfg = load_and_validate(args)
         if args.print_config:
-            if rank0:
+            if int(os.environ.get("RANK", "0")) == 0:
                 print(to_yaml(cfg), end="")
             return 0
         run(cfg)
-    except _user_errors() as e:
-        from rlhf_mcore.rewards import RewardError
+        return 0
 
-        if rank0:
-            kind = ("config error" if isinstance(e, ConfigError) else "reward error" if isinstance(e, RewardError)
-                    else "error" if isinstance(e, RuntimeError) else "input error")
-            print(f"{kind}: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return report_user_errors(body)

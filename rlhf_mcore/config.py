@@ -23,9 +23,13 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlhf_mcore.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration a run cannot start with; the message says what to change."""
+
+    kind = "config error"
 
 
 # --------------------------------------------------------------------------------------------- schema

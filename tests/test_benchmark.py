@@ -140,6 +140,7 @@ def test_driver_writes_report(tmp_path):
 
 
 def test_targets_table():
+    sys.path.insert(0, str(ROOT / "launch"))
     import benchmark
 
     results = {

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf_mcore.data.schema import make_row
+from rlhf_mcore.data.schema import DataError, make_row
 from rlhf_mcore.rewards.math_reward import last_boxed_content
 
 __all__ = [
@@ -43,7 +43,7 @@ SPLITS = ("train", "test")
 _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
-class RecordError(ValueError):
+class RecordError(DataError):
     """A raw record that cannot be converted; the message names the file, the row and the field."""
 
 

@@ -43,11 +43,27 @@ def _load(path: Path, cache_dir: str | None):
 
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist (data.train_files / data.val_files)")
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        raise DataError(f"data file {str(path)!r}: expected .parquet (or .jsonl) in veRL's schema")
     if path.suffix == ".parquet":
+        _check_parquet(path)
         return datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir)
-    if path.suffix in (".jsonl", ".json"):
-        return datasets.Dataset.from_json(str(path), cache_dir=cache_dir)
-    raise DataError(f"data file {str(path)!r}: expected .parquet (or .jsonl) in veRL's schema")
+    return datasets.Dataset.from_json(str(path), cache_dir=cache_dir)
+
+
+def _check_parquet(path: Path) -> None:
+    """A truncated or non-parquet file and an empty one, named, before `datasets` reports them as tracebacks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"data file {str(path)!r} is not a readable parquet file ({e}); it may be truncated: "
+                        f"write it again (e.g. python launch/preprocess_data.py ...)") from None
+    if rows == 0:
+        raise DataError(f"data file {str(path)!r} has 0 rows: give a file with prompts (data.train_files / "
+                        f"data.val_files)")
 
 
 class RLDataset:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_mcore.errors import UserError
+
 __all__ = ["DataError", "BadRowError", "make_row", "check_row"]
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Input data a run cannot use (malformed rows, over-long prompts, empty files); the message names the file,
     the row and the field, and the launch scripts print it without a traceback."""
 

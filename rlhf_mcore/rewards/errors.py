@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_mcore.errors import UserError
+
 __all__ = ["RewardError", "RewardFileError", "RewardFunctionError"]
 
 
-class RewardError(Exception):
+class RewardError(UserError):
     """A reward problem the user must fix; the message says what, where, and what to change."""
+
+    kind = "reward error"
 
 
 class RewardFileError(RewardError):

@@ -61,9 +61,9 @@ class RLTrainer:
         self.cfg = cfg
         self.hooks = hooks or StepHooks()
         load_plugins(cfg.trainer.plugins)
-        self.out_dir = Path(cfg.trainer.default_local_dir
-                            or f"outputs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}")
+        self.out_dir = roles.run_dir(cfg)
         self.tokenizer, self.train_set, self.val_set = roles.build_data(cfg)  # bad inputs fail before any compute
+        self.scorer = roles.build_scorer(cfg)  # a broken reward file too
         tp, pp, vpp = parallel_layout(cfg)
         if cfg.trainer.deterministic:  # warn_only: an op without a deterministic kernel warns instead of failing
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: set it first
@@ -76,7 +76,6 @@ class RLTrainer:
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
         self.rollout = roles.build_rollout(cfg, self.state)
-        self.scorer = roles.build_scorer(cfg)
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep,

@@ -4,6 +4,7 @@ Everything config-shaped is translated here, so the loop in :mod:`rl_trainer` on
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,24 @@ def _require_model_dir(path: str, key: str) -> Path:
         f"{key}={path!r} is not a Hugging Face model directory (no config.json there). Point it at a local "
         f"directory with config.json, *.safetensors and the tokenizer (a tiny one for trying things out: "
         f"`python launch/make_tiny_model.py --out models/tiny`).")
+
+
+def run_dir(cfg: RLConfig) -> Path:
+    """`trainer.default_local_dir` (default `outputs/<project_name>/<experiment_name>`), created and writable,
+    or a ConfigError before anything is built."""
+    from rlhf_mcore.config import ConfigError
+
+    t = cfg.trainer
+    out = Path(t.default_local_dir or f"outputs/{t.project_name}/{t.experiment_name}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"trainer.default_local_dir={str(out)!r} cannot be used as the run directory ({e}): point "
+                          f"it at a writable directory.") from None
+    return out
 
 
 def build_data(cfg: RLConfig):

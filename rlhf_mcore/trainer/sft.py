@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from rlhf_mcore.config import load_config
+from rlhf_mcore.config import ConfigError, load_config
+from rlhf_mcore.data import DataError
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.trainer.batch import build_batch
 from rlhf_mcore.trainer.logging import reduce_metrics
@@ -25,7 +26,7 @@ def _target(row: dict[str, Any], row_no: int, path: str) -> str:
     extra = row.get("extra_info") or {}
     if isinstance(extra, dict) and isinstance(extra.get("answer"), str):
         return extra["answer"]
-    raise ValueError(f"{path}, row {row_no}: no SFT target: give a 'response' string column or "
+    raise DataError(f"{path}, row {row_no}: no SFT target: give a 'response' string column or "
                      f"extra_info.answer (as preprocess_data.py writes).")
 
 
@@ -41,14 +42,14 @@ def load_sft_rows(path: str, tokenizer, max_length: int) -> list[tuple[list[int]
     for i, row in enumerate(pq.read_table(path).to_pylist()):
         prompt = row.get("prompt")
         if not isinstance(prompt, list):
-            raise ValueError(f"{path}, row {i}: 'prompt' must be a list of chat messages")
+            raise DataError(f"{path}, row {i}: 'prompt' must be a list of chat messages")
         p = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         p = p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else list(p)
         r = tokenizer(_target(row, i, path), add_special_tokens=False)["input_ids"] + [end]
         if len(p) + len(r) <= max_length:
             rows.append((list(p), r))
     if not rows:
-        raise ValueError(f"no row of {path} fits --max-length {max_length}")
+        raise DataError(f"no row of {path} fits --max-length {max_length}")
     return rows
 
 
@@ -75,7 +76,7 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
     state = init_distributed(tp, pp, device=cfg.trainer.device, seed=seed)
     try:
         if batch_size % state.dims.dp:
-            raise ValueError(f"--batch-size {batch_size} must be divisible by the data-parallel size {state.dims.dp}")
+            raise ConfigError(f"--batch-size {batch_size} must be divisible by the data-parallel size {state.dims.dp}")
         tok = AutoTokenizer.from_pretrained(model)
         rows = load_sft_rows(train_file, tok, max_length)
         engine = build_engine(cfg, state, role="actor", total_steps=steps)
