@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import _M1, _M2, _STEP_MUL
+from .sampling import HASH_M1, HASH_M2, STEP_MUL
 
 # The kernels spell these constants as literals (Triton jit code cannot read module globals); keep in sync.
-assert (_M1, _M2, _STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
+assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
 
 
 @triton.jit
