@@ -66,7 +66,7 @@ def install_rope(model, shape: ModelShape, device) -> None:
 # (`cu_seqlens.tolist()`) and slices the frequencies document by document, for the query and the key of every
 # layer: 2 × layers device→host synchronisations and ~2 × documents small kernels per layer in every forward. The
 # CPU can then never run ahead of the GPU, and on packed micro-batches of many short RL sequences the step is
-# bound by the host (BENCHMARKS.md, issue 9 profile). The fused THD kernel that avoids this needs Transformer
+# bound by the host. The fused THD kernel that avoids this needs Transformer
 # Engine. Here the position of every packed token inside its document is computed on the device (no sync), the
 # cos/sin tables are gathered once per forward (shared by all layers, query and key) and applied in one pass;
 # the result is the same arithmetic as Megatron's, bit for bit (tests/test_models.py).
