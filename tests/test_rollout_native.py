@@ -296,7 +296,7 @@ def test_tensor_parallel_2_equals_1(tiny_model_dir, tmp_path):
 def test_triton_kernels_match_torch_references_in_interpreter(tiny_model_dir):
     """The GPU kernels (attention, sampling, fused element-wise ops) and the engine using all of them, run
     by Triton's CPU interpreter in fp32 against the torch paths. (The interpreter cannot do bf16 dot
-    products, so bf16 numerics are checked on GPU by `python -m rlhf_mcore.rollout.native.gpu_check`.)"""
+    products, so bf16 numerics are checked on GPU by tests/test_rollout_native_gpu.py.)"""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
                           capture_output=True, text=True, timeout=300)
