@@ -12,10 +12,9 @@ setup(
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]) + ["rlhf_mcore.kernels"],
-    # `kernels/` lives at the top level of the repository but installs as `rlhf_mcore.kernels`
-    # (the bare name `kernels` is taken on PyPI).
-    package_dir={"rlhf_mcore.kernels": "kernels"},
+    # `rlhf_mcore/kernels` is a symlink to the top-level `kernels/`, so the package is `rlhf_mcore.kernels` from a
+    # checkout and installed alike (find_packages follows it; the bare name `kernels` is taken on PyPI).
+    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]),
     package_data={"rlhf_mcore": ["data/raw/gsm8k/*", "py.typed"]},
     include_package_data=True,
     install_requires=[

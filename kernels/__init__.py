@@ -1,5 +1,9 @@
-"""GPU kernels (Triton) with torch reference implementations; installed as ``rlhf_mcore.kernels``.
+"""GPU kernels (Triton) with their torch reference implementations; the package `rlhf_mcore.kernels`.
 
-Each kernel module exposes a reference function that runs anywhere and a Triton path used on CUDA (or under
-``TRITON_INTERPRET=1`` on CPU in tests).
+Each computation has a torch reference that runs anywhere and a Triton kernel with the same signature, used
+on CUDA (or on CPU under ``TRITON_INTERPRET=1``, in tests). Nothing here imports the rest of `rlhf_mcore`:
+the engine chooses between reference and kernel (`rlhf_mcore.engine.logprobs`).
+
+    logprob_reference  vocab-parallel log-prob + entropy in chunks of rows (torch)
+    fused_logprob      the same in one streaming pass per row (Triton)
 """

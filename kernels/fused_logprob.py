@@ -1,7 +1,7 @@
-"""Fused log-probability + entropy over vocabulary-parallel logits (Triton), registered as backend "triton".
+"""Fused log-probability + entropy over vocabulary-parallel logits (Triton).
 
-Same contract and result as the torch reference :func:`rlhf_mcore.engine.logprobs.vocab_parallel_logprobs`
-(see its module docstring), computed without ever forming an fp32 `[tokens, V_local]` tensor:
+Same contract and result as the torch reference :func:`.logprob_reference.vocab_parallel_logprobs` (see its
+module docstring), computed without ever forming an fp32 `[tokens, V_local]` tensor:
 
 Forward, one program per scored row, streaming this rank's real columns (`< valid_cols`) in blocks of
 `BLOCK_V`, reading the logits in their own dtype and accumulating in fp32 with an online softmax:
@@ -27,8 +27,8 @@ written straight into a gradient in the logits' dtype (padded vocabulary columns
 The only extra memory is a few fp32 values per row.
 
 Triton runs on CUDA tensors, or on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1` set before
-this module is imported; slow, for tests). The engine's `logprob_backend=auto` picks this kernel only for
-CUDA logits when triton is installed (see :func:`rlhf_mcore.engine.logprobs.get_logprob_backend`).
+this module is imported; slow, for tests). :func:`triton_available` says whether the `triton` package is
+there, so a caller can fall back to the reference without importing triton itself.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlhf_mcore.engine.logprobs import register_logprob_backend, vocab_parallel_logprobs
+from .logprob_reference import vocab_parallel_logprobs
 
 try:
     import triton
@@ -218,10 +218,7 @@ def _fused_core(flat, labels, rows, tp_group, temperature, vocab_start, valid_co
 
 
 def fused_vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, **kwargs):
-    """:func:`~rlhf_mcore.engine.logprobs.vocab_parallel_logprobs` (same arguments, checks and outputs) computed
+    """:func:`.logprob_reference.vocab_parallel_logprobs` (same arguments, checks and outputs) computed
     by the fused kernel. Raises RuntimeError when triton is missing or the logits are not on CUDA (outside the
     interpreter)."""
     return vocab_parallel_logprobs(logits, labels, core=_fused_core, **kwargs)
-
-
-register_logprob_backend("triton", fused_vocab_parallel_logprobs)

@@ -32,10 +32,11 @@ from rlhf_mcore.engine.balance import (
 )
 from rlhf_mcore.engine.config import EngineConfig
 from rlhf_mcore.engine.flops import FlopShape, effective_seqlen, forward_flops, mfu, peak_flops, train_flops
-from rlhf_mcore.engine.logprobs import get_logprob_backend, register_logprob_backend, vocab_parallel_logprobs
+from rlhf_mcore.engine.logprobs import get_logprob_backend, register_logprob_backend
 from rlhf_mcore.engine.micro_batches import plan_micro_batches
 from rlhf_mcore.engine.offload import StorageOffloader
 from rlhf_mcore.engine.packing import build_model_inputs
+from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "engine_cases.py"
@@ -120,7 +121,7 @@ def test_logprobs_reject_bad_arguments():
 
 def test_logprob_backend_registry():
     assert get_logprob_backend("torch") is vocab_parallel_logprobs
-    with pytest.raises(ValueError, match="registered: .*torch"):
+    with pytest.raises(ValueError, match="known: .*torch"):
         get_logprob_backend("no-such-kernel")
     register_logprob_backend("test-alias", vocab_parallel_logprobs)
     assert get_logprob_backend("test-alias") is vocab_parallel_logprobs

@@ -39,7 +39,8 @@ def _import_kernel_module():
 
 fl = _import_kernel_module()
 
-from rlhf_mcore.engine.logprobs import get_logprob_backend, vocab_parallel_logprobs  # noqa: E402
+from rlhf_mcore.engine.logprobs import get_logprob_backend  # noqa: E402
+from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs  # noqa: E402
 
 ROWS, V_LOCAL, VOCAB, TEMP = 37, 320, 300, 0.7
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}

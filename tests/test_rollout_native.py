@@ -296,7 +296,7 @@ def test_tensor_parallel_2_equals_1(tiny_model_dir, tmp_path):
 def test_triton_kernels_match_torch_references_in_interpreter(tiny_model_dir):
     """The GPU kernels (attention, sampling, fused element-wise ops) and the engine using all of them, run
     by Triton's CPU interpreter in fp32 against the torch paths. (The interpreter cannot do bf16 dot
-    products, so bf16 numerics are checked on GPU by `python -m rlhf_mcore.rollout.native.gpu_check`.)"""
+    products, so bf16 numerics are checked on GPU by tests/test_rollout_native_gpu.py.)"""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -306,9 +306,9 @@ def test_triton_kernels_match_torch_references_in_interpreter(tiny_model_dir):
 
 def _triton_interpret_checks(model_dir: str) -> None:
     """Runs in a subprocess with TRITON_INTERPRET=1 (it must be set before the kernels are defined)."""
+    from rlhf_mcore.models.rope import default_inv_freq
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.attention import decode_attention_torch
-    from rlhf_mcore.rollout.native.config import RopeSpec
     from rlhf_mcore.rollout.native.model import rms_norm
     from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
     from rlhf_mcore.rollout.native.sampling import sample_torch
@@ -346,7 +346,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
     gu = torch.randn(3, 2 * 1100, generator=g)
     torch.testing.assert_close(tk.silu_mul(gu), torch.nn.functional.silu(gu[:, :1100]) * gu[:, 1100:])
     # rope + optional per-head q/k norm + cache write
-    cos, sin = rope_tables(d, RopeSpec(theta=1e4), 64, "cpu", torch.float32)
+    cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
     qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
     pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
     for norm_w in (None, (torch.randn(d, generator=g), torch.randn(d, generator=g))):

@@ -112,7 +112,7 @@ def measure(shape_name: str, s: dict, *, seqs: int, prompt_len: int, new_tokens:
 
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
-    from rlhf_mcore.engine.builder import _recompute_overrides
+    from rlhf_mcore.engine.builder import recompute_overrides
     from rlhf_mcore.models import build_model, export_hf_weights
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
     from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
@@ -165,7 +165,7 @@ def measure(shape_name: str, s: dict, *, seqs: int, prompt_len: int, new_tokens:
         batch = batch_of(update_seqs, update_len, s["vocab_size"])
         with Phase("build actor (params + fp32 grad buffer + fp32 master)"):
             chunks = build_model(tmp, state, role="actor", load_weights=False,
-                                 config_overrides=_recompute_overrides(True))
+                                 config_overrides=recompute_overrides(True))
             ecfg = EngineConfig(role="actor", use_dynamic_bsz=True, max_token_len=micro_tokens,
                                 forward_max_token_len=micro_tokens)
             actor = TrainEngine(chunks, state, ecfg, OptimConfig(lr=1e-6))

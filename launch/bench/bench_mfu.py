@@ -77,7 +77,7 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
 
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
-    from rlhf_mcore.engine.builder import _recompute_overrides
+    from rlhf_mcore.engine.builder import recompute_overrides
     from rlhf_mcore.models import build_model
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
@@ -91,7 +91,7 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
         write_config(s, Path(tmp), dtype="bfloat16" if on_gpu else "float32")
         t0 = time.perf_counter()
         chunks = build_model(tmp, state, role="actor", load_weights=False,
-                             config_overrides=_recompute_overrides(plan["recompute"]) or None)
+                             config_overrides=recompute_overrides(plan["recompute"]) or None)
         result["params"] = sum(p.numel() for c in chunks for p in c.parameters())
         micro_sizes = {seq: (micro_override or plan["seqs"].get(seq, (1, 4))[0]) for seq in seqs}
         n_micro = {seq: plan["seqs"].get(seq, (1, 4))[1] for seq in seqs}

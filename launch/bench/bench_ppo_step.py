@@ -17,12 +17,12 @@ real length; the chat template is Qwen's ChatML). Data: the vendored GSM8K train
 Workloads:
 - `gsm8k_ppo`: configs/gsm8k_ppo_qwen2.5_0.5b.yaml (256 prompts, prompt <= 512, response <= 512, actor +
   critic (GAE), mini-batch 64, micro-batch 4, log-prob micro-batch 8 / 4), vocabulary 151,936, plus a reference
-  policy (`algorithm.use_kl_in_reward=true`, the config's kl_coef 0.001): DESIGN.md's target step is actor +
+  policy (`algorithm.use_kl_in_reward=true`, the config's kl_coef 0.001): the target step is actor +
   critic + reference, and the config by itself builds no reference (no KL term would read it).
   Response length: a random-weight model samples its eos token with probability ~1/151,936 a token, so every
-  response runs to the 512-token cap — the worst case of the config and the "512 + 512 tokens" of DESIGN.md's
+  response runs to the 512-token cap — the worst case of the config and the "512 + 512 tokens" of the
   target (a trained Instruct model's GSM8K responses are ~200-300 tokens: the real step is shorter).
-- `trl_grpo`: TRL's GRPO workload from DESIGN.md (64 prompts x 8 samples, up to 256 new tokens, no reference
+- `trl_grpo`: TRL's GRPO workload (64 prompts x 8 samples, up to 256 new tokens, no reference
   model, one optimizer step a step) on configs/gsm8k_grpo_qwen2.5_0.5b.yaml with those overrides and the same
   model with a vocabulary of 8,192 (as TRL was measured); responses run to 256 tokens for the same reason.
   launch/bench/bench_trl.py runs TRL's GRPOTrainer on the same model directory and prompts.
@@ -52,7 +52,7 @@ from bench_shapes import tokenizer_model_dir  # noqa: E402
 
 WORKLOADS = {
     # the config as is, plus the reference policy (a KL penalty in the reward at the config's kl_coef 0.001):
-    # DESIGN.md's step is "actor + critic + reference"; the config alone builds no reference (no KL term uses it)
+    # the target step is "actor + critic + reference"; the config alone builds no reference (no KL term uses it)
     "gsm8k_ppo": {"config": "configs/gsm8k_ppo_qwen2.5_0.5b.yaml", "vocab": None,
                   "overrides": ["algorithm.use_kl_in_reward=true"]},
     "trl_grpo": {"config": "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "vocab": 8192, "overrides": [

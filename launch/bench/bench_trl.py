@@ -1,9 +1,9 @@
-"""The peer: TRL's `GRPOTrainer` on the GRPO workload of DESIGN.md, timed step by step.
+"""The peer: TRL's `GRPOTrainer` on the GRPO workload of the performance targets, timed step by step.
 
     python launch/bench/bench_trl.py [--steps 3] [--model-dir DIR] [--out FILE.json]
     python launch/bench/bench_trl.py --tiny            # CPU smoke run (skipped, with a reason, when trl is missing)
 
-Workload (DESIGN.md, "TRL 1.16 GRPOTrainer ... 64 prompts x 8 samples x up to 256 new tokens a step"): the
+Workload ("TRL 1.16 GRPOTrainer ... 64 prompts x 8 samples x up to 256 new tokens a step"): the
 Qwen2.5-0.5B shape with a vocabulary of 8,192 and random weights, the same HF directory and GSM8K prompts as
 `bench_ppo_step.py --workload trl_grpo` (`bench_shapes.tokenizer_model_dir`), a tiny rule reward (digits in the
 completion, so groups have non-zero advantages), Hugging Face `generate` (use_vllm=False), no reference model

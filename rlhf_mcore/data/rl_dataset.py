@@ -199,8 +199,3 @@ class RLDataset:
             "extra_info": extra_info,
             "index": index,
         }
-
-    def source_of(self, index: int) -> str:
-        """"<file>: row <n>" of an item, for messages about it."""
-        file_no, row_no = self._rows[index]
-        return f"{self.files[file_no]}: row {row_no}"

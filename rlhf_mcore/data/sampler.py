@@ -67,10 +67,6 @@ class ResumableSampler:
     def __len__(self) -> int:
         return self.num_samples
 
-    def set_epoch(self, epoch: int) -> None:
-        """Jump to the start of `epoch`."""
-        self.epoch, self.position = int(epoch), 0
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

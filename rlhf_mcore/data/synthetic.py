@@ -1,11 +1,11 @@
-"""A synthetic arithmetic task in the GSM8K schema, small enough for a tiny model to learn on CPU in minutes.
+"""A synthetic arithmetic task in the GSM8K schema, small enough for a tiny model to learn on CPU.
 
 Problems are short templated questions — "What is 3 + 5?" or "Mia has 3 apples. Then she gets 5 more. How
 many apples does Mia have now?" — with an exact integer answer. Difficulty `d` sets the number of operations
 (`d`; d=0 asks to read a number back: "What is 47?", "Mia has 47 apples. How many ...") and the operands' size
 (0-99 at d=0, 0-9 at d=1, 0-20 at d=2, 0-50 at d=3, 0-100 beyond; `max_operand` overrides it). Only `+`
-and `-` are used and running totals never go negative. d=0 is what a 2-layer model learns in a few minutes of
-CPU (the demo and the learning tests); d=1 already takes far longer. Rows carry a GSM8K-style worked
+and `-` are used and running totals never go negative. d=0 is what a 2-layer model learns quickly on CPU (the
+demo and the learning tests); d=1 already takes far longer. Rows carry a GSM8K-style worked
 solution in `extra_info.answer` (an SFT target, e.g. "3 + 5 = 8\\n#### 8") and `reward_model.ground_truth` =
 the answer, so the GSM8K strict scorer (registered for `synthetic/arithmetic`) grades them. Generation is
 deterministic in (seed, split, max_operand).

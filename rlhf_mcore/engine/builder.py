@@ -8,7 +8,7 @@ import torch
 from rlhf_mcore.engine.config import EngineConfig
 from rlhf_mcore.engine.train_engine import TrainEngine
 
-__all__ = ["build_engine"]
+__all__ = ["build_engine", "recompute_overrides"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -17,8 +17,9 @@ def _dtype(name: str):
     return None if name == "auto" else _DTYPES[name]
 
 
-def _recompute_overrides(enabled: bool) -> dict:
-    # full activation recomputation, one layer at a time: memory for long responses at ~1/3 more compute
+def recompute_overrides(enabled: bool) -> dict:
+    """TransformerConfig overrides for full activation recomputation, one layer at a time (`{}` when not
+    `enabled`): activation memory for long responses, paid for with a second forward pass of each layer."""
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if enabled else {}
 
 
@@ -48,7 +49,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         megatron, dtype, recompute = c.megatron, _dtype(c.model.dtype), c.model.enable_gradient_checkpointing
     else:
         raise ValueError(f"role={role!r}; choose actor, ref or critic")
-    overrides = _recompute_overrides(recompute)
+    overrides = recompute_overrides(recompute)
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StorageOffloader", "HostArena", "param_storages", "grad_storages", "optimizer_storages"]
+__all__ = ["StorageOffloader", "HostArena", "param_storages", "grad_storages", "optimizer_storages", "torch_optimizers"]
 
 _ALIGN = 512  # bytes: every slot of an arena starts aligned (fast DMA, any dtype view)
 
@@ -75,11 +75,12 @@ def grad_storages(chunks: list[torch.nn.Module]) -> list[torch.UntypedStorage]:
     return _unique(tensors)
 
 
-def _torch_optimizers(optimizer):
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (a chained one holds several; `None` holds none)."""
     if optimizer is None:
         return []
     if hasattr(optimizer, "chained_optimizers"):
-        return [inner for o in optimizer.chained_optimizers for inner in _torch_optimizers(o)]
+        return [inner for o in optimizer.chained_optimizers for inner in torch_optimizers(o)]
     inner = getattr(optimizer, "optimizer", None)
     return [inner] if inner is not None else []
 
@@ -87,7 +88,7 @@ def _torch_optimizers(optimizer):
 def optimizer_storages(optimizer, exclude: set[int]) -> list[torch.UntypedStorage]:
     """Storages of the optimizer: master weights and state (Adam moments), minus `exclude` (model params)."""
     tensors = []
-    for opt in _torch_optimizers(optimizer):
+    for opt in torch_optimizers(optimizer):
         for group in opt.param_groups:
             tensors += list(group["params"])
         for state in opt.state.values():

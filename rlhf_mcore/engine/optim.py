@@ -104,10 +104,10 @@ def use_fused_adam(optimizer) -> int:
     Only where every parameter of the group is on CUDA; CPU runs keep the default. Idempotent: call it again
     after loading optimizer state (a checkpoint's param groups carry their own `fused` flag).
     """
-    from rlhf_mcore.engine.offload import _torch_optimizers
+    from rlhf_mcore.engine.offload import torch_optimizers
 
     switched = 0
-    for opt in _torch_optimizers(optimizer):
+    for opt in torch_optimizers(optimizer):
         if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in opt.param_groups:

@@ -40,10 +40,6 @@ class ReadLog:
             out[n] += _prod(s)
         return dict(out)
 
-    @property
-    def total_numel(self) -> int:
-        return sum(_prod(s) for _, s in self.reads)
-
 
 def _prod(shape) -> int:
     n = 1

@@ -2,8 +2,8 @@
 
 `backend`:
 - "auto": "te" when `transformer_engine` imports, else "sdpa";
-- "te": Megatron's TE spec (fused layernorm+linear, TE attention). NOT exercised by this project's tests: the
-  CPU machines and the H200 used so far have no Transformer Engine;
+- "te": Megatron's TE spec (fused layernorm+linear, TE attention). Not exercised by this project's tests,
+  which run without Transformer Engine;
 - "sdpa": the local spec (ColumnParallelLinear/RowParallelLinear, torch RMSNorm) with `SDPACoreAttention`
   replacing `core_attention` (fused attention kernels, GQA without repeats, packed sequences);
 - "local": Megatron's local spec unchanged (`DotProductAttention`; no packed sequences) — the baseline of

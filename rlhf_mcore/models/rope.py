@@ -66,7 +66,7 @@ def install_rope(model, shape: ModelShape, device) -> None:
 # (`cu_seqlens.tolist()`) and slices the frequencies document by document, for the query and the key of every
 # layer: 2 × layers device→host synchronisations and ~2 × documents small kernels per layer in every forward. The
 # CPU can then never run ahead of the GPU, and on packed micro-batches of many short RL sequences the step is
-# bound by the host (BENCHMARKS.md, issue 9 profile). The fused THD kernel that avoids this needs Transformer
+# bound by the host. The fused THD kernel that avoids this needs Transformer
 # Engine. Here the position of every packed token inside its document is computed on the device (no sync), the
 # cos/sin tables are gathered once per forward (shared by all layers, query and key) and applied in one pass;
 # the result is the same arithmetic as Megatron's, bit for bit (tests/test_models.py).
@@ -74,7 +74,6 @@ def install_rope(model, shape: ModelShape, device) -> None:
 
 _PACKED_TABLES: tuple = (None, -1, None, 0, None, None)  # (cu_seqlens, its _version, freqs, total, dtype, (cos, sin))
 _MEGATRON_APPLY = None  # megatron.core.transformer.attention.apply_rotary_pos_emb before install_packed_rope
-ENABLED = True  # False: every call goes to Megatron's function (the before/after of launch/bench_ppo_step.py)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -110,7 +109,7 @@ def apply_rope_packed(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: 
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
     total = t.size(0)
-    if (not ENABLED or cu_seqlens is None or cp_group is None or cp_group.size() != 1 or config.apply_rope_fusion
+    if (cu_seqlens is None or cp_group is None or cp_group.size() != 1 or config.apply_rope_fusion
             or config.multi_latent_attention or config.rotary_interleaved or t.dim() != 3
             or (freqs.size(0) == total and cu_seqlens.numel() > 2)):
         return _MEGATRON_APPLY(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)

@@ -7,7 +7,7 @@ special tokens and a Qwen2.5-style chat template.
 
 Why train a tokenizer instead of shipping one: the tests must run offline, and a tokenizer trained on the
 task's own text gives short, realistic token sequences for GSM8K prompts. Training uses a fixed slice of the
-data so it is fast (well under 2 s) and deterministic; nothing is cached outside `out_dir`.
+data so it is quick and deterministic; nothing is cached outside `out_dir`.
 
 The model's `vocab_size` is deliberately larger than the tokenizer's vocabulary (as in Qwen, whose embedding
 has 151936 rows for 151665 tokens) so that code handling padded vocabularies gets exercised.
@@ -52,7 +52,7 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 
 _GSM8K_TRAIN = Path(__file__).resolve().parents[1] / "data" / "raw" / "gsm8k" / "train.jsonl"
-# Rows of GSM8K used to train the tokenizer: enough for sensible merges, few enough to train in ~0.3 s.
+# Rows of GSM8K used to train the tokenizer: enough for sensible merges, few enough to train in a moment.
 _TOKENIZER_TRAIN_ROWS = 1500
 
 

@@ -133,14 +133,6 @@ def split_qkv(full: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torc
     return q, k, v
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """Inverse of `split_qkv` (reference layout, used by tests)."""
-    ng, hpg, hd = shape.num_kv_heads, shape.heads_per_group, shape.head_dim
-    rest = q.shape[1:]
-    parts = [q.reshape(ng, hpg, hd, *rest), k.reshape(ng, 1, hd, *rest), v.reshape(ng, 1, hd, *rest)]
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # HF -> one TP rank's shard
 

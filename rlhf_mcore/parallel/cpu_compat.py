@@ -132,10 +132,6 @@ def enable() -> None:
     _ENABLED = True
 
 
-def is_enabled() -> bool:
-    return _ENABLED
-
-
 class _NullStream:
     def __init__(self, *args, **kwargs):
         pass

@@ -51,23 +51,3 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
     }
     batch.update(meta)
     return batch
-
-
-def select_rows(batch: dict[str, Any], rows: Sequence[int]) -> dict[str, Any]:
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(batch["index"]):
-            out[k] = v.index_select(0, idx)
-        elif isinstance(v, list):
-            out[k] = [v[i] for i in rows]
-        else:
-            out[k] = v
-    return out
-
-
-def decode_responses(tokenizer, batch: dict[str, Any]) -> list[str]:
-    texts = []
-    for ids, mask in zip(batch["responses"], batch["response_mask"]):
-        texts.append(tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True))
-    return texts

@@ -298,7 +298,7 @@ def _naive_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temp
 
 
 def case_logprob_tp(model_dir, state, tmp):
-    from rlhf_mcore.engine.logprobs import vocab_parallel_logprobs
+    from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs
 
     tp, rank = state.dims.tp, state.tp_rank
     errors = {}

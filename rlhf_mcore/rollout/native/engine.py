@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore.models.hf_config import ModelShape
+
 from ..base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -49,7 +51,6 @@ from ..base import (
     validate_sleep_level,
 )
 from .attention import PackedLayout
-from .config import load_model_spec
 from .graphs import DecodeGraphs, batch_buckets, bucket_for
 from .model import KVCache, NativeModel
 from .sampling import sample_torch, sequence_key
@@ -101,7 +102,7 @@ class NativeRolloutEngine(RolloutEngine):
         if weight_offload not in ("cpu", "drop"):
             raise ValueError(f"weight_offload={weight_offload!r}: choose 'cpu' (keep a CPU copy across sleep) "
                              "or 'drop' (re-send weights with update_weights after wake).")
-        self.spec = load_model_spec(self.model_dir)
+        self.spec = ModelShape.from_hf_dir(self.model_dir)
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)

@@ -1,7 +1,7 @@
 """CUDA-graph capture of the decode step, one graph per (batch bucket, attention-length bucket, sampler).
 
 A decode step is a few hundred small kernels; replaying them as one graph removes the per-kernel launch
-cost that otherwise bounds a step at ~20 ms. Graphs read and write the engine's persistent row buffers, so
+cost, which otherwise bounds a step for a small model. Graphs read and write the engine's persistent row buffers, so
 the batch is padded up to its bucket with rows pointing at a scratch cache slot. All graphs share one memory
 pool (they never run concurrently and keep no outputs outside the persistent buffers).
 """

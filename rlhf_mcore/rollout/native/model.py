@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.rope import rope_inv_freq
+
 from .attention import PackedLayout, decode_attention_torch, prefill_attention
-from .config import ModelSpec
 from .rope import apply_rope, rope_tables
 from .weights import LayerWeights, ModelWeights
 
@@ -57,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class NativeModel:
     """Forward passes over `ModelWeights` (one TP rank's shard)."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_len: int, tp_group=None, fused: bool = False):
+    def __init__(self, spec: ModelShape, weights: ModelWeights, max_len: int, tp_group=None, fused: bool = False):
         self.spec, self.w = spec, weights
         self.tp_group = tp_group
         self.tp_size = weights.tp_size
@@ -65,7 +67,7 @@ class NativeModel:
         self.q_size, self.kv_size = self.heads * self.hd, self.kv_heads * self.hd
         self.sm_scale = spec.head_dim ** -0.5
         self.fused = fused
-        self.cos, self.sin = rope_tables(spec.head_dim, spec.rope, max_len, weights.device, weights.dtype)  # (L, hd)
+        self.cos, self.sin = rope_tables(rope_inv_freq(spec), max_len, weights.device, weights.dtype)  # (L, hd)
 
     # ------------------------------------------------------------------------------------ element-wise ops
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:

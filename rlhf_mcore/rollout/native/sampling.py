@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 
 MASK32 = 0xFFFFFFFF
-_M1, _M2 = 0x7FEB352D, 0x846CA68B  # "lowbias32" multipliers (C. Wellons' integer hash prospector)
-_STEP_MUL = 0x9E3779B9  # golden-ratio increment, decorrelates consecutive steps
+HASH_M1, HASH_M2 = 0x7FEB352D, 0x846CA68B  # "lowbias32" multipliers (C. Wellons' integer hash prospector)
+STEP_MUL = 0x9E3779B9  # golden-ratio increment, decorrelates consecutive steps
 
 
 def mix32_int(x: int) -> int:
     """The 32-bit integer hash on Python ints (host side)."""
     x &= MASK32
     x ^= x >> 16
-    x = (x * _M1) & MASK32
+    x = (x * HASH_M1) & MASK32
     x ^= x >> 15
-    x = (x * _M2) & MASK32
+    x = (x * HASH_M2) & MASK32
     x ^= x >> 16
     return x
 
@@ -45,15 +45,15 @@ def sequence_key(seed: int, request_id: int, sample_index: int) -> int:
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """The hash on int64 tensors holding values in [0, 2^32) (products wrap mod 2^64; the low 32 bits are exact)."""
     x = x ^ (x >> 16)
-    x = (x * _M1) & MASK32
+    x = (x * HASH_M1) & MASK32
     x = x ^ (x >> 15)
-    x = (x * _M2) & MASK32
+    x = (x * HASH_M2) & MASK32
     return x ^ (x >> 16)
 
 
 def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise (B, vocab) fp32 from sequence keys (B,) and step indices (B,) (int64)."""
-    row = _mix32(keys ^ ((steps * _STEP_MUL) & MASK32))  # (B,)
+    row = _mix32(keys ^ ((steps * STEP_MUL) & MASK32))  # (B,)
     cols = _mix32(torch.arange(vocab, device=keys.device, dtype=torch.int64))  # (V,)
     h = _mix32(row[:, None] ^ cols[None, :])  # (B, V)
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), exact in fp32

@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import _M1, _M2, _STEP_MUL
+from .sampling import HASH_M1, HASH_M2, STEP_MUL
 
 # The kernels spell these constants as literals (Triton jit code cannot read module globals); keep in sync.
-assert (_M1, _M2, _STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
+assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
 
 
 @triton.jit
@@ -230,8 +230,8 @@ def _block_n(head_dim: int) -> int:
 
 def num_splits_for(batch: int, kv_heads: int, max_len: int, head_dim: int = 64) -> int:
     """Splits per sequence: enough programs to fill the GPU (~4 per SM), but only for long contexts — each
-    split covers at least 4 key blocks. Measured on an H200 (Qwen2.5-0.5B shape, ~520-token contexts):
-    one split beat 2 and 4 at batch 64 and 256 (1.18 vs 1.27-1.29 ms and 1.92 vs 1.96 ms a step)."""
+    split covers at least 4 key blocks, since below that the extra programs and the merge of partial results
+    cost more than the parallelism gains (at rollout batch sizes a short context runs as one split)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
     want = max(1, (4 * sms) // max(1, batch * kv_heads))
     cap = max(1, max_len // (4 * _block_n(head_dim)))

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import ModelSpec
+from rlhf_mcore.models.hf_config import ModelShape
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some checkpoints carry that the engine recomputes.
@@ -42,17 +42,17 @@ class LayerWeights:
 class ModelWeights:
     """All weights of one TP rank, allocated on `device` in `dtype`."""
 
-    def __init__(self, spec: ModelSpec, device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
-        if spec.num_heads % tp_size or spec.num_kv_heads % tp_size or spec.intermediate_size % tp_size:
+    def __init__(self, spec: ModelShape, device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+        if spec.num_attention_heads % tp_size or spec.num_kv_heads % tp_size or spec.ffn_hidden_size % tp_size:
             raise ValueError(
-                f"tensor parallel size {tp_size} must divide num_attention_heads={spec.num_heads}, "
-                f"num_key_value_heads={spec.num_kv_heads} and intermediate_size={spec.intermediate_size}; "
+                f"tensor parallel size {tp_size} must divide num_attention_heads={spec.num_attention_heads}, "
+                f"num_key_value_heads={spec.num_kv_heads} and intermediate_size={spec.ffn_hidden_size}; "
                 "choose a rollout tensor_model_parallel_size that divides all three.")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.heads = spec.num_heads // tp_size
+        self.heads = spec.num_attention_heads // tp_size
         self.kv_heads = spec.num_kv_heads // tp_size
-        self.inter = spec.intermediate_size // tp_size
+        self.inter = spec.ffn_hidden_size // tp_size
         hd, d = spec.head_dim, spec.hidden_size
         qkv_rows = (self.heads + 2 * self.kv_heads) * hd
 
@@ -164,7 +164,7 @@ class ModelWeights:
             return self.final_norm, t
         m = _LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= spec.num_layers:
-            raise KeyError(f"unexpected weight {name!r} for a {spec.num_layers}-layer {spec.model_type} model; "
+            raise KeyError(f"unexpected weight {name!r} for a {spec.num_layers}-layer {spec.architecture} model; "
                            "the native engine takes Hugging Face parameter names (see ModelWeights.expected_names).")
         layer, rest = self.layers[int(m.group(1))], m.group(2)
         q_rows, kv_rows = self.heads * hd, self.kv_heads * hd
@@ -185,7 +185,7 @@ class ModelWeights:
             return layer.gate_up.narrow(0, start, self.inter), self._shard_rows(t, self.inter)
         if rest == "mlp.down_proj.weight":
             return layer.down, self._shard_cols(t, self.inter)
-        raise KeyError(f"unexpected weight {name!r} for model_type={spec.model_type!r} "
+        raise KeyError(f"unexpected weight {name!r} for {spec.architecture} "
                        f"(qkv_bias={spec.qkv_bias}, qk_norm={spec.qk_norm}).")
 
 

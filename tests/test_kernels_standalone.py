@@ -1,0 +1,54 @@
+"""`kernels/` stands alone: it imports nothing from the rest of `rlhf_mcore`, and `rlhf_mcore.kernels` (a symlink
+to it) imports from a plain checkout on PYTHONPATH, without an install."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_MODULES = ("rlhf_mcore.kernels.logprob_reference", "rlhf_mcore.kernels.fused_logprob")
+
+
+def test_package_is_a_symlink_to_the_top_level_directory():
+    link = REPO / "rlhf_mcore" / "kernels"
+    assert link.is_symlink() and os.readlink(link) == "../kernels", "rlhf_mcore/kernels must link to ../kernels"
+    assert link.resolve() == (REPO / "kernels").resolve()
+
+
+def test_kernel_sources_import_nothing_from_rlhf_mcore():
+    offenders = []
+    sources = sorted((REPO / "kernels").glob("*.py"))
+    assert len(sources) >= 3, sources
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                offenders += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                              if a.name.split(".")[0] == "rlhf_mcore"]
+            elif isinstance(node, ast.ImportFrom):
+                absolute = node.level == 0 and (node.module or "").split(".")[0] == "rlhf_mcore"
+                if absolute or node.level > 1:  # level 2+ climbs out of the package into rlhf_mcore
+                    offenders.append(f"{path.name}:{node.lineno} from {'.' * node.level}{node.module or ''} import")
+    assert not offenders, offenders
+
+
+def test_kernels_import_from_the_checkout_alone(tmp_path):
+    """A fresh interpreter with only the checkout on PYTHONPATH (run from elsewhere, so the working directory
+    adds nothing) imports the kernel modules from the checkout, and no rlhf_mcore module outside the kernels."""
+    code = (f"import importlib, json, sys\n"
+            f"files = [importlib.import_module(m).__file__ for m in {KERNEL_MODULES!r}]\n"
+            f"print(json.dumps({{'files': files, 'modules': sorted(m for m in sys.modules "
+            f"if m.split('.')[0] == 'rlhf_mcore')}}))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for file in report["files"]:
+        assert Path(file).resolve().is_relative_to(REPO), f"{file} is not from the checkout {REPO}"
+    others = [m for m in report["modules"] if m != "rlhf_mcore" and not m.startswith("rlhf_mcore.kernels")]
+    assert not others, f"importing the kernels pulled in {others}"
+    assert set(KERNEL_MODULES) <= set(report["modules"])
