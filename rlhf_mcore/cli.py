@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from rlhf_mcore.config import RLConfig, load_config, model_max_positions, to_yaml, validate_config
 from rlhf_mcore.errors import UserError
+from rlhf_mcore.quiet import silence_known_warnings
 
 
 def parse_args(argv: Optional[list[str]] = None, description: str = "") -> argparse.Namespace:
@@ -39,6 +40,7 @@ def report_user_errors(fn: Callable[[], Optional[int]]) -> int:
     """Run an entry point's body: a :class:`~rlhf_mcore.errors.UserError` (or a missing file) becomes one line on
     stderr from rank 0 (``<kind>: <message>``) and exit code 2 on every rank; anything else is a bug and keeps
     its traceback. Under torchrun, torchrun then adds its own failure summary (no traceback of ours in it)."""
+    silence_known_warnings()
     try:
         return fn() or 0
     except (UserError, FileNotFoundError) as e:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,7 +63,16 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         elif func is torch.Tensor.pin_memory:
             return args[0]
+        elif func == _GRAD_GETTER:
+            # Through this mode every `.grad` read is attributed to this file, and torch warns on reads of a
+            # non-leaf tensor's .grad, which megatron's CPU path does harmlessly (the value is None either way).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_GRAD_GETTER = torch.Tensor.grad.__get__
 
 
 _CPU_TYPE_NAMES = {

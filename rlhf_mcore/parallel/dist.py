@@ -101,6 +101,9 @@ def _free_port() -> int:
 def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device: str = "auto",
                      seed: int = 1, timeout_minutes: int = 30) -> ParallelState:
     """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's parallel state."""
+    from rlhf_mcore.quiet import silence_known_warnings
+
+    silence_known_warnings()
     from megatron.core import parallel_state as mpu
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
