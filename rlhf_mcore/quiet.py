@@ -15,7 +15,7 @@ KNOWN_HARMLESS = (
      "the same: torch's RMSNorm/LayerNorm"),
     (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config",
      "megatron's own default cuda_graph_scope; no CUDA graph of megatron's is used"),
-    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated",
      r"torch\.distributed",
      "megatron's DDP calls torch's older collective names, which still do the same thing"),
 )
