@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 NPROC ?= 2
 
-.PHONY: install test demo benchmark lint clean
+.PHONY: install test demo benchmark learn-gpu lint clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ demo: $(STAMP)
 
 benchmark: $(STAMP)
 	$(BIN)/python launch/benchmark.py
+
+# the GPU learning run (one CUDA GPU; install with TORCH_SPEC for your CUDA): launch/learn_gpu.py
+learn-gpu: $(STAMP)
+	$(BIN)/python launch/learn_gpu.py
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check rlhf_mcore kernels launch tests
