@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-batch-size", type=int, default=32)
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the warm start and of GRPO (sampling, data order)")
     args = ap.parse_args()
     out = ROOT / args.out
     t0 = time.time()
@@ -73,7 +74,7 @@ def main() -> int:
     print(f"[3/4] supervised warm start -> {sft_out}", flush=True)
     run(torchrun(args.nproc, "sft.py", "--model", str(tiny), "--train-file", str(data / "synthetic" / "train.parquet"),
                  "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size),
-                 "--lr", "3e-3", "--max-length", "160", "--seed", "1", "trainer.device=cpu"))
+                 "--lr", "3e-3", "--max-length", "160", "--seed", str(args.seed), "trainer.device=cpu"))
 
     grpo = out / "grpo"
     if grpo.exists():  # a rerun trains again: the previous run's checkpoints would otherwise be resumed
@@ -82,7 +83,10 @@ def main() -> int:
     print("[4/4] GRPO", flush=True)
     extra = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []
     run(torchrun(args.nproc, "train.py", "--config", "configs/demo_cpu.yaml", f"actor_rollout_ref.model.path={sft_out}",
-                 f"trainer.n_gpus_per_node={args.nproc}", f"trainer.default_local_dir={grpo}", *extra))
+                 f"data.train_files=[{data / 'synthetic' / 'train.parquet'}]",
+                 f"data.val_files=[{data / 'synthetic' / 'test.parquet'},{data / 'gsm8k_val.parquet'}]",
+                 f"trainer.n_gpus_per_node={args.nproc}", f"trainer.default_local_dir={grpo}",
+                 f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra))
 
     print("\n" + validation_curve(grpo / "metrics.jsonl"))
     print(f"\ndone in {time.time() - t0:.0f} s. Outputs:\n"

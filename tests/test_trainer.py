@@ -120,8 +120,9 @@ def held_out_before_after(vals: list[dict]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy(learning_runs):
     """GRPO with the demo's settings: greedy accuracy on 64 held-out problems before the first step -> after
-    step 12 measured MEASURED_GRPO; the warm start's greedy answers copy the number but keep the full stop the
-    reward rejects, and RL drops it. The training reward rises and entropy falls too."""
+    step 12 measured 0.000 -> 0.750: the warm start's greedy answers copy the number but keep the full stop the
+    reward rejects, and RL drops it. The mean training reward of steps 1-3 -> 10-12 rose too (0.31 -> 0.65) and
+    entropy fell."""
     m, vals = learning_runs["grpo"]
     before, after = held_out_before_after(vals)
     assert after >= before + 0.30, f"GRPO did not raise held-out accuracy: {before:.3f} -> {after:.3f}"
@@ -132,7 +133,7 @@ def test_grpo_raises_held_out_accuracy(learning_runs):
 @pytest.mark.slow
 def test_ppo_with_critic_raises_held_out_accuracy(learning_runs):
     """PPO with a critic (GAE; the critic starts from the warm start with a fresh value head) on the same
-    prompts and settings: held-out greedy accuracy before -> after step 12 measured MEASURED_PPO."""
+    prompts and settings: held-out greedy accuracy before -> after step 12 measured 0.000 -> 0.766."""
     m, vals = learning_runs["ppo"]
     before, after = held_out_before_after(vals)
     assert after >= before + 0.30, f"PPO did not raise held-out accuracy: {before:.3f} -> {after:.3f}"
