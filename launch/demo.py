@@ -2,13 +2,17 @@
 
 1. build a tiny Qwen2-shaped model (random weights, tokenizer trained on GSM8K text) if missing;
 2. write the synthetic task at difficulty 0 ("What is 47?", "Mia has 47 apples. How many ...": read the number
-   back in GSM8K's "#### 47" format), its first 16 training prompts as the RL prompt pool, and a GSM8K
-   validation slice, as veRL-schema parquet;
-3. a supervised warm start on the synthetic task (launch/sft.py under torchrun): the format at once, copying
-   the number after ~200 steps;
-4. GRPO (launch/train.py --config configs/demo_cpu.yaml under torchrun) on the 16-prompt pool, sampling at
-   T=1.5, validating (greedy) on held-out synthetic problems and on GSM8K through the real GSM8K reward;
-5. print where logs, metrics, checkpoints and the final model went.
+   back in GSM8K's "#### 47" format) and a GSM8K validation slice, as veRL-schema parquet. The warm-start
+   targets end with a full stop ("#### 47.") in 70% of the rows, which the strict GSM8K reward scores 0;
+3. a supervised warm start on that data (launch/sft.py under torchrun): it learns to copy the number and takes
+   up the data's habit of ending with a full stop, so its greedy answers mostly score 0;
+4. GRPO (launch/train.py --config configs/demo_cpu.yaml under torchrun) on prompts drawn from the whole
+   training set, validating (greedy) on held-out synthetic problems and on GSM8K through the real GSM8K
+   reward: RL drops the full stop the reward rejects, and held-out greedy accuracy rises;
+5. print the validation curve and where logs, metrics, checkpoints and the final model went.
+
+SFT and GRPO processes run single-threaded (OMP_NUM_THREADS=1) with fixed seeds, so a rerun gives the same
+numbers on the same machine whatever the caller's thread settings.
 """
 import argparse
 import json
@@ -20,11 +24,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# share of warm-start targets ending "#### 47." (scored 0 by the strict GSM8K reward): the warm start's greedy
+# answers keep the majority's full stop, and RL has a format to fix on held-out problems too
+PERIOD_ANSWERS = 0.7
 
 
 def run(cmd: list[str]) -> None:
     print("+ " + " ".join(cmd), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    # one thread per process: the warm start's floating-point path (and so its accuracy) must not depend on the
+    # caller's thread settings; torch takes its intra-op thread count from these
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false")
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
 
 
@@ -40,6 +50,7 @@ def main() -> int:
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-batch-size", type=int, default=32)
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the warm start and of GRPO (sampling, data order)")
     args = ap.parse_args()
     out = ROOT / args.out
     t0 = time.time()
@@ -53,8 +64,8 @@ def main() -> int:
         make_tiny_model(tiny, arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
     data = out / "data"
     print(f"[2/4] writing data to {data}", flush=True)
-    write_synthetic_parquet(data / "synthetic", n=2048, difficulty=0, seed=0, n_test=64)
-    _slice_parquet(data / "synthetic" / "train.parquet", data / "synthetic" / "rl_pool.parquet", rows=16)
+    write_synthetic_parquet(data / "synthetic", n=2048, difficulty=0, seed=0, n_test=64,
+                            period_answers=PERIOD_ANSWERS)
     gsm8k = preprocess_gsm8k(output_dir=data / "gsm8k")
     _slice_parquet(data / "gsm8k" / "test.parquet", data / "gsm8k_val.parquet", rows=32)
     del gsm8k
@@ -63,7 +74,7 @@ def main() -> int:
     print(f"[3/4] supervised warm start -> {sft_out}", flush=True)
     run(torchrun(args.nproc, "sft.py", "--model", str(tiny), "--train-file", str(data / "synthetic" / "train.parquet"),
                  "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size),
-                 "--lr", "3e-3", "--max-length", "160", "trainer.device=cpu"))
+                 "--lr", "3e-3", "--max-length", "160", "--seed", str(args.seed), "trainer.device=cpu"))
 
     grpo = out / "grpo"
     if grpo.exists():  # a rerun trains again: the previous run's checkpoints would otherwise be resumed
@@ -72,15 +83,12 @@ def main() -> int:
     print("[4/4] GRPO", flush=True)
     extra = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []
     run(torchrun(args.nproc, "train.py", "--config", "configs/demo_cpu.yaml", f"actor_rollout_ref.model.path={sft_out}",
-                 f"trainer.n_gpus_per_node={args.nproc}", f"trainer.default_local_dir={grpo}", *extra))
+                 f"data.train_files=[{data / 'synthetic' / 'train.parquet'}]",
+                 f"data.val_files=[{data / 'synthetic' / 'test.parquet'},{data / 'gsm8k_val.parquet'}]",
+                 f"trainer.n_gpus_per_node={args.nproc}", f"trainer.default_local_dir={grpo}",
+                 f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra))
 
-    metrics = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
-    train = [m for m in metrics if m["kind"] == "train"]
-    if train:
-        k = max(1, len(train) // 4)
-        first = sum(m["critic/score/mean"] for m in train[:k]) / k
-        last = sum(m["critic/score/mean"] for m in train[-k:]) / k
-        print(f"\nmean training reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+    print("\n" + validation_curve(grpo / "metrics.jsonl"))
     print(f"\ndone in {time.time() - t0:.0f} s. Outputs:\n"
           f"  metrics (JSONL)     {grpo / 'metrics.jsonl'}\n"
           f"  TensorBoard         tensorboard --logdir {grpo / 'tensorboard'}\n"
@@ -89,6 +97,25 @@ def main() -> int:
           f"  SFT warm start (HF) {sft_out}\n"
           "Next: README.md, 'Training a real model (one GPU)'.")
     return 0
+
+
+def validation_curve(metrics_jsonl: Path) -> str:
+    """A text table from a run's metrics.jsonl: per validation step, held-out synthetic and GSM8K accuracy
+    (greedy) and the mean training reward of the steps since the previous validation."""
+    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    val = {r["step"]: r for r in rows if r["kind"] == "val"}
+    lines = ["validation curve (greedy accuracy on held-out problems; training reward = mean sampled score)",
+             f"{'step':>5} | {'held-out synthetic':>18} | {'GSM8K':>6} | training reward (steps)"]
+    prev = 0
+    for step in sorted(val):
+        syn, gsm = (f"{val[step][k]:.3f}" if k in val[step] else "-"
+                    for k in ("val/synthetic/arithmetic/acc", "val/openai/gsm8k/acc"))
+        since = [train[s]["critic/score/mean"] for s in range(prev + 1, step + 1) if s in train]
+        reward = f"{sum(since) / len(since):.3f} ({prev + 1}-{step})" if since else "-"
+        lines.append(f"{step:>5} | {syn:>18} | {gsm:>6} | {reward}")
+        prev = step
+    return "\n".join(lines)
 
 
 def _slice_parquet(src: Path, dst: Path, rows: int) -> None:
