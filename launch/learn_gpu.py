@@ -5,7 +5,9 @@
 
 1. a ~25M-parameter Qwen2-shaped model (8 layers, hidden 512, bf16; tokenizer trained locally) and the synthetic
    task at difficulty 2 (two additions/subtractions of numbers up to 20, GSM8K's worked-steps answer format);
-2. a supervised warm start (launch/sft.py) kept short on purpose, so that RL has something left to sharpen;
+2. a supervised warm start (launch/sft.py) on targets of which 70% end with a full stop ("#### 15."), which the
+   strict GSM8K reward scores 0: the warm start half follows the format, and RL has that choice to sharpen (40
+   RL steps do not teach a model of this size more arithmetic);
 3. GRPO (configs/learn_gpu.yaml) and then PPO with a critic (the same config with algorithm.adv_estimator=gae),
    each from the warm start, validating greedily on held-out problems every few steps;
 4. a summary: held-out accuracy before and after, the training-reward curve, step seconds, and the largest
@@ -65,7 +67,9 @@ def main(argv=None) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     make_tiny_model(out / "tiny", arch="qwen2", layers=8, hidden=512, heads=8, kv_heads=2, vocab=2048, seed=0,
                     init_std=0.02, dtype="bfloat16")
-    write_synthetic_parquet(out / "data", n=20_000, difficulty=2, seed=0, n_test=256)
+    # as in the CPU demo, 70% of the warm-start targets end "#### 15." (scored 0 by the strict GSM8K reward): the
+    # warm start half follows the format, so RL has a choice to sharpen, not arithmetic to learn in 40 steps
+    write_synthetic_parquet(out / "data", n=20_000, difficulty=2, seed=0, n_test=256, period_answers=0.7)
     run([sys.executable, "launch/sft.py", "--model", str(out / "tiny"), "--train-file", str(out / "data/train.parquet"),
          "--out", str(out / "sft_model"), "--steps", str(sft_steps), "--batch-size", "128", "--lr", "1e-3",
          "--warmup-steps", "20", "--max-length", "192", "trainer.device=cuda"])
