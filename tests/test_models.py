@@ -614,3 +614,65 @@ def test_varlen_packed_attention_matches_per_document_sdpa():
     assert (got.float() - want).abs().max() < 3e-2
     for a, b in zip(got_in, ref):
         assert (a.grad.float() - b.grad).abs().max() < 6e-2 * max(1.0, b.grad.abs().max().item())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pipeline stage split
+
+SPLITS = [(28, 8, None, None, None), (3, 2, None, None, None), (28, 6, None, None, None), (5, 4, None, None, None),
+          (7, 3, 1, None, None), (7, 3, None, 1, None), (9, 4, 3, 2, None), (8, 2, None, None, 2),
+          (12, 4, None, None, 2), (10, 3, 2, 2, 2), (4, 1, None, None, None)]
+
+
+@pytest.mark.parametrize("layers,pp,first,last,vpp", SPLITS)
+def test_stage_layers_are_megatrons(layers, pp, first, last, vpp):
+    """`chunk_layers` (and the split `resolve_split` picks) against Megatron's own offset / layer-count functions,
+    rank by rank: every layer exactly once, in order, on the stage Megatron builds it."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from rlhf_mcore.models.pipeline_layout import chunk_layers, resolve_split
+
+    first, last = resolve_split(layers, pp, vpp, first, last)
+    config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1,
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                               pipeline_dtype=torch.float32, num_layers_in_first_pipeline_stage=first,
+                               num_layers_in_last_pipeline_stage=last)
+    got = chunk_layers(layers, pp, first, last, vpp)
+    for p in range(pp):
+        for v in range(vpp or 1):
+            vp = v if vpp else None
+            n = get_num_layers_to_build(config, vp_stage=vp, pp_rank=p)
+            start = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=p) if pp > 1 else 0
+            assert got[p][v] == range(start, start + n), (p, v)
+    assert sorted(i for stage in got for r in stage for i in r) == list(range(layers))
+
+
+def test_chosen_split_lightens_the_first_and_last_stages():
+    from rlhf_mcore.models.pipeline_layout import resolve_split, stage_sizes
+
+    assert resolve_split(28, 4) == (None, None)  # divisible: even, nothing set
+    for layers, pp, want in ((28, 8, [2, 4, 4, 4, 4, 4, 4, 2]), (3, 2, [2, 1]), (28, 3, [9, 10, 9]),
+                             (5, 4, [2, 1, 1, 1]), (10, 4, [2, 3, 3, 2])):
+        assert stage_sizes(layers, pp, *resolve_split(layers, pp)) == want, (layers, pp)
+    first, last = resolve_split(12, 4, vpp=2)  # in units of VPP: 1, 2, 2, 1 per virtual round
+    assert stage_sizes(12, 4, first, last, vpp=2) == [2, 4, 4, 2]
+
+
+@pytest.mark.parametrize("layers,pp,first,last,vpp,words", [
+    (3, 2, 2, 2, None, "must add up to the model's 3 layers: e.g. set num_layers_in_first_pipeline_stage=2 and "
+                       "num_layers_in_last_pipeline_stage=1"),
+    (7, 4, 1, 1, None, "leave 5 of the model's 7 layers for the 2 other stage(s) of PP=4"),
+    (4, 2, 0, None, None, "num_layers_in_first_pipeline_stage=0 must be >= 1"),
+    (8, 2, 3, None, 2, "must be >= 1 and a multiple of the virtual pipeline size 2"),
+    (4, 1, 2, None, None, "apply to pipeline parallelism only"),
+    (3, 4, None, None, None, "fewer than one layer per stage at PP=4: use a smaller PP"),
+    (9, 2, None, None, 2, "not divisible by the virtual pipeline size VPP=2"),
+])
+def test_bad_stage_split_names_the_values_and_a_fix(layers, pp, first, last, vpp, words):
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError, resolve_split
+
+    with pytest.raises(PipelineLayoutError) as err:
+        resolve_split(layers, pp, vpp, first, last)
+    assert words in str(err.value)
