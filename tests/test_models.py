@@ -2,9 +2,10 @@
 that transformers loads, slice-wise loading, the critic, the SDPA core attention, and clear errors.
 
 The distributed checks run in ONE 4-process torchrun launch (tests/workers/models_check.py) over the layouts
-TP×PP = 1×1, 2×1, 1×2, 2×2 (extra ranks are data-parallel replicas) and 1×2 with virtual PP 2; pytest then
-compares what the worker saved with transformers run here on the same tiny fp32 models. Pure index arithmetic
-and attention math are checked in-process against naive references.
+TP×PP = 1×1, 2×1, 1×2, 2×2 (extra ranks are data-parallel replicas) and 1×2 with virtual PP 2, 3-layer models
+at PP=2 (uneven stages) among them; pytest then compares what the worker saved with transformers run here on
+the same tiny fp32 models. Pure index arithmetic and attention math are checked in-process against naive
+references.
 """
 import json
 import math
@@ -32,14 +33,19 @@ MODELS = {
     "qwen3": dict(arch="qwen3", vocab=1000, heads=4, kv_heads=2, head_dim=32),
 }
 ALL = list(MODELS)
+# 3 layers: PP=2 does not divide them, so the stages are uneven (the chosen split: 2 layers, then 1)
+UNEVEN = {f"{name}_3l": {**kw, "layers": 3} for name, kw in MODELS.items()}
+MODELS.update(UNEVEN)
 MODELS["qwen2_bf16"] = dict(arch="qwen2", vocab=1000, dtype="bfloat16")  # round trips only
 LAYOUTS = [
     dict(name="1x1", tp=1, pp=1, models=ALL, extras={"qwen2": ["grads"]}),
     dict(name="2x1", tp=2, pp=1, models=ALL, readlog=["qwen2_sharded"], bf16=["qwen2_bf16"]),
-    dict(name="1x2", tp=1, pp=2, models=ALL),
-    dict(name="2x2", tp=2, pp=2, models=ALL, readlog=["qwen2_sharded"],
-         extras={"qwen2": ["save_hf", "critic", "from_mcore"], "llama": ["save_hf"]}),
+    dict(name="1x2", tp=1, pp=2, models=ALL + list(UNEVEN)),
+    dict(name="2x2", tp=2, pp=2, models=ALL + list(UNEVEN), readlog=["qwen2_sharded"],
+         extras={"qwen2": ["save_hf", "critic", "from_mcore"], "llama": ["save_hf"], "qwen2_3l": ["save_mcore"]}),
     dict(name="1x2v2", tp=1, pp=2, vpp=2, models=["qwen2"]),  # 4 layers: one per virtual stage
+    # the Megatron checkpoint saved at TP=2×PP=2 with uneven stages, loaded without pipeline parallelism
+    dict(name="1x1_from_uneven", tp=1, pp=1, models=[], load_mcore={"qwen2_3l": "2x2"}),
 ]
 FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS if not lay.get("skip_forward")
                  for m in lay["models"] for case in ("plain", "left_padded", "thd")]
@@ -205,6 +211,34 @@ def test_megatron_checkpoint_roundtrip_across_layouts(worker, model_dirs, mcore_
     for name in want:
         assert torch.equal(got[name], want[name]), name
     assert (out / "2x2_qwen2_from_mcore_hf" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+@pytest.mark.parametrize("model", list(UNEVEN))
+def test_uneven_stages_hold_the_chosen_split(worker, layout, model):
+    """3 layers at PP=2: the first stage holds layers 0-1, the last layer 2 (its logits and round trip are
+    checked with the other layouts')."""
+    held = worker[0][layout][f"{model}/layers"]
+    assert len(held) == 4 and sorted(pp for pp, _ in held) == [0, 0, 1, 1]
+    for pp_rank, layers in held:
+        assert layers == ([0, 1] if pp_rank == 0 else [2])
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_checkpoint_loads_without_pipeline(worker, model_dirs):
+    """Saved at TP=2×PP=2 with 2+1 layers per stage, loaded at TP=PP=1: bitwise the HF weights again."""
+    from safetensors.torch import load_file
+
+    results, out = worker
+    assert results["1x1_from_uneven"]["qwen2_3l/from_mcore_roundtrip"] == []
+    got = {}
+    for f in (out / "1x1_from_uneven_qwen2_3l_from_mcore_hf").glob("*.safetensors"):
+        got.update(load_file(f))
+    want = load_file(model_dirs["qwen2_3l"] / "model.safetensors")
+    assert sorted(got) == sorted(want) and any(".layers.2." in n for n in want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.slow
