@@ -16,6 +16,9 @@ too; --hf-dir, when given, replaces it as the config/tokenizer source), loads th
 TP/PP layout and writes an HF directory that `transformers` loads to --out-hf-dir. A training checkpoint
 (`global_step_N/`, or its `actor/` / `critic/` directory) is checked against its manifest first and refused
 when it does not match. The world size must be a multiple of TP×PP (extra ranks are data-parallel replicas).
+When PP does not divide the layers, a stage split is chosen (printed), or give it with
+--num-layers-in-first/last-pipeline-stage (the keys of `megatron.override_transformer_config` in a run config);
+the checkpoint loads under any other split.
 `--role critic` converts a critic (value head saved as `score.*` in HF form).
 
 The `if __name__ == "__main__":` guard is required: dist_checkpointing's writer spawns helper processes that
@@ -35,11 +38,11 @@ from rlhf_mcore.config import ConfigError  # noqa: E402
 from rlhf_mcore.trainer.checkpoint import CheckpointError  # noqa: E402
 
 
-def hf_to_mcore(hf_dir, mcore_dir, state, role: str = "actor") -> Path:
+def hf_to_mcore(hf_dir, mcore_dir, state, role: str = "actor", split: dict | None = None) -> Path:
     from rlhf_mcore.models import build_model
     from rlhf_mcore.models.mcore_checkpoint import save_mcore_checkpoint
 
-    chunks = build_model(hf_dir, state, role=role)
+    chunks = build_model(hf_dir, state, role=role, config_overrides=split)
     return save_mcore_checkpoint(chunks, state, mcore_dir, hf_dir)
 
 
@@ -68,7 +71,8 @@ def checked_model_dir(mcore_dir, role: str | None) -> Path:
     return path
 
 
-def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = None) -> Path:
+def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = None, split: dict | None = None
+                ) -> Path:
     from rlhf_mcore.models import build_model, save_hf_checkpoint
     from rlhf_mcore.models.mcore_checkpoint import HF_META, load_mcore_checkpoint, saved_role
 
@@ -76,9 +80,32 @@ def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = No
     if not (meta / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {meta}; pass --hf-dir with the model's HF config and tokenizer "
                                 "(checkpoints written by older versions carry none).")
-    chunks = build_model(meta, state, role=role or saved_role(mcore_dir), load_weights=False)
+    chunks = build_model(meta, state, role=role or saved_role(mcore_dir), load_weights=False, config_overrides=split)
     load_mcore_checkpoint(chunks, mcore_dir)
     return save_hf_checkpoint(chunks, state, out_hf_dir, meta)
+
+
+def checked_split(args, model_dir) -> dict:
+    """The --num-layers-in-first/last-pipeline-stage given, checked against the model's layers and --pp
+    (TransformerConfig overrides); a ConfigError naming the flags otherwise. Runs on every rank before any
+    process group exists. The model's own problems (no config.json, TP not dividing heads) are left to
+    `build_model`."""
+    from rlhf_mcore.models import ModelShape
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError, stage_sizes
+
+    split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", args.num_layers_in_first_pipeline_stage),
+                               ("num_layers_in_last_pipeline_stage", args.num_layers_in_last_pipeline_stage))
+             if v is not None}
+    if not split or not (Path(model_dir) / "config.json").is_file():
+        return split
+    layers = ModelShape.from_hf_dir(model_dir).num_layers
+    try:
+        stage_sizes(layers, args.pp, split.get("num_layers_in_first_pipeline_stage"),
+                    split.get("num_layers_in_last_pipeline_stage"))
+    except PipelineLayoutError as e:
+        raise ConfigError(f"--pp {args.pp} with --num-layers-in-first/last-pipeline-stage for the {layers}-layer "
+                          f"model in {model_dir}: {e}") from None
+    return split
 
 
 def main(argv=None) -> None:
@@ -93,6 +120,10 @@ def main(argv=None) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--role", choices=("actor", "ref", "critic"), default=None,
                    help="default: actor for hf2mcore, the saved role for mcore2hf")
+    for end in ("first", "last"):
+        p.add_argument(f"--num-layers-in-{end}-pipeline-stage", type=int, default=None,
+                       help=f"decoder layers on the {end} PP stage (the stages between share the rest evenly); "
+                            "default: even, or a chosen split when PP does not divide the layers")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = p.parse_args(argv)
 
@@ -118,15 +149,21 @@ def convert(args) -> None:
     if world % (args.tp * args.pp):
         raise ConfigError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world} "
                           f"launched processes: launch with `torchrun --nproc_per_node={args.tp * args.pp}`.")
+    model_dir = args.hf_dir if args.hf_dir else Path(mcore_dir) / "hf_meta"
+    split = checked_split(args, model_dir)
+    if args.direction == "hf2mcore":
+        from rlhf_mcore.models.safetensors_check import model_weight_files
+
+        model_weight_files(args.hf_dir)  # a truncated or corrupt file stops every rank here, naming it
 
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
     state = init_distributed(tp=args.tp, pp=args.pp, device=args.device)
     try:
         if args.direction == "hf2mcore":
-            out = hf_to_mcore(args.hf_dir, args.mcore_dir, state, role=args.role or "actor")
+            out = hf_to_mcore(args.hf_dir, args.mcore_dir, state, role=args.role or "actor", split=split)
         else:
-            out = mcore_to_hf(mcore_dir, args.out_hf_dir, state, hf_dir=args.hf_dir, role=args.role)
+            out = mcore_to_hf(mcore_dir, args.out_hf_dir, state, hf_dir=args.hf_dir, role=args.role, split=split)
         if state.rank == 0:
             print(f"{args.direction}: wrote {out} (TP={args.tp}, PP={args.pp}, world={state.world_size})")
     finally:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Callable, Optional
 
 from rlhf_mcore.config import RLConfig, load_config, model_max_positions, to_yaml, validate_config
 from rlhf_mcore.errors import UserError
 from rlhf_mcore.quiet import silence_known_warnings
+
+# How long a rank other than 0 waits, after a user error, for rank 0 to report it (torchrun stops every worker
+# as soon as one exits, so a rank that exited first could stop rank 0 before its line is out).
+PEER_REPORT_WAIT_S = 15.0
 
 
 def parse_args(argv: Optional[list[str]] = None, description: str = "") -> argparse.Namespace:
@@ -39,13 +44,23 @@ def load_and_validate(args: argparse.Namespace) -> RLConfig:
 def report_user_errors(fn: Callable[[], Optional[int]]) -> int:
     """Run an entry point's body: a :class:`~rlhf_mcore.errors.UserError` (or a missing file) becomes one line on
     stderr from rank 0 (``<kind>: <message>``) and exit code 2 on every rank; anything else is a bug and keeps
-    its traceback. Under torchrun, torchrun then adds its own failure summary (no traceback of ours in it)."""
+    its traceback. Under torchrun, torchrun then adds its own failure summary (no traceback of ours in it).
+
+    The other ranks wait `PEER_REPORT_WAIT_S` first: rank 0, meeting the same problem, prints and exits, and
+    torchrun stops them. One still running after the wait (rank 0 did not meet the problem: it may be waiting
+    for this rank in a collective) prints the line itself, prefixed with `[rank N]`, and exits."""
     silence_known_warnings()
     try:
         return fn() or 0
     except (UserError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{getattr(e, 'kind', 'input error')}: {e}", file=sys.stderr, flush=True)
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        kind = getattr(e, "kind", "input error")
+        if rank == 0:
+            print(f"{kind}: {e}", file=sys.stderr, flush=True)
+            return 2
+        if world > 1:
+            time.sleep(PEER_REPORT_WAIT_S)
+        print(f"[rank {rank}] {kind}: {e}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -76,6 +76,16 @@ class OptimConfig:
 
 
 @dataclass
+class OverrideTransformerConfig:
+    """veRL's `megatron.override_transformer_config`: here only the uneven pipeline split (layers on the first /
+    last PP stage; the stages between share the rest evenly). Unset and PP not dividing the layers: a split is
+    chosen (rlhf_mcore.models.pipeline_layout)."""
+
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+
+
+@dataclass
 class MegatronConfig:
     """The parallel layout of a Megatron model. The actor's layout is the process layout; ref and critic
     inherit it (a different one would need a second set of process groups, not supported yet)."""
@@ -90,6 +100,7 @@ class MegatronConfig:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
 
 
 @dataclass
@@ -591,19 +602,65 @@ def reference_enabled(cfg: RLConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
 
 
+_SPLIT_KEYS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+_SHARED = (("actor_rollout_ref.ref.megatron", lambda c: c.actor_rollout_ref.ref.megatron),
+           ("critic.megatron", lambda c: c.critic.megatron))
+
+
 def parallel_layout(cfg: RLConfig) -> tuple[int, int, Optional[int]]:
     """(TP, PP, VPP) of the training side: the actor's layout, which ref and critic must share."""
     m = cfg.actor_rollout_ref.actor.megatron
     tp, pp = m.tensor_model_parallel_size or 1, m.pipeline_model_parallel_size or 1
-    for name, other in (("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron),
-                        ("critic.megatron", cfg.critic.megatron)):
+    for name, get in _SHARED:
+        other = get(cfg)
         for attr, want in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
             got = getattr(other, attr)
             if got is not None and got != want:
                 raise ConfigError(
                     f"config key '{name}.{attr}' is {got} but the actor's is {want}: all training models share one "
                     f"process layout. Remove '{name}.{attr}' or set it to {want}.")
+    pipeline_split(cfg)
     return tp, pp, m.virtual_pipeline_model_parallel_size
+
+
+def pipeline_split(cfg: RLConfig) -> dict:
+    """The actor's `override_transformer_config` stage split as TransformerConfig overrides (only the keys set),
+    which ref and critic share: a different value under their `megatron` sections is refused."""
+    actor = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    split = {k: getattr(actor, k) for k in _SPLIT_KEYS if getattr(actor, k) is not None}
+    for name, get in _SHARED:
+        other = get(cfg).override_transformer_config
+        for k in _SPLIT_KEYS:
+            got = getattr(other, k)
+            if got is not None and got != getattr(actor, k):
+                key = f"{name}.override_transformer_config.{k}"
+                raise ConfigError(
+                    f"config key '{key}' is {got} but the actor's is {getattr(actor, k)}: ref and critic share the "
+                    f"actor's pipeline stages. Remove '{key}' or set "
+                    f"actor_rollout_ref.actor.megatron.override_transformer_config.{k} to the same value.")
+    return split
+
+
+def _check_pipeline_split(cfg: RLConfig, pp: int, vpp: Optional[int]) -> None:
+    """The stage split against the layer count of the actor's (and a separate critic's) model, where readable."""
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError, resolve_split
+
+    split = pipeline_split(cfg)
+    paths = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    if critic_enabled(cfg) and cfg.critic.model.path:
+        paths.append(("critic.model.path", cfg.critic.model.path))
+    for key, path in paths:
+        layers = model_num_layers(path)
+        if layers is None:
+            continue  # unreadable config.json: build_model reports it
+        try:
+            resolve_split(layers, pp, vpp, split.get(_SPLIT_KEYS[0]), split.get(_SPLIT_KEYS[1]))
+        except PipelineLayoutError as e:
+            raise ConfigError(
+                f"{key}={path} has num_hidden_layers={layers}; with "
+                f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"
+                + (f" and virtual_pipeline_model_parallel_size={vpp}" if vpp else "")
+                + f": {e} (keys under actor_rollout_ref.actor.megatron.override_transformer_config)") from None
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -631,6 +688,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     if vpp is not None:
         _require(pp > 1, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size needs "
                          "pipeline_model_parallel_size > 1.")
+    _check_pipeline_split(cfg, pp, vpp)
     dp = world_size // (tp * pp)
     d, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     _require(d.train_batch_size > 0, f"data.train_batch_size must be > 0, got {d.train_batch_size}.")
@@ -759,6 +817,14 @@ def model_max_positions(model_path: str) -> Optional[int]:
         return None
 
 
+def model_num_layers(model_path: str) -> Optional[int]:
+    """num_hidden_layers from an HF config.json, or None where it cannot be read."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def to_yaml(cfg: RLConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
@@ -769,5 +835,5 @@ def to_dict(cfg: RLConfig) -> dict:
 
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled",
-    "parallel_layout", "model_max_positions", "to_yaml", "to_dict", "load_plugins",
+    "parallel_layout", "pipeline_split", "model_max_positions", "to_yaml", "to_dict", "load_plugins",
 ]

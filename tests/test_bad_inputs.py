@@ -82,3 +82,15 @@ def test_hub_id_as_model_path(inputs):
     _, base = inputs
     assert_one_line(train(*base, "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct"),
                     "Qwen/Qwen2.5-0.5B-Instruct", "Hugging Face Hub id", "--local-dir")
+
+
+def test_truncated_safetensors_model(inputs, tiny_model_dir):
+    import shutil
+
+    root, base = inputs
+    model = root / "truncated_model"
+    shutil.copytree(tiny_model_dir("qwen2"), model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:", f"model file {weights}",
+                    "is truncated", "re-download the model")

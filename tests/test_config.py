@@ -289,3 +289,37 @@ def test_estimator_facts_come_from_the_registry():
                         world_size=1)
     grpo = load_config(None, MODEL + ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"])
     assert not critic_enabled(grpo)
+
+
+def test_pipeline_stage_split_is_checked_against_the_model(tmp_path):
+    """veRL's override_transformer_config keys for uneven PP stages: checked against the model's layer count and
+    PP, shared by ref and critic; unset, any layer count works (a split is chosen)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "max_position_embeddings": 4096}))
+    model = [f"actor_rollout_ref.model.path={tmp_path}",
+             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    validate_config(layout(*model), world_size=2)  # 3 layers at PP=2: chosen split
+    cfg = layout(*model, f"{key}.num_layers_in_first_pipeline_stage=1", f"{key}.num_layers_in_last_pipeline_stage=2")
+    validate_config(cfg, world_size=2)
+    from rlhf_mcore.config import pipeline_split
+
+    assert pipeline_split(cfg) == {"num_layers_in_first_pipeline_stage": 1, "num_layers_in_last_pipeline_stage": 2}
+    with pytest.raises(ConfigError, match=rf"model.path={tmp_path} has num_hidden_layers=3.*"
+                                          r"pipeline_model_parallel_size=2.*must add up to the model's 3 layers.*"
+                                          r"num_layers_in_first_pipeline_stage=2 and num_layers_in_last_"):
+        validate_config(layout(*model, f"{key}.num_layers_in_first_pipeline_stage=2",
+                               f"{key}.num_layers_in_last_pipeline_stage=2"), world_size=2)
+    with pytest.raises(ConfigError, match=r"num_layers_in_last_pipeline_stage=0 must be >= 1"):
+        validate_config(layout(*model, f"{key}.num_layers_in_last_pipeline_stage=0"), world_size=2)
+    with pytest.raises(ConfigError, match=r"apply to pipeline parallelism only; at PP=1"):
+        validate_config(layout(f"actor_rollout_ref.model.path={tmp_path}",
+                               f"{key}.num_layers_in_first_pipeline_stage=1"), world_size=1)
+    with pytest.raises(ConfigError, match=r"'critic.megatron.override_transformer_config.num_layers_in_first_"
+                                          r"pipeline_stage' is 2 but the actor's is 1"):
+        validate_config(layout(*model, f"{key}.num_layers_in_first_pipeline_stage=1",
+                               "critic.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=2"),
+                        world_size=2)
+    with pytest.raises(ConfigError, match=r"unknown config key .*override_transformer_config.num_layers_in_first"):
+        load_config(None, MODEL + [f"{key}.num_layers_in_first_stage=1"])

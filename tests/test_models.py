@@ -2,9 +2,10 @@
 that transformers loads, slice-wise loading, the critic, the SDPA core attention, and clear errors.
 
 The distributed checks run in ONE 4-process torchrun launch (tests/workers/models_check.py) over the layouts
-TP×PP = 1×1, 2×1, 1×2, 2×2 (extra ranks are data-parallel replicas) and 1×2 with virtual PP 2; pytest then
-compares what the worker saved with transformers run here on the same tiny fp32 models. Pure index arithmetic
-and attention math are checked in-process against naive references.
+TP×PP = 1×1, 2×1, 1×2, 2×2 (extra ranks are data-parallel replicas) and 1×2 with virtual PP 2, 3-layer models
+at PP=2 (uneven stages) among them; pytest then compares what the worker saved with transformers run here on
+the same tiny fp32 models. Pure index arithmetic and attention math are checked in-process against naive
+references.
 """
 import json
 import math
@@ -32,14 +33,19 @@ MODELS = {
     "qwen3": dict(arch="qwen3", vocab=1000, heads=4, kv_heads=2, head_dim=32),
 }
 ALL = list(MODELS)
+# 3 layers: PP=2 does not divide them, so the stages are uneven (the chosen split: 2 layers, then 1)
+UNEVEN = {f"{name}_3l": {**kw, "layers": 3} for name, kw in MODELS.items()}
+MODELS.update(UNEVEN)
 MODELS["qwen2_bf16"] = dict(arch="qwen2", vocab=1000, dtype="bfloat16")  # round trips only
 LAYOUTS = [
     dict(name="1x1", tp=1, pp=1, models=ALL, extras={"qwen2": ["grads"]}),
     dict(name="2x1", tp=2, pp=1, models=ALL, readlog=["qwen2_sharded"], bf16=["qwen2_bf16"]),
-    dict(name="1x2", tp=1, pp=2, models=ALL),
-    dict(name="2x2", tp=2, pp=2, models=ALL, readlog=["qwen2_sharded"],
-         extras={"qwen2": ["save_hf", "critic", "from_mcore"], "llama": ["save_hf"]}),
+    dict(name="1x2", tp=1, pp=2, models=ALL + list(UNEVEN)),
+    dict(name="2x2", tp=2, pp=2, models=ALL + list(UNEVEN), readlog=["qwen2_sharded"],
+         extras={"qwen2": ["save_hf", "critic", "from_mcore"], "llama": ["save_hf"], "qwen2_3l": ["save_mcore"]}),
     dict(name="1x2v2", tp=1, pp=2, vpp=2, models=["qwen2"]),  # 4 layers: one per virtual stage
+    # the Megatron checkpoint saved at TP=2×PP=2 with uneven stages, loaded without pipeline parallelism
+    dict(name="1x1_from_uneven", tp=1, pp=1, models=[], load_mcore={"qwen2_3l": "2x2"}),
 ]
 FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS if not lay.get("skip_forward")
                  for m in lay["models"] for case in ("plain", "left_padded", "thd")]
@@ -205,6 +211,34 @@ def test_megatron_checkpoint_roundtrip_across_layouts(worker, model_dirs, mcore_
     for name in want:
         assert torch.equal(got[name], want[name]), name
     assert (out / "2x2_qwen2_from_mcore_hf" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+@pytest.mark.parametrize("model", list(UNEVEN))
+def test_uneven_stages_hold_the_chosen_split(worker, layout, model):
+    """3 layers at PP=2: the first stage holds layers 0-1, the last layer 2 (its logits and round trip are
+    checked with the other layouts')."""
+    held = worker[0][layout][f"{model}/layers"]
+    assert len(held) == 4 and sorted(pp for pp, _ in held) == [0, 0, 1, 1]
+    for pp_rank, layers in held:
+        assert layers == ([0, 1] if pp_rank == 0 else [2])
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_checkpoint_loads_without_pipeline(worker, model_dirs):
+    """Saved at TP=2×PP=2 with 2+1 layers per stage, loaded at TP=PP=1: bitwise the HF weights again."""
+    from safetensors.torch import load_file
+
+    results, out = worker
+    assert results["1x1_from_uneven"]["qwen2_3l/from_mcore_roundtrip"] == []
+    got = {}
+    for f in (out / "1x1_from_uneven_qwen2_3l_from_mcore_hf").glob("*.safetensors"):
+        got.update(load_file(f))
+    want = load_file(model_dirs["qwen2_3l"] / "model.safetensors")
+    assert sorted(got) == sorted(want) and any(".layers.2." in n for n in want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.slow
@@ -614,3 +648,65 @@ def test_varlen_packed_attention_matches_per_document_sdpa():
     assert (got.float() - want).abs().max() < 3e-2
     for a, b in zip(got_in, ref):
         assert (a.grad.float() - b.grad).abs().max() < 6e-2 * max(1.0, b.grad.abs().max().item())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pipeline stage split
+
+SPLITS = [(28, 8, None, None, None), (3, 2, None, None, None), (28, 6, None, None, None), (5, 4, None, None, None),
+          (7, 3, 1, None, None), (7, 3, None, 1, None), (9, 4, 3, 2, None), (8, 2, None, None, 2),
+          (12, 4, None, None, 2), (10, 3, 2, 2, 2), (4, 1, None, None, None)]
+
+
+@pytest.mark.parametrize("layers,pp,first,last,vpp", SPLITS)
+def test_stage_layers_are_megatrons(layers, pp, first, last, vpp):
+    """`chunk_layers` (and the split `resolve_split` picks) against Megatron's own offset / layer-count functions,
+    rank by rank: every layer exactly once, in order, on the stage Megatron builds it."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from rlhf_mcore.models.pipeline_layout import chunk_layers, resolve_split
+
+    first, last = resolve_split(layers, pp, vpp, first, last)
+    config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1,
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                               pipeline_dtype=torch.float32, num_layers_in_first_pipeline_stage=first,
+                               num_layers_in_last_pipeline_stage=last)
+    got = chunk_layers(layers, pp, first, last, vpp)
+    for p in range(pp):
+        for v in range(vpp or 1):
+            vp = v if vpp else None
+            n = get_num_layers_to_build(config, vp_stage=vp, pp_rank=p)
+            start = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=p) if pp > 1 else 0
+            assert got[p][v] == range(start, start + n), (p, v)
+    assert sorted(i for stage in got for r in stage for i in r) == list(range(layers))
+
+
+def test_chosen_split_lightens_the_first_and_last_stages():
+    from rlhf_mcore.models.pipeline_layout import resolve_split, stage_sizes
+
+    assert resolve_split(28, 4) == (None, None)  # divisible: even, nothing set
+    for layers, pp, want in ((28, 8, [2, 4, 4, 4, 4, 4, 4, 2]), (3, 2, [2, 1]), (28, 3, [9, 10, 9]),
+                             (5, 4, [2, 1, 1, 1]), (10, 4, [2, 3, 3, 2])):
+        assert stage_sizes(layers, pp, *resolve_split(layers, pp)) == want, (layers, pp)
+    first, last = resolve_split(12, 4, vpp=2)  # in units of VPP: 1, 2, 2, 1 per virtual round
+    assert stage_sizes(12, 4, first, last, vpp=2) == [2, 4, 4, 2]
+
+
+@pytest.mark.parametrize("layers,pp,first,last,vpp,words", [
+    (3, 2, 2, 2, None, "must add up to the model's 3 layers: e.g. set num_layers_in_first_pipeline_stage=2 and "
+                       "num_layers_in_last_pipeline_stage=1"),
+    (7, 4, 1, 1, None, "leave 5 of the model's 7 layers for the 2 other stage(s) of PP=4"),
+    (4, 2, 0, None, None, "num_layers_in_first_pipeline_stage=0 must be >= 1"),
+    (8, 2, 3, None, 2, "must be >= 1 and a multiple of the virtual pipeline size 2"),
+    (4, 1, 2, None, None, "apply to pipeline parallelism only"),
+    (3, 4, None, None, None, "fewer than one layer per stage at PP=4: use a smaller PP"),
+    (9, 2, None, None, 2, "not divisible by the virtual pipeline size VPP=2"),
+])
+def test_bad_stage_split_names_the_values_and_a_fix(layers, pp, first, last, vpp, words):
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError, resolve_split
+
+    with pytest.raises(PipelineLayoutError) as err:
+        resolve_split(layers, pp, vpp, first, last)
+    assert words in str(err.value)

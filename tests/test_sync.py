@@ -8,9 +8,9 @@ themselves.
 Multi-process:
 - tests/workers/sync_ipc.py: shared memory (the CPU stand-in for CUDA IPC) to a spawned "rollout server";
 - tests/workers/sync_cases.py under torchrun (4 gloo ranks): Megatron TP=2×PP=2 -> rollout TP=1 and TP=2,
-  TP=4 -> rollout TP=2 (received tensors bitwise equal to the safetensors), a PPO update of the TrainEngine
-  actor then a sync (generations equal to a fresh engine built from `save_hf_checkpoint`), and the broadcast
-  transport.
+  TP=4 -> rollout TP=2 (received tensors bitwise equal to the safetensors), a 3-layer model on uneven PP=2
+  stages (TP=1 and TP=2) -> rollout TP=1, a PPO update of the TrainEngine actor then a sync (generations equal
+  to a fresh engine built from `save_hf_checkpoint`), and the broadcast transport.
 """
 import json
 import os
@@ -240,6 +240,12 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir(**MODEL)
 
 
+@pytest.fixture(scope="module")
+def model3_dir(tiny_model_dir):
+    """3 layers: PP=2 stages of 2 and 1 layers."""
+    return tiny_model_dir(**{**MODEL, "layers": 3})
+
+
 def native(model_dir, load=False):
     from rlhf_mcore.rollout import build_rollout_engine
 
@@ -362,10 +368,11 @@ def test_shared_memory_transport_to_another_process(model_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def distributed(model_dir, tmp_path_factory):
+def distributed(model_dir, model3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_cases")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-           str(ROOT / "tests" / "workers" / "sync_cases.py"), "--model", str(model_dir), "--out", str(out)]
+           str(ROOT / "tests" / "workers" / "sync_cases.py"), "--model", str(model_dir), "--model3", str(model3_dir),
+           "--out", str(out)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads((out / "results.json").read_text())
@@ -400,6 +407,15 @@ def test_train_2x2_to_rollout_bitwise(distributed, model_dir, rollout):
 def test_train_4x1_to_rollout_tp2_bitwise(distributed, model_dir):
     for r in distributed["export@4x1"]:
         check_sync(r, hf_tensor_count(model_dir))
+        assert r["generations"] == r["reference_generations"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["uneven@2x2", "uneven@1x2"])
+def test_uneven_pipeline_stages_to_rollout_bitwise(distributed, model3_dir, layout):
+    for r in distributed[layout]:
+        check_sync(r, hf_tensor_count(model3_dir))
+        assert r["layers"] == ([0, 1] if r["pp_rank"] == 0 else [2])
         assert r["generations"] == r["reference_generations"]
 
 

@@ -15,8 +15,11 @@ packed; computed on the device, see `rope.install_packed_rope`), not `position_i
 differences, so a left-padded row, whose real tokens sit at S-n..S-1 instead of 0..n-1, gets the same
 attention scores up to float rounding (checked against HF at 1e-4 in tests/test_models.py).
 
-Each chunk carries `hf_shape` (the `ModelShape`), `model_role` and `hf_dir`; the loader and the exporter read
-them (through DDP-style wrappers too).
+Each chunk carries `hf_shape` (the `ModelShape`), `model_role`, `hf_dir` and `layer_ids` (the global indices of
+its decoder layers, from `pipeline_layout.chunk_layers`, checked against Megatron's); the loader and the exporter
+read them (through DDP-style wrappers too). When PP does not divide the layers and
+`num_layers_in_first/last_pipeline_stage` are not in `config_overrides`, a split is chosen
+(`pipeline_layout.choose_split`); rank 0 prints an uneven split once.
 """
 from __future__ import annotations
 
@@ -26,9 +29,11 @@ import torch
 
 from rlhf_mcore.models.hf_config import ModelShape, gpt_model_kwargs, transformer_config
 from rlhf_mcore.models.layer_specs import layer_spec, resolve_backend
+from rlhf_mcore.models.pipeline_layout import chunk_layers, describe
 from rlhf_mcore.models.rope import install_packed_rope, install_rope
 
 ROLES = ("actor", "ref", "critic")
+_LOGGED_SPLITS: set = set()  # (layers, pp, vpp, first, last) already printed by this process
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -79,7 +84,35 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
             model.output_layer = ValueHead(shape.hidden_size, dtype=dtype, device=state.device)
         model.to(device=state.device, dtype=dtype)  # torch norms are created in fp32 on the CPU
         model.hf_shape, model.model_role, model.hf_dir = shape, role, str(hf_dir)
+        model.layer_ids = _checked_layer_ids(model, config, state.pp_rank, vp)
         chunks.append(model)
+    _log_split(config, state)
     if load_weights:
         load_hf_weights(chunks, hf_dir, state)
     return chunks
+
+
+def _split(config) -> tuple:
+    return (config.num_layers, config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size,
+            config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage)
+
+
+def _checked_layer_ids(model, config, pp_rank: int, vp: int) -> tuple:
+    """This chunk's global layer indices from `chunk_layers`, which must be the layers Megatron built."""
+    layers, pp, vpp, first, last = _split(config)
+    want = tuple(chunk_layers(layers, pp, first, last, vpp)[pp_rank][vp])
+    built = tuple(layer.layer_number - 1 for layer in model.decoder.layers)
+    if built != want:
+        raise RuntimeError(f"Megatron built layers {built} on PP stage {pp_rank} (virtual stage {vp}) but the "
+                           f"pipeline layout says {want} ({describe(layers, pp, first, last, vpp)}); this Megatron "
+                           "version places layers differently: rlhf_mcore.models.pipeline_layout must follow it.")
+    return want
+
+
+def _log_split(config, state) -> None:
+    """Rank 0 prints an uneven stage split once per process (actor, ref and critic share it)."""
+    split = _split(config)
+    uneven = split[3] is not None or split[4] is not None
+    if state.rank == 0 and uneven and split not in _LOGGED_SPLITS:
+        _LOGGED_SPLITS.add(split)
+        print(f"pipeline stages: {describe(*split[:2], *split[3:], vpp=split[2])}", flush=True)

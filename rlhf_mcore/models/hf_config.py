@@ -191,27 +191,35 @@ class ModelShape:
         return total
 
 
-def validate_parallel_layout(shape: ModelShape, tp: int, pp: int, vpp: Optional[int]) -> None:
-    """Fail early, naming the setting, when a layout cannot shard this model evenly."""
+def validate_parallel_layout(shape: ModelShape, tp: int, pp: int, vpp: Optional[int],
+                             first: Optional[int] = None, last: Optional[int] = None
+                             ) -> tuple[Optional[int], Optional[int]]:
+    """Fail early, naming the setting, when a layout cannot shard this model; returns the pipeline stage split
+    (num_layers_in_first/last_pipeline_stage: the given ones, checked, or a chosen one when PP does not divide the
+    layers; see `pipeline_layout`)."""
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError, resolve_split
+
     if shape.num_attention_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={shape.num_attention_heads}")
+        raise PipelineLayoutError(f"tensor parallel size {tp} must divide num_attention_heads="
+                                  f"{shape.num_attention_heads}")
     if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
-        raise ValueError(f"tensor parallel size {tp} and num_key_value_heads={shape.num_kv_heads}: one must "
-                         "divide the other")
+        raise PipelineLayoutError(f"tensor parallel size {tp} and num_key_value_heads={shape.num_kv_heads}: one "
+                                  "must divide the other")
     if shape.ffn_hidden_size % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide intermediate_size={shape.ffn_hidden_size}")
-    stages = pp * (vpp or 1)
-    if shape.num_layers % stages:
-        raise ValueError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline stages "
-                         f"PP×VPP = {pp}×{vpp or 1}; choose a PP (and VPP) that divides it.")
+        raise PipelineLayoutError(f"tensor parallel size {tp} must divide intermediate_size={shape.ffn_hidden_size}")
+    return resolve_split(shape.num_layers, pp, vpp, first, last)
 
 
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, vpp: Optional[int], dtype: torch.dtype,
                        on_cpu: bool, perform_initialization: bool = True, **overrides):
-    """Megatron `TransformerConfig` reproducing the HF model. `overrides` are passed through (e.g. recompute)."""
+    """Megatron `TransformerConfig` reproducing the HF model. `overrides` are passed through (e.g. recompute);
+    num_layers_in_first/last_pipeline_stage among them are checked, and chosen when unset and PP does not
+    divide the layers."""
     from megatron.core.transformer import TransformerConfig
 
-    validate_parallel_layout(shape, tp, pp, vpp)
+    first, last = validate_parallel_layout(shape, tp, pp, vpp,
+                                           overrides.pop("num_layers_in_first_pipeline_stage", None),
+                                           overrides.pop("num_layers_in_last_pipeline_stage", None))
     kwargs = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_kv_heads,
@@ -224,6 +232,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vpp: Optional[int
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=dtype, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=on_cpu,
         perform_initialization=perform_initialization, init_method_std=0.02,
+        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

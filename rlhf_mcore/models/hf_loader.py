@@ -4,7 +4,9 @@ Each rank opens the checkpoint's safetensors files (one `model.safetensors`, or 
 `model.safetensors.index.json`) and, for every parameter of its model chunks, reads just the rows/columns of
 the HF tensors that its TP shard is made of (`safe_open(...).get_slice(name)[...]`): at TP=2 a rank reads half
 of every sharded tensor, and a PP stage reads only its own layers. Nothing is materialised for the whole
-model. A `ReadLog` records every read, so tests (and curious users) can see what was touched.
+model. A `ReadLog` records every read, so tests (and curious users) can see what was touched. Before reading,
+every file's header is checked against its size (`safetensors_check`), on every rank: a truncated or corrupt file
+fails everywhere with its name.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from pathlib import Path
 import torch
 
 from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, model_weight_files
 from rlhf_mcore.models.weight_map import read_shard, rule_for_param
 
-INDEX_FILE = "model.safetensors.index.json"
+__all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "layer_numbers", "load_hf_weights", "unwrap_model"]
 
 
 @dataclass
@@ -55,11 +58,11 @@ class SafetensorsCheckpoint:
         self.dir = Path(hf_dir)
         self.log = log if log is not None else ReadLog()
         self._handles: dict = {}
+        files = model_weight_files(self.dir)  # every file's header checked before any tensor is read
         index = self.dir / INDEX_FILE
         if index.is_file():
             self.weight_map = dict(json.loads(index.read_text())["weight_map"])
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(
                     f"no *.safetensors in {self.dir}; this loader reads safetensors only. Re-save the model with "
@@ -73,7 +76,12 @@ class SafetensorsCheckpoint:
         from safetensors import safe_open
 
         if filename not in self._handles:
-            self._handles[filename] = safe_open(str(self.dir / filename), framework="pt", device="cpu")
+            path = self.dir / filename
+            try:
+                self._handles[filename] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:  # SafetensorError and OSError: the file, not our code
+                raise ModelFileError(f"cannot open model file {path} ({type(e).__name__}: {e}): re-download the "
+                                     "model, or re-save it with transformers' save_pretrained.") from None
         return self._handles[filename]
 
     def __contains__(self, name: str) -> bool:
@@ -106,8 +114,12 @@ def unwrap_model(module):
 
 
 def layer_numbers(chunk) -> dict:
-    """Local layer index -> global 0-based layer index, from Megatron's own `layer_number` (1-based)."""
-    return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+    """Local layer index -> global 0-based layer index: the chunk's `layer_ids` (set and checked against Megatron
+    by `build_model`, from `pipeline_layout.chunk_layers`); Megatron's own `layer_number` for other chunks."""
+    ids = getattr(chunk, "layer_ids", None)
+    if ids is None:
+        ids = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+    return dict(enumerate(ids))
 
 
 def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = None) -> ReadLog:

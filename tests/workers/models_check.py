@@ -5,9 +5,11 @@ For every layout and tiny HF model it builds the Megatron chunks from the HF dir
   mask, a left-padded batch with a causal+padding mask, the documents packed as THD) and saves the
   TP-gathered logits (over the padded vocabulary) for pytest to compare with transformers;
 - exports HF tensors with `export_hf_weights` and compares them bitwise with the checkpoint, on every rank.
-Per-layout extras (the spec's "extras" and "readlog"): slice-wise loading with a ReadLog from a sharded
-checkpoint, bf16 checkpoints in fp32 and bf16 models, HF checkpoint saves, loading a Megatron dist
-checkpoint written under another layout, the critic, and gradients of padded vs packed batches.
+Every rank reports the global layers it holds of each model. Per-layout extras (the spec's "extras",
+"readlog" and "load_mcore"): slice-wise loading with a ReadLog from a sharded checkpoint, bf16 checkpoints in
+fp32 and bf16 models, HF checkpoint saves, Megatron dist checkpoint saves, loading a Megatron dist checkpoint
+written under another layout (by the CLI, or by an earlier layout of this run), the critic, and gradients of
+padded vs packed batches.
 
 Usage: torchrun --nproc_per_node=4 tests/workers/models_check.py --spec SPEC.json --out DIR
 """
@@ -149,6 +151,10 @@ def run_layout(layout, spec, out: Path, results: dict):
         hf_dir = spec["models"][model_name]
         chunks = build_model(hf_dir, state, role="actor")
         res[f"{model_name}/roundtrip"] = gather_problems(state, roundtrip(chunks, state, hf_dir))
+        held = [None] * state.world_size
+        dist.all_gather_object(held, [state.pp_rank, [layer.layer_number - 1 for c in chunks
+                                                      for layer in c.decoder.layers]])
+        res[f"{model_name}/layers"] = held
         if not layout.get("skip_forward"):
             cases = {"plain": padded_batch([docs[0], docs[2]], left=True),  # equal lengths: no mask
                          "left_padded": padded_batch(docs, left=True)}
@@ -163,6 +169,10 @@ def run_layout(layout, spec, out: Path, results: dict):
         extras = layout.get("extras", {}).get(model_name, [])
         if "save_hf" in extras:
             save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
+        if "save_mcore" in extras:
+            from rlhf_mcore.models import save_mcore_checkpoint
+
+            save_mcore_checkpoint(chunks, state, out / f"{name}_{model_name}_mcore", hf_dir)
         if "from_mcore" in extras:
             res[f"{model_name}/from_mcore_roundtrip"] = from_mcore(state, spec["mcore"][model_name], hf_dir,
                                                                    out / f"{name}_{model_name}_from_mcore_hf")
@@ -194,6 +204,10 @@ def run_layout(layout, spec, out: Path, results: dict):
         res[f"{model_name}/readlog"] = everyone
         res[f"{model_name}/readlog_roundtrip"] = gather_problems(state, roundtrip(chunks, state, hf_dir))
         del chunks
+    for model_name, saved_at in layout.get("load_mcore", {}).items():
+        res[f"{model_name}/from_mcore_roundtrip"] = from_mcore(
+            state, out / f"{saved_at}_{model_name}_mcore", spec["models"][model_name],
+            out / f"{name}_{model_name}_from_mcore_hf")
     from megatron.core import parallel_state as mpu
     mpu.destroy_model_parallel()
 

@@ -1,7 +1,7 @@
 """Worker for tests/test_sync.py, run under torchrun with 4 processes (gloo, CPU): weight sync from Megatron
 layouts into native rollout engines of other TP sizes, after a PPO update, and the broadcast transport.
 
-Usage: torchrun --nproc_per_node=4 tests/workers/sync_cases.py --model DIR --out DIR
+Usage: torchrun --nproc_per_node=4 tests/workers/sync_cases.py --model DIR --model3 DIR --out DIR
 
 Cases (one launch, start-up dominates on 2 cores); rank 0 writes <out>/results.json with, per case, every
 rank's report (lists indexed by rank):
@@ -12,6 +12,8 @@ rank's report (lists indexed by rank):
   engines, `save_hf_checkpoint`; received tensors vs the saved safetensors (bitwise); generations of both
   engines vs a fresh engine built from the saved directory, and vs the generations before the update.
 - export@4x1: train TP=4 -> rollout TP=2 (bitwise, verified).
+- uneven@2x2, uneven@1x2: a 3-layer model (--model3) on uneven PP stages (2 layers, then 1) -> rollout TP=1
+  (bitwise, verified; generations vs a fresh engine).
 - broadcast: synthetic mixed-dtype tensors from rank 0 to all ranks and from rank 3 to ranks {1, 3}, with
   checksums; every receiver compares what it got with the regenerated tensors (bitwise).
 """
@@ -161,6 +163,18 @@ def case_export_4x1(model_dir, engine, state):
             "generations": greedy(engine), "reference_generations": greedy(native(model_dir, load=True))}
 
 
+def case_export_uneven(model_dir, state):
+    from rlhf_mcore.models import build_model, export_hf_weights
+
+    chunks = build_model(model_dir, state, role="actor")
+    engine = native(model_dir)
+    received, metrics = sync_into(engine, export_hf_weights(chunks, state), state)
+    return {"compare": compare(received, read_safetensors(model_dir)), "metrics": metrics,
+            "layers": [layer.layer_number - 1 for c in chunks for layer in c.decoder.layers],
+            "pp_rank": state.pp_rank, "generations": greedy(engine),
+            "reference_generations": greedy(native(model_dir, load=True))}
+
+
 def synthetic(seed: int) -> list:
     """Mixed dtypes and shapes, one tensor (64 KB) larger than the bucket, a 0-d tensor."""
     g = torch.Generator().manual_seed(seed)
@@ -202,6 +216,7 @@ def case_broadcast(state) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--model3", required=True, help="a 3-layer model: uneven stages at PP=2")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
@@ -221,7 +236,11 @@ def main():
     clock["broadcast"], t0 = time.perf_counter() - t0, time.perf_counter()
     state = init_distributed(tp=4, pp=1, seed=3)
     report["export@4x1"] = case_export_4x1(args.model, engines["rollout_tp2"], state)
-    clock["export@4x1"] = time.perf_counter() - t0
+    clock["export@4x1"], t0 = time.perf_counter() - t0, time.perf_counter()
+    for tp in (2, 1):
+        state = init_distributed(tp=tp, pp=2, seed=3)
+        report[f"uneven@{tp}x2"] = case_export_uneven(args.model3, state)
+        clock[f"uneven@{tp}x2"], t0 = time.perf_counter() - t0, time.perf_counter()
     report["seconds"] = clock
 
     everyone = [None] * dist.get_world_size()

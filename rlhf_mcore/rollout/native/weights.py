@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -193,7 +192,9 @@ def iter_safetensors(model_dir) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every *.safetensors file of an HF directory, on CPU."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    from rlhf_mcore.models.safetensors_check import model_weight_files
+
+    files = model_weight_files(model_dir)  # headers checked: a truncated file fails naming itself
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}; the native engine loads safetensors "
                                 "checkpoints (convert .bin with transformers' save_pretrained).")
