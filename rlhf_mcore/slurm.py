@@ -72,10 +72,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
         return out.stdout.split()
     except (OSError, subprocess.CalledProcessError):
-        return _expand_locally(nodelist)
+        return expand_nodelist_locally(nodelist)
 
 
-def _expand_locally(nodelist: str) -> list[str]:
+def expand_nodelist_locally(nodelist: str) -> list[str]:
     hosts, i, n = [], 0, len(nodelist)
     while i < n:
         j = i

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_mcore.slurm import NodeLaunch, _expand_locally, dry_run
+from rlhf_mcore.slurm import NodeLaunch, dry_run, expand_nodelist_locally
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_expand_nodelist():
-    assert _expand_locally("gpu[01-03,07],login5") == ["gpu01", "gpu02", "gpu03", "gpu07", "login5"]
-    assert _expand_locally("node7") == ["node7"]
-    assert _expand_locally("a[8-10]") == ["a8", "a9", "a10"]
+    assert expand_nodelist_locally("gpu[01-03,07],login5") == ["gpu01", "gpu02", "gpu03", "gpu07", "login5"]
+    assert expand_nodelist_locally("node7") == ["node7"]
+    assert expand_nodelist_locally("a[8-10]") == ["a8", "a9", "a10"]
 
 
 def test_node_command_from_slurm_env():

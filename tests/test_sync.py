@@ -35,7 +35,7 @@ from rlhf_mcore.sync import (
     sync_actor_to_rollout,
 )
 from rlhf_mcore.sync.buckets import ALIGN, plan_layout
-from rlhf_mcore.sync.verify import _MOD, _ROW, ChecksumTap, fingerprint
+from rlhf_mcore.sync.verify import CHECKSUM_MOD, CHECKSUM_ROW, ChecksumTap, fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(arch="qwen2", vocab=1000, heads=8, kv_heads=4)  # shared with tests/test_models.py's qwen2
@@ -184,14 +184,14 @@ def test_peak_extra_memory_is_bounded_and_catches_a_leaking_consumer():
 # ------------------------------------------------------------------------------------------------ checksum
 
 def naive_checksum(t: torch.Tensor) -> int:
-    """The documented formula as a plain loop: words in rows of _ROW, row sum of word*(column+1), rows folded."""
+    """The documented formula as a plain loop: words in rows of CHECKSUM_ROW, row sum of word*(column+1), rows folded."""
     flat = t.contiguous().reshape(-1)
     size = flat.element_size()
     words = flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8).tolist()
-    total = len(words) % _MOD
-    for start in range(0, len(words), _ROW):
-        row = sum(w * (j + 1) for j, w in enumerate(words[start:start + _ROW]))
-        total = (total * 1_000_003 + row) % _MOD
+    total = len(words) % CHECKSUM_MOD
+    for start in range(0, len(words), CHECKSUM_ROW):
+        row = sum(w * (j + 1) for j, w in enumerate(words[start:start + CHECKSUM_ROW]))
+        total = (total * 1_000_003 + row) % CHECKSUM_MOD
     return total
 
 
@@ -204,8 +204,8 @@ def test_checksum_matches_naive_loop(name):
 def test_checksum_over_several_rows_and_slabs(monkeypatch):
     import rlhf_mcore.sync.verify as verify
 
-    monkeypatch.setattr(verify, "_SLAB_WORDS", 2 * _ROW)  # force several slabs and a padded last row
-    t = torch.randn(5 * _ROW + 7)
+    monkeypatch.setattr(verify, "_SLAB_WORDS", 2 * CHECKSUM_ROW)  # force several slabs and a padded last row
+    t = torch.randn(5 * CHECKSUM_ROW + 7)
     assert checksum(t) == naive_checksum(t)
 
 

@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 _MAX_EXAMPLES = 5  # problem descriptions kept in stats["examples"] per batch
 
 
-def _worker_main() -> None:
+def worker_main() -> None:
     """Worker process entry (`python -c`): argv[1] is the socket fd. The first message carries the parent's
     `sys.path` and the pickled reward function; then it answers `(item, kwargs)` with `(item, status,
     payload)` until it receives `None` or the socket closes."""
@@ -96,7 +96,7 @@ def _worker_main() -> None:
 _READY = "ready"  # a worker's first message
 _STARTUP_S = 60.0  # a worker that has not loaded the reward function by then is stuck importing it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `rlhf_mcore/`
-_WORKER_CMD = "from rlhf_mcore.rewards.scorer import _worker_main; _worker_main()"
+_WORKER_CMD = "from rlhf_mcore.rewards.scorer import worker_main; worker_main()"
 
 
 class _Worker:

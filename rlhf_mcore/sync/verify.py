@@ -21,9 +21,9 @@ import torch
 
 from .readback import HeldShard, engine_hf_shards
 
-_ROW = 1 << 15         # words per row: |word| < 2^31, weights <= 2^15, 2^15 terms -> row sums < 2^61
+CHECKSUM_ROW = 1 << 15         # words per row: |word| < 2^31, weights <= 2^15, 2^15 terms -> row sums < 2^61
 _SLAB_WORDS = 1 << 23  # words widened to int64 at a time (64 MiB)
-_MOD = (1 << 61) - 1
+CHECKSUM_MOD = (1 << 61) - 1
 
 
 class WeightSyncError(RuntimeError):
@@ -48,16 +48,16 @@ def checksum(t: torch.Tensor) -> int:
     if flat.numel() == 0:
         return 0
     words = _words(flat)  # (N,)
-    weights = torch.arange(1, _ROW + 1, dtype=torch.int64, device=words.device)  # (ROW,)
-    total = words.numel() % _MOD
+    weights = torch.arange(1, CHECKSUM_ROW + 1, dtype=torch.int64, device=words.device)  # (ROW,)
+    total = words.numel() % CHECKSUM_MOD
     for start in range(0, words.numel(), _SLAB_WORDS):
         slab = words[start:start + _SLAB_WORDS].to(torch.int64)
-        pad = (-slab.numel()) % _ROW
+        pad = (-slab.numel()) % CHECKSUM_ROW
         if pad:
             slab = torch.cat([slab, slab.new_zeros(pad)])
-        rows = (slab.view(-1, _ROW) * weights).sum(dim=1)  # (R,) exact: < 2^61 in magnitude
+        rows = (slab.view(-1, CHECKSUM_ROW) * weights).sum(dim=1)  # (R,) exact: < 2^61 in magnitude
         for s in rows.tolist():
-            total = (total * 1_000_003 + s) % _MOD
+            total = (total * 1_000_003 + s) % CHECKSUM_MOD
     return total
 
 
