@@ -184,7 +184,7 @@ def test_peak_extra_memory_is_bounded_and_catches_a_leaking_consumer():
 # ------------------------------------------------------------------------------------------------ checksum
 
 def naive_checksum(t: torch.Tensor) -> int:
-    """The documented formula as a plain loop: words in rows of CHECKSUM_ROW, row sum of word*(column+1), rows folded."""
+    """The documented formula as a loop: words in rows of CHECKSUM_ROW, row sum of word*(column+1), rows folded."""
     flat = t.contiguous().reshape(-1)
     size = flat.element_size()
     words = flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8).tolist()
