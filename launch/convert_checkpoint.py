@@ -48,6 +48,9 @@ def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = No
 
 
 def main(argv=None) -> None:
+    from rlhf_mcore.lifetime import bind_rank_to_launcher
+
+    bind_rank_to_launcher()  # under torchrun: this rank dies with the agent
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--direction", choices=("hf2mcore", "mcore2hf"), required=True)
     p.add_argument("--hf-dir", help="HF model directory (input of hf2mcore; config/tokenizer source or output "

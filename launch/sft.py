@@ -10,10 +10,12 @@ import argparse
 import sys
 
 from rlhf_mcore.config import ConfigError
+from rlhf_mcore.lifetime import bind_rank_to_launcher  # before torch: it records the launcher's PID at import
 from rlhf_mcore.trainer.sft import run_sft
 
 
 def main() -> int:
+    bind_rank_to_launcher()  # under torchrun: this rank dies with the agent
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="Hugging Face model directory to start from")
     ap.add_argument("--train-file", required=True, help="parquet in veRL's schema")

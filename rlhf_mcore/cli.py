@@ -11,6 +11,7 @@ import sys
 from typing import Callable, Optional
 
 from rlhf_mcore.config import ConfigError, RLConfig, load_config, model_max_positions, to_yaml, validate_config
+from rlhf_mcore.lifetime import bind_rank_to_launcher
 
 
 def parse_args(argv: Optional[list[str]] = None, description: str = "") -> argparse.Namespace:
@@ -42,6 +43,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:
+    bind_rank_to_launcher()  # under torchrun: this rank dies with the agent (no orphaned ranks)
     args = parse_args(argv, description)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:

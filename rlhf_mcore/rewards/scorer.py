@@ -13,9 +13,11 @@ warning per batch is logged.
 Workers are started once and reused every step. They are fresh interpreters (`python -c ...` talking over a
 socket pair), not `multiprocessing` children: nothing is forked from a process holding CUDA contexts and
 threads, and, unlike the spawn start method, the trainer's `__main__` (torch, Megatron) is not re-imported in
-every worker, so one starts in ~0.2 s. Each item is sent to an idle worker; an item that is not done
-`timeout_s` seconds after it was sent gets its worker killed and replaced (the replacement's start-up, and
-a reward function's first-call imports such as math-verify's sympy, ~1-2 s, count against its first item).
+every worker, so one starts in ~0.2 s. A worker dies with the process that started it, also when that one is
+killed (Linux's parent-death signal, :mod:`rlhf_mcore.lifetime`). Each item is sent to an idle worker; an item
+that is not done `timeout_s` seconds after it was sent gets its worker killed and replaced (the replacement's
+start-up, and a reward function's first-call imports such as math-verify's sympy, ~1-2 s, count against its
+first item).
 `num_workers=0` scores in the calling process: exceptions and garbage are still caught, but a hanging
 function cannot be interrupted there.
 
@@ -91,8 +93,8 @@ def _call(fn: Callable[..., Any], args: dict[str, Any]) -> tuple[str, Any]:
 
 
 def _worker_main() -> None:
-    """Worker process entry (`python -c`): argv[1] is the socket fd. The first message carries the parent's
-    `sys.path` and the pickled reward function; then it answers `(item, kwargs)` with `(item, status,
+    """Worker process entry (`python -c`, see _WORKER_CMD): argv[1] is the socket fd. The first message carries
+    the parent's `sys.path` and the pickled reward function; then it answers `(item, kwargs)` with `(item, status,
     payload)` until it receives `None` or the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
     conn = Connection(int(sys.argv[1]))
@@ -119,7 +121,10 @@ def _worker_main() -> None:
 
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `rlhf_mcore/`
-_WORKER_CMD = "from rlhf_mcore.rewards.scorer import _worker_main; _worker_main()"
+# argv: the socket fd, the trainer's PID. The worker dies with the trainer (a worker stuck in user code would not
+# see its socket close), armed before anything else is imported.
+_WORKER_CMD = ("import sys; from rlhf_mcore.lifetime import die_with_parent; die_with_parent(int(sys.argv[2])); "
+               "from rlhf_mcore.rewards.scorer import _worker_main; _worker_main()")
 
 
 class _Worker:
@@ -130,7 +135,7 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CMD, str(child_sock.fileno())],
+            [sys.executable, "-c", _WORKER_CMD, str(child_sock.fileno()), str(os.getpid())],
             pass_fds=(child_sock.fileno(),),
             stdin=subprocess.DEVNULL,
             env=env,
