@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from rlhf_mcore.config import RLConfig, load_config, model_max_positions, to_yaml, validate_config
 from rlhf_mcore.errors import UserError
+from rlhf_mcore.lifetime import bind_rank_to_launcher
 from rlhf_mcore.quiet import silence_known_warnings
 
 # How long a rank other than 0 waits, after a user error, for rank 0 to report it (torchrun stops every worker
@@ -49,6 +50,7 @@ def report_user_errors(fn: Callable[[], Optional[int]]) -> int:
     The other ranks wait `PEER_REPORT_WAIT_S` first: rank 0, meeting the same problem, prints and exits, and
     torchrun stops them. One still running after the wait (rank 0 did not meet the problem: it may be waiting
     for this rank in a collective) prints the line itself, prefixed with `[rank N]`, and exits."""
+    bind_rank_to_launcher()  # under torchrun: this rank dies with the agent (no orphaned ranks)
     silence_known_warnings()
     try:
         return fn() or 0

@@ -108,9 +108,12 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from rlhf_mcore.lifetime import tie_helpers_to_this_process
+
     if "RANK" not in os.environ:  # plain `python launch/x.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    tie_helpers_to_this_process()  # helpers that Megatron / multiprocessing start die with this process
     dev = pick_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":

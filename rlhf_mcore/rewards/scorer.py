@@ -19,7 +19,8 @@ CUDA contexts and threads, and, unlike the spawn start method, the trainer's `__
 not re-imported in every worker. Each item is sent to an idle worker; an item that is not done `timeout_s`
 seconds after it was sent (or after its worker finished starting and loading the function) gets its worker
 killed and replaced (a reward function's first-call imports, such as math-verify's sympy, count against the
-first item of a new worker).
+first item of a new worker). A worker dies with the process that started it, also when that one is killed
+(Linux's parent-death signal, :mod:`rlhf_mcore.lifetime`).
 
 `num_workers=0` scores in the calling thread, as it always has (no pickling; the caller's signal handlers,
 torch grad mode and CUDA device apply), and the timeout holds there too: a call past `timeout_s` is
@@ -96,7 +97,10 @@ def worker_main() -> None:
 _READY = "ready"  # a worker's first message
 _STARTUP_S = 60.0  # a worker that has not loaded the reward function by then is stuck importing it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `rlhf_mcore/`
-_WORKER_CMD = "from rlhf_mcore.rewards.scorer import worker_main; worker_main()"
+# argv: the socket fd, the trainer's PID. The worker dies with the trainer (a worker stuck in user code would not
+# see its socket close), armed before anything else is imported.
+_WORKER_CMD = ("import sys; from rlhf_mcore.lifetime import die_with_parent; die_with_parent(int(sys.argv[2])); "
+               "from rlhf_mcore.rewards.scorer import worker_main; worker_main()")
 
 
 class _Worker:
@@ -107,7 +111,7 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CMD, str(child_sock.fileno())],
+            [sys.executable, "-c", _WORKER_CMD, str(child_sock.fileno()), str(os.getpid())],
             pass_fds=(child_sock.fileno(),),
             stdin=subprocess.DEVNULL,
             env=env,

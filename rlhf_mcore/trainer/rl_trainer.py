@@ -27,6 +27,7 @@ from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
 from rlhf_mcore.trainer.rollout_phase import generate_and_score
+from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
 from rlhf_mcore.trainer.validation import validate
 
@@ -69,6 +70,7 @@ class RLTrainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: set it first
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed)
+        self.run_lock = take_run_lock(self.out_dir, self.state)  # one live run per directory, before any model
         self.sampler = roles.build_sampler(cfg, len(self.train_set))
         steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -292,6 +294,7 @@ class RLTrainer:
         if dist.is_initialized():
             dist.barrier(group=self.state.cpu_group)
         destroy_distributed()
+        self.run_lock.release()
 
 
 def train(cfg: RLConfig) -> dict[str, float]:

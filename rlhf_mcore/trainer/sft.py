@@ -18,6 +18,7 @@ from rlhf_mcore.data import DataError
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.trainer.batch import build_batch
 from rlhf_mcore.trainer.logging import reduce_metrics
+from rlhf_mcore.trainer.run_lock import take_run_lock
 
 
 def _target(row: dict[str, Any], row_no: int, path: str) -> str:
@@ -74,6 +75,7 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}", f"trainer.seed={seed}",
         *(overrides or [])])
     state = init_distributed(tp, pp, device=cfg.trainer.device, seed=seed)
+    lock = take_run_lock(out, state, key="--out")  # one live SFT run per output directory
     try:
         if batch_size % state.dims.dp:
             raise ConfigError(f"--batch-size {batch_size} must be divisible by the data-parallel size {state.dims.dp}")
@@ -100,3 +102,4 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
         return last
     finally:
         destroy_distributed()
+        lock.release()
