@@ -124,6 +124,8 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # the rollout's log-probs are the old policy: no old-log-prob forward pass (veRL's bypass mode)
+    use_rollout_log_probs: bool = False
     logprob_backend: str = "auto"  # log-prob/entropy kernel: auto (triton on CUDA if installed) | torch | triton
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -249,6 +251,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction with ratio pi_old / pi_rollout (rlhf_mcore.algos.rollout_correction)."""
+    rollout_is: Optional[str] = None  # None (off) | token | sequence: IS weights on the policy loss
+    rollout_is_threshold: float = 2.0  # TIS: IS weights capped at this
+    rollout_is_batch_normalize: bool = False  # IS weights divided by their batch mean
+    rollout_rs: Optional[str] = None  # None (off) | token | sequence | geometric: rejection from the loss
+    rollout_rs_threshold: Optional[float] = None  # largest ratio kept (required with rollout_rs)
+    rollout_rs_threshold_lower: Optional[float] = None  # smallest ratio kept; None: 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: Optional[float] = None  # a token ratio below this rejects its sequence
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # gae | grpo | rloo | remax | reinforce_plus_plus | reinforce_plus_plus_baseline
     gamma: float = 1.0
@@ -257,6 +271,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -335,6 +350,11 @@ _NOT_APPLICABLE = {
     "actor_rollout_ref.rollout.load_format":
         "the rollout engine always starts from the actor's weights, sent to it before the first step, so there is "
         "nothing for it to load; remove the key",
+    "algorithm.rollout_correction.bypass_mode":
+        "set actor_rollout_ref.actor.use_rollout_log_probs=true to use the rollout's log-probs as the old policy",
+    "algorithm.rollout_correction.loss_type":
+        "the policy loss is actor_rollout_ref.actor.policy_loss (PPO clip with the rollout as the old policy under "
+        "actor_rollout_ref.actor.use_rollout_log_probs=true)",
 }
 # veRL's top-level sections that live under `reward` here: accepted under either name.
 _ALIASES = {"reward_model": "reward.reward_model", "custom_reward_function": "reward.custom_reward_function"}
@@ -551,6 +571,7 @@ def _check_values(cfg: RLConfig) -> None:
     need("algorithm.gamma", 0 <= cfg.algorithm.gamma <= 1, "in [0, 1]")
     need("algorithm.lam", 0 <= cfg.algorithm.lam <= 1, "in [0, 1]")
     need("algorithm.kl_ctrl.kl_coef", cfg.algorithm.kl_ctrl.kl_coef >= 0, ">= 0")
+    _check_rollout_correction(cfg, need)
     need("reward.num_workers", cfg.reward.num_workers >= 0, ">= 0 (0 scores in the trainer process)")
     need("reward.timeout_s", cfg.reward.timeout_s > 0, "> 0 seconds")
     need("reward.max_failure_ratio", 0 <= cfg.reward.max_failure_ratio <= 1,
@@ -572,6 +593,35 @@ def _check_values(cfg: RLConfig) -> None:
         v = _get(cfg, f"{r}.{k}")
         need(f"{r}.{k}", v is None or v == _get(cfg, f"data.{data_key}"),
              f"unset or equal to data.{data_key} ({_get(cfg, f'data.{data_key}')}), which sets it")
+
+
+def _check_rollout_correction(cfg: RLConfig, need) -> None:
+    rc, p = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    need(f"{p}.rollout_is", rc.rollout_is in (None, "token", "sequence"), "null (off), token or sequence")
+    need(f"{p}.rollout_is_threshold", rc.rollout_is_threshold > 0, "> 0 (the TIS cap on IS weights, e.g. 2.0)")
+    need(f"{p}.rollout_is_batch_normalize", not rc.rollout_is_batch_normalize or rc.rollout_is is not None,
+         f"false while {p}.rollout_is is null (there are no IS weights to normalise)")
+    need(f"{p}.rollout_rs", rc.rollout_rs in (None, "token", "sequence", "geometric"),
+         "null (off), token, sequence or geometric")
+    for k in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+        v = getattr(rc, k)
+        need(f"{p}.{k}", v is None or (rc.rollout_rs is not None and v > 0),
+             f"> 0, and set only with {p}.rollout_rs (token, sequence or geometric)")
+    need(f"{p}.rollout_rs_threshold", rc.rollout_rs is None or rc.rollout_rs_threshold is not None,
+         f"set when {p}.rollout_rs is on: the largest ratio pi_old/pi_rollout kept, e.g. 2.0")
+    lower = rc.rollout_rs_threshold_lower
+    need(f"{p}.rollout_rs_threshold_lower", lower is None or lower < rc.rollout_rs_threshold,
+         f"below {p}.rollout_rs_threshold ({rc.rollout_rs_threshold}); unset means its reciprocal")
+    need(f"{p}.rollout_rs_threshold", rc.rollout_rs_threshold is None or lower is not None
+         or rc.rollout_rs_threshold >= 1, f">= 1 while {p}.rollout_rs_threshold_lower is unset (the band "
+         f"[1/threshold, threshold] is empty otherwise), or set rollout_rs_threshold_lower")
+    need(f"{p}.rollout_token_veto_threshold",
+         rc.rollout_token_veto_threshold is None or rc.rollout_token_veto_threshold > 0, "unset or > 0 (e.g. 1e-4)")
+    corrects = rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
+    need("actor_rollout_ref.actor.use_rollout_log_probs",
+         not (cfg.actor_rollout_ref.actor.use_rollout_log_probs and corrects),
+         f"false while {p} is on: with the rollout's log-probs as the old policy every ratio pi_old/pi_rollout is 1 "
+         f"(the PPO ratio pi/pi_rollout already corrects the mismatch); turn one of them off")
 
 
 # --------------------------------------------------------------------------------------------- cross-field

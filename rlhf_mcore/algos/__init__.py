@@ -6,7 +6,8 @@
 - :mod:`.value_loss` — the clipped value loss; :mod:`.entropy` — entropy and the entropy bonus;
 - :mod:`.kl` — KL estimators, fixed/adaptive KL controllers, KL in the reward, KL as a loss;
 - :mod:`.aggregation` — loss aggregation modes with global normalisers for micro-batch invariance;
-- :mod:`.masked` — masked mean/var/whiten.
+- :mod:`.masked` — masked mean/var/whiten;
+- :mod:`.rollout_correction` — IS weights and rejection masks for off-policy rollouts.
 
 Nothing here knows about models, process groups or Megatron.
 """
@@ -30,6 +31,7 @@ from rlhf_mcore.algos.kl import (
 )
 from rlhf_mcore.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf_mcore.algos.policy_loss import get_policy_loss, list_policy_losses, register_policy_loss
+from rlhf_mcore.algos.rollout_correction import RolloutCorrection, compute_rollout_correction
 from rlhf_mcore.algos.value_loss import compute_value_loss
 
 __all__ = [
@@ -56,5 +58,7 @@ __all__ = [
     "get_policy_loss",
     "list_policy_losses",
     "register_policy_loss",
+    "RolloutCorrection",
+    "compute_rollout_correction",
     "compute_value_loss",
 ]

@@ -30,7 +30,7 @@ from rlhf_mcore.engine.packing import ModelInputs
 __all__ = ["LossContext", "score_tokens", "token_values", "actor_loss", "critic_loss", "reduce_metrics",
            "ACTOR_KEYS", "CRITIC_KEYS"]
 
-ACTOR_KEYS = ("response_mask", "old_log_probs", "advantages")
+ACTOR_KEYS = ("response_mask", "old_log_probs", "advantages")  # + rollout_is_weights (b, R) when present
 CRITIC_KEYS = ("response_mask", "values", "returns")
 # token-weighted means among the policy loss's metrics
 _TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "approx_kl", "vf_clipfrac", "vpred_mean")
@@ -75,7 +75,7 @@ def actor_loss(output: torch.Tensor, mb: MicroBatch, ctx: LossContext) -> tuple[
     pg_loss, pg_metrics = get_policy_loss(cfg.policy_loss)(
         mb.data["old_log_probs"], log_prob, mb.data["advantages"], mask, clip_ratio=cfg.clip_ratio,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-        **common)
+        rollout_is_weights=mb.data.get("rollout_is_weights"), **common)
     loss = pg_loss
     metrics = {"pg_loss": pg_loss.detach()}
     if cfg.entropy_coeff != 0:

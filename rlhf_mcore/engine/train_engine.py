@@ -254,6 +254,8 @@ class TrainEngine:
         keys = ACTOR_KEYS if cfg.role == "actor" else CRITIC_KEYS
         if cfg.role == "actor" and cfg.use_kl_loss:
             keys = keys + ("ref_log_prob",)
+        if cfg.role == "actor" and "rollout_is_weights" in sub:  # algorithm.rollout_correction.rollout_is
+            keys = keys + ("rollout_is_weights",)
         mask = sub["response_mask"]  # (b, R)
         counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)  # (2,) tokens, sequences
         if state.dims.dp > 1:

@@ -57,7 +57,7 @@ ALGORITHM_KEYS = (
     "actor_rollout_ref.actor.clip_ratio_c", "actor_rollout_ref.actor.entropy_coeff",
     "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.kl_loss_coef",
     "actor_rollout_ref.actor.kl_loss_type", "actor_rollout_ref.actor.ppo_epochs",
-    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.use_rollout_log_probs",
     "actor_rollout_ref.rollout.n",
     "critic.enable", "critic.model.path", "critic.cliprange_value", "critic.loss_agg_mode",
     "data.train_batch_size",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlhf_mcore import algos
 from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
-from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.parallel import collective_device, destroy_distributed, init_distributed
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch
@@ -108,11 +108,12 @@ class RLTrainer:
                     self.forward_passes(batch)                     # 4. ref / old log-probs, values
                 with t("adv"):
                     self.compute_advantages(batch)                 # 5. advantages and returns
+                    corr_metrics = self.correct_rollout(batch)     # 5b. off-policy IS weights / rejection
                 with t("update"):
                     update_metrics = self.update(batch)            # 6. critic, then actor
                 with t("sync"):
                     sync_metrics = self.sync_weights()             # 7. actor -> rollout (sleep level 2: at wake)
-            last = self.finish_step(batch, {**gen_metrics, **update_metrics, **sync_metrics}, t)  # 8.
+            last = self.finish_step(batch, {**gen_metrics, **corr_metrics, **update_metrics, **sync_metrics}, t)  # 8.
             self.hooks.step_end(self, self.step, batch, last, t)
         if self.cfg.trainer.export_hf_final:
             self.export_final()
@@ -156,7 +157,10 @@ class RLTrainer:
         return batch, {**reward_metrics(stats), **wake_sync_metrics}
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
-        batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
+        if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
         if self.ref is not None:
             batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
         if self.critic is not None:
@@ -177,7 +181,34 @@ class RLTrainer:
             values=batch.get("values"), index=batch["index"], gamma=alg.gamma, lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, reward_baselines=batch.get("reward_baselines"))
 
+    def correct_rollout(self, batch: dict[str, Any]) -> dict[str, float]:
+        """`algorithm.rollout_correction`: puts `rollout_is_weights` (B, R) and `loss_mask` (B, R; the response
+        mask less rejected tokens) in the batch for the updates; returns the `rollout_corr/*` metrics.
+
+        Advantages are computed before, on the whole response; rejection only removes tokens from the losses."""
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.rollout_is is None and rc.rollout_rs is None and rc.rollout_token_veto_threshold is None:
+            return {}
+
+        def dp_sum(t: torch.Tensor) -> torch.Tensor:  # the batch is split over DP ranks
+            g = self.state.dp_group
+            if g is None or not dist.is_initialized() or dist.get_world_size(g) == 1:
+                return t
+            out = t.to(collective_device(g))
+            dist.all_reduce(out, group=g)
+            return out.to(t.device)
+
+        corr = algos.compute_rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"],
+                                                batch["response_mask"], **vars(rc), batch_sum=dp_sum)
+        if corr.rollout_is_weights is not None:
+            batch["rollout_is_weights"] = corr.rollout_is_weights
+        batch["loss_mask"] = corr.response_mask
+        return corr.metrics
+
     def update(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Critic, then actor; their losses see `loss_mask` (rollout rejection) as the response mask when set."""
+        if "loss_mask" in batch:
+            batch = {**batch, "response_mask": batch["loss_mask"]}
         metrics = {}
         if self.critic is not None:
             metrics.update(self.critic.update_critic(batch))

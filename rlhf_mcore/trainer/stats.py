@@ -33,7 +33,7 @@ def batch_metrics(batch: dict[str, Any]) -> dict[str, float]:
     if "ref_log_prob" in batch:
         kl = batch["old_log_probs"] - batch["ref_log_prob"]
         out["actor/reward_kl"] = _masked_mean(kl, mask)
-    if "old_log_probs" in batch:
+    if "old_log_probs" in batch and batch["old_log_probs"] is not batch["rollout_log_probs"]:  # not bypass mode
         out.update(rollout_gap_metrics(batch["rollout_log_probs"], batch["old_log_probs"], mask))
     return out
 
