@@ -6,7 +6,8 @@
 - :mod:`.value_loss` — the clipped value loss; :mod:`.entropy` — entropy and the entropy bonus;
 - :mod:`.kl` — KL estimators, fixed/adaptive KL controllers, KL in the reward, KL as a loss;
 - :mod:`.aggregation` — loss aggregation modes with global normalisers for micro-batch invariance;
-- :mod:`.masked` — masked mean/var/whiten.
+- :mod:`.masked` — masked mean/var/whiten;
+- :mod:`.dynamic_sampling` — DAPO's group filter and the refill bookkeeping (`algorithm.filter_groups`).
 
 Nothing here knows about models, process groups or Megatron.
 """
