@@ -357,6 +357,9 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
 }
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# algorithm.filter_groups.metric: acc / score, the reward function's score; seq_reward, the score after the overlong
+# penalty; seq_final_reward, the reward after KL-in-reward (the same as seq_reward when use_kl_in_reward is off)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
 # veRL keys that have no meaning here, with the reason (an unknown key would only say "did you mean ...").
@@ -607,8 +610,6 @@ def _check_values(cfg: RLConfig) -> None:
 def _check_dapo(cfg: RLConfig, need) -> None:
     """Overlong reward shaping and dynamic sampling (filter groups) against the batch and response sizes."""
     import math
-
-    from rlhf_mcore.algos.dynamic_sampling import FILTER_METRICS
 
     ob, o = cfg.reward.reward_model.overlong_buffer, "reward.reward_model.overlong_buffer"
     need(f"{o}.len", ob.len >= 0, ">= 0 (tokens)")

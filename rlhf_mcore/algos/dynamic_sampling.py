@@ -17,11 +17,7 @@ from typing import Any, Hashable, Sequence
 
 from rlhf_mcore.errors import UserError
 
-__all__ = ["FILTER_METRICS", "DynamicSamplingError", "GroupPool", "informative_groups"]
-
-# acc / score: the reward function's score; seq_reward: the score after reward shaping (overlong penalty);
-# seq_final_reward: the reward after KL-in-reward, the same as seq_reward when use_kl_in_reward is off.
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+__all__ = ["DynamicSamplingError", "GroupPool", "informative_groups"]
 
 
 class DynamicSamplingError(UserError, RuntimeError):
