@@ -43,6 +43,8 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024  # prompts per step (each gets rollout.n responses)
+    # prompts per generation batch of dynamic sampling (algorithm.filter_groups); None: train_batch_size
+    gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None: the whole set at once
     truncation: str = "error"  # error | left | right | filter (drop over-long prompts, counted)
     filter_overlong_prompts: bool = False  # veRL's switch; True is the same as truncation=filter
@@ -221,12 +223,27 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (rlhf_mcore.rewards.overlong): a response longer than
+    data.max_response_length - len gets min(-(length - (max_response_length - len)) / len * penalty_factor, 0)
+    added to its score."""
+
+    enable: bool = False
+    len: int = 0  # tokens of the buffer; enable needs 1..data.max_response_length
+    penalty_factor: float = 0.0  # the penalty of a response at data.max_response_length
+    log: bool = False  # log reward/overlong_penalty and reward/overlong_fraction
+
+
+@dataclass
 class RewardModelConfig:
     """veRL's `reward_model` section (also accepted at the top level, as veRL writes it)."""
 
     enable: bool = False  # learned reward models are not implemented yet: true is refused
     path: Optional[str] = None
-    reward_manager: str = "naive"  # veRL's name for scoring each sample by its data_source's function
+    # veRL's names for scoring each sample by its data_source's function: naive, or dapo (the same here: its
+    # overlong shaping is overlong_buffer below, applied under either name)
+    reward_manager: str = "naive"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -263,6 +280,17 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (rlhf_mcore.algos.dynamic_sampling): drop groups whose responses all have the
+    same `metric`, generating further data.gen_batch_size prompt batches until data.train_batch_size groups
+    remain."""
+
+    enable: bool = False
+    metric: Optional[str] = None  # acc | score (the reward function's score) | seq_reward (after shaping) | ...
+    max_num_gen_batches: int = 0  # generation batches per step before the run stops; <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # gae | grpo | rloo | remax | reinforce_plus_plus | reinforce_plus_plus_baseline
     gamma: float = 1.0
@@ -272,6 +300,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -338,11 +367,14 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "trainer.device": ("auto", "cuda", "cpu"),
     "actor_rollout_ref.rollout.mode": ("sync",),
     "trainer.rollout_logprob_gap_action": ("error", "warn"),
-    "reward.reward_model.reward_manager": ("naive",),
+    "reward.reward_model.reward_manager": ("naive", "dapo"),
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
 }
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# algorithm.filter_groups.metric: acc / score, the reward function's score; seq_reward, the score after the overlong
+# penalty; seq_final_reward, the reward after KL-in-reward (the same as seq_reward when use_kl_in_reward is off)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
 # veRL keys that have no meaning here, with the reason (an unknown key would only say "did you mean ...").
@@ -593,6 +625,40 @@ def _check_values(cfg: RLConfig) -> None:
         v = _get(cfg, f"{r}.{k}")
         need(f"{r}.{k}", v is None or v == _get(cfg, f"data.{data_key}"),
              f"unset or equal to data.{data_key} ({_get(cfg, f'data.{data_key}')}), which sets it")
+    _check_dapo(cfg, need)
+
+
+def _check_dapo(cfg: RLConfig, need) -> None:
+    """Overlong reward shaping and dynamic sampling (filter groups) against the batch and response sizes."""
+    import math
+
+    ob, o = cfg.reward.reward_model.overlong_buffer, "reward.reward_model.overlong_buffer"
+    need(f"{o}.len", ob.len >= 0, ">= 0 (tokens)")
+    need(f"{o}.penalty_factor", math.isfinite(ob.penalty_factor) and ob.penalty_factor >= 0, ">= 0 (e.g. 1.0)")
+    if ob.enable:
+        need(f"{o}.len", 1 <= ob.len <= cfg.data.max_response_length,
+             f"in [1, data.max_response_length={cfg.data.max_response_length}] with {o}.enable=true (DAPO uses a "
+             f"quarter of the response length, e.g. 4096 of 20480)")
+    fg, f, d = cfg.algorithm.filter_groups, "algorithm.filter_groups", cfg.data
+    need(f"{f}.metric", fg.metric is None or fg.metric in FILTER_METRICS,
+         f"one of {', '.join(FILTER_METRICS)} (acc and score: the reward function's score; seq_reward: after the "
+         f"overlong penalty)")
+    need("data.gen_batch_size", d.gen_batch_size is None or d.gen_batch_size >= 1, "unset or >= 1")
+    if not fg.enable:
+        need("data.gen_batch_size", d.gen_batch_size in (None, d.train_batch_size),
+             f"unset or data.train_batch_size ({d.train_batch_size}) unless {f}.enable=true: it sizes dynamic "
+             f"sampling's generation batches")
+        return
+    need(f"{f}.metric", fg.metric is not None, f"set with {f}.enable=true: one of {', '.join(FILTER_METRICS)}")
+    need(f"{f}.metric", fg.metric != "seq_final_reward" or not cfg.algorithm.use_kl_in_reward,
+         "acc, score or seq_reward with algorithm.use_kl_in_reward=true: the KL penalty is computed after "
+         "the groups are filtered here")
+    need("actor_rollout_ref.rollout.n", cfg.actor_rollout_ref.rollout.n >= 2,
+         f">= 2 with {f}.enable=true: a group of one response has nothing to compare with, so none would be "
+         f"filtered")
+    need("data.gen_batch_size", d.gen_batch_size is None or d.gen_batch_size >= d.train_batch_size,
+         f">= data.train_batch_size ({d.train_batch_size}) or unset: filtering only removes groups, so a smaller "
+         f"generation batch can never fill a step (DAPO draws 3x train_batch_size)")
 
 
 def _check_rollout_correction(cfg: RLConfig, need) -> None:

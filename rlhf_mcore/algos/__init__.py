@@ -8,6 +8,7 @@
 - :mod:`.aggregation` — loss aggregation modes with global normalisers for micro-batch invariance;
 - :mod:`.masked` — masked mean/var/whiten;
 - :mod:`.rollout_correction` — IS weights and rejection masks for off-policy rollouts.
+- :mod:`.dynamic_sampling` — DAPO's group filter and the refill bookkeeping (`algorithm.filter_groups`).
 
 Nothing here knows about models, process groups or Megatron.
 """

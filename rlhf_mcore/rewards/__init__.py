@@ -6,6 +6,7 @@
 - :mod:`.custom` — `load_custom_reward_fn(path, name)`;
 - :mod:`.scorer` — `RewardScorer` / `score_batch`: worker processes or in-process (:mod:`.inline`), a per-item
   timeout in both, failed items score 0 and are counted, too many raise `RewardFunctionError`;
+- :mod:`.overlong` — DAPO's overlong reward shaping (`reward_model.overlong_buffer`);
 - :mod:`.outcome` — one call's result or failure; :mod:`.errors` — `RewardFileError`, `RewardFunctionError`.
 
 Importing this package does not import torch or sympy (reward workers start fast).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,16 +18,18 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mcore import algos
+from rlhf_mcore.algos.dynamic_sampling import GroupPool
 from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
 from rlhf_mcore.parallel import collective_device, destroy_distributed, init_distributed
 from rlhf_mcore.rewards import reward_metrics
+from rlhf_mcore.rewards.overlong import overlong_metrics, overlong_penalty
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
-from rlhf_mcore.trainer.rollout_phase import generate_and_score
+from rlhf_mcore.trainer.rollout_phase import Row, generate_and_score
 from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
 from rlhf_mcore.trainer.validation import validate
@@ -121,40 +124,102 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------- the steps
     def plan(self) -> list[list[int]]:
-        """Rank 0 draws the batch and splits it over DP ranks; every rank gets the dataset indices per DP rank."""
+        """Rank 0 draws the batch and splits it over DP ranks; every rank gets the dataset indices per DP rank.
+        With dynamic sampling (algorithm.filter_groups) one unsplit part of data.gen_batch_size prompts: generate()
+        splits the groups it keeps."""
         plan = None
         if self.state.is_coordinator:
-            ids = self.sampler.next_batch(self.cfg.data.train_batch_size)
-            lengths = [len(self.train_set[i]["input_ids"]) for i in ids]
-            plan = plan_step(ids, lengths, self.state.dims.dp)
+            if self.cfg.algorithm.filter_groups.enable:
+                plan = [self.sampler.next_batch(self.cfg.data.gen_batch_size or self.cfg.data.train_batch_size)]
+            else:
+                ids = self.sampler.next_batch(self.cfg.data.train_batch_size)
+                plan = self.split_over_dp(ids)
         return broadcast_object(plan, group=self.state.cpu_group)
+
+    def split_over_dp(self, ids: list[int]) -> list[list[int]]:
+        return plan_step(ids, [len(self.train_set[i]["input_ids"]) for i in ids], self.state.dims.dp)
 
     def generate(self, plan: list[list[int]]) -> tuple[dict[str, Any], dict[str, float]]:
         """Every rollout replica generates its share of the whole step's prompts; this DP rank keeps its groups."""
         cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        with self.rollout_session() as wake_sync_metrics:
+            if cfg.algorithm.filter_groups.enable:
+                plan, rows, stats = self.sample_informative_groups(plan[0])  # plan: now split over DP ranks
+            else:
+                rows, stats = self.rollout_and_score([i for part in plan for i in part], gen_batch=0)
         prompt_ids = [i for part in plan for i in part]  # rank order
         items = [self.train_set[i] for i in prompt_ids]
-        params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step)
-        greedy_baseline = self.estimator.needs_greedy_baseline
-        with self.rollout_session() as wake_sync_metrics:
-            rows, stats = generate_and_score(
-                self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
-                rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-                greedy_baseline=greedy_baseline)
         per_rank = len(plan[0]) * n
         mine = rows[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]  # this DP rank's groups
         meta = {"data_source": [items[r.prompt_pos]["data_source"] for r in mine],
                 "ground_truth": [items[r.prompt_pos]["ground_truth"] for r in mine]}
         batch = build_batch([r.prompt_ids for r in mine], [r.response_ids for r in mine], [r.logprobs for r in mine],
-                            [r.finish_reason for r in mine], [prompt_ids[r.prompt_pos] for r in mine], meta,
+                            [r.finish_reason for r in mine], [r.prompt_pos for r in mine], meta,
                             pad_token_id=self.tokenizer.pad_token_id)
         last = batch["response_mask"].sum(1).clamp(min=1) - 1  # (B,) the reward sits on the last response token
         scores = torch.tensor([r.score for r in mine])
         batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(
             1, last[:, None], scores[:, None])  # (B, R)
-        if greedy_baseline:
+        if self.estimator.needs_greedy_baseline:
             batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])  # (B,)
-        return batch, {**reward_metrics(stats), **wake_sync_metrics}
+        if cfg.reward.reward_model.overlong_buffer.log:  # over the step's rows (all DP ranks': the same everywhere)
+            stats.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
+        return batch, {**stats, **wake_sync_metrics}
+
+    def rollout_and_score(self, prompt_ids: list[int], gen_batch: int) -> tuple[list[Row], dict[str, float]]:
+        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the overlong penalty
+        added to each score (`reward_extra`: `acc`, the reward function's score, and `overlong_penalty`)."""
+        cfg = self.cfg
+        items = [self.train_set[i] for i in prompt_ids]
+        params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step + 1_000_003 * gen_batch)
+        rows, stats = generate_and_score(
+            self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
+            rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
+            greedy_baseline=self.estimator.needs_greedy_baseline)
+        ob = cfg.reward.reward_model.overlong_buffer
+
+        def penalties(lengths: list[int]) -> list[float]:
+            if not ob.enable:
+                return [0.0] * len(lengths)
+            return overlong_penalty(lengths, cfg.data.max_response_length, ob.len, ob.penalty_factor)
+
+        for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
+            r.reward_extra.update(acc=r.score, overlong_penalty=p)
+            r.score += p
+        if self.estimator.needs_greedy_baseline:  # the baseline is shaped as the samples are
+            for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
+                r.baseline_score += p
+        return rows, reward_metrics(stats)
+
+    def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
+        """Dynamic sampling: generate data.gen_batch_size prompts at a time, keeping the groups whose
+        filter_groups.metric is not the same for all their responses, until data.train_batch_size are kept (the
+        first ones; every drawn prompt is consumed). Every rank holds all rows, so all agree on the groups; rank 0
+        draws the prompts and splits the kept groups over DP ranks. Returns that plan, the rows in plan order
+        (`prompt_pos` renumbered to it) and the metrics."""
+        d, fg = self.cfg.data, self.cfg.algorithm.filter_groups
+        pool = GroupPool(target=d.train_batch_size, max_num_gen_batches=fg.max_num_gen_batches)
+        value = (lambda r: r.reward_extra["acc"]) if fg.metric in ("acc", "score") else (lambda r: r.score)
+        ids, stats = first_ids, {}
+        while True:
+            rows, batch_stats = self.rollout_and_score(ids, gen_batch=pool.num_gen_batches)
+            stats = {k: stats.get(k, 0.0) + v for k, v in batch_stats.items()}  # failure counts
+            groups = [(i, []) for i in ids]  # (dataset index, its rows)
+            for r in rows:
+                groups[r.prompt_pos][1].append(r)
+            pool.add(groups, [r.prompt_pos for r in rows], [value(r) for r in rows])
+            if not pool.wants_more():
+                break
+            draw = self.sampler.next_batch(d.gen_batch_size or d.train_batch_size) if self.state.is_coordinator \
+                else None
+            ids = broadcast_object(draw, group=self.state.cpu_group)
+        kept = pool.take()  # DynamicSamplingError (every rank: the same pool) when max_num_gen_batches is hit
+        lengths = [len(self.train_set[i]["input_ids"]) for i, _ in kept]
+        parts = broadcast_object(plan_step(list(range(len(kept))), lengths, self.state.dims.dp)
+                                 if self.state.is_coordinator else None, group=self.state.cpu_group)
+        order = [pos for part in parts for pos in part]
+        rows = [replace(r, prompt_pos=k) for k, pos in enumerate(order) for r in kept[pos][1]]
+        return [[kept[pos][0] for pos in part] for part in parts], rows, {**stats, **pool.metrics()}
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
