@@ -59,6 +59,14 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _parent_of(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone since the snapshot
+        return -1
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def _descendants(root: int) -> dict[int, tuple[int, str]]:
     """{pid: (start ticks, cmdline)} of every live descendant of `root`."""
     parent = {}
@@ -358,8 +366,10 @@ def test_killed_torchrun_takes_its_ranks_and_helpers_down_and_its_lock_is_taken_
 
         _wait_for(out, "checkpoints/global_step_*/COMPLETE", a, log, 300)  # any: older ones are rotated out
         tree = _descendants(a.pid)
-        kinds = {"rank": [p for p, (_, c) in tree.items() if "launch/train.py" in c and str(out) in c],
-                 "reward worker": [p for p, (_, c) in tree.items() if "_worker_main" in c],
+        # ranks are the agent's own children (a checkpoint writer a rank forks shares its command line)
+        kinds = {"rank": [p for p, (_, c) in tree.items() if "launch/train.py" in c and str(out) in c
+                          and _parent_of(p) == a.pid],
+                 "reward worker": [p for p, (_, c) in tree.items() if "worker_main()" in c],
                  "Manager": [p for p, (_, c) in tree.items() if "spawn_main" in c]}
         assert {k: len(v) for k, v in kinds.items()} == {"rank": 2, "reward worker": 2, "Manager": 2}, tree
         assert holder["pid"] in kinds["rank"]

@@ -117,7 +117,7 @@ def test_worker_stuck_loading_the_function_fails_loudly(tmp_path, monkeypatch):
 
     path = tmp_path / "slow_import.py"
     path.write_text("import sys, time\n"
-                    "if sys.argv[0] == '-c':  # only in reward worker processes\n"
+                    "if sys.argv[0] == '-c' and sys.argv[1:2] and sys.argv[1].isdigit():  # reward workers only\n"
                     "    time.sleep(1000)\n"
                     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    return 1.0\n")
