@@ -110,18 +110,25 @@ PARENT = ("import os, subprocess, sys, time; "
           "print(g.pid, flush=True); time.sleep(120)")
 
 
-def test_helper_dies_with_its_killed_parent():
-    parent = subprocess.Popen([PY, "-c", PARENT, ARMED], env=_env(), stdout=subprocess.PIPE, text=True)
+def _assert_dies_with_its_killed_parent(parent_args: list[str], what: str, expect_armed_line: bool) -> None:
+    """The parent prints its child's PID (and the child "armed", where it does); the child must live while the
+    parent does and be gone within 5 s of the parent's SIGKILL."""
+    parent = subprocess.Popen([PY, "-c", *parent_args], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
-        helper = int(parent.stdout.readline())
-        ticks = _start_ticks(helper)
-        assert parent.stdout.readline().strip() == "armed"  # the helper's line (it shares the pipe)
+        child = int(parent.stdout.readline())
+        ticks = _start_ticks(child)
+        if expect_armed_line:
+            assert parent.stdout.readline().strip() == "armed"  # the child's line (it shares the pipe)
         time.sleep(0.5)
-        assert _alive(helper, ticks), "the helper died while its parent was alive"
+        assert _alive(child, ticks), f"the {what} died while its parent was alive"
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-    assert not _wait_gone({helper: (ticks, "helper")}, 5.0), "the helper outlived its SIGKILLed parent"
+    assert not _wait_gone({child: (ticks, what)}, 5.0), f"the {what} outlived its SIGKILLed parent"
+
+
+def test_helper_dies_with_its_killed_parent():
+    _assert_dies_with_its_killed_parent([PARENT, ARMED], "helper", expect_armed_line=True)
 
 
 def test_parent_gone_before_arming_kills_at_once():
@@ -138,16 +145,7 @@ FORKER = ("import multiprocessing as mp, time; from rlhf_mcore.lifetime import a
 
 def test_forked_child_dies_with_its_killed_parent():
     """What dist_checkpointing's bucket writers are: multiprocessing fork-context children."""
-    parent = subprocess.Popen([PY, "-c", FORKER], env=_env(), stdout=subprocess.PIPE, text=True)
-    try:
-        child = int(parent.stdout.readline())
-        ticks = _start_ticks(child)
-        time.sleep(0.3)
-        assert _alive(child, ticks), "the forked child died while its parent was alive"
-    finally:
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-    assert not _wait_gone({child: (ticks, "forked child")}, 5.0), "the forked child outlived its SIGKILLed parent"
+    _assert_dies_with_its_killed_parent([FORKER], "forked child", expect_armed_line=False)
 
 
 HANG_REWARD = """
