@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import QWEN25_05B, TINY, write_config  # noqa: E402
+from bench_shapes import QWEN25_05B, TINY, write_config, write_report  # noqa: E402
 
 WORKLOADS = {"4x1024x4": (4, 1024, 4), "2x4096x2": (2, 4096, 2)}
 TINY_WORKLOADS = {"2x32x2": (2, 32, 2), "1x64x2": (1, 64, 2)}
@@ -172,8 +172,7 @@ def main(argv=None) -> dict:
         if base is not None and backend != "local":
             for name in res:
                 res[name]["speedup_vs_local"] = res[name]["tokens_per_s"] / base[name]["tokens_per_s"]
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.out)
     destroy_distributed()
     return report
 

@@ -43,6 +43,7 @@ from bench_shapes import (  # noqa: E402
     git_commit,  # noqa: E402
     num_params,
     write_config,
+    write_report,  # noqa: E402
 )
 from bench_shapes import shape as get_shape  # noqa: E402
 
@@ -237,8 +238,7 @@ def main(argv=None) -> dict:
         report["measured"] = measure(name, s, seqs=seqs, prompt_len=plen, new_tokens=32 if not args.tiny else ntok,
                                      micro_tokens=micro, update_seqs=8 if not args.tiny else 2,
                                      update_len=768 if not args.tiny else 32)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

@@ -43,6 +43,7 @@ from bench_shapes import (  # noqa: E402
     cell,
     git_commit,  # noqa: E402
     write_config,
+    write_report,  # noqa: E402
 )
 from bench_shapes import shape as get_shape  # noqa: E402
 
@@ -193,8 +194,7 @@ def main(argv=None) -> dict:
                   f"{cell(c, 'peak_mem_gib', '>9.1f')}  {c.get('error', '')}")
         if res.get("returncode") not in (0, None):
             print(f"{name:<14} process ended with {res['returncode']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

@@ -15,7 +15,6 @@ difference from the reference (output and query gradient).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import cell, git_commit  # noqa: E402
+from bench_shapes import cell, git_commit, write_report  # noqa: E402
 
 CASES = {  # name: (tokens in the micro-batch, (min, max) document length)
     "grpo_16k": (16384, (200, 352)),
@@ -142,8 +141,7 @@ def main(argv=None) -> dict:
                   f"{cell(r, 'fwd_bwd_ms', '>11.3f')} {cell(r, 'max_abs_err', '>9.2e')} "
                   f"{cell(r, 'max_abs_err_dq', '>9.2e')} {r.get('error', '')}")
         print(f"{name:<10} {'':>5} {'(flex block mask)':<18} {c['flex_block_mask_ms']:>8.3f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

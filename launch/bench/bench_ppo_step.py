@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_shapes import shape as get_shape  # noqa: E402
-from bench_shapes import tokenizer_model_dir  # noqa: E402
+from bench_shapes import tokenizer_model_dir, write_report  # noqa: E402
 
 WORKLOADS = {
     # the config as is, plus the reference policy (a KL penalty in the reward at the config's kl_coef 0.001):
@@ -300,11 +300,10 @@ def main(argv=None) -> dict:
         print(f"  {k:<22} {v:8.3f} s")
     if hooks.profile_text:
         print("\n" + hooks.profile_text)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
+    if args.out and hooks.profile_text:
         prof_out = args.profile_out or (str(Path(args.out).with_suffix("")) + "_profile.txt")
-        if hooks.profile_text:
-            Path(prof_out).write_text(hooks.profile_text + "\n")
+        Path(prof_out).write_text(hooks.profile_text + "\n")
     tmp.cleanup()
     return report
 

@@ -118,6 +118,12 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_report(report: dict, out) -> None:
+    """A benchmark's JSON report to `out` (`--out`); nothing when `out` is empty. Non-JSON values become strings."""
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
 def cell(row: dict, key: str, spec: str) -> str:
     """`row[key]` formatted with `spec` (e.g. ">8.3f"), or "n/a" right-aligned to the same width when missing or
     None: benchmark tables print rows whose measurement failed or does not apply."""

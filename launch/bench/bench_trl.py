@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_shapes import shape as get_shape  # noqa: E402
-from bench_shapes import tokenizer_model_dir  # noqa: E402
+from bench_shapes import tokenizer_model_dir, write_report  # noqa: E402
 
 GSM8K_SUFFIX = ' Let\'s think step by step and output the final answer after "####".'
 
@@ -78,8 +78,7 @@ def main(argv=None) -> dict:
     except Exception as e:  # noqa: BLE001 - a peer that cannot be imported is reported, not fatal
         report.update(skipped=f"trl not importable: {e!r}")
         print(json.dumps(report), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        write_report(report, args.out)
         return report
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -141,8 +140,7 @@ def main(argv=None) -> dict:
     print(f"\nTRL {trl.__version__} GRPOTrainer: median step {step_s:.2f} s over {len(timed)} steps "
           f"({args.prompts} prompts x {args.generations} x <= {args.new_tokens} tokens); all: "
           f"{[round(t, 2) for t in times]}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    write_report(report, args.out)
     tmp.cleanup()
     return report
 
