@@ -31,6 +31,26 @@ class Row:
     reward_extra: dict = field(default_factory=dict)
     baseline_ids: Optional[list[int]] = None  # greedy baseline (ReMax): the greedy response to this prompt
     baseline_score: Optional[float] = None  # ... and its reward
+    versions: Optional[list[int]] = None  # asynchronous trainers: the policy version that sampled each token
+
+
+def add_overlong_penalty(rows: Sequence[Row], cfg, baseline: bool = False) -> None:
+    """DAPO's overlong shaping (`reward.reward_model.overlong_buffer`) added to each row's score, in place;
+    `reward_extra` keeps `acc` (the reward function's score) and `overlong_penalty`. `baseline`: the greedy
+    baselines (ReMax) are shaped as the samples are."""
+    from rlhf_mcore.rewards.overlong import overlong_penalty
+
+    ob, max_len = cfg.reward.reward_model.overlong_buffer, cfg.data.max_response_length
+
+    def penalties(lengths: list[int]) -> list[float]:
+        return overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor) if ob.enable else [0.0] * len(lengths)
+
+    for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
+        r.reward_extra.update(acc=r.score, overlong_penalty=p)
+        r.score += p
+    if baseline:
+        for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
+            r.baseline_score += p
 
 
 def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:
@@ -53,12 +73,12 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     local: list[Row] = []
     stats: dict[str, float] = {}
     if share:
-        outs = engine.generate([list(prompts[i]) for i in share], params)
+        outs = engine.generate([list(prompts[i]) for i in share], params, request_ids=share)  # layout-independent
         baselines = None
         if greedy_baseline:
             greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=params.max_new_tokens,
                                     stop_token_ids=params.stop_token_ids)
-            baselines = engine.generate([list(prompts[i]) for i in share], greedy)
+            baselines = engine.generate([list(prompts[i]) for i in share], greedy, request_ids=share)
         for k, (i, out) in enumerate(zip(share, outs)):
             for j, s in enumerate(out.samples):
                 local.append(Row(i, j, list(prompts[i]), list(s.token_ids), list(s.logprobs), s.finish_reason))
