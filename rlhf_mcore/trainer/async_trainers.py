@@ -137,6 +137,10 @@ class AsyncTrainerBase(RLTrainer):
         self.trained_prompts += [p for dp in sorted(seen) for p in seen[dp]]
         return out
 
+    def finish_step(self, batch, step_metrics: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
+        step_metrics["trainer/idle_ratio"] = timer.seconds["wait"] / max(timer.seconds["step"], 1e-9)
+        return super().finish_step(batch, step_metrics, timer)
+
     def run_validation(self) -> dict[str, float]:
         """Validation on the rollout pool, with the actor's current weights (pushed first when the rollout
         does not have them)."""
@@ -298,7 +302,8 @@ class FullyAsyncTrainer(AsyncTrainerBase):
         self.regrant: list[int] = []  # prompts in flight at the checkpoint we resumed from
         self.resume()
         self.open_logger()
-        self.clock = {}  # producer rank -> (idle_s, wall_s) at the last step
+        self.latest_clock: dict[int, tuple] = {}  # producer rank -> its (idle_s, wall_s) at its latest group
+        self.step_clock: dict[int, tuple] = {}  # ... when the previous step took its groups
         self.push_weights()
         if self.cfg.trainer.val_before_train and self.step == 0:
             self.run_validation()
@@ -368,18 +373,15 @@ class FullyAsyncTrainer(AsyncTrainerBase):
                     "fully_async/count/in_flight_samples": float((len(self.outstanding) - len(self.ledger)) * n)})
         for k in ("num_timeouts", "num_exceptions", "num_invalid"):
             out[f"reward/{k}"] = float(sum(m.stats.get(f"reward/{k}", 0.0) for m in metas))
-        idle = []
         for m in metas:  # each producer's clocks at its latest group
-            self.clock.setdefault(("now", m.src), (0.0, 0.0))
-            if m.stats.get("wall_s", 0.0) >= self.clock[("now", m.src)][1]:
-                self.clock[("now", m.src)] = (m.stats["idle_s"], m.stats["wall_s"])
-        for key, (idle_s, wall_s) in self.clock.items():
-            if key[0] != "now":
-                continue
-            before = self.clock.get(("step", key[1]), (0.0, 0.0))
+            if m.stats["wall_s"] >= self.latest_clock.get(m.src, (0.0, 0.0))[1]:
+                self.latest_clock[m.src] = (m.stats["idle_s"], m.stats["wall_s"])
+        idle = []
+        for src, (idle_s, wall_s) in self.latest_clock.items():
+            before = self.step_clock.get(src, (0.0, 0.0))
             if wall_s > before[1]:
                 idle.append((idle_s - before[0]) / (wall_s - before[1]))
-            self.clock[("step", key[1])] = (idle_s, wall_s)
+        self.step_clock = dict(self.latest_clock)
         out["rollouter/idle_ratio"] = sum(idle) / len(idle) if idle else 0.0
         return out
 

@@ -94,7 +94,15 @@ class RolloutWorker:
             self.coord.put(("val", step, metrics, samples[: self.cfg.trainer.log_val_generations]))
 
     def clocks(self) -> dict[str, float]:
+        """This replica's seconds idle (nothing to generate) and alive, cumulative."""
         return {"idle_s": self.idle_s, "wall_s": time.perf_counter() - self.t0}
+
+    def idle_ratio(self) -> float:
+        """The idle fraction since the last call."""
+        now = self.clocks()
+        last = getattr(self, "_last_clocks", {"idle_s": 0.0, "wall_s": 0.0})
+        self._last_clocks = now
+        return (now["idle_s"] - last["idle_s"]) / max(now["wall_s"] - last["wall_s"], 1e-9)
 
     # ------------------------------------------------------------------------------------------- one step off
     def run_one_step_off(self) -> None:
@@ -127,8 +135,7 @@ class RolloutWorker:
         for r in rows:
             r.versions = [self.version] * len(r.response_ids)
         if self.state.rank == 0:
-            metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s, **{f"rollouter/{k}": v
-                                                                                 for k, v in self.clocks().items()}}
+            metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s, "rollouter/idle_ratio": self.idle_ratio()}
             if cfg.reward.reward_model.overlong_buffer.log:
                 from rlhf_mcore.rewards.overlong import overlong_metrics
 
@@ -167,6 +174,10 @@ class RolloutWorker:
         n, partial = cfg.actor_rollout_ref.rollout.n, cfg.async_training.partial_rollout
         cap = cfg.actor_rollout_ref.rollout.max_num_seqs
         params = roles.train_sampling_params(cfg, seed=stream_seed(cfg))
+        first = self.next_command()  # the trainer sends its weights before anything else
+        if first[0] != "weights":
+            raise RuntimeError(f"rollout worker: expected the first weights, got {first[0]!r}")
+        self.receive_weights(first[1])
         self.engine.open_stream(params)
         todo: deque = deque()  # granted (uid, prompt) not yet submitted
         live: dict[int, dict] = {}  # uid -> {"prompt", "samples": [Sample|None]*n, "versions": [[...]]*n}
