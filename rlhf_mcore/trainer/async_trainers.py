@@ -42,6 +42,7 @@ class AsyncTrainerBase(RLTrainer):
         self.pushed_version = -1
         self.pending: dict[str, Any] = {"stats": {}, "val": {}}  # messages that arrived before they were needed
         self.trained_prompts: list[int] = []  # dataset indices, every step's, in order (kept in checkpoints)
+        self.dropped_prompts: list[int] = []  # fully_async: prompts whose groups were dropped as stale
         ranks = [None] * self.state.world_size
         dist.all_gather_object(ranks, self.state.dp_rank, group=self.state.cpu_group)
         self.dp_ranks = [[g for g, d in enumerate(ranks) if d == dp] for dp in range(self.state.dims.dp)]
@@ -160,11 +161,13 @@ class AsyncTrainerBase(RLTrainer):
         return broadcast_object(metrics, group=self.state.cpu_group)
 
     def trainer_state(self) -> dict[str, Any]:
-        return {**super().trainer_state(), "trained_prompts": self.trained_prompts, "ledger": self.ledger.state_dict()}
+        return {**super().trainer_state(), "trained_prompts": self.trained_prompts,
+                "dropped_prompts": self.dropped_prompts, "ledger": self.ledger.state_dict()}
 
     def load_trainer_state(self, state: dict) -> None:
         super().load_trainer_state(state)
         self.trained_prompts = list(state["trained_prompts"])
+        self.dropped_prompts = list(state["dropped_prompts"])
         self.ledger.load_state_dict(state["ledger"])
 
     def stop_rollout(self) -> None:
@@ -284,6 +287,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
                     corr_metrics = self.correct_rollout(batch)
                 with t("update"):
                     update_metrics = self.update(batch)
+                    self.version = self.step
                 with t("sync"):
                     sync_metrics = {}
                     if self.step % a.trigger_parameter_sync_step == 0 or self.step == self.total_steps:
@@ -301,6 +305,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
         self.next_uid = 0
         self.regrant: list[int] = []  # prompts in flight at the checkpoint we resumed from
         self.resume()
+        self.version = self.step  # the actor's policy version: updates done
         self.open_logger()
         self.latest_clock: dict[int, tuple] = {}  # producer rank -> its (idle_s, wall_s) at its latest group
         self.step_clock: dict[int, tuple] = {}  # ... when the previous step took its groups
@@ -314,7 +319,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
         """Coordinator: hand out prompts while (trained + queued + in flight) <= (threshold + version + 1) x a
         step's groups (the bound that keeps samples within the staleness threshold), round-robin over replicas."""
         a, g = self.cfg.async_training, self.cfg.data.train_batch_size
-        limit = (a.staleness_threshold + self.step + 1) * g
+        limit = (a.staleness_threshold + self.version + 1) * g
         leaders = [self.layout.replica_leader(r) for r in range(self.layout.replicas)]
         grants: dict[int, list] = {r: [] for r in leaders}
         while self.ledger.trained + len(self.outstanding) < limit:
@@ -340,6 +345,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
                 stale = self.ledger.drop_stale(version, a.staleness_threshold)
                 for m in stale:
                     del self.outstanding[m.uid]
+                    self.dropped_prompts.append(m.prompt)
                     self.command(("drop", [m.uid]), [m.src])
                 dropped.extend(stale)
                 return len(self.ledger) >= g

@@ -38,6 +38,22 @@ from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate
 from rlhf_mcore.trainer.validation import validate
 
 
+def record_versions(finished, live: dict, version: int) -> None:
+    """Partial rollout's bookkeeping: the tokens each of these samples gained since its last record were
+    sampled by `version` (`live[uid]["versions"][sample]`: one version per token so far)."""
+    for f in finished:
+        versions = live[f.request.tag]["versions"][f.request.sample]
+        versions.extend([version] * (len(f.sample.token_ids) - len(versions)))
+
+
+def continuation(f) -> Request:
+    """A paused sample (an aborted `Finished`) resumes from the tokens it has, their log-probs kept."""
+    r = f.request
+    return Request(request_id=r.request_id, prompt_ids=r.prompt_ids, sample=r.sample, tag=r.tag,
+                   max_new_tokens=r.max_new_tokens,
+                   prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT))
+
+
 def stream_seed(cfg: RLConfig) -> int:
     """The fully asynchronous rollout's sampling seed (each group's uid keys its own random streams)."""
     return cfg.trainer.seed * 100_003 + 7
@@ -135,7 +151,8 @@ class RolloutWorker:
         for r in rows:
             r.versions = [self.version] * len(r.response_ids)
         if self.state.rank == 0:
-            metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s, "rollouter/idle_ratio": self.idle_ratio()}
+            metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
+                       "rollouter/idle_ratio": self.idle_ratio()}
             if cfg.reward.reward_model.overlong_buffer.log:
                 from rlhf_mcore.rewards.overlong import overlong_metrics
 
@@ -196,21 +213,21 @@ class RolloutWorker:
                     sync_to = cmd[1]
                 elif cmd[0] == "validate":
                     paused = self.engine.abort()
-                    self.record_tokens(paused, live)
+                    record_versions(paused, live, self.version)
                     self.engine.close_stream()
                     self.validate(cmd[1])
                     self.engine.open_stream(params)
-                    self.engine.submit([self.continuation(f, live) for f in paused])
+                    self.engine.submit([continuation(f) for f in paused])
                 elif cmd[0] == "stop":
                     self.engine.abort()
                     self.engine.close_stream()
                     return
             if sync_to is not None and (partial or self.engine.num_pending == 0):
                 paused = self.engine.abort() if partial else []
-                self.record_tokens(paused, live)
+                record_versions(paused, live, self.version)
                 self.receive_weights(sync_to)
                 sync_to = None
-                self.engine.submit([self.continuation(f, live) for f in paused])
+                self.engine.submit([continuation(f) for f in paused])
             while todo and sync_to is None and self.engine.num_pending + n <= max(cap, n):
                 uid, prompt = todo.popleft()
                 ids = list(self.train_set[prompt]["input_ids"])
@@ -218,7 +235,7 @@ class RolloutWorker:
                 self.engine.submit([Request(request_id=uid, prompt_ids=ids, sample=j, tag=uid) for j in range(n)])
             if self.engine.num_pending:
                 finished = self.engine.step()
-                self.record_tokens(finished, live)
+                record_versions(finished, live, self.version)
                 for f in finished:
                     live[f.request.tag]["samples"][f.request.sample] = f.sample
                 done = [uid for uid in {f.request.tag for f in finished}
@@ -230,18 +247,6 @@ class RolloutWorker:
                 time.sleep(0.002)
                 self.idle_s += time.perf_counter() - t0
             self.store.reap()
-
-    def record_tokens(self, finished, live: dict) -> None:
-        """Each new token of these samples (since their last record) was sampled by the current version."""
-        for f in finished:
-            versions = live[f.request.tag]["versions"][f.request.sample]
-            versions.extend([self.version] * (len(f.sample.token_ids) - len(versions)))
-
-    def continuation(self, f, live: dict) -> Request:
-        """A paused sample resumes from the tokens it has (their log-probs kept)."""
-        r = f.request
-        return Request(request_id=r.request_id, prompt_ids=r.prompt_ids, sample=r.sample, tag=r.tag,
-                       prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT))
 
     def publish(self, done: list[tuple[int, dict]]) -> None:
         """Score finished groups together and put each on the bus."""
