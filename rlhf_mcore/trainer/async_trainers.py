@@ -227,6 +227,8 @@ class OneStepOffTrainer(AsyncTrainerBase):
             return
         plan = self.split_over_dp(self.sampler.next_batch(self.cfg.data.train_batch_size))
         self.sampler_after[k] = copy.deepcopy(self.sampler.state_dict())
+        for done in [j for j in self.sampler_after if j < self.step]:  # saved checkpoints need only this step's
+            del self.sampler_after[done]
         self.plans[k] = plan
         prompts = [i for part in plan for i in part]
         dsts = [self.dp_ranks[d] for d, part in enumerate(plan) for _ in part]
@@ -260,7 +262,8 @@ class OneStepOffTrainer(AsyncTrainerBase):
 
     def trainer_state(self) -> dict[str, Any]:
         state = super().trainer_state()
-        state["sampler"] = self.sampler_after[self.step]  # steps after this one are regenerated on resume
+        if self.state.is_coordinator:  # the sampler as it was after drawing this step: later ones are regenerated
+            state["sampler"] = self.sampler_after[self.step]
         return state
 
 

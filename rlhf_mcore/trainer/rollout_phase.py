@@ -34,6 +34,15 @@ class Row:
     versions: Optional[list[int]] = None  # asynchronous trainers: the policy version that sampled each token
 
 
+def response_budgets(items: Sequence[dict[str, Any]], limit: int) -> Optional[list[int]]:
+    """Per-prompt response budgets from `extra_info.max_response_length` (a row's own cap, e.g. a benchmark's
+    long-tailed lengths), each at most `limit` (data.max_response_length); None when no row sets one."""
+    caps = [(it.get("extra_info") or {}).get("max_response_length") for it in items]
+    if all(c is None for c in caps):
+        return None
+    return [limit if c is None else max(1, min(int(c), limit)) for c in caps]
+
+
 def add_overlong_penalty(rows: Sequence[Row], cfg, baseline: bool = False) -> None:
     """DAPO's overlong shaping (`reward.reward_model.overlong_buffer`) added to each row's score, in place;
     `reward_extra` keeps `acc` (the reward function's score) and `overlong_penalty`. `baseline`: the greedy
@@ -73,7 +82,12 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     local: list[Row] = []
     stats: dict[str, float] = {}
     if share:
-        outs = engine.generate([list(prompts[i]) for i in share], params, request_ids=share)  # layout-independent
+        caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
+        if caps is not None and not getattr(engine, "supports_streaming", False):
+            raise ValueError("rows set extra_info.max_response_length (a per-prompt response budget), which only the "
+                             "native rollout engine takes: set actor_rollout_ref.rollout.name=native or drop the key.")
+        kw = {"max_new_tokens": caps} if caps is not None else {}
+        outs = engine.generate([list(prompts[i]) for i in share], params, request_ids=share, **kw)
         baselines = None
         if greedy_baseline:
             greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=params.max_new_tokens,

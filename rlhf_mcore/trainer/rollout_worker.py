@@ -34,7 +34,7 @@ from rlhf_mcore.rollout.base import FINISH_ABORT, Request, Sample
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
-from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score
+from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score, response_budgets
 from rlhf_mcore.trainer.validation import validate
 
 
@@ -230,9 +230,11 @@ class RolloutWorker:
                 self.engine.submit([continuation(f) for f in paused])
             while todo and sync_to is None and self.engine.num_pending + n <= max(cap, n):
                 uid, prompt = todo.popleft()
-                ids = list(self.train_set[prompt]["input_ids"])
+                item = self.train_set[prompt]
+                cap = (response_budgets([item], params.max_new_tokens) or [None])[0]
                 live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)]}
-                self.engine.submit([Request(request_id=uid, prompt_ids=ids, sample=j, tag=uid) for j in range(n)])
+                self.engine.submit([Request(request_id=uid, prompt_ids=list(item["input_ids"]), sample=j, tag=uid,
+                                            max_new_tokens=cap) for j in range(n)])
             if self.engine.num_pending:
                 finished = self.engine.step()
                 record_versions(finished, live, self.version)

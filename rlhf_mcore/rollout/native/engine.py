@@ -267,8 +267,10 @@ class NativeRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None) -> list[GenerationOutput]:
-        """Sample `params.n` responses per prompt: one stream, every (prompt, sample) submitted up front."""
+                 request_ids: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> list[GenerationOutput]:
+        """Sample `params.n` responses per prompt: one stream, every (prompt, sample) submitted up front.
+        max_new_tokens: a response budget per prompt (each at most `params.max_new_tokens`)."""
         self._check_ready()
         check_prompts(prompts, self.spec.vocab_size, self.max_model_len, params.max_new_tokens)
         if request_ids is None:
@@ -278,7 +280,10 @@ class NativeRolloutEngine(RolloutEngine):
         self.open_stream(params)
         try:
             outputs = [GenerationOutput(prompt_ids=list(p), samples=[None] * params.n) for p in prompts]
-            self.submit([Request(int(request_ids[i]), prompts[i], sample=j, tag=i)
+            if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts.")
+            caps = [None] * len(prompts) if max_new_tokens is None else [int(c) for c in max_new_tokens]
+            self.submit([Request(int(request_ids[i]), prompts[i], sample=j, tag=i, max_new_tokens=caps[i])
                          for i in range(len(prompts)) for j in range(params.n)])
             pbar = None
             if self.show_progress:
