@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the checkout first
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                 TOKENIZERS_PARALLELISM="false")
 
 
@@ -32,6 +33,8 @@ def outputs(tmp_path_factory):
         import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
+                        "--warmup", "1", "--steps", "1"])
+        bench_mfu.main(["--one-shape", "tiny", "--peer", "--child-out", out + "/mfu_peer.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
         bench_ppo_step.main(["--workload", "gsm8k_ppo", "--tiny", "--steps", "1", "--profile", "--model-dir", model,
                              "--out", out + "/ppo_step.json"])
@@ -71,6 +74,25 @@ def test_mfu_json(outputs):
         else:
             assert 0 < case["mfu"] < 1
         assert case["grad_norm"] > 0
+
+
+def test_mfu_peer_json(outputs):
+    """The plain transformers peer ran the same micro-batches (not compiled on a CPU unless asked), and the ratio
+    lines its tokens/s up with Megatron's per sequence length."""
+    import bench_mfu
+
+    peer, res = outputs["mfu_peer"], outputs["mfu"]
+    assert peer["peer"] == "transformers Qwen2ForCausalLM" and peer["compiled"] is (res["device"] != "cpu")
+    assert peer["params"] == res["params"]  # the same shape
+    for seq in ("32", "64"):
+        case, mine = peer["cases"][seq], res["cases"][seq]
+        assert "error" not in case, case
+        for key in ("tokens_per_step", "micro_batch_seqs", "micro_batches"):
+            assert case[key] == mine[key], key
+        assert case["step_s"] > 0 and case["grad_norm"] > 0
+    ratios = bench_mfu.peer_ratios(res, peer)
+    assert ratios["32"] == pytest.approx(res["cases"]["32"]["tokens_per_s"] / peer["cases"]["32"]["tokens_per_s"])
+    assert bench_mfu.peer_ratios(res, {"cases": {"32": {"error": "out of memory"}}})["32"] is None
 
 
 @pytest.mark.parametrize("name", ["ppo_step", "grpo_step"])

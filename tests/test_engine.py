@@ -31,8 +31,15 @@ from rlhf_mcore.engine.balance import (
     split_by_token_budget,
 )
 from rlhf_mcore.engine.config import EngineConfig
-from rlhf_mcore.engine.flops import (FlopShape, effective_seqlen, forward_flops, mfu, peak_flops, peak_flops_and_source,
-                                     train_flops)
+from rlhf_mcore.engine.flops import (
+    FlopShape,
+    effective_seqlen,
+    forward_flops,
+    mfu,
+    peak_flops,
+    peak_flops_and_source,
+    train_flops,
+)
 from rlhf_mcore.engine.logprobs import get_logprob_backend, register_logprob_backend
 from rlhf_mcore.engine.micro_batches import plan_micro_batches
 from rlhf_mcore.engine.offload import StorageOffloader
@@ -451,7 +458,7 @@ def test_logprobs_match_transformers_and_single_process(runs, launch, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch,case", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("launch,case", LAYOUTS[1:], ids=LAYOUT_IDS[1:])  # 1x1 is the reference itself
 def test_ppo_update_matches_single_process(runs, launch, case):
     results, weights = runs
     got, ref = results[launch][case], results["w1"]["layout@1x1"]
