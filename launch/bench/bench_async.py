@@ -76,7 +76,9 @@ def run_mode(mode: str, common: list[str], out: Path, timeout: int) -> dict:
                           text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        return {"mode": mode, "error": proc.stderr[-3000:], "wall_s": wall}
+        lines = proc.stderr.splitlines()
+        first = next((x for x in lines if "error" in x.lower() and "elastic" not in x), "")
+        return {"mode": mode, "error": first + "\n" + "\n".join(lines[-30:]), "wall_s": wall}
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r.get("kind", "train") == "train"]
     timed = recs[1:] or recs
@@ -124,7 +126,7 @@ def main(argv=None) -> dict:
               "trainer.max_rollout_logprob_gap=null", f"trainer.device={'cuda' if on_gpu else 'cpu'}",
               "actor_rollout_ref.rollout.max_num_seqs=256"]
     if args.tiny:
-        common += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        common += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_dynamic_bsz=false",
                    "data.max_prompt_length=256"]
     rows = [run_mode(m, common, work / "runs", args.timeout) for m in args.modes.split(",")]
     base = next((r for r in rows if r["mode"] == "sync" and "tokens_per_s" in r), None)
