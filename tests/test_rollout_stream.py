@@ -4,7 +4,9 @@ requests.
 
 `tests/data/rollout_stream_golden.json` holds `generate()` outputs of the engine before it was rebuilt on the
 stream (written with `python tests/test_rollout_stream.py --write-golden`); the tiny models are fixed by their
-seed, and the file records their weights' digest so a changed model is told apart from a changed engine.
+seed, and the file records their weights' digest so a changed model is told apart from a changed engine. The
+engines here run on the CPU in fp32 (what the golden file and the exact-reproduction checks are calibrated for);
+the GPU paths are exercised by tests/test_rollout_native_gpu.py and the asynchronous trainers' GPU runs.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def golden_cases() -> list[dict]:
 
 
 def run_case(model_dir, case: dict) -> list[list[dict]]:
-    engine = NativeRolloutEngine(model_dir, **case["engine"])
+    engine = NativeRolloutEngine(model_dir, device="cpu", **case["engine"])
     outs = engine.generate(case["prompts"], SamplingParams(**case["params"]), request_ids=case["request_ids"])
     return [[dict(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in o.samples]
             for o in outs]
@@ -132,7 +134,7 @@ def test_per_sample_submit_equals_generate(tiny_model_dir, case):
     golden = json.loads(GOLDEN.read_text())["cases"][case["name"]]
     params = SamplingParams(**case["params"])
     ids = case["request_ids"] or list(range(len(case["prompts"])))
-    engine = NativeRolloutEngine(tiny_model_dir(case["arch"]), **case["engine"])
+    engine = NativeRolloutEngine(tiny_model_dir(case["arch"]), device="cpu", **case["engine"])
     engine.open_stream(params)
     pairs = [(i, j) for i in range(len(ids)) for j in range(params.n)]
     for i, j in reversed(pairs):
@@ -158,7 +160,7 @@ STOPS = (19, 165, 696, 8, 885, 258, 478, 311, 592, 687, 253, 410)
 def test_abort_then_continue_reproduces_uninterrupted(tiny_model_dir, abort_after, sleep):
     """Aborted samples resubmitted as continuations (several times, some still waiting when aborted, per-request
     caps) end exactly as the uninterrupted samples."""
-    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), max_num_seqs=4, max_model_len=80)
+    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), device="cpu", max_num_seqs=4, max_model_len=80)
     prompts = make_prompts(4, seed=30)
     caps = [5, 16, 11, None]
     params = SamplingParams(temperature=1.0, max_new_tokens=14, seed=9, stop_token_ids=STOPS)
@@ -206,7 +208,7 @@ def test_abort_then_continue_reproduces_uninterrupted(tiny_model_dir, abort_afte
 
 
 def test_continuation_at_its_cap_or_stop_finishes_without_compute(tiny_model_dir):
-    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), max_num_seqs=4, max_model_len=64)
+    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), device="cpu", max_num_seqs=4, max_model_len=64)
     prompt = make_prompts(1, seed=33)[0]
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=2, stop_token_ids=())
     engine.open_stream(params)
@@ -235,7 +237,7 @@ def test_continuation_logprobs_equal_teacher_forcing(tiny_model_dir):
 
     d = tiny_model_dir("qwen3")
     hf = AutoModelForCausalLM.from_pretrained(d).eval()
-    engine = NativeRolloutEngine(d, max_num_seqs=4, max_model_len=64)
+    engine = NativeRolloutEngine(d, device="cpu", max_num_seqs=4, max_model_len=64)
     prompts = make_prompts(3, seed=31)
     engine.open_stream(SamplingParams(temperature=0.7, max_new_tokens=12, seed=4, stop_token_ids=()))
     engine.submit([Request(i, p) for i, p in enumerate(prompts)])
@@ -257,7 +259,8 @@ def test_continuation_logprobs_equal_teacher_forcing(tiny_model_dir):
 
 
 def test_submit_while_running_finishes_everything(tiny_model_dir):
-    engine = NativeRolloutEngine(tiny_model_dir("llama"), max_num_seqs=3, max_model_len=64, show_progress=True)
+    engine = NativeRolloutEngine(tiny_model_dir("llama"), device="cpu", max_num_seqs=3, max_model_len=64,
+                                 show_progress=True)
     prompts = make_prompts(7, seed=32)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=5)
     ids = list(range(50, 57))
@@ -284,7 +287,7 @@ def test_submit_while_running_finishes_everything(tiny_model_dir):
 
 
 def test_bad_requests_and_misuse(tiny_model_dir):
-    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), max_num_seqs=2, max_model_len=32)
+    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), device="cpu", max_num_seqs=2, max_model_len=32)
     assert engine.supports_streaming and engine.num_pending == 0
     with pytest.raises(RuntimeError, match="open_stream"):
         engine.submit([Request(0, [1, 2])])

@@ -67,7 +67,7 @@ def write_data(src: Path, dst: Path, top: int, rows: int) -> Path:
     return dst
 
 
-def run_mode(mode: str, common: list[str], out: Path, timeout: int) -> dict:
+def run_mode(mode: str, common: list[str], out: Path, timeout: int, logs: Path | None = None) -> dict:
     run_dir = out / mode
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "launch" / "train.py"), *common, f"trainer.default_local_dir={run_dir}", *MODES[mode]]
@@ -75,6 +75,9 @@ def run_mode(mode: str, common: list[str], out: Path, timeout: int) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
                           text=True, timeout=timeout)
     wall = time.perf_counter() - t0
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{mode}.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0:
         lines = proc.stderr.splitlines()
         first = next((x for x in lines if "error" in x.lower() and "elastic" not in x), "")
@@ -102,6 +105,7 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default="sync,one_step_off,fully_async")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per mode")
+    p.add_argument("--logs", default=None, help="write each mode's output (stdout + stderr) to DIR/<mode>.log")
     args = p.parse_args(argv)
 
     import torch
@@ -117,7 +121,8 @@ def main(argv=None) -> dict:
     model = tokenizer_model_dir(s, work / "model", dtype="bfloat16" if on_gpu else "float32")
     gsm = preprocess_gsm8k(output_dir=work / "gsm8k")
     data = write_data(Path(gsm["train"]["path"]), work / "long_tail.parquet", top, rows=4096)
-    common = ["--config", str(ROOT / "configs" / "gsm8k_grpo_qwen2.5_0.5b.yaml"), f"actor_rollout_ref.model.path={model}",
+    config = ROOT / "configs" / "gsm8k_grpo_qwen2.5_0.5b.yaml"
+    common = ["--config", str(config), f"actor_rollout_ref.model.path={model}",
               f"data.train_files=[{data}]", "data.val_files=[]", f"data.max_response_length={top}",
               f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts // 4}",
               f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.actor.use_kl_loss=false",
@@ -126,9 +131,10 @@ def main(argv=None) -> dict:
               "trainer.max_rollout_logprob_gap=null", f"trainer.device={'cuda' if on_gpu else 'cpu'}",
               "actor_rollout_ref.rollout.max_num_seqs=256"]
     if args.tiny:
-        common += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-                   "data.max_prompt_length=256"]
-    rows = [run_mode(m, common, work / "runs", args.timeout) for m in args.modes.split(",")]
+        common += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                   "actor_rollout_ref.actor.use_dynamic_bsz=false", "data.max_prompt_length=256"]
+    logs = Path(args.logs) if args.logs else None
+    rows = [run_mode(m, common, work / "runs", args.timeout, logs) for m in args.modes.split(",")]
     base = next((r for r in rows if r["mode"] == "sync" and "tokens_per_s" in r), None)
     for r in rows:
         if base and "tokens_per_s" in r:

@@ -70,8 +70,12 @@ class Link:
         self.local = {g: i for i, g in enumerate(self.ranks)}
         prefixed = dist.PrefixStore(f"link/{name}", store)
         me, size = self.local[rank], len(self.ranks)
-        if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(prefixed, me, size, timeout=timeout)
+        if backend == "nccl":  # the current CUDA device must be this rank's (init_pools sets it first)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            opts.global_ranks_in_group = self.ranks
+            opts.group_name = f"link/{name}"
+            self.pg = dist.ProcessGroupNCCL(prefixed, me, size, opts)
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, me, size, timeout)
@@ -181,6 +185,8 @@ def init_pools(layout: PoolLayout, device: torch.device, timeout_minutes: int = 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     rollout = layout.is_rollout(rank)
     pool_rank = rank - layout.train_size if rollout else rank
     pool_size = layout.rollout_size if rollout else layout.train_size
