@@ -200,9 +200,10 @@ class OneStepOffTrainer(AsyncTrainerBase):
                     sync_metrics = {}
                     if self.step + 2 <= self.total_steps:           # the weights step k+2 will be generated with
                         sync_metrics = self.push_weights()
-                        self.post_generate(self.step + 2)
             metrics = {**self.step_metrics(batch, info), **corr_metrics, **update_metrics, **sync_metrics}
-            last = self.finish_step(batch, metrics, t)
+            last = self.finish_step(batch, metrics, t)              # a validation runs before step k+2's generation
+            if self.step + 2 <= self.total_steps:
+                self.post_generate(self.step + 2)
             self.hooks.step_end(self, self.step, batch, last, t)
         self.stop_rollout()
         if self.cfg.trainer.export_hf_final:
