@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -198,12 +197,3 @@ def init_pools(layout: PoolLayout, device: torch.device, timeout_minutes: int = 
     if rank in members:
         weights = Link(store, "weights", members, rank, backend, timeout)
     return Pools(layout, rank, store, bus, weights)
-
-
-def wait_until(pred, timeout_s: float, what: str, poll_s: float = 0.002) -> None:
-    """Poll `pred()` until true; TimeoutError naming `what` after `timeout_s`."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(poll_s)

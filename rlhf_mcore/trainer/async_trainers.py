@@ -57,7 +57,11 @@ class AsyncTrainerBase(RLTrainer):
         """Coordinator: take messages from the rollout pool until `until()`; returns the seconds spent waiting."""
         t0 = time.perf_counter()
         while not until():
-            msg = self.coord_box.get(timeout_s=WAIT_TIMEOUT_S)
+            try:
+                msg = self.coord_box.get(timeout_s=WAIT_TIMEOUT_S)
+            except RuntimeError as e:  # the store's wait timed out
+                raise TimeoutError(f"the coordinator waited {WAIT_TIMEOUT_S:.0f} s for {what} and the rollout pool "
+                                   f"sent nothing: look for a failed or stuck rollout rank above ({e})") from None
             if msg[0] == "group":
                 self.ledger.add(msg[1])
             elif msg[0] == "stats":
