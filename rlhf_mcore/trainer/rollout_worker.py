@@ -189,7 +189,7 @@ class RolloutWorker:
         samples are paused and continued under the new weights (partial_rollout) or finished first."""
         cfg = self.cfg
         n, partial = cfg.actor_rollout_ref.rollout.n, cfg.async_training.partial_rollout
-        cap = cfg.actor_rollout_ref.rollout.max_num_seqs
+        slots = cfg.actor_rollout_ref.rollout.max_num_seqs  # keep the engine's waiting queue short
         params = roles.train_sampling_params(cfg, seed=stream_seed(cfg))
         first = self.next_command()  # the trainer sends its weights before anything else
         if first[0] != "weights":
@@ -228,13 +228,13 @@ class RolloutWorker:
                 self.receive_weights(sync_to)
                 sync_to = None
                 self.engine.submit([continuation(f) for f in paused])
-            while todo and sync_to is None and self.engine.num_pending + n <= max(cap, n):
+            while todo and sync_to is None and self.engine.num_pending + n <= max(slots, n):
                 uid, prompt = todo.popleft()
                 item = self.train_set[prompt]
-                cap = (response_budgets([item], params.max_new_tokens) or [None])[0]
+                budget = (response_budgets([item], params.max_new_tokens) or [None])[0]
                 live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)]}
                 self.engine.submit([Request(request_id=uid, prompt_ids=list(item["input_ids"]), sample=j, tag=uid,
-                                            max_new_tokens=cap) for j in range(n)])
+                                            max_new_tokens=budget) for j in range(n)])
             if self.engine.num_pending:
                 finished = self.engine.step()
                 record_versions(finished, live, self.version)
