@@ -235,11 +235,36 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RewardModelConfig:
-    """veRL's `reward_model` section (also accepted at the top level, as veRL writes it)."""
+class RewardModelModelConfig:
+    path: Optional[str] = None  # a Hugging Face *ForSequenceClassification directory with num_labels=1
+    # the policy's tokenizer, when the reward model's tokenizer or chat template differs from it: each conversation
+    # is then decoded and re-templated with the reward model's chat template; None: the policy's token ids as they
+    # are (the two tokenizers must then be the same)
+    input_tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False  # must stay false, as for the actor's model
 
-    enable: bool = False  # learned reward models are not implemented yet: true is refused
-    path: Optional[str] = None
+
+@dataclass
+class RewardModelConfig:
+    """veRL's `reward_model` section (also accepted at the top level, as veRL writes it).
+
+    With `enable`, a discriminative reward model (rlhf_mcore.rewards.reward_model) scores every response whose
+    data_source is in `data_sources` (all of them when empty) at its last token, and that row's reward is
+    `reward_weight * rm_score + rule_weight * rule_score` (the rule score: the data_source's reward function or
+    reward.custom_reward_function, computed for every row as without a reward model). Other rows keep their rule
+    score. The defaults (1, 0) are veRL's: the reward model's score replaces the rule's.
+    """
+
+    enable: bool = False
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = None  # sequences per forward pass; None: 1
+    max_length: Optional[int] = None  # tokens given to the reward model; longer inputs are cut at the end, counted
+    reward_weight: float = 1.0
+    rule_weight: float = 0.0
+    data_sources: list[str] = field(default_factory=list)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # param_offload: on the host between scorings
     # veRL's names for scoring each sample by its data_source's function: naive, or dapo (the same here: its
     # overlong shaping is overlong_buffer below, applied under either name)
     reward_manager: str = "naive"
@@ -360,6 +385,7 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "actor_rollout_ref.model.dtype": ("auto", "bfloat16", "float16", "float32"),
     "actor_rollout_ref.rollout.dtype": ("auto", "bfloat16", "float16", "float32"),
     "critic.model.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "reward.reward_model.model.dtype": ("auto", "bfloat16", "float16", "float32"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "critic.strategy": ("megatron",),
     "actor_rollout_ref.rollout.name": ("native", "hf", "sglang"),
@@ -618,14 +644,39 @@ def _check_values(cfg: RLConfig) -> None:
     need("actor_rollout_ref.model.trust_remote_code", not cfg.actor_rollout_ref.model.trust_remote_code,
          "false: rlhf_mcore builds Qwen2/Qwen2.5/Qwen3/Llama models with its own code and never runs a model "
          "repository's Python")
-    need("reward.reward_model.enable", not cfg.reward.reward_model.enable,
-         "false: learned reward models are not implemented yet; score with rule functions by data_source or "
-         "reward.custom_reward_function.path")
+    _check_reward_model(cfg, need)
     for k, data_key in (("prompt_length", "max_prompt_length"), ("response_length", "max_response_length")):
         v = _get(cfg, f"{r}.{k}")
         need(f"{r}.{k}", v is None or v == _get(cfg, f"data.{data_key}"),
              f"unset or equal to data.{data_key} ({_get(cfg, f'data.{data_key}')}), which sets it")
     _check_dapo(cfg, need)
+
+
+def _check_reward_model(cfg: RLConfig, need) -> None:
+    """`reward_model.*` when enabled: a model path, sizes, weights (the model directory itself: build time)."""
+    import math
+
+    rm, k = cfg.reward.reward_model, "reward.reward_model"
+    if not rm.enable:
+        return
+    need(f"{k}.model.path", bool(rm.model.path),
+         "set with reward_model.enable=true: a Hugging Face *ForSequenceClassification directory (num_labels=1), "
+         "e.g. one written by launch/train_rm.py")
+    need(f"{k}.model.trust_remote_code", not rm.model.trust_remote_code,
+         "false: reward models load through rlhf_mcore's own Qwen2/Qwen3/Llama code")
+    need(f"{k}.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu is None or rm.micro_batch_size_per_gpu >= 1,
+         "unset or >= 1")
+    need(f"{k}.max_length", rm.max_length is None or rm.max_length >= 2, "unset or >= 2 (tokens)")
+    for w in ("reward_weight", "rule_weight"):
+        need(f"{k}.{w}", math.isfinite(getattr(rm, w)), "a finite number")
+    need(f"{k}.reward_weight", rm.reward_weight != 0, "non-zero with reward_model.enable=true (0 ignores the model: "
+         "turn reward_model.enable off instead)")
+    need("algorithm.adv_estimator", cfg.algorithm.adv_estimator != "remax",
+         "not remax with reward_model.enable=true: ReMax's greedy baselines are scored by rule functions only")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        got, want = getattr(rm.megatron, name), getattr(cfg.actor_rollout_ref.actor.megatron, name) or 1
+        need(f"{k}.megatron.{name}", got is None or got == want,
+             f"unset or the actor's ({want}): every training-side model shares the actor's process layout")
 
 
 def _check_dapo(cfg: RLConfig, need) -> None:

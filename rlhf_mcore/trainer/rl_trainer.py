@@ -80,6 +80,7 @@ class RLTrainer:
         self.actor = roles.build_actor(cfg, self.state, self.total_steps)
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
+        self.reward_model = roles.build_reward_model(cfg, self.state, self.tokenizer)  # None unless enabled
         self.rollout = roles.build_rollout(cfg, self.state)
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
@@ -167,8 +168,9 @@ class RLTrainer:
         return batch, {**stats, **wake_sync_metrics}
 
     def rollout_and_score(self, prompt_ids: list[int], gen_batch: int) -> tuple[list[Row], dict[str, float]]:
-        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the overlong penalty
-        added to each score (`reward_extra`: `acc`, the reward function's score, and `overlong_penalty`)."""
+        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the reward model's score
+        combined in (reward_model.enable) and the overlong penalty added to each score (`reward_extra`: `acc`, the
+        reward function's score, `rm_score` and `overlong_penalty`)."""
         cfg = self.cfg
         items = [self.train_set[i] for i in prompt_ids]
         params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step + 1_000_003 * gen_batch)
@@ -176,6 +178,7 @@ class RLTrainer:
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
             greedy_baseline=self.estimator.needs_greedy_baseline)
+        rm_metrics = self.reward_model.score_rows(rows, items) if self.reward_model is not None else {}
         ob = cfg.reward.reward_model.overlong_buffer
 
         def penalties(lengths: list[int]) -> list[float]:
@@ -184,12 +187,13 @@ class RLTrainer:
             return overlong_penalty(lengths, cfg.data.max_response_length, ob.len, ob.penalty_factor)
 
         for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
-            r.reward_extra.update(acc=r.score, overlong_penalty=p)
+            r.reward_extra.setdefault("acc", r.score)  # the rule score (a reward model has set it already)
+            r.reward_extra["overlong_penalty"] = p
             r.score += p
         if self.estimator.needs_greedy_baseline:  # the baseline is shaped as the samples are
             for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
                 r.baseline_score += p
-        return rows, reward_metrics(stats)
+        return rows, {**reward_metrics(stats), **rm_metrics}
 
     def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
         """Dynamic sampling: generate data.gen_batch_size prompts at a time, keeping the groups whose

@@ -213,3 +213,12 @@ def build_critic(cfg: RLConfig, state: ParallelState, total_steps: int):
     from rlhf_mcore.engine import build_engine
 
     return build_engine(cfg, state, role="critic", total_steps=total_steps)
+
+
+def build_reward_model(cfg: RLConfig, state: ParallelState, policy_tokenizer):
+    """The discriminative reward model's scorer (`reward_model.enable`), or None."""
+    if not cfg.reward.reward_model.enable:
+        return None
+    from rlhf_mcore.rewards.reward_model import build_reward_model as build
+
+    return build(cfg, state, policy_tokenizer)
