@@ -272,6 +272,28 @@ class RewardModelConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative reward model (LLM-as-judge, rlhf_mcore.rewards.judge): a second native engine writes a verdict
+    on each response; `parser` reads the score from it (unreadable: 0, counted). Combined with the rule score as
+    reward_model's is (data_sources, reward_weight, rule_weight)."""
+
+    enable: bool = False
+    model_path: Optional[str] = None  # the judge's Hugging Face causal LM directory
+    # fields: {prompt} (the last user message), {response}, {ground_truth}; literal braces as {{ }}
+    prompt_template: str = ("Question:\n{prompt}\n\nProposed answer:\n{response}\n\nReference answer: "
+                            "{ground_truth}\n\nIs the proposed answer correct? Reply with <score>1</score> if it "
+                            "is, <score>0</score> if not.")
+    parser: str = "score_tag"  # score_tag | rating | yes_no | a registered parser (rlhf_mcore.rewards.judge)
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    reward_weight: float = 1.0
+    rule_weight: float = 0.0
+    data_sources: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RewardConfig:
     num_workers: int = 0  # 0: score in the trainer process
     timeout_s: float = 10.0  # per item, also with num_workers=0; an item that hangs scores 0 and counts as a timeout
@@ -282,6 +304,7 @@ class RewardConfig:
     max_failure_ratio: float = 0.5
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -656,9 +679,12 @@ def _check_reward_model(cfg: RLConfig, need) -> None:
     """`reward_model.*` when enabled: a model path, sizes, weights (the model directory itself: build time)."""
     import math
 
+    _check_judge(cfg, need)
     rm, k = cfg.reward.reward_model, "reward.reward_model"
     if not rm.enable:
         return
+    need(f"{k}.enable", not cfg.reward.judge.enable, "false while reward.judge.enable=true: score with one learned "
+         "model at a time (a reward model or a judge)")
     need(f"{k}.model.path", bool(rm.model.path),
          "set with reward_model.enable=true: a Hugging Face *ForSequenceClassification directory (num_labels=1), "
          "e.g. one written by launch/train_rm.py")
@@ -677,6 +703,30 @@ def _check_reward_model(cfg: RLConfig, need) -> None:
         got, want = getattr(rm.megatron, name), getattr(cfg.actor_rollout_ref.actor.megatron, name) or 1
         need(f"{k}.megatron.{name}", got is None or got == want,
              f"unset or the actor's ({want}): every training-side model shares the actor's process layout")
+
+
+def _check_judge(cfg: RLConfig, need) -> None:
+    """`reward.judge.*` when enabled: model path, template fields, sizes (parser names: at build time, after
+    trainer.plugins)."""
+    import math
+
+    from rlhf_mcore.rewards.judge import check_template
+
+    j, k = cfg.reward.judge, "reward.judge"
+    if not j.enable:
+        return
+    need(f"{k}.model_path", bool(j.model_path), "set with reward.judge.enable=true: the judge's causal LM directory")
+    try:
+        check_template(j.prompt_template)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("max_new_tokens", "max_num_seqs", "max_model_len"):
+        need(f"{k}.{key}", getattr(j, key) >= 1, ">= 1")
+    need(f"{k}.temperature", j.temperature >= 0, ">= 0 (0 is greedy)")
+    for w in ("reward_weight", "rule_weight"):
+        need(f"{k}.{w}", math.isfinite(getattr(j, w)), "a finite number")
+    need("algorithm.adv_estimator", cfg.algorithm.adv_estimator != "remax",
+         "not remax with reward.judge.enable=true: ReMax's greedy baselines are scored by rule functions only")
 
 
 def _check_dapo(cfg: RLConfig, need) -> None:

@@ -216,7 +216,12 @@ def build_critic(cfg: RLConfig, state: ParallelState, total_steps: int):
 
 
 def build_reward_model(cfg: RLConfig, state: ParallelState, policy_tokenizer):
-    """The discriminative reward model's scorer (`reward_model.enable`), or None."""
+    """The learned reward's scorer, or None: a discriminative reward model (`reward_model.enable`) or a judge
+    (`reward.judge.enable`; the config refuses both at once). Either has `score_rows(rows, items) -> metrics`."""
+    if cfg.reward.judge.enable:
+        from rlhf_mcore.rewards.judge import build_judge
+
+        return build_judge(cfg, state, policy_tokenizer)
     if not cfg.reward.reward_model.enable:
         return None
     from rlhf_mcore.rewards.reward_model import build_reward_model as build
