@@ -79,12 +79,14 @@ def _rejected_answer(solution: str, answer: int, kind: int, rng: random.Random) 
 
 
 def make_synthetic_preferences(n: int, seed: int = 0, split: str = "train", difficulty: int = 0,
-                               exclude_questions: set[str] | None = None) -> list[dict[str, Any]]:
+                               exclude_questions: set[str] | None = None,
+                               max_operand: int | None = None) -> list[dict[str, Any]]:
     """`n` preference rows from the synthetic task (module docstring); deterministic in (n, seed, split,
-    difficulty)."""
-    rng = random.Random(f"rlhf_mcore.preferences:{seed}:{split}:{difficulty}")
+    difficulty, max_operand)."""
+    rng = random.Random(f"rlhf_mcore.preferences:{seed}:{split}:{difficulty}:{max_operand}")
     rows = []
-    for k, row in enumerate(make_synthetic_rows(n, difficulty, seed, split, exclude_questions=exclude_questions)):
+    for k, row in enumerate(make_synthetic_rows(n, difficulty, seed, split, exclude_questions=exclude_questions,
+                                                max_operand=max_operand)):
         solution = row["extra_info"]["answer"]  # "... #### 47", the format the strict reward accepts
         answer = int(row["reward_model"]["ground_truth"])
         rows.append({"prompt": row["prompt"], "chosen": solution,
@@ -94,13 +96,13 @@ def make_synthetic_preferences(n: int, seed: int = 0, split: str = "train", diff
 
 
 def write_synthetic_preferences(output_dir: str | Path, n: int, seed: int = 0, n_test: int | None = None,
-                                difficulty: int = 0) -> dict[str, dict[str, Any]]:
+                                difficulty: int = 0, max_operand: int | None = None) -> dict[str, dict[str, Any]]:
     """`train.parquet` (n pairs) and `test.parquet` (`n_test`, default max(n // 10, 1); questions disjoint from
     train) under `output_dir`. Returns {split: {path, rows}}."""
     n_test = max(n // 10, 1) if n_test is None else n_test
-    train = make_synthetic_preferences(n, seed, "train", difficulty)
+    train = make_synthetic_preferences(n, seed, "train", difficulty, max_operand=max_operand)
     seen = {r["prompt"][0]["content"].split(" Let's think")[0] for r in train}
-    test = make_synthetic_preferences(n_test, seed, "test", difficulty, exclude_questions=seen)
+    test = make_synthetic_preferences(n_test, seed, "test", difficulty, exclude_questions=seen, max_operand=max_operand)
     out = Path(output_dir).expanduser()
     return {split: {"path": str(write_parquet(rows, out / f"{split}.parquet")), "rows": len(rows)}
             for split, rows in (("train", train), ("test", test))}
