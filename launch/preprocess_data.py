@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefs.add_argument("--n-test", type=int, default=None, help="held-out pairs (default: n // 10)")
     prefs.add_argument("--difficulty", type=int, default=0)
     prefs.add_argument("--max-operand", type=int, default=None, help="largest operand (default by difficulty)")
+    prefs.add_argument("--rejected-kinds", default="wrong_number,full_stop,both",
+                       help="comma-separated: wrong_number, full_stop, both (equal shares)")
     prefs.add_argument("--seed", type=int, default=0)
     prefs.add_argument("--output-dir", default="~/data/synthetic_preferences")
     return parser
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                    data_source=args.data_source)
         if args.task == "synthetic-preferences":
             return write_synthetic_preferences(args.output_dir, args.n, args.seed, args.n_test, args.difficulty,
-                                               max_operand=args.max_operand)
+                                               max_operand=args.max_operand,
+                                               rejected_kinds=tuple(args.rejected_kinds.split(",")))
         return write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
                                        max_operand=args.max_operand)
 

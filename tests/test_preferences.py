@@ -14,14 +14,17 @@ def test_chosen_passes_the_rule_and_rejected_fails_it():
     rows = make_synthetic_preferences(300, seed=3)
     kinds = {"wrong number": 0, "full stop": 0, "both": 0}
     for r in rows:
-        score = lambda text: default_compute_score(r["data_source"], text, r["ground_truth"])  # noqa: E731
-        assert score(r["chosen"]) == 1.0 and score(r["rejected"]) == 0.0, r
+        chosen, rejected = (default_compute_score(r["data_source"], r[k], r["ground_truth"])
+                            for k in ("chosen", "rejected"))
+        assert chosen == 1.0 and rejected == 0.0, r
         final = r["rejected"].rsplit("####", 1)[1].strip()
         wrong = final.rstrip(".") != r["ground_truth"]
         kinds["both" if wrong and final.endswith(".") else "wrong number" if wrong else "full stop"] += 1
     assert kinds == {"wrong number": 100, "full stop": 100, "both": 100}
     assert make_synthetic_preferences(300, seed=3) == rows  # deterministic
     assert make_synthetic_preferences(300, seed=4) != rows
+    only = make_synthetic_preferences(30, seed=3, rejected_kinds=("full_stop",))
+    assert all(r["rejected"] == r["chosen"] + "." for r in only)
 
 
 def test_preprocess_writes_disjoint_splits(tmp_path):

@@ -7,10 +7,12 @@ and the fix.
 
 Synthetic preferences (:func:`write_synthetic_preferences`) come from the synthetic arithmetic task
 (:mod:`rlhf_mcore.data.synthetic`): the prompt is the RL prompt, `chosen` the worked solution in the format the
-strict GSM8K reward accepts ("... #### 47") and `rejected` one the reward scores 0, in three equal shares: a
-wrong number ("#### 48"), the right number with a full stop ("#### 47.", the warm start's habit in the demo),
-or a wrong number with a full stop. A reward model that learns these preferences ranks responses as the rule
-reward does, without being told the rule.
+strict GSM8K reward accepts ("... #### 47") and `rejected` one the reward scores 0, in equal shares of the
+`rejected_kinds` (all three by default, cycling row by row): `wrong_number` ("#### 48"), `full_stop` (the right
+number with a full stop, "#### 47.", the warm start's habit in the demo) and `both` ("#### 48."). A reward
+model that learns these preferences ranks responses as the rule reward does, without being told the rule; a tiny
+model learns the full stop at once and the wrong number much later (it must compare digits across the
+conversation).
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from rlhf_mcore.data.preprocess import write_parquet
 from rlhf_mcore.data.schema import DataError
 from rlhf_mcore.data.synthetic import make_synthetic_rows
 
-__all__ = ["PREFERENCE_COLUMNS", "read_preference_rows", "make_synthetic_preferences", "write_synthetic_preferences"]
+REJECTED_KINDS = ("wrong_number", "full_stop", "both")
+__all__ = ["PREFERENCE_COLUMNS", "REJECTED_KINDS", "read_preference_rows", "make_synthetic_preferences",
+           "write_synthetic_preferences"]
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -68,21 +72,24 @@ def read_preference_rows(path: str | Path) -> list[tuple[list[dict[str, str]], s
     return rows
 
 
-def _rejected_answer(solution: str, answer: int, kind: int, rng: random.Random) -> str:
-    """The worked solution with its final line made wrong (kind 0), given a full stop (1), or both (2)."""
+def _rejected_answer(solution: str, answer: int, kind: str, rng: random.Random) -> str:
+    """The worked solution with its final line made wrong (`wrong_number`), given a full stop (`full_stop`), or
+    both."""
     head = solution.rsplit("####", 1)[0]
     wrong = answer + rng.choice([-3, -2, -1, 1, 2, 3])
     if wrong < 0:
         wrong = answer + rng.randint(1, 3)
-    final = {0: f"#### {wrong}", 1: f"#### {answer}.", 2: f"#### {wrong}."}[kind]
+    final = {"wrong_number": f"#### {wrong}", "full_stop": f"#### {answer}.", "both": f"#### {wrong}."}[kind]
     return head + final
 
 
 def make_synthetic_preferences(n: int, seed: int = 0, split: str = "train", difficulty: int = 0,
-                               exclude_questions: set[str] | None = None,
-                               max_operand: int | None = None) -> list[dict[str, Any]]:
-    """`n` preference rows from the synthetic task (module docstring); deterministic in (n, seed, split,
-    difficulty, max_operand)."""
+                               exclude_questions: set[str] | None = None, max_operand: int | None = None,
+                               rejected_kinds: tuple[str, ...] = REJECTED_KINDS) -> list[dict[str, Any]]:
+    """`n` preference rows from the synthetic task (module docstring); deterministic in its arguments."""
+    bad = [k for k in rejected_kinds if k not in REJECTED_KINDS]
+    if bad or not rejected_kinds:
+        raise ValueError(f"rejected kinds {list(rejected_kinds)}: choose from {list(REJECTED_KINDS)}")
     rng = random.Random(f"rlhf_mcore.preferences:{seed}:{split}:{difficulty}:{max_operand}")
     rows = []
     for k, row in enumerate(make_synthetic_rows(n, difficulty, seed, split, exclude_questions=exclude_questions,
@@ -90,19 +97,21 @@ def make_synthetic_preferences(n: int, seed: int = 0, split: str = "train", diff
         solution = row["extra_info"]["answer"]  # "... #### 47", the format the strict reward accepts
         answer = int(row["reward_model"]["ground_truth"])
         rows.append({"prompt": row["prompt"], "chosen": solution,
-                     "rejected": _rejected_answer(solution, answer, k % 3, rng),
+                     "rejected": _rejected_answer(solution, answer, rejected_kinds[k % len(rejected_kinds)], rng),
                      "data_source": row["data_source"], "ground_truth": str(answer)})
     return rows
 
 
 def write_synthetic_preferences(output_dir: str | Path, n: int, seed: int = 0, n_test: int | None = None,
-                                difficulty: int = 0, max_operand: int | None = None) -> dict[str, dict[str, Any]]:
+                                difficulty: int = 0, max_operand: int | None = None,
+                                rejected_kinds: tuple[str, ...] = REJECTED_KINDS) -> dict[str, dict[str, Any]]:
     """`train.parquet` (n pairs) and `test.parquet` (`n_test`, default max(n // 10, 1); questions disjoint from
     train) under `output_dir`. Returns {split: {path, rows}}."""
     n_test = max(n // 10, 1) if n_test is None else n_test
-    train = make_synthetic_preferences(n, seed, "train", difficulty, max_operand=max_operand)
+    kw = dict(max_operand=max_operand, rejected_kinds=tuple(rejected_kinds))
+    train = make_synthetic_preferences(n, seed, "train", difficulty, **kw)
     seen = {r["prompt"][0]["content"].split(" Let's think")[0] for r in train}
-    test = make_synthetic_preferences(n_test, seed, "test", difficulty, exclude_questions=seen, max_operand=max_operand)
+    test = make_synthetic_preferences(n_test, seed, "test", difficulty, exclude_questions=seen, **kw)
     out = Path(output_dir).expanduser()
     return {split: {"path": str(write_parquet(rows, out / f"{split}.parquet")), "rows": len(rows)}
             for split, rows in (("train", train), ("test", test))}
