@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--rm-epochs", type=int, default=2)
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reward-model", default=None, help="use this reward model instead of training one")
+    ap.add_argument("overrides", nargs="*", help="extra run-config overrides for GRPO (key=value)")
     args = ap.parse_args()
     demo, out = ROOT / args.demo_dir, ROOT / args.out
     sft = demo / "sft_model"
@@ -38,16 +40,19 @@ def main() -> int:
         print(f"no SFT warm start in {sft}: run `python launch/demo.py --out {args.demo_dir}` first", file=sys.stderr)
         return 2
     t0 = time.time()
-    prefs = out / "preferences"
-    print(f"[1/3] preference pairs -> {prefs}", flush=True)
-    run([sys.executable, str(ROOT / "launch" / "preprocess_data.py"), "synthetic-preferences", "--n",
-         str(args.pairs), "--n-test", "256", "--output-dir", str(prefs)])
-    rm = out / "reward_model"
-    print(f"[2/3] Bradley-Terry reward model from {sft} -> {rm}", flush=True)
-    run(torchrun(1, "train_rm.py", "--model", str(sft), "--train-file", str(prefs / "train.parquet"),
-                 "--val-file", str(prefs / "test.parquet"), "--out", str(rm), "--epochs", str(args.rm_epochs),
-                 "--batch-size", "32", "--micro-batch-pairs", "8", "--lr", "1e-3", "--max-length", "160",
-                 "--device", "cpu", "--seed", str(args.seed), "--report", str(out / "rm_report.json")))
+    rm = Path(args.reward_model) if args.reward_model else out / "reward_model"
+    if not args.reward_model:
+        prefs = out / "preferences"
+        print(f"[1/3] preference pairs -> {prefs}", flush=True)
+        run([sys.executable, str(ROOT / "launch" / "preprocess_data.py"), "synthetic-preferences", "--n",
+             str(args.pairs), "--n-test", "256", "--output-dir", str(prefs)])
+        print(f"[2/3] Bradley-Terry reward model from {sft} -> {rm}", flush=True)
+        run(torchrun(1, "train_rm.py", "--model", str(sft), "--train-file", str(prefs / "train.parquet"),
+                     "--val-file", str(prefs / "test.parquet"), "--out", str(rm), "--epochs", str(args.rm_epochs),
+                     "--batch-size", "32", "--micro-batch-pairs", "8", "--lr", "1e-3", "--max-length", "160",
+                     "--device", "cpu", "--seed", str(args.seed), "--report", str(out / "rm_report.json")))
+        report = json.loads((out / "rm_report.json").read_text())
+        print(f"reward model held-out pairwise accuracy per epoch: {report['val_accuracy']}", flush=True)
     grpo = out / "grpo"
     if grpo.exists():
         shutil.rmtree(grpo)
@@ -58,9 +63,8 @@ def main() -> int:
                  f"data.val_files=[{demo / 'data' / 'synthetic' / 'test.parquet'}]",
                  "reward_model.enable=true", f"reward_model.model.path={rm}",
                  "reward_model.micro_batch_size_per_gpu=16", f"trainer.n_gpus_per_node={args.nproc}",
-                 f"trainer.default_local_dir={grpo}", f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra))
-    report = json.loads((out / "rm_report.json").read_text())
-    print(f"\nreward model held-out pairwise accuracy per epoch: {report['val_accuracy']}")
+                 f"trainer.default_local_dir={grpo}", f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra,
+                 *args.overrides))
     print(validation_curve(grpo / "metrics.jsonl"))
     print(f"\ndone in {time.time() - t0:.0f} s")
     return 0

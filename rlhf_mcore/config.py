@@ -244,6 +244,11 @@ class RewardModelModelConfig:
     dtype: str = "auto"
     use_remove_padding: bool = True
     trust_remote_code: bool = False  # must stay false, as for the actor's model
+    # PRIME (reward_manager=prime): the implicit PRM's beta, when it is updated relative to scoring (before: update,
+    # then score with the updated PRM, veRL's default; after: score, then update) and its optimizer
+    beta_train: float = 0.05
+    update: str = "before"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, weight_decay=0.0))
 
 
 @dataclass
@@ -266,8 +271,11 @@ class RewardModelConfig:
     data_sources: list[str] = field(default_factory=list)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # param_offload: on the host between scorings
     # veRL's names for scoring each sample by its data_source's function: naive, or dapo (the same here: its
-    # overlong shaping is overlong_buffer below, applied under either name)
+    # overlong shaping is overlong_buffer below, applied under either name); prime: PRIME's implicit process reward
+    # model (rlhf_mcore.trainer.prime; model.path: a causal LM, unset = the actor's model)
     reward_manager: str = "naive"
+    prime_granularity: str = "token"  # token | whole (PRIME: where the process rewards sit)
+    prime_norm: str = "batch_norm"  # batch_norm | none (PRIME: scale by the batch's largest |return-to-go|)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
@@ -349,6 +357,10 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # PRIME (reward_model.reward_manager=prime): weights of the RLOO advantages of the implicit process rewards and
+    # of the outcome (rule) reward
+    reward_dpo_coef: float = 5.0
+    reward_gt_coef: float = 5.0
 
 
 @dataclass
@@ -416,7 +428,10 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "trainer.device": ("auto", "cuda", "cpu"),
     "actor_rollout_ref.rollout.mode": ("sync",),
     "trainer.rollout_logprob_gap_action": ("error", "warn"),
-    "reward.reward_model.reward_manager": ("naive", "dapo"),
+    "reward.reward_model.reward_manager": ("naive", "dapo", "prime"),
+    "reward.reward_model.prime_granularity": ("token", "whole"),
+    "reward.reward_model.prime_norm": ("batch_norm", "none"),
+    "reward.reward_model.model.update": ("before", "after"),
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
 }
@@ -681,6 +696,9 @@ def _check_reward_model(cfg: RLConfig, need) -> None:
 
     _check_judge(cfg, need)
     rm, k = cfg.reward.reward_model, "reward.reward_model"
+    if rm.reward_manager == "prime":
+        _check_prime(cfg, need)
+        return
     if not rm.enable:
         return
     need(f"{k}.enable", not cfg.reward.judge.enable, "false while reward.judge.enable=true: score with one learned "
@@ -703,6 +721,27 @@ def _check_reward_model(cfg: RLConfig, need) -> None:
         got, want = getattr(rm.megatron, name), getattr(cfg.actor_rollout_ref.actor.megatron, name) or 1
         need(f"{k}.megatron.{name}", got is None or got == want,
              f"unset or the actor's ({want}): every training-side model shares the actor's process layout")
+
+
+def _check_prime(cfg: RLConfig, need) -> None:
+    """PRIME: the implicit PRM is the actor's model (its reference is the reference policy), RLOO advantages."""
+    import math
+
+    rm, k, a = cfg.reward.reward_model, "reward.reward_model", cfg.algorithm
+    need(f"{k}.enable", rm.enable, "true with reward_manager=prime (the implicit PRM is a reward model)")
+    need(f"{k}.model.path", rm.model.path in (None, cfg.actor_rollout_ref.model.path),
+         f"unset or the actor's model ({cfg.actor_rollout_ref.model.path}) with reward_manager=prime: the implicit "
+         f"PRM starts from the policy's weights and is measured against the reference policy")
+    need("algorithm.adv_estimator", a.adv_estimator == "rloo",
+         "rloo with reward_manager=prime (PRIME's advantages are RLOO on the process and the outcome rewards)")
+    need("algorithm.use_kl_in_reward", not a.use_kl_in_reward, "false with reward_manager=prime")
+    need("critic.enable", not cfg.critic.enable, "false or unset with reward_manager=prime")
+    need(f"{k}.model.beta_train", math.isfinite(rm.model.beta_train) and rm.model.beta_train > 0, "> 0 (e.g. 0.05)")
+    need("algorithm.reward_dpo_coef", math.isfinite(a.reward_dpo_coef), "a finite number")
+    need("algorithm.reward_gt_coef", math.isfinite(a.reward_gt_coef), "a finite number")
+    need("algorithm.reward_dpo_coef", a.reward_dpo_coef != 0 or a.reward_gt_coef != 0,
+         "non-zero, or algorithm.reward_gt_coef non-zero: with both 0 every advantage is 0")
+    need(f"{k}.model.optim.lr", math.isfinite(rm.model.optim.lr) and rm.model.optim.lr >= 0, ">= 0 (e.g. 1e-6)")
 
 
 def _check_judge(cfg: RLConfig, need) -> None:
@@ -815,8 +854,15 @@ def _estimator(cfg: RLConfig):
 
 
 def reference_enabled(cfg: RLConfig) -> bool:
-    """A reference policy is only built when some KL term needs it."""
-    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+    """A reference policy is only built when some KL term, or PRIME's implicit PRM, needs it."""
+    return (cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+            or prime_enabled(cfg))
+
+
+def prime_enabled(cfg: RLConfig) -> bool:
+    """PRIME's implicit process reward model (`reward_model.reward_manager=prime`, `reward_model.enable`)."""
+    rm = cfg.reward.reward_model
+    return rm.enable and rm.reward_manager == "prime"
 
 
 _SPLIT_KEYS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
@@ -1051,6 +1097,6 @@ def to_dict(cfg: RLConfig) -> dict:
 
 
 __all__ = [
-    "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled",
+    "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
     "parallel_layout", "pipeline_split", "model_max_positions", "to_yaml", "to_dict", "load_plugins",
 ]

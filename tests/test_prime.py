@@ -121,6 +121,13 @@ def test_advantages_match_a_loop(dpo_coef, gt_coef):
     want = [[(returns[b][t] - mean) / math.sqrt(var + 1e-8) if t < lengths[b] else 0.0 for t in range(R)]
             for b in range(B)]
     assert close(adv, want, 1e-9)
+    # split over two "ranks" whose partial sums are added: the same advantages as the whole batch
+    from rlhf_mcore.algos.prime import _whiten
+
+    halves = [slice(0, N), slice(N, B)]
+    parts = [torch.stack([(ret[h] * mask[h]).sum(), (ret[h] ** 2 * mask[h]).sum(), mask[h].sum()]) for h in halves]
+    for k, h in enumerate(halves):
+        assert close(_whiten(ret[h], mask[h], lambda t, k=k: t + parts[1 - k]) * mask[h], want[h.start:h.stop], 1e-9)
 
 
 def test_ce_loss_matches_a_loop_and_trains_q():
@@ -132,7 +139,7 @@ def test_ce_loss_matches_a_loop_and_trains_q():
     for b in range(B):
         s = 1 / (1 + math.exp(-0.05 * sum(float(prm.detach()[b, t] - ref[b, t]) for t in range(lengths[b]))))
         want -= (float(acc[b]) * math.log(s) + (1 - float(acc[b])) * math.log(1 - s)) / B
-    assert float(loss) == pytest.approx(want, rel=1e-10)
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-10)
     loss.backward()
     # the gradient raises the log-probs of correct samples and lowers those of wrong ones, on the response only
     for b in range(B):
@@ -160,3 +167,41 @@ def test_dpo_accuracy_matches_a_loop():
                     den += w
             per_group.append(num / den if den else 0.5)
         assert float(prime_dpo_accuracy(q, acc, mask, index)) == pytest.approx(sum(per_group) / len(per_group))
+
+
+def test_prime_through_train_py_at_dp2(tmp_path, tiny_model_dir):
+    """End to end under torchrun (2 ranks, DP=2): the implicit PRM is updated every step (its cross-entropy and
+    gradient logged), its process rewards enter the advantages, and the run finishes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlhf_mcore.data import write_synthetic_parquet
+
+    root = Path(__file__).resolve().parents[1]
+    write_synthetic_parquet(tmp_path / "syn", n=64, difficulty=0, seed=0, n_test=4)
+    reward = tmp_path / "parity_reward.py"  # a random model's responses score 0 or 1 by length: groups vary
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) % 2)\n")
+    out = tmp_path / "run"
+    args = [f"actor_rollout_ref.model.path={tiny_model_dir('qwen2')}",
+            f"data.train_files=[{tmp_path / 'syn' / 'train.parquet'}]", "data.val_files=[]",
+            "data.train_batch_size=4", "data.max_response_length=8", "data.max_prompt_length=128",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=rloo", "reward_model.enable=true",
+            "reward_model.reward_manager=prime", "reward_model.model.optim.lr=1e-3", "trainer.device=cpu",
+            "trainer.total_training_steps=2", f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]",
+            f"custom_reward_function.path={reward}", "trainer.export_hf_final=false"]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "launch" / "train.py"), *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["prime_rm/ce_loss"] > 0 and r["prime_rm/grad_norm"] > 0 and r["prime_rm/num_optimizer_steps"] == 1
+        assert 0 <= r["prime/dpo_acc"] <= 1 and r["prime/process_reward_mean"] != 0
+    assert records[0]["prime_rm/ce_loss"] != records[1]["prime_rm/ce_loss"]

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_mcore.algos.masked import masked_whiten
-
 __all__ = ["implicit_process_rewards", "prime_norm", "masked_rloo", "prime_advantages", "prime_ce_loss",
            "prime_dpo_accuracy", "GRANULARITIES", "NORMS"]
 
@@ -92,10 +90,24 @@ def masked_rloo(rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) 
     return out
 
 
+def _whiten(values: torch.Tensor, mask: torch.Tensor, batch_sums) -> torch.Tensor:
+    """`(values - mean) / sqrt(var + 1e-8)` with the mean and the unbiased variance of the masked entries of the
+    whole batch: `batch_sums` adds the (3,) partial sums of every data-parallel rank (identity on one rank)."""
+    m = mask.to(values.dtype)
+    stats = batch_sums(torch.stack([(values * m).sum(), (values * values * m).sum(), m.sum()]))
+    n = stats[2].clamp(min=1)
+    mean = stats[0] / n
+    var = (stats[1] / n - mean * mean).clamp(min=0)
+    var = var * n / (n - 1) if float(stats[2]) > 1 else torch.zeros_like(var)
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
 def prime_advantages(token_level_scores: torch.Tensor, acc: torch.Tensor, response_mask: torch.Tensor,
-                     index: torch.Tensor, *, reward_dpo_coef: float, reward_gt_coef: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, R); see the module docstring. `acc` (B,): the outcome reward."""
+                     index: torch.Tensor, *, reward_dpo_coef: float, reward_gt_coef: float,
+                     batch_sums=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, R); see the module docstring. `acc` (B,): the outcome reward. Groups must
+    not span data-parallel ranks; `batch_sums` (a sum over those ranks of a small tensor) makes the whitening
+    global."""
     mask = response_mask.bool()
     total = torch.zeros_like(token_level_scores)
     if reward_dpo_coef != 0:
@@ -109,7 +121,7 @@ def prime_advantages(token_level_scores: torch.Tensor, acc: torch.Tensor, respon
         at_last[rows, last] = True
         total = total + reward_gt_coef * masked_rloo(outcome, at_last, index)
     returns = (total * mask).flip(-1).cumsum(-1).flip(-1)
-    advantages = masked_whiten(returns, mask.to(returns.dtype)) * mask
+    advantages = _whiten(returns, mask, batch_sums or (lambda t: t)) * mask
     return advantages, returns
 
 

@@ -81,6 +81,8 @@ class RLTrainer:
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
         self.reward_model = roles.build_reward_model(cfg, self.state, self.tokenizer)  # None unless enabled
+        self.prime = roles.build_prime(cfg, self.state, self.total_steps)  # None unless reward_manager=prime
+        self.prime_metrics: dict[str, float] = {}
         self.rollout = roles.build_rollout(cfg, self.state)
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
@@ -236,6 +238,9 @@ class RLTrainer:
             batch["values"] = self.critic.compute_values(batch)
 
     def compute_advantages(self, batch: dict[str, Any]) -> None:
+        if self.prime is not None:  # PRIME: the implicit PRM's update and its RLOO advantages
+            self.prime_metrics = self.prime.compute_advantages(batch)
+            return
         alg = self.cfg.algorithm
         batch["token_level_rewards"] = batch["token_level_scores"]
         if alg.use_kl_in_reward:
@@ -282,7 +287,7 @@ class RLTrainer:
         if self.critic is not None:
             metrics.update(self.critic.update_critic(batch))
         metrics.update(self.actor.update_policy(batch))
-        return metrics
+        return {**metrics, **self.prime_metrics}
 
     def sync_weights(self) -> dict[str, float]:
         """Actor -> rollout after an update; at sleep level 2 nothing here (the next wake syncs)."""
