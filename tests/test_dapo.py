@@ -184,7 +184,7 @@ def fake_trainer(kinds, *overrides, dp=1, dp_rank=0):
                    for k, kind in enumerate(kinds)]
     t.sampler = ResumableSampler(len(kinds), shuffle=False)
     t.state = SimpleNamespace(is_coordinator=True, dims=SimpleNamespace(dp=dp), dp_rank=dp_rank, cpu_group=None)
-    t.rollout, t.scorer = FakeEngine(), FakeScorer()
+    t.rollout, t.scorer, t.reward_model = FakeEngine(), FakeScorer(), None
     t.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(len(ids)), pad_token_id=0)
     t.estimator = adv_estimator_info(cfg.algorithm.adv_estimator)
     t.rollout_session = lambda: nullcontext({})
