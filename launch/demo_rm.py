@@ -6,8 +6,13 @@ first: it writes the tiny model, the synthetic data and the SFT warm start under
 2. Bradley-Terry reward-model training from the SFT warm start (launch/train_rm.py), held-out pairwise accuracy
    printed per epoch;
 3. GRPO (configs/demo_cpu.yaml) with `reward_model.enable=true` and the default weights (rule_weight 0: the rule
-   reward never reaches the policy); validation still scores with the rule, so the printed curve is the task's
-   true accuracy.
+   reward never reaches the policy) and a KL loss to the warm start (`kl_loss_coef=1.0`); validation still scores
+   with the rule, so the printed curve is the task's true accuracy.
+
+The tiny reward model learns the format (a trailing full stop is rejected) but not yet whether the number is right
+(held-out pairwise accuracy ~0.84, chance on the wrong-number pairs). Without the KL loss the policy finds answers
+it scores highly that the rule rejects: true accuracy rises for a few steps, then collapses (reward hacking); with
+it the warm start's number copying is kept while the full stop goes.
 
     python launch/demo_rm.py [--demo-dir outputs/demo] [--out outputs/demo_rm] [--grpo-steps 20]
 """
@@ -62,7 +67,8 @@ def main() -> int:
                  f"data.train_files=[{demo / 'data' / 'synthetic' / 'train.parquet'}]",
                  f"data.val_files=[{demo / 'data' / 'synthetic' / 'test.parquet'}]",
                  "reward_model.enable=true", f"reward_model.model.path={rm}",
-                 "reward_model.micro_batch_size_per_gpu=16", f"trainer.n_gpus_per_node={args.nproc}",
+                 "reward_model.micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.use_kl_loss=true",
+                 "actor_rollout_ref.actor.kl_loss_coef=1.0", f"trainer.n_gpus_per_node={args.nproc}",
                  f"trainer.default_local_dir={grpo}", f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra,
                  *args.overrides))
     print(validation_curve(grpo / "metrics.jsonl"))
