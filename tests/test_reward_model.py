@@ -220,3 +220,18 @@ def test_preference_file_missing_a_column(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}],
                                           "rejected": "b"}]), tmp_path / "ok.parquet")
     assert read_preference_rows(tmp_path / "ok.parquet") == [([{"role": "user", "content": "q"}], "a", "b")]
+
+
+def test_tokenizer_mismatch_asks_for_input_tokenizer(tiny_model_dir, tmp_path):
+    """A reward model with another vocabulary cannot read the policy's ids: the error names the key to set."""
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.rewards.reward_model import build_reward_model
+
+    policy = tiny_model_dir("qwen2")
+    rm = make_reward_model(tiny_model_dir("qwen2", vocab=512), tmp_path / "rm_other_vocab")
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={policy}", "reward_model.enable=true",
+                             f"reward_model.model.path={rm}"])
+    with pytest.raises(RewardModelError, match=rf"set reward_model.model.input_tokenizer={policy} to re-template"):
+        build_reward_model(cfg, None, AutoTokenizer.from_pretrained(policy))
