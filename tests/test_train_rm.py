@@ -32,7 +32,7 @@ def launch(*args, check=True):
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("train_rm")
-    launch(ROOT / "launch" / "preprocess_data.py", "synthetic-preferences", "--n", "384", "--n-test", "64",
+    launch(ROOT / "launch" / "preprocess_data.py", "synthetic-preferences", "--n", "256", "--n-test", "64",
            "--rejected-kinds", "full_stop,both", "--output-dir", root / "prefs")
     launch(ROOT / "launch" / "train_rm.py", "--model", tiny_model_dir("qwen2"), "--train-file",
            root / "prefs" / "train.parquet", "--val-file", root / "prefs" / "test.parquet", "--out", root / "rm",
