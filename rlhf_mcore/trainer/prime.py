@@ -14,9 +14,9 @@ old/ref log-probs:
    data-parallel ranks), then RLOO on them and on the outcome (`algorithm.reward_dpo_coef`, `reward_gt_coef`), the
    returns whitened over every rank's response tokens.
 
-Metrics: `prime/dpo_acc` (how well the PRM's summed q orders each group by outcome, before this step's update when
-`update=before`... measured on the log-probs used for the rewards), `prime/process_reward_mean` and the PRM
-update's `prime_rm/*`.
+Metrics: `prime/dpo_acc` (how well the PRM's summed q orders each group by outcome, with the log-probs the rewards
+came from), `prime/process_reward_mean` (the normalised process rewards summed per response) and the PRM update's
+`prime_rm/*`.
 
 Not done yet: the PRM is not checkpointed (a resumed run restarts it from the policy's initial weights) and it is
 not offloaded around generation.
