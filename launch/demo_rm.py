@@ -9,10 +9,11 @@ first: it writes the tiny model, the synthetic data and the SFT warm start under
    reward never reaches the policy) and a KL loss to the warm start (`kl_loss_coef=1.0`); validation still scores
    with the rule, so the printed curve is the task's true accuracy.
 
-The tiny reward model learns the format (a trailing full stop is rejected) but not yet whether the number is right
-(held-out pairwise accuracy ~0.84, chance on the wrong-number pairs). Without the KL loss the policy finds answers
-it scores highly that the rule rejects: true accuracy rises for a few steps, then collapses (reward hacking); with
-it the warm start's number copying is kept while the full stop goes.
+The reward model starts from the warm start, which already copies numbers: it learns the full stop at once and
+the wrong number over the first two epochs (at a learning rate of 2e-4; at 1e-3 it never gets past chance on those
+pairs). A reward model that knows only the format gets hacked: GRPO then finds answers it scores highly that the
+rule rejects, and true accuracy rises for a few steps, then collapses. The KL loss keeps the warm start's number
+copying either way.
 
     python launch/demo_rm.py [--demo-dir outputs/demo] [--out outputs/demo_rm] [--grpo-steps 20]
 """
@@ -54,7 +55,8 @@ def main() -> int:
         print(f"[2/3] Bradley-Terry reward model from {sft} -> {rm}", flush=True)
         run(torchrun(1, "train_rm.py", "--model", str(sft), "--train-file", str(prefs / "train.parquet"),
                      "--val-file", str(prefs / "test.parquet"), "--out", str(rm), "--epochs", str(args.rm_epochs),
-                     "--batch-size", "32", "--micro-batch-pairs", "8", "--lr", "1e-3", "--max-length", "160",
+                     "--batch-size", "32", "--micro-batch-pairs", "8", "--lr", "2e-4", "--warmup-steps", "20",
+                     "--max-length", "160",
                      "--device", "cpu", "--seed", str(args.seed), "--report", str(out / "rm_report.json")))
         report = json.loads((out / "rm_report.json").read_text())
         print(f"reward model held-out pairwise accuracy per epoch: {report['val_accuracy']}", flush=True)
