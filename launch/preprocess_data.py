@@ -3,9 +3,12 @@
     python launch/preprocess_data.py gsm8k [--input-dir DIR] --output-dir ~/data/gsm8k
     python launch/preprocess_data.py math --input-dir DIR --output-dir ~/data/math
     python launch/preprocess_data.py synthetic --n 2000 --difficulty 1 --seed 0 --output-dir ~/data/arith
+    python launch/preprocess_data.py synthetic-preferences --n 2000 --output-dir ~/data/arith_prefs
 
 `gsm8k` reads the vendored copy of GSM8K unless --input-dir points elsewhere; inputs are jsonl or parquet
 files named train/test (or Hugging Face hub shards). `math` reads MATH records with `problem` and `solution`.
+`synthetic-preferences` writes preference pairs (prompt, chosen, rejected) from the synthetic task, the answer in
+the format the reward accepts preferred (rlhf_mcore.data.preferences), for launch/train_rm.py.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import logging
 import sys
 
 from rlhf_mcore.cli import report_user_errors
+from rlhf_mcore.data.preferences import write_synthetic_preferences
 from rlhf_mcore.data.preprocess import VENDORED_GSM8K_DIR, preprocess_gsm8k, preprocess_math
 from rlhf_mcore.data.synthetic import write_synthetic_parquet
 
@@ -43,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--max-operand", type=int, default=None, help="largest operand (default by difficulty)")
     synthetic.add_argument("--seed", type=int, default=0)
     synthetic.add_argument("--output-dir", default="~/data/synthetic_arithmetic")
+
+    prefs = sub.add_parser("synthetic-preferences", help="preference pairs from the synthetic task (reward models)")
+    prefs.add_argument("--n", type=int, required=True, help="training pairs")
+    prefs.add_argument("--n-test", type=int, default=None, help="held-out pairs (default: n // 10)")
+    prefs.add_argument("--difficulty", type=int, default=0)
+    prefs.add_argument("--max-operand", type=int, default=None, help="largest operand (default by difficulty)")
+    prefs.add_argument("--rejected-kinds", default="wrong_number,full_stop,both",
+                       help="comma-separated: wrong_number, full_stop, both (equal shares)")
+    prefs.add_argument("--seed", type=int, default=0)
+    prefs.add_argument("--output-dir", default="~/data/synthetic_preferences")
     return parser
 
 
@@ -55,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.task == "math":
             return preprocess_math(args.input_dir, args.output_dir, on_bad_row=args.on_bad_row,
                                    data_source=args.data_source)
+        if args.task == "synthetic-preferences":
+            return write_synthetic_preferences(args.output_dir, args.n, args.seed, args.n_test, args.difficulty,
+                                               max_operand=args.max_operand,
+                                               rejected_kinds=tuple(args.rejected_kinds.split(",")))
         return write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
                                        max_operand=args.max_operand)
 

@@ -235,15 +235,70 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RewardModelConfig:
-    """veRL's `reward_model` section (also accepted at the top level, as veRL writes it)."""
+class RewardModelModelConfig:
+    path: Optional[str] = None  # a Hugging Face *ForSequenceClassification directory with num_labels=1
+    # the policy's tokenizer, when the reward model's tokenizer or chat template differs from it: each conversation
+    # is then decoded and re-templated with the reward model's chat template; None: the policy's token ids as they
+    # are (the two tokenizers must then be the same)
+    input_tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False  # must stay false, as for the actor's model
+    # PRIME (reward_manager=prime): the implicit PRM's beta, when it is updated relative to scoring (before: update,
+    # then score with the updated PRM, veRL's default; after: score, then update) and its optimizer
+    beta_train: float = 0.05
+    update: str = "before"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, weight_decay=0.0))
 
-    enable: bool = False  # learned reward models are not implemented yet: true is refused
-    path: Optional[str] = None
+
+@dataclass
+class RewardModelConfig:
+    """veRL's `reward_model` section (also accepted at the top level, as veRL writes it).
+
+    With `enable`, a discriminative reward model (rlhf_mcore.rewards.reward_model) scores every response whose
+    data_source is in `data_sources` (all of them when empty) at its last token, and that row's reward is
+    `reward_weight * rm_score + rule_weight * rule_score` (the rule score: the data_source's reward function or
+    reward.custom_reward_function, computed for every row as without a reward model). Other rows keep their rule
+    score. The defaults (1, 0) are veRL's: the reward model's score replaces the rule's.
+    """
+
+    enable: bool = False
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = None  # sequences per forward pass; None: 1
+    max_length: Optional[int] = None  # tokens given to the reward model; longer inputs are cut at the end, counted
+    reward_weight: float = 1.0
+    rule_weight: float = 0.0
+    data_sources: list[str] = field(default_factory=list)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # param_offload: on the host between scorings
     # veRL's names for scoring each sample by its data_source's function: naive, or dapo (the same here: its
-    # overlong shaping is overlong_buffer below, applied under either name)
+    # overlong shaping is overlong_buffer below, applied under either name); prime: PRIME's implicit process reward
+    # model (rlhf_mcore.trainer.prime; model.path: a causal LM, unset = the actor's model)
     reward_manager: str = "naive"
+    prime_granularity: str = "token"  # token | whole (PRIME: where the process rewards sit)
+    prime_norm: str = "batch_norm"  # batch_norm | none (PRIME: scale by the batch's largest |return-to-go|)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class JudgeConfig:
+    """A generative reward model (LLM-as-judge, rlhf_mcore.rewards.judge): a second native engine writes a verdict
+    on each response; `parser` reads the score from it (unreadable: 0, counted). Combined with the rule score as
+    reward_model's is (data_sources, reward_weight, rule_weight)."""
+
+    enable: bool = False
+    model_path: Optional[str] = None  # the judge's Hugging Face causal LM directory
+    # fields: {prompt} (the last user message), {response}, {ground_truth}; literal braces as {{ }}
+    prompt_template: str = ("Question:\n{prompt}\n\nProposed answer:\n{response}\n\nReference answer: "
+                            "{ground_truth}\n\nIs the proposed answer correct? Reply with <score>1</score> if it "
+                            "is, <score>0</score> if not.")
+    parser: str = "score_tag"  # score_tag | rating | yes_no | a registered parser (rlhf_mcore.rewards.judge)
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    reward_weight: float = 1.0
+    rule_weight: float = 0.0
+    data_sources: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -257,6 +312,7 @@ class RewardConfig:
     max_failure_ratio: float = 0.5
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -301,6 +357,10 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # PRIME (reward_model.reward_manager=prime): weights of the RLOO advantages of the implicit process rewards and
+    # of the outcome (rule) reward
+    reward_dpo_coef: float = 5.0
+    reward_gt_coef: float = 5.0
 
 
 @dataclass
@@ -388,6 +448,7 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "actor_rollout_ref.model.dtype": ("auto", "bfloat16", "float16", "float32"),
     "actor_rollout_ref.rollout.dtype": ("auto", "bfloat16", "float16", "float32"),
     "critic.model.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "reward.reward_model.model.dtype": ("auto", "bfloat16", "float16", "float32"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "critic.strategy": ("megatron",),
     "actor_rollout_ref.rollout.name": ("native", "hf", "sglang"),
@@ -396,7 +457,10 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "actor_rollout_ref.rollout.mode": ("sync",),
     "async_training.mode": ("off", "one_step_off", "fully_async"),
     "trainer.rollout_logprob_gap_action": ("error", "warn"),
-    "reward.reward_model.reward_manager": ("naive", "dapo"),
+    "reward.reward_model.reward_manager": ("naive", "dapo", "prime"),
+    "reward.reward_model.prime_granularity": ("token", "whole"),
+    "reward.reward_model.prime_norm": ("batch_norm", "none"),
+    "reward.reward_model.model.update": ("before", "after"),
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
 }
@@ -650,14 +714,90 @@ def _check_values(cfg: RLConfig) -> None:
     need("actor_rollout_ref.model.trust_remote_code", not cfg.actor_rollout_ref.model.trust_remote_code,
          "false: rlhf_mcore builds Qwen2/Qwen2.5/Qwen3/Llama models with its own code and never runs a model "
          "repository's Python")
-    need("reward.reward_model.enable", not cfg.reward.reward_model.enable,
-         "false: learned reward models are not implemented yet; score with rule functions by data_source or "
-         "reward.custom_reward_function.path")
+    _check_reward_model(cfg, need)
     for k, data_key in (("prompt_length", "max_prompt_length"), ("response_length", "max_response_length")):
         v = _get(cfg, f"{r}.{k}")
         need(f"{r}.{k}", v is None or v == _get(cfg, f"data.{data_key}"),
              f"unset or equal to data.{data_key} ({_get(cfg, f'data.{data_key}')}), which sets it")
     _check_dapo(cfg, need)
+
+
+def _check_reward_model(cfg: RLConfig, need) -> None:
+    """`reward_model.*` when enabled: a model path, sizes, weights (the model directory itself: build time)."""
+    import math
+
+    _check_judge(cfg, need)
+    rm, k = cfg.reward.reward_model, "reward.reward_model"
+    if rm.reward_manager == "prime":
+        _check_prime(cfg, need)
+        return
+    if not rm.enable:
+        return
+    need(f"{k}.enable", not cfg.reward.judge.enable, "false while reward.judge.enable=true: score with one learned "
+         "model at a time (a reward model or a judge)")
+    need(f"{k}.model.path", bool(rm.model.path),
+         "set with reward_model.enable=true: a Hugging Face *ForSequenceClassification directory (num_labels=1), "
+         "e.g. one written by launch/train_rm.py")
+    need(f"{k}.model.trust_remote_code", not rm.model.trust_remote_code,
+         "false: reward models load through rlhf_mcore's own Qwen2/Qwen3/Llama code")
+    need(f"{k}.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu is None or rm.micro_batch_size_per_gpu >= 1,
+         "unset or >= 1")
+    need(f"{k}.max_length", rm.max_length is None or rm.max_length >= 2, "unset or >= 2 (tokens)")
+    for w in ("reward_weight", "rule_weight"):
+        need(f"{k}.{w}", math.isfinite(getattr(rm, w)), "a finite number")
+    need(f"{k}.reward_weight", rm.reward_weight != 0, "non-zero with reward_model.enable=true (0 ignores the model: "
+         "turn reward_model.enable off instead)")
+    need("algorithm.adv_estimator", cfg.algorithm.adv_estimator != "remax",
+         "not remax with reward_model.enable=true: ReMax's greedy baselines are scored by rule functions only")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        got, want = getattr(rm.megatron, name), getattr(cfg.actor_rollout_ref.actor.megatron, name) or 1
+        need(f"{k}.megatron.{name}", got is None or got == want,
+             f"unset or the actor's ({want}): every training-side model shares the actor's process layout")
+
+
+def _check_prime(cfg: RLConfig, need) -> None:
+    """PRIME: the implicit PRM is the actor's model (its reference is the reference policy), RLOO advantages."""
+    import math
+
+    rm, k, a = cfg.reward.reward_model, "reward.reward_model", cfg.algorithm
+    need(f"{k}.enable", rm.enable, "true with reward_manager=prime (the implicit PRM is a reward model)")
+    need(f"{k}.model.path", rm.model.path in (None, cfg.actor_rollout_ref.model.path),
+         f"unset or the actor's model ({cfg.actor_rollout_ref.model.path}) with reward_manager=prime: the implicit "
+         f"PRM starts from the policy's weights and is measured against the reference policy")
+    need("algorithm.adv_estimator", a.adv_estimator == "rloo",
+         "rloo with reward_manager=prime (PRIME's advantages are RLOO on the process and the outcome rewards)")
+    need("algorithm.use_kl_in_reward", not a.use_kl_in_reward, "false with reward_manager=prime")
+    need("critic.enable", not cfg.critic.enable, "false or unset with reward_manager=prime")
+    need(f"{k}.model.beta_train", math.isfinite(rm.model.beta_train) and rm.model.beta_train > 0, "> 0 (e.g. 0.05)")
+    need("algorithm.reward_dpo_coef", math.isfinite(a.reward_dpo_coef), "a finite number")
+    need("algorithm.reward_gt_coef", math.isfinite(a.reward_gt_coef), "a finite number")
+    need("algorithm.reward_dpo_coef", a.reward_dpo_coef != 0 or a.reward_gt_coef != 0,
+         "non-zero, or algorithm.reward_gt_coef non-zero: with both 0 every advantage is 0")
+    need(f"{k}.model.optim.lr", math.isfinite(rm.model.optim.lr) and rm.model.optim.lr >= 0, ">= 0 (e.g. 1e-6)")
+
+
+def _check_judge(cfg: RLConfig, need) -> None:
+    """`reward.judge.*` when enabled: model path, template fields, sizes (parser names: at build time, after
+    trainer.plugins)."""
+    import math
+
+    from rlhf_mcore.rewards.judge import check_template
+
+    j, k = cfg.reward.judge, "reward.judge"
+    if not j.enable:
+        return
+    need(f"{k}.model_path", bool(j.model_path), "set with reward.judge.enable=true: the judge's causal LM directory")
+    try:
+        check_template(j.prompt_template)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("max_new_tokens", "max_num_seqs", "max_model_len"):
+        need(f"{k}.{key}", getattr(j, key) >= 1, ">= 1")
+    need(f"{k}.temperature", j.temperature >= 0, ">= 0 (0 is greedy)")
+    for w in ("reward_weight", "rule_weight"):
+        need(f"{k}.{w}", math.isfinite(getattr(j, w)), "a finite number")
+    need("algorithm.adv_estimator", cfg.algorithm.adv_estimator != "remax",
+         "not remax with reward.judge.enable=true: ReMax's greedy baselines are scored by rule functions only")
 
 
 def _check_dapo(cfg: RLConfig, need) -> None:
@@ -746,8 +886,15 @@ def _estimator(cfg: RLConfig):
 
 
 def reference_enabled(cfg: RLConfig) -> bool:
-    """A reference policy is only built when some KL term needs it."""
-    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+    """A reference policy is only built when some KL term, or PRIME's implicit PRM, needs it."""
+    return (cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+            or prime_enabled(cfg))
+
+
+def prime_enabled(cfg: RLConfig) -> bool:
+    """PRIME's implicit process reward model (`reward_model.reward_manager=prime`, `reward_model.enable`)."""
+    rm = cfg.reward.reward_model
+    return rm.enable and rm.reward_manager == "prime"
 
 
 _SPLIT_KEYS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
@@ -941,6 +1088,12 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
     _require(rollout % r.tensor_model_parallel_size == 0,
              f"the rollout pool has {rollout} processes, not a multiple of "
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}.")
+    rm = cfg.reward.reward_model
+    for key, on in (("reward_model.enable", rm.enable), ("reward.judge.enable", cfg.reward.judge.enable),
+                    ("reward_model.reward_manager=prime", rm.reward_manager == "prime")):
+        _require(not on, f"{key} scores on the training engines of the synchronous trainer; with "
+                         f"async_training.mode={a.mode} samples are scored on the rollout pool by rule functions "
+                         f"only: turn it off or set async_training.mode=off.")
     _require(not cfg.algorithm.filter_groups.enable,
              f"algorithm.filter_groups (dynamic sampling) runs with async_training.mode=off only, not "
              f"{a.mode}: set algorithm.filter_groups.enable=false or async_training.mode=off.")
@@ -1051,6 +1204,6 @@ def to_dict(cfg: RLConfig) -> dict:
 
 
 __all__ = [
-    "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled",
+    "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
     "parallel_layout", "pipeline_split", "model_max_positions", "to_yaml", "to_dict", "load_plugins",
 ]

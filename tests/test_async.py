@@ -80,6 +80,10 @@ def test_pool_layout():
         PoolLayout(1, 3, rollout_tp=2)
 
 
+BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+
+
 @pytest.mark.parametrize("overrides,world,fragments", [
     (["async_training.mode=fully_async"], 2, ["rollout.n_gpus_per_node"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=2"], 2, ["must add up", "2 processes"]),
@@ -90,12 +94,13 @@ def test_pool_layout():
       "actor_rollout_ref.rollout.name=hf"], 2, ["does not stream"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"], 2,
      ["filter_groups"]),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "reward_model.enable=true",
+      "reward_model.model.path=/rm"], 2, ["reward_model.enable", "rollout pool"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
 ])
 def test_async_config_errors(overrides, world, fragments):
-    base = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+    base = BASE
     with pytest.raises(ConfigError) as e:
         validate_config(load_config(None, base + overrides), world)
     for f in fragments:
@@ -103,8 +108,7 @@ def test_async_config_errors(overrides, world, fragments):
 
 
 def test_async_config_accepted_layouts():
-    base = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+    base = BASE
     validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
                                               "trainer.n_gpus_per_node=2",
                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2

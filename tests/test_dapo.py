@@ -184,7 +184,7 @@ def fake_trainer(kinds, *overrides, dp=1, dp_rank=0):
                    for k, kind in enumerate(kinds)]
     t.sampler = ResumableSampler(len(kinds), shuffle=False)
     t.state = SimpleNamespace(is_coordinator=True, dims=SimpleNamespace(dp=dp), dp_rank=dp_rank, cpu_group=None)
-    t.rollout, t.scorer = FakeEngine(), FakeScorer()
+    t.rollout, t.scorer, t.reward_model = FakeEngine(), FakeScorer(), None
     t.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(len(ids)), pad_token_id=0)
     t.estimator = adv_estimator_info(cfg.algorithm.adv_estimator)
     t.rollout_session = lambda: nullcontext({})
@@ -285,7 +285,7 @@ def test_dapo_keys_load_under_verl_names():
       "algorithm.use_kl_in_reward=true"], ["has value 'seq_final_reward'", "the KL penalty is computed after"]),
     (["data.gen_batch_size=24"], ["'data.gen_batch_size' has value 24", "unless algorithm.filter_groups.enable"]),
     (["data.gen_batch_size=0"], ["'data.gen_batch_size' has value 0", "unset or >= 1"]),
-    (["reward_model.reward_manager=prime"], ["has value 'prime'", "choose one of naive, dapo"]),
+    (["reward_model.reward_manager=batch"], ["has value 'batch'", "choose one of naive, dapo, prime"]),
 ])
 def test_dapo_config_errors(overrides, fragments):
     base = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo",

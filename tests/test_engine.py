@@ -349,7 +349,7 @@ def test_engine_config_from_run_config():
     with pytest.raises(ValueError, match="not divisible by the data-parallel size 3"):
         EngineConfig.from_actor(actor, ModelConfig(path="x"), RolloutConfig(n=1), dp_size=3)
     with pytest.raises(ValueError, match="role="):
-        EngineConfig(role="reward")
+        EngineConfig(role="judge")
 
 
 def test_storage_offloader_round_trip():

@@ -11,12 +11,12 @@ from typing import Optional
 
 __all__ = ["EngineConfig"]
 
-ROLES = ("actor", "critic", "ref")
+ROLES = ("actor", "critic", "ref", "reward")
 
 
 @dataclass
 class EngineConfig:
-    role: str = "actor"  # actor | critic | ref (forward-only, frozen)
+    role: str = "actor"  # actor | critic | ref (forward-only, frozen) | reward (scores; trains with a loss hook)
     # -- updates: ppo_epochs × mini-batches × micro-batches (sequences per DP rank)
     mini_batch_size: Optional[int] = None  # sequences per optimizer step; None: the whole batch
     micro_batch_size: int = 1  # sequences per forward/backward (when not use_dynamic_bsz)
@@ -68,6 +68,8 @@ class EngineConfig:
     @property
     def update_keys(self) -> tuple[str, str]:
         """The run-config keys of this role's update micro-batch size and token budget (for error messages)."""
+        if self.role == "reward":
+            return "launch/train_rm.py --micro-batch-pairs (x2)", "(dynamic batching is not used for pairs)"
         prefix = "critic" if self.role == "critic" else "actor_rollout_ref.actor"
         return f"{prefix}.ppo_micro_batch_size_per_gpu", f"{prefix}.ppo_max_token_len_per_gpu"
 
@@ -76,6 +78,8 @@ class EngineConfig:
         """The run-config keys of this role's forward-only micro-batch size and token budget."""
         if self.role == "critic":
             return "critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"
+        if self.role == "reward":
+            return "reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu"
         prefix = "actor_rollout_ref.ref" if self.role == "ref" else "actor_rollout_ref.rollout"
         return f"{prefix}.log_prob_micro_batch_size_per_gpu", f"{prefix}.log_prob_max_token_len_per_gpu"
 

@@ -66,7 +66,8 @@ class TrainEngine:
         chunks: the unwrapped GPTModel chunks of this rank.
         state: the rank's :class:`~rlhf_mcore.parallel.ParallelState`.
         cfg: batching, loss and scoring settings (:class:`EngineConfig`).
-        optim: an :class:`rlhf_mcore.config.OptimConfig` (required unless `cfg.role == "ref"`).
+        optim: an :class:`rlhf_mcore.config.OptimConfig` (required for actor and critic; none for ref; a reward
+            engine without one is frozen).
         use_distributed_optimizer: shard optimizer state and master weights over DP (ZeRO-1).
         vocab_size: the real vocabulary (without Megatron's padding); defaults to the chunks' `hf_shape`
             (set by `build_model`), else the GPTModel's (padded) `vocab_size`.
@@ -106,7 +107,7 @@ class TrainEngine:
         self.flop_shape = FlopShape.from_transformer_config(self.model_config, head_width)
         self.peak_flops = peak_flops(state.device)
         self.optimizer = self.scheduler = None
-        if cfg.role == "ref":
+        if cfg.role == "ref" or (cfg.role == "reward" and optim is None):  # frozen, forward-only
             for c in chunks:
                 c.requires_grad_(False)
                 c.eval()
@@ -143,8 +144,8 @@ class TrainEngine:
         every rank of the model replica, on the device of `batch["input_ids"]`. `with_entropy` defaults to True
         for the actor, False for the ref.
         """
-        if self.cfg.role == "critic":
-            raise RuntimeError("a critic engine has no log-probs; call compute_values")
+        if self.cfg.role in ("critic", "reward"):
+            raise RuntimeError(f"a {self.cfg.role} engine has no log-probs (its head is a width-1 score)")
         with_entropy = self.cfg.role == "actor" if with_entropy is None else with_entropy
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
 
@@ -211,8 +212,8 @@ class TrainEngine:
     def update(self, batch: dict) -> dict[str, float]:
         """One PPO update on this rank's batch: `ppo_epochs` × mini-batches, one optimizer step each, then one
         LR-scheduler step. Returns metrics averaged over the optimizer steps (identical on every rank)."""
-        if self.cfg.role == "ref":
-            raise RuntimeError("the reference policy is frozen; it has no update")
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.cfg.role} engine is frozen (built without an optimizer); it has no update")
         self._require_onloaded()
         self._sync_device()
         start = time.perf_counter()
@@ -253,11 +254,7 @@ class TrainEngine:
         self._require_onloaded()
         state, cfg = self.state, self.cfg
         sub = self._to_device(mini_batch)
-        keys = ACTOR_KEYS if cfg.role == "actor" else CRITIC_KEYS
-        if cfg.role == "actor" and cfg.use_kl_loss:
-            keys = keys + ("ref_log_prob",)
-        if cfg.role == "actor" and "rollout_is_weights" in sub:  # algorithm.rollout_correction.rollout_is
-            keys = keys + ("rollout_is_weights",)
+        keys, loss_fn = self.loss_inputs(sub)
         mask = sub["response_mask"]  # (b, R)
         counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)  # (2,) tokens, sequences
         if state.dims.dp > 1:
@@ -271,7 +268,6 @@ class TrainEngine:
                                  uniform_shape=self.state.dims.pp > 1)
         ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
                           scale=float(len(mbs) * state.dims.dp))
-        loss_fn = actor_loss if cfg.role == "actor" else critic_loss
         for m in self.modules:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -282,6 +278,20 @@ class TrainEngine:
                                  src_has_data=state.is_last_stage, device=state.device)
         metrics["num_micro_batches"] = float(len(mbs))
         return metrics, seqlens
+
+    def loss_inputs(self, batch: dict) -> tuple[tuple[str, ...], object]:
+        """The (b, R) batch keys the loss reads and the loss, `loss(output, micro_batch, ctx) -> (loss, metrics)`
+        (see :mod:`rlhf_mcore.engine.losses`). A subclass with another objective overrides this."""
+        if self.cfg.role == "critic":
+            return CRITIC_KEYS, critic_loss
+        if self.cfg.role != "actor":
+            raise RuntimeError(f"a {self.cfg.role} engine has no built-in loss; subclass TrainEngine.loss_inputs")
+        keys = ACTOR_KEYS
+        if self.cfg.use_kl_loss:
+            keys = keys + ("ref_log_prob",)
+        if "rollout_is_weights" in batch:  # algorithm.rollout_correction.rollout_is
+            keys = keys + ("rollout_is_weights",)
+        return keys, actor_loss
 
     def _epoch_order(self, n: int, epoch: int) -> torch.Tensor:
         if not self.cfg.shuffle:

@@ -32,7 +32,7 @@ from rlhf_mcore.models.layer_specs import layer_spec, resolve_backend
 from rlhf_mcore.models.pipeline_layout import chunk_layers, describe
 from rlhf_mcore.models.rope import install_packed_rope, install_rope
 
-ROLES = ("actor", "ref", "critic")
+ROLES = ("actor", "ref", "critic", "reward")
 _LOGGED_SPLITS: set = set()  # (layers, pp, vpp, first, last) already printed by this process
 
 
@@ -46,8 +46,10 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
                 vocab_divisor: int = 128) -> list:
     """GPTModel chunks (one per virtual pipeline stage of this rank) for the HF model in `hf_dir`.
 
-    role: "actor" / "ref" (language-model head, tied to the embedding when the checkpoint ties them) or
-    "critic" (a width-1 value head, see `value_head.ValueHead`). dtype None: bf16 on GPU, fp32 on CPU.
+    role: "actor" / "ref" (language-model head, tied to the embedding when the checkpoint ties them),
+    "critic" (a width-1 value head, see `value_head.ValueHead`) or "reward" (the same head without bias: a
+    `*ForSequenceClassification` reward model's `score`; from a causal LM it starts at the head's init).
+    dtype None: bf16 on GPU, fp32 on CPU.
     attention_backend: see `layer_specs.BACKENDS`. config_overrides: extra `TransformerConfig` fields
     (e.g. recompute_granularity). load_weights=False leaves Megatron's random initialisation.
     """
@@ -80,8 +82,8 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
                          pg_collection=state.pg_collection, vp_stage=vp if dims.vpp else None,
                          **gpt_model_kwargs(shape, tp=dims.tp, role=role, vocab_divisor=vocab_divisor))
         install_rope(model, shape, state.device)
-        if role == "critic" and post:
-            model.output_layer = ValueHead(shape.hidden_size, dtype=dtype, device=state.device)
+        if role in ("critic", "reward") and post:
+            model.output_layer = ValueHead(shape.hidden_size, dtype=dtype, device=state.device, bias=role == "critic")
         model.to(device=state.device, dtype=dtype)  # torch norms are created in fp32 on the CPU
         model.hf_shape, model.model_role, model.hf_dir = shape, role, str(hf_dir)
         model.layer_ids = _checked_layer_ids(model, config, state.pp_rank, vp)

@@ -30,11 +30,19 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForTokenClassification": "qwen2",
     "LlamaForTokenClassification": "llama",
     "Qwen3ForTokenClassification": "qwen3",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "LlamaForSequenceClassification": "llama",
+    "Qwen3ForSequenceClassification": "qwen3",
 }
 CAUSAL_LM_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TOKEN_CLASSIFICATION_ARCHITECTURE = {
     "qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification",
     "qwen3": "Qwen3ForTokenClassification",
+}
+# What `save_hf_checkpoint` writes for a reward model (a width-1 `score` head without bias, read at the last token).
+SEQUENCE_CLASSIFICATION_ARCHITECTURE = {
+    "qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron's make_vocab_size_divisible_by
@@ -120,8 +128,8 @@ class ModelShape:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {arch!r} (config.json 'architectures') is not supported; supported: "
-                f"{sorted(set(SUPPORTED_ARCHITECTURES) - set(TOKEN_CLASSIFICATION_ARCHITECTURE.values()))} "
-                f"(and their *ForTokenClassification critics).")
+                f"{sorted(CAUSAL_LM_ARCHITECTURE.values())} "
+                f"(and their *ForTokenClassification critics and *ForSequenceClassification reward models).")
         family = SUPPORTED_ARCHITECTURES[arch]
 
         def need(key):
@@ -245,7 +253,7 @@ def gpt_model_kwargs(shape: ModelShape, *, tp: int, role: str,
         vocab_size=shape.padded_vocab_size(tp, vocab_divisor),
         max_sequence_length=shape.max_position_embeddings,
         parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings and role != "critic",
+        share_embeddings_and_output_weights=shape.tie_word_embeddings and role not in ("critic", "reward"),
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
         rotary_percent=1.0,

@@ -27,7 +27,11 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_mcore.models.hf_config import CAUSAL_LM_ARCHITECTURE, TOKEN_CLASSIFICATION_ARCHITECTURE
+from rlhf_mcore.models.hf_config import (
+    CAUSAL_LM_ARCHITECTURE,
+    SEQUENCE_CLASSIFICATION_ARCHITECTURE,
+    TOKEN_CLASSIFICATION_ARCHITECTURE,
+)
 from rlhf_mcore.models.hf_loader import INDEX_FILE, layer_numbers, unwrap_model
 from rlhf_mcore.models.weight_map import WeightRule, full_shape, join_tp_shards, rule_for_param, split_to_hf
 
@@ -104,8 +108,9 @@ def export_hf_weights(model_chunks, state, *, dtype: Optional[torch.dtype] = Non
 def _hf_config_for_export(src_hf_dir, shape, role: str, dtype: torch.dtype) -> dict:
     src = Path(src_hf_dir) / "config.json"
     cfg = json.loads(src.read_text()) if src.is_file() else {}
-    if role == "critic":
-        cfg["architectures"] = [TOKEN_CLASSIFICATION_ARCHITECTURE[shape.family]]
+    if role in ("critic", "reward"):
+        heads = TOKEN_CLASSIFICATION_ARCHITECTURE if role == "critic" else SEQUENCE_CLASSIFICATION_ARCHITECTURE
+        cfg["architectures"] = [heads[shape.family]]
         cfg["num_labels"] = 1
         cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     elif cfg.get("architectures", [None])[0] not in CAUSAL_LM_ARCHITECTURE.values():
@@ -131,7 +136,8 @@ def save_hf_checkpoint(model_chunks, state, out_dir, src_hf_dir, *, dtype: Optio
                        max_shard_bytes: int = 2 * 1024**3) -> Path:
     """Write an HF model directory from Megatron chunks (a collective over the model-parallel ranks of the
     first data-parallel replica; rank 0 writes). Shards `model-0000i-of-0000N.safetensors` + index, config
-    (from `src_hf_dir`, dtype updated; a critic becomes `*ForTokenClassification` with num_labels=1) and the
+    (from `src_hf_dir`, dtype updated; a critic becomes `*ForTokenClassification` with num_labels=1, a reward model
+    `*ForSequenceClassification` with num_labels=1) and the
     source's tokenizer / chat template / generation config. dtype: default the parameters' dtype."""
     from safetensors.torch import save_file
 

@@ -6,7 +6,8 @@ It is replicated on every TP rank (one output column cannot be split), takes the
 
 Initialisation is small and deterministic — weight normal with std 1/(H+1), bias 0, from a fixed-seed generator — so
 every rank starts with the same head without a broadcast, and initial values are near zero. In HF format the
-head is `score.weight` (1, H) / `score.bias` (1,), as in `*ForTokenClassification` with num_labels=1.
+head is `score.weight` (1, H) / `score.bias` (1,), as in `*ForTokenClassification` with num_labels=1. A reward
+model's head (`bias=False`) is `score.weight` only, as in `*ForSequenceClassification`.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ HEAD_SEED = 20240917
 
 
 class ValueHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, *, dtype: torch.dtype = torch.float32, device=None, seed: int = HEAD_SEED):
+    def __init__(self, hidden_size: int, *, dtype: torch.dtype = torch.float32, device=None, seed: int = HEAD_SEED,
+                 bias: bool = True):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(1, hidden_size, generator=gen) / (hidden_size + 1)
         self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype)) if bias else None
         # no sequence parallelism on this head: megatron's GPTModel reads this attribute in inference paths
         self.sequence_parallel = False
 

@@ -84,6 +84,10 @@ def rule_for_param(name: str, layer_numbers: dict, shape: ModelShape, role: str)
     if name == "decoder.final_layernorm.weight":
         return WeightRule("final_norm", "replicated", (FINAL_NORM,))
     if name in ("output_layer.weight", "output_layer.bias"):
+        if role == "reward":  # optional: a causal LM (reward-model training's start) has no score head yet
+            if name.endswith("bias"):
+                raise ValueError("a reward model's score head has no bias (*ForSequenceClassification)")
+            return WeightRule(name, "replicated", (CRITIC_HEAD[0],), optional=True)
         if role == "critic":
             return WeightRule(name, "replicated", (CRITIC_HEAD[0] if name.endswith("weight") else CRITIC_HEAD[1],),
                               optional=True)
@@ -236,6 +240,8 @@ def expected_hf_names(shape: ModelShape, role: str = "actor") -> list[str]:
     names.append(FINAL_NORM)
     if role == "critic":
         names += list(CRITIC_HEAD)
+    elif role == "reward":
+        names.append(CRITIC_HEAD[0])
     elif not shape.tie_word_embeddings:
         names.append(LM_HEAD)
     return names

@@ -83,6 +83,9 @@ class RLTrainer:
         self.actor = roles.build_actor(cfg, self.state, self.total_steps)
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
+        self.reward_model = roles.build_reward_model(cfg, self.state, self.tokenizer)  # None unless enabled
+        self.prime = roles.build_prime(cfg, self.state, self.total_steps)  # None unless reward_manager=prime
+        self.prime_metrics: dict[str, float] = {}
         self.rollout = roles.build_rollout(cfg, self.state) if pools is None else None
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
@@ -177,8 +180,9 @@ class RLTrainer:
         return batch
 
     def rollout_and_score(self, prompt_ids: list[int], gen_batch: int) -> tuple[list[Row], dict[str, float]]:
-        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the overlong penalty
-        added to each score (`reward_extra`: `acc`, the reward function's score, and `overlong_penalty`)."""
+        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the reward model's score
+        combined in (reward_model.enable) and the overlong penalty added to each score (`reward_extra`: `acc`, the
+        reward function's score, `rm_score` and `overlong_penalty`)."""
         cfg = self.cfg
         items = [self.train_set[i] for i in prompt_ids]
         params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step + 1_000_003 * gen_batch)
@@ -186,8 +190,9 @@ class RLTrainer:
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
             greedy_baseline=self.estimator.needs_greedy_baseline)
+        rm_metrics = self.reward_model.score_rows(rows, items) if self.reward_model is not None else {}
         add_overlong_penalty(rows, cfg, baseline=self.estimator.needs_greedy_baseline)
-        return rows, reward_metrics(stats)
+        return rows, {**reward_metrics(stats), **rm_metrics}
 
     def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
         """Dynamic sampling: generate data.gen_batch_size prompts at a time, keeping the groups whose
@@ -230,6 +235,9 @@ class RLTrainer:
             batch["values"] = self.critic.compute_values(batch)
 
     def compute_advantages(self, batch: dict[str, Any]) -> None:
+        if self.prime is not None:  # PRIME: the implicit PRM's update and its RLOO advantages
+            self.prime_metrics = self.prime.compute_advantages(batch)
+            return
         alg = self.cfg.algorithm
         batch["token_level_rewards"] = batch["token_level_scores"]
         if alg.use_kl_in_reward:
@@ -276,7 +284,7 @@ class RLTrainer:
         if self.critic is not None:
             metrics.update(self.critic.update_critic(batch))
         metrics.update(self.actor.update_policy(batch))
-        return metrics
+        return {**metrics, **self.prime_metrics}
 
     def sync_weights(self) -> dict[str, float]:
         """Actor -> rollout after an update; at sleep level 2 nothing here (the next wake syncs)."""

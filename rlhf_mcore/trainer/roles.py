@@ -213,3 +213,24 @@ def build_critic(cfg: RLConfig, state: ParallelState, total_steps: int):
     from rlhf_mcore.engine import build_engine
 
     return build_engine(cfg, state, role="critic", total_steps=total_steps)
+
+
+def build_reward_model(cfg: RLConfig, state: ParallelState, policy_tokenizer):
+    """The learned reward's scorer, or None: a discriminative reward model (`reward_model.enable`) or a judge
+    (`reward.judge.enable`; the config refuses both at once). Either has `score_rows(rows, items) -> metrics`."""
+    if cfg.reward.judge.enable:
+        from rlhf_mcore.rewards.judge import build_judge
+
+        return build_judge(cfg, state, policy_tokenizer)
+    if not cfg.reward.reward_model.enable or cfg.reward.reward_model.reward_manager == "prime":
+        return None  # PRIME's implicit PRM: build_prime
+    from rlhf_mcore.rewards.reward_model import build_reward_model as build
+
+    return build(cfg, state, policy_tokenizer)
+
+
+def build_prime(cfg: RLConfig, state: ParallelState, total_steps: int):
+    """PRIME's implicit process reward model (`reward_model.reward_manager=prime`), or None."""
+    from rlhf_mcore.trainer.prime import build_prime as build
+
+    return build(cfg, state, total_steps)

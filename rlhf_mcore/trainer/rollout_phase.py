@@ -55,7 +55,8 @@ def add_overlong_penalty(rows: Sequence[Row], cfg, baseline: bool = False) -> No
         return overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor) if ob.enable else [0.0] * len(lengths)
 
     for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
-        r.reward_extra.update(acc=r.score, overlong_penalty=p)
+        r.reward_extra.setdefault("acc", r.score)  # the rule's score (a reward model has recorded it already)
+        r.reward_extra["overlong_penalty"] = p
         r.score += p
     if baseline:
         for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):

@@ -1,0 +1,213 @@
+"""Discriminative reward models in the RL loop (`reward_model.enable`): scoring rollouts and combining the score
+with the rule reward.
+
+The model is a Hugging Face `*ForSequenceClassification` directory with one label (Qwen2, Llama, Qwen3; e.g.
+written by `launch/train_rm.py`), built on the train engine with the actor's TP / PP layout
+(:class:`rlhf_mcore.engine.reward_engine.RewardEngine`, frozen, no optimizer) and read at each sequence's last
+token, as transformers' sequence classifiers do.
+
+What the reward model reads (:func:`rm_token_ids`):
+
+- `reward_model.model.input_tokenizer` unset: the policy's own token ids, prompt (chat template with the
+  generation prompt) followed by the response as generated (its end-of-turn token included). The reward model's
+  tokenizer must then be the policy's: a different vocabulary is refused when the scorer is built.
+- set (the policy's tokenizer path): the response is decoded with that tokenizer (special tokens skipped) and the
+  conversation — the row's prompt messages plus `{"role": "assistant", "content": response}` — is rendered with
+  the reward model's chat template (`apply_chat_template(messages)`, as veRL does), then tokenized by the reward
+  model's tokenizer.
+
+Inputs longer than `reward_model.max_length` keep their first `max_length` tokens (counted:
+`reward_model/num_truncated`).
+
+How the score becomes the reward (:func:`combine`): a row whose `data_source` is in `reward_model.data_sources`
+(every row when the list is empty) gets `reward_weight * rm_score + rule_weight * rule_score`; other rows keep
+the rule score. `rule_score` is what the rule reward (by data_source, or `reward.custom_reward_function`)
+returned; it stays in the row's `reward_extra["acc"]`, so dynamic sampling's `acc` metric and the logged rule
+accuracy are unchanged by the reward model.
+
+Every rank holds all rows of a step; each data-parallel replica scores a contiguous share and the scores are
+all-gathered, so every rank ends with the same rewards. With `reward_model.megatron.param_offload` the weights
+live on the host and come to the device only while scoring.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore.rewards.errors import RewardError
+
+__all__ = ["RewardModelError", "RewardModelScorer", "build_reward_model", "combine", "rm_token_ids",
+           "check_reward_model_dir", "score_sequences"]
+
+
+class RewardModelError(RewardError):
+    """The reward model cannot be used as configured (missing directory, wrong head, tokenizer mismatch)."""
+
+
+def check_reward_model_dir(path: str, key: str = "reward_model.model.path") -> None:
+    """`path` must be a local `*ForSequenceClassification` directory with num_labels=1 and a `score.weight`."""
+    import json
+
+    from rlhf_mcore.models.hf_config import SEQUENCE_CLASSIFICATION_ARCHITECTURE
+    from rlhf_mcore.models.hf_loader import SafetensorsCheckpoint
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise RewardModelError(
+            f"{key}={path!r} is not a Hugging Face model directory (no config.json there): point it at a "
+            f"*ForSequenceClassification directory, e.g. one written by `launch/train_rm.py --out DIR`.")
+    cfg = json.loads((p / "config.json").read_text())
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in SEQUENCE_CLASSIFICATION_ARCHITECTURE.values():
+        raise RewardModelError(
+            f"{key}={path!r} is a {arch}, not a reward model: give a directory whose config.json names one of "
+            f"{sorted(SEQUENCE_CLASSIFICATION_ARCHITECTURE.values())} (train one with launch/train_rm.py).")
+    labels = cfg.get("num_labels", len(cfg.get("id2label") or {0: 0}))
+    if labels != 1:
+        raise RewardModelError(f"{key}={path!r} has num_labels={labels}; a reward model has one label (one score).")
+    if "score.weight" not in SafetensorsCheckpoint(p):
+        raise RewardModelError(f"{key}={path!r} has no `score.weight` tensor: its score head is missing.")
+
+
+def rm_token_ids(prompt_ids: Sequence[int], response_ids: Sequence[int], messages: Any = None, *,
+                 input_tokenizer=None, rm_tokenizer=None) -> list[int]:
+    """The reward model's input for one row (module docstring): the policy's ids, or, with `input_tokenizer`,
+    the conversation re-templated with `rm_tokenizer`'s chat template."""
+    if input_tokenizer is None:
+        return [*prompt_ids, *response_ids]
+    if not isinstance(messages, list):
+        raise RewardModelError("re-templating for the reward model (reward_model.model.input_tokenizer) needs the "
+                               "row's prompt as a list of chat messages")
+    text = input_tokenizer.decode(list(response_ids), skip_special_tokens=True)
+    ids = rm_tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}], tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def combine(rule_scores: Sequence[float], rm_scores: Sequence[float | None], reward_weight: float,
+            rule_weight: float) -> list[float]:
+    """Each row's reward: `reward_weight * rm + rule_weight * rule` where the reward model scored it (not None),
+    else the rule score."""
+    return [rule if rm is None else reward_weight * rm + rule_weight * rule
+            for rule, rm in zip(rule_scores, rm_scores, strict=True)]
+
+
+class RewardModelScorer:
+    """A frozen reward model on the train engine and the rules above. Build with :func:`build_reward_model`."""
+
+    def __init__(self, engine, state, rm_cfg, rm_tokenizer, input_tokenizer=None):
+        self.engine, self.state, self.cfg = engine, state, rm_cfg
+        self.rm_tokenizer, self.input_tokenizer = rm_tokenizer, input_tokenizer
+        self.offload = bool(rm_cfg.megatron.param_offload)
+        if self.offload:
+            self.engine.offload(params=True)
+
+    def covers(self, data_source: str) -> bool:
+        return not self.cfg.data_sources or data_source in self.cfg.data_sources
+
+    def inputs(self, rows, items) -> tuple[list[list[int]], int]:
+        """Token ids for each row (`rows[i].prompt_ids/.response_ids`, `items[rows[i].prompt_pos]["raw_prompt"]`),
+        cut to max_length; and how many were cut."""
+        out, cut = [], 0
+        for r in rows:
+            ids = rm_token_ids(r.prompt_ids, r.response_ids, items[r.prompt_pos].get("raw_prompt"),
+                               input_tokenizer=self.input_tokenizer, rm_tokenizer=self.rm_tokenizer)
+            if self.cfg.max_length is not None and len(ids) > self.cfg.max_length:
+                ids, cut = ids[:self.cfg.max_length], cut + 1
+            out.append(ids)
+        return out, cut
+
+    def score_ids(self, sequences: list[list[int]]) -> list[float]:
+        """Scores of token sequences (see :func:`score_sequences`)."""
+        pad = self.rm_tokenizer.pad_token_id if self.rm_tokenizer.pad_token_id is not None else 0
+        return score_sequences(self.engine, self.state, sequences, pad, offload=self.offload)
+
+    def score_rows(self, rows, items) -> dict[str, float]:
+        """Score the rows this reward model covers and set each row's `score` by :func:`combine` (the rule score
+        stays in `reward_extra["acc"]`). Returns `reward_model/*` metrics."""
+        covered = [r for r in rows if self.covers(items[r.prompt_pos]["data_source"])]
+        for r in rows:
+            r.reward_extra.setdefault("acc", r.score)
+        metrics = {"reward_model/num_scored": float(len(covered))}
+        if not covered:
+            return metrics
+        seqs, cut = self.inputs(covered, items)
+        scores = self.score_ids(seqs)
+        for r, s in zip(covered, scores, strict=True):
+            r.reward_extra["rm_score"] = s
+            r.score = combine([r.reward_extra["acc"]], [s], self.cfg.reward_weight, self.cfg.rule_weight)[0]
+        metrics.update({"reward_model/score_mean": float(np.mean(scores)),
+                        "reward_model/score_std": float(np.std(scores)), "reward_model/num_truncated": float(cut)})
+        return metrics
+
+
+def score_sequences(engine, state, sequences: list[list[int]], pad_token_id: int, *,
+                    offload: bool = False) -> list[float]:
+    """Scores of token sequences by a reward engine, all ranks together (every rank passes the same list; each
+    data-parallel replica scores a contiguous share, padded to whole micro-batches); every rank returns all
+    scores. `offload`: the engine's parameters are on the host, brought to the device for this call only."""
+    from rlhf_mcore.engine.reward_engine import sequence_batch
+
+    dims = state.dims
+    share = np.array_split(np.arange(len(sequences)), dims.dp)[state.dp_rank].tolist()
+    mine: list[float] = []
+    if share:
+        local = [sequences[i] for i in share]
+        multiple = engine.cfg.fwd_micro_batch_size * (dims.pp if len(engine.modules) > 1 else 1)
+        local += [local[-1]] * (-len(local) % multiple)  # whole micro-batches; the extra rows are dropped
+        if offload:
+            engine.onload(params=True)
+        try:
+            mine = [float(x) for x in engine.compute_scores(sequence_batch(local, pad_token_id))[:len(share)].tolist()]
+        finally:
+            if offload:
+                engine.offload(params=True)
+    if dims.dp == 1:
+        return mine
+    parts: list = [None] * dist.get_world_size(state.cpu_group)
+    dist.all_gather_object(parts, (state.dp_rank, mine), group=state.cpu_group)
+    by_dp = dict(parts)
+    return [s for d in range(dims.dp) for s in by_dp[d]]
+
+
+def build_reward_model(cfg, state, policy_tokenizer) -> RewardModelScorer:
+    """The scorer for `cfg.reward.reward_model` (enabled), on the actor's process layout."""
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.config import pipeline_split
+    from rlhf_mcore.engine.config import EngineConfig
+    from rlhf_mcore.engine.reward_engine import RewardEngine
+    from rlhf_mcore.models import build_model
+
+    rm = cfg.reward.reward_model
+    check_reward_model_dir(rm.model.path)
+    rm_tok = AutoTokenizer.from_pretrained(rm.model.path)
+    input_tok = None
+    if rm.model.input_tokenizer:
+        src = Path(rm.model.input_tokenizer)
+        if not src.is_dir():
+            raise RewardModelError(f"reward_model.model.input_tokenizer={rm.model.input_tokenizer!r} is not a "
+                                   "directory: give the policy's tokenizer (usually actor_rollout_ref.model.path).")
+        input_tok = AutoTokenizer.from_pretrained(src)
+        if rm_tok.chat_template is None:
+            raise RewardModelError(f"the reward model's tokenizer in {rm.model.path} has no chat template, so "
+                                   "conversations cannot be re-templated for it: add one to its tokenizer_config.json")
+    elif rm_tok.get_vocab() != policy_tokenizer.get_vocab():
+        raise RewardModelError(
+            f"the reward model's tokenizer ({rm.model.path}) differs from the policy's "
+            f"({cfg.actor_rollout_ref.model.path}), so it cannot read the policy's token ids: set "
+            f"reward_model.model.input_tokenizer={cfg.actor_rollout_ref.model.path} to re-template each "
+            f"conversation for the reward model.")
+    if rm_tok.pad_token_id is None:
+        rm_tok.pad_token = rm_tok.eos_token
+    dtype = None if rm.model.dtype == "auto" else getattr(torch, rm.model.dtype)
+    chunks = build_model(rm.model.path, state, role="reward", dtype=dtype,
+                         config_overrides=pipeline_split(cfg) or None)  # the actor's stage split, as ref and critic
+    micro = rm.micro_batch_size_per_gpu or 1
+    ecfg = EngineConfig(role="reward", micro_batch_size=micro, use_remove_padding=rm.model.use_remove_padding,
+                        seed=rm.megatron.seed)
+    engine = RewardEngine(chunks, state, ecfg, None, hf_dir=rm.model.path, param_offload=rm.megatron.param_offload)
+    return RewardModelScorer(engine, state, rm, rm_tok, input_tok)
