@@ -231,10 +231,10 @@ class RolloutWorker:
             while todo and sync_to is None and self.engine.num_pending + n <= max(cap, n):
                 uid, prompt = todo.popleft()
                 item = self.train_set[prompt]
-                cap = (response_budgets([item], params.max_new_tokens) or [None])[0]
+                budget = (response_budgets([item], params.max_new_tokens) or [None])[0]
                 live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)]}
                 self.engine.submit([Request(request_id=uid, prompt_ids=list(item["input_ids"]), sample=j, tag=uid,
-                                            max_new_tokens=cap) for j in range(n)])
+                                            max_new_tokens=budget) for j in range(n)])
             if self.engine.num_pending:
                 finished = self.engine.step()
                 record_versions(finished, live, self.version)
