@@ -254,7 +254,8 @@ class OneStepOffTrainer(AsyncTrainerBase):
                 chosen.append([by_pos[p] for p in range(start, start + len(part))])
                 start += len(part)
             info = {**self.pending["stats"].pop(k), "trainer/wait_s": wait_s,
-                    **staleness_metrics([m for part in chosen for m in part], k - 1, prefix="one_step_off")}
+                    **staleness_metrics([m for part in chosen for m in part], k - 1, prefix="one_step_off"),
+                    "one_step_off/count/producers": float(len({m.src for part in chosen for m in part}))}
         groups, info = self.pull_groups(chosen, info)
         plan_part = self.my_prompts(chosen)
         self.step_prompts = plan_part
@@ -384,7 +385,8 @@ class FullyAsyncTrainer(AsyncTrainerBase):
                     "fully_async/count/trained_samples": float(self.ledger.trained * n),
                     "fully_async/count/dropped_samples_total": float(self.ledger.dropped * n),
                     "fully_async/count/queued_samples": float(len(self.ledger) * n),
-                    "fully_async/count/in_flight_samples": float((len(self.outstanding) - len(self.ledger)) * n)})
+                    "fully_async/count/in_flight_samples": float((len(self.outstanding) - len(self.ledger)) * n),
+                    "fully_async/count/producers": float(len({m.src for m in metas}))})  # rollout replicas
         for k in ("num_timeouts", "num_exceptions", "num_invalid"):
             out[f"reward/{k}"] = float(sum(m.stats.get(f"reward/{k}", 0.0) for m in metas))
         for m in metas:  # each producer's clocks at its latest group
