@@ -24,7 +24,7 @@ from rlhf_mcore.parallel import collective_device, destroy_distributed, init_dis
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.overlong import overlong_metrics, overlong_penalty
 from rlhf_mcore.trainer import roles
-from rlhf_mcore.trainer.batch import build_batch
+from rlhf_mcore.trainer.batch import build_batch, last_response_token
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
@@ -81,6 +81,7 @@ class RLTrainer:
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
         self.rollout = roles.build_rollout(cfg, self.state)
+        self.agents = roles.build_agent_runner(cfg, self.rollout, self.tokenizer)  # multi-turn; None when off
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep,
@@ -155,8 +156,9 @@ class RLTrainer:
                 "ground_truth": [items[r.prompt_pos]["ground_truth"] for r in mine]}
         batch = build_batch([r.prompt_ids for r in mine], [r.response_ids for r in mine], [r.logprobs for r in mine],
                             [r.finish_reason for r in mine], [r.prompt_pos for r in mine], meta,
-                            pad_token_id=self.tokenizer.pad_token_id)
-        last = batch["response_mask"].sum(1).clamp(min=1) - 1  # (B,) the reward sits on the last response token
+                            pad_token_id=self.tokenizer.pad_token_id,
+                            response_masks=[r.response_mask for r in mine])
+        last = last_response_token(batch["response_mask"])  # (B,) the reward sits on the last model token
         scores = torch.tensor([r.score for r in mine])
         batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(
             1, last[:, None], scores[:, None])  # (B, R)
@@ -175,7 +177,7 @@ class RLTrainer:
         rows, stats = generate_and_score(
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-            greedy_baseline=self.estimator.needs_greedy_baseline)
+            greedy_baseline=self.estimator.needs_greedy_baseline, agent_runner=self.agents)
         ob = cfg.reward.reward_model.overlong_buffer
 
         def penalties(lengths: list[int]) -> list[float]:
@@ -343,7 +345,7 @@ class RLTrainer:
             metrics, samples = validate(
                 self.rollout, self.scorer, self.tokenizer, self.val_set, roles.val_sampling_params(self.cfg),
                 rollout_tp=self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-                batch_size=self.cfg.data.val_batch_size)
+                batch_size=self.cfg.data.val_batch_size, agent_runner=self.agents)
         if self.state.is_coordinator:
             self.logger.log(self.step, metrics, kind="val")
             for s in samples[: self.cfg.trainer.log_val_generations]:
