@@ -112,7 +112,8 @@ class AgentContext:
         if traj.assistant_turns >= TURN_KEY - 1:
             raise AgentError(f"more than {TURN_KEY - 1} model turns in one trajectory")
         sample = await self._r._request_turn(traj.context_ids, budget, traj.key * TURN_KEY + traj.assistant_turns)
-        return traj.add_model_turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason)
+        return traj.add_model_turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason,
+                                   cut_by_turn_budget=budget < traj.remaining)
 
     async def call_tools(self, traj: TrajectoryBuilder, calls: list) -> list[dict]:
         return await self._r._run_calls(traj, calls)

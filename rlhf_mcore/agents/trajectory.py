@@ -57,10 +57,11 @@ def _render(tokenizer, messages: list[dict], tools: Optional[list[dict]], add_ge
 
 
 def message_tokens(tokenizer, history: list[dict], new: list[dict], tools: Optional[list[dict]] = None,
-                   end_text: Optional[str] = None) -> tuple[list[int], bool]:
-    """Token ids to append after a conversation `history` (whose last turn the model ended with the text
-    `end_text`, e.g. "<|im_end|>") for the messages `new`, up to the next assistant turn's header. Returns
-    (ids, whether the stand-in history was needed)."""
+                   end_text: Optional[str] = None, open_text: Optional[str] = None) -> tuple[list[int], bool]:
+    """Token ids to append after a conversation `history` for the messages `new`, up to the next assistant turn's
+    header. The model ended its last turn with the text `end_text` (e.g. "<|im_end|>"), or was cut off by the
+    per-turn budget after writing `open_text`: then the ids begin with what the template writes to close that
+    turn. Returns (ids, whether the stand-in history was needed)."""
     fallback = False
     base = _render(tokenizer, history, tools, False)
     full = _render(tokenizer, history + new, tools, True)
@@ -78,6 +79,10 @@ def message_tokens(tokenizer, history: list[dict], new: list[dict], tools: Optio
         at = base.rfind(end_text)
         if at >= 0 and not base[at + len(end_text):].strip():  # only whitespace after the end token
             glue = base[at + len(end_text):]
+    elif open_text is not None and history and history[-1]["role"] == "assistant" and not fallback:
+        at = base.rfind(open_text) if open_text else len(base)
+        if at >= 0:
+            glue = base[at + len(open_text):]  # the template's end of the assistant turn
     ids = tokenizer(glue + full[len(base):], add_special_tokens=False)["input_ids"]
     return list(ids), fallback
 
@@ -104,6 +109,7 @@ class TrajectoryBuilder:
         self.stats: dict[str, float] = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_timeouts": 0.0,
                                         "tool_seconds": 0.0, "template_fallbacks": 0.0}
         self._end_text: Optional[str] = None
+        self._open_text: Optional[str] = None  # the last turn's text when the per-turn budget cut it off
         self.key = 0  # keys the trajectory's random streams (set by the runner)
 
     # ---------------------------------------------------------------------------------------------- state
@@ -138,9 +144,11 @@ class TrajectoryBuilder:
         self.prompt_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         self.messages = [dict(m) for m in messages]
 
-    def add_model_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: str) -> str:
+    def add_model_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: str,
+                       cut_by_turn_budget: bool = False) -> str:
         """Append the model's tokens as sampled; returns the turn's text (without its end token). A turn that
-        did not end on a stop token ends the trajectory ("length")."""
+        did not end on a stop token ends the trajectory ("length"), unless the per-turn budget cut it
+        (`cut_by_turn_budget`) with room left: the next message then closes the turn as the template does."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs")
         start = len(self.response_ids)
@@ -151,10 +159,11 @@ class TrajectoryBuilder:
         body = token_ids[:-1] if ends else token_ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
         self._end_text = self.tokenizer.decode(token_ids[-1:], skip_special_tokens=False) if ends else None
+        self._open_text = None if ends else text
         self.messages.append({"role": "assistant", "content": text})
         self.turns.append({"role": "assistant", "start": start, "end": len(self.response_ids),
                            "finish_reason": finish_reason})
-        if not ends:
+        if not ends and not (cut_by_turn_budget and finish_reason == FINISH_LENGTH):
             self.finish_reason = FINISH_LENGTH
         elif self.remaining <= 0:
             self.finish_reason = FINISH_LENGTH
@@ -166,7 +175,8 @@ class TrajectoryBuilder:
         fit in the response budget with at least one token left for the model."""
         if self.done:
             raise RuntimeError(f"the trajectory has finished ({self.finish_reason}); nothing can be added")
-        ids, fallback = message_tokens(self.tokenizer, self.messages, messages, self.tools, self._end_text)
+        ids, fallback = message_tokens(self.tokenizer, self.messages, messages, self.tools, self._end_text,
+                                       self._open_text)
         self.stats["template_fallbacks"] += float(fallback)
         if len(ids) >= self.remaining:
             self.finish_reason = FINISH_LENGTH
@@ -179,7 +189,7 @@ class TrajectoryBuilder:
         self.messages += [dict(m) for m in messages]
         self.turns.append({"role": role or messages[0]["role"], "start": start, "end": len(self.response_ids),
                            "messages": [first, len(self.messages)]})
-        self._end_text = None
+        self._end_text = self._open_text = None
         return True
 
     def stop(self, reason: str) -> None:
