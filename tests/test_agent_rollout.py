@@ -13,10 +13,17 @@ import time
 
 import pytest
 import torch
-
 from agent_helpers import ScriptedEngine, fixture_tokenizer
-from rlhf_mcore.agents import (AgentRunner, Environment, MultiTurnSettings, Tool, get_tool, register_environment,
-                               register_tool)
+
+from rlhf_mcore.agents import (
+    AgentRunner,
+    Environment,
+    MultiTurnSettings,
+    Tool,
+    get_tool,
+    register_environment,
+    register_tool,
+)
 from rlhf_mcore.agents.rollout import agent_metrics, trajectory_info
 from rlhf_mcore.agents.runner import TURN_KEY
 from rlhf_mcore.rollout.base import SamplingParams

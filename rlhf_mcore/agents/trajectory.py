@@ -209,7 +209,7 @@ class TrajectoryBuilder:
         return list(ids) != self.context_ids
 
     def finish(self, check_drift: bool = True) -> Trajectory:
-        self.stop(FINISH_STOP)
+        self.stop(FINISH_STOP if self._open_text is None else FINISH_LENGTH)  # a cut last turn: "length"
         stats = dict(self.stats)
         stats["turns"] = float(self.assistant_turns)
         stats["template_drift"] = float(check_drift and self.template_drift())

@@ -191,7 +191,7 @@ class RLTrainer:
         if self.estimator.needs_greedy_baseline:  # the baseline is shaped as the samples are
             for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
                 r.baseline_score += p
-        return rows, reward_metrics(stats)
+        return rows, {**reward_metrics(stats), **{k: v for k, v in stats.items() if k.startswith("agent/")}}
 
     def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
         """Dynamic sampling: generate data.gen_batch_size prompts at a time, keeping the groups whose
