@@ -45,7 +45,11 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2, help="processes per torchrun (default 2)")
+    ap.add_argument("--nproc", type=int, default=2, help="processes per torchrun (default 2; an asynchronous config "
+                                                         "launches its training + rollout pools instead)")
+    ap.add_argument("--config", default="configs/demo_cpu.yaml",
+                    help="the GRPO config (default configs/demo_cpu.yaml; configs/demo_async_cpu.yaml: the "
+                         "fully asynchronous trainer)")
     ap.add_argument("--out", default="outputs/demo", help="where everything goes (default outputs/demo)")
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-batch-size", type=int, default=32)
@@ -76,16 +80,23 @@ def main() -> int:
                  "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size),
                  "--lr", "3e-3", "--max-length", "160", "--seed", str(args.seed), "trainer.device=cpu"))
 
-    grpo = out / "grpo"
+    from rlhf_mcore.config import load_config
+
+    cfg = load_config(ROOT / args.config, [])
+    if cfg.async_training.mode == "off":
+        nproc, layout = args.nproc, [f"trainer.n_gpus_per_node={args.nproc}"]
+    else:  # the config sizes its pools
+        nproc, layout = cfg.trainer.n_gpus_per_node + cfg.rollout.n_gpus_per_node, []
+    grpo = out / Path(cfg.trainer.default_local_dir).name
     if grpo.exists():  # a rerun trains again: the previous run's checkpoints would otherwise be resumed
         print(f"[4/4] removing the previous demo run in {grpo}", flush=True)
         shutil.rmtree(grpo)
     print("[4/4] GRPO", flush=True)
     extra = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []
-    run(torchrun(args.nproc, "train.py", "--config", "configs/demo_cpu.yaml", f"actor_rollout_ref.model.path={sft_out}",
+    run(torchrun(nproc, "train.py", "--config", args.config, f"actor_rollout_ref.model.path={sft_out}",
                  f"data.train_files=[{data / 'synthetic' / 'train.parquet'}]",
                  f"data.val_files=[{data / 'synthetic' / 'test.parquet'},{data / 'gsm8k_val.parquet'}]",
-                 f"trainer.n_gpus_per_node={args.nproc}", f"trainer.default_local_dir={grpo}",
+                 *layout, f"trainer.default_local_dir={grpo}",
                  f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra))
 
     print("\n" + validation_curve(grpo / "metrics.jsonl"))

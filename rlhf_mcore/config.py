@@ -360,6 +360,32 @@ class TrainerConfig:
 
 
 @dataclass
+class RolloutPoolConfig:
+    """veRL's `rollout.nnodes` x `rollout.n_gpus_per_node`: the processes of the rollout pool under
+    async_training (the training pool is trainer.nnodes x trainer.n_gpus_per_node; torchrun launches both)."""
+
+    nnodes: Optional[int] = None
+    n_gpus_per_node: Optional[int] = None
+
+
+@dataclass
+class AsyncTrainingConfig:
+    # off: the colocated synchronous trainer | one_step_off: the rollout pool generates step k+1 while the
+    # training pool trains step k | fully_async: the rollout pool streams samples continuously
+    mode: str = "off"
+    # fully_async: a training step takes require_batches mini-batches (actor.ppo_mini_batch_size prompts each)
+    require_batches: int = 1
+    # fully_async: the rollout pool receives the actor's weights after every this many training steps
+    trigger_parameter_sync_step: int = 1
+    # fully_async: the most policy versions a sample may lag the trainer (by its oldest token) to be trained on;
+    # older ones are dropped and counted (veRL's key; there a fraction of extra samples, here a version count)
+    staleness_threshold: int = 1
+    # fully_async: at a weight sync, in-flight samples pause and continue under the new weights (true), or the
+    # rollout finishes them under the old weights before it takes the new ones (false)
+    partial_rollout: bool = True
+
+
+@dataclass
 class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -367,6 +393,8 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -384,6 +412,7 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "trainer.device": ("auto", "cuda", "cpu"),
     "actor_rollout_ref.rollout.mode": ("sync",),
     "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+    "async_training.mode": ("off", "one_step_off", "fully_async"),
     "trainer.rollout_logprob_gap_action": ("error", "warn"),
     "reward.reward_model.reward_manager": ("naive", "dapo"),
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
@@ -630,6 +659,9 @@ def _check_values(cfg: RLConfig) -> None:
     for k in ("total_training_steps", "max_actor_ckpt_to_keep", "nnodes", "n_gpus_per_node"):
         v = _get(cfg, f"trainer.{k}")
         need(f"trainer.{k}", v is None or v >= 1, "unset or >= 1")
+    for k in ("nnodes", "n_gpus_per_node"):
+        v = _get(cfg, f"rollout.{k}")
+        need(f"rollout.{k}", v is None or v >= 1, "unset or >= 1")
     need("trainer.max_rollout_logprob_gap", cfg.trainer.max_rollout_logprob_gap is None
          or cfg.trainer.max_rollout_logprob_gap > 0, "unset (no limit) or > 0")
     need("data.val_batch_size", cfg.data.val_batch_size is None or cfg.data.val_batch_size >= 1, "unset or >= 1")
@@ -828,6 +860,12 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     """Checks that relate several keys, the world size and the model. Fails on the first problem."""
     load_plugins(cfg.trainer.plugins)  # plugins may register estimators, losses and rewards used below
     t = cfg.trainer
+    if cfg.async_training.mode != "off":
+        train_size, _ = pool_sizes(cfg, world_size)
+        _check_async(cfg, train_size)
+        world_size = train_size  # TP x PP x DP below: the training pool's
+    else:
+        _check_async(cfg, world_size)
     if t.nnodes is not None or t.n_gpus_per_node is not None:
         nodes, per_node = t.nnodes or 1, t.n_gpus_per_node or world_size // (t.nnodes or 1)
         _require(nodes * per_node == world_size,
@@ -900,9 +938,75 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
              "actor_rollout_ref.rollout.sleep_level=2 releases the rollout's memory after generating, which "
              "free_cache_engine=false turns off: set free_cache_engine=true or sleep_level=1.")
     _check_algorithm_names(cfg)
-    _require(rollout.tensor_model_parallel_size >= 1 and world_size % rollout.tensor_model_parallel_size == 0,
+    _require(cfg.async_training.mode != "off" or (rollout.tensor_model_parallel_size >= 1
+                                                  and world_size % rollout.tensor_model_parallel_size == 0),
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
              f"the world size {world_size}.")
+
+
+def pool_sizes(cfg: RLConfig, world_size: int) -> tuple[int, int]:
+    """(training pool, rollout pool) process counts under async_training: the rollout pool is rollout.nnodes x
+    rollout.n_gpus_per_node, the training pool trainer.nnodes x trainer.n_gpus_per_node (or the rest of the world);
+    together they must be the launched world."""
+    rp, t = cfg.rollout, cfg.trainer
+    _require(rp.n_gpus_per_node is not None,
+             f"async_training.mode={cfg.async_training.mode} splits the world into a training and a rollout pool: set "
+             f"rollout.n_gpus_per_node (and rollout.nnodes, default 1) to the rollout pool's processes per node, "
+             f"e.g. rollout.n_gpus_per_node=1 trainer.n_gpus_per_node={max(world_size - 1, 1)}.")
+    rollout = (rp.nnodes or 1) * rp.n_gpus_per_node
+    train = (t.nnodes or 1) * t.n_gpus_per_node if t.n_gpus_per_node is not None else world_size - rollout
+    _require(train >= 1 and train + rollout == world_size,
+             f"async_training: the training pool (trainer.nnodes x trainer.n_gpus_per_node = {train}) and the rollout "
+             f"pool (rollout.nnodes x rollout.n_gpus_per_node = {rollout}) must add up to the {world_size} processes "
+             f"torchrun launched: launch {max(train, 1) + rollout} processes or change the pool sizes.")
+    return train, rollout
+
+
+def _check_async(cfg: RLConfig, train_world: int) -> None:
+    a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
+    defaults = AsyncTrainingConfig()
+    if a.mode == "off":
+        _require(cfg.rollout.nnodes is None and cfg.rollout.n_gpus_per_node is None,
+                 "rollout.nnodes / rollout.n_gpus_per_node size the rollout pool of the asynchronous trainers: set "
+                 "async_training.mode=one_step_off or fully_async, or remove them (the synchronous trainer colocates "
+                 "the rollout on every rank).")
+    if a.mode != "fully_async":
+        for k in ("require_batches", "trigger_parameter_sync_step", "staleness_threshold", "partial_rollout"):
+            _require(getattr(a, k) == getattr(defaults, k),
+                     f"async_training.{k}={getattr(a, k)!r} applies to async_training.mode=fully_async only (the mode "
+                     f"is {a.mode}): remove it or set the mode.")
+    if a.mode == "off":
+        return
+    _, rollout = pool_sizes(cfg, train_world + (cfg.rollout.nnodes or 1) * cfg.rollout.n_gpus_per_node)
+    _require(rollout % r.tensor_model_parallel_size == 0,
+             f"the rollout pool has {rollout} processes, not a multiple of "
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}.")
+    _require(not cfg.algorithm.filter_groups.enable,
+             f"algorithm.filter_groups (dynamic sampling) runs with async_training.mode=off only, not "
+             f"{a.mode}: set algorithm.filter_groups.enable=false or async_training.mode=off.")
+    _require(not r.multi_turn.enable,
+             f"actor_rollout_ref.rollout.multi_turn.enable=true (agent loops) runs with async_training.mode=off only, "
+             f"not {a.mode}: the rollout pool's worker generates single-turn samples. Set async_training.mode=off.")
+    if a.mode == "fully_async":
+        need = a.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        _require(a.require_batches >= 1 and a.trigger_parameter_sync_step >= 1 and a.staleness_threshold >= 0,
+                 "async_training.require_batches and .trigger_parameter_sync_step must be >= 1, "
+                 ".staleness_threshold >= 0 (policy versions).")
+        _require(cfg.data.train_batch_size == need,
+                 f"async_training.mode=fully_async trains require_batches x actor.ppo_mini_batch_size = "
+                 f"{a.require_batches} x {cfg.actor_rollout_ref.actor.ppo_mini_batch_size} = {need} prompts a step: "
+                 f"set data.train_batch_size={need} (it is {cfg.data.train_batch_size}).")
+        _require(r.name == "native",
+                 f"async_training.mode=fully_async streams samples from the native engine; "
+                 f"actor_rollout_ref.rollout.name={r.name} does not stream: set it to native, or use one_step_off.")
+        _require(r.tensor_model_parallel_size == 1,
+                 "async_training.mode=fully_async runs rollout replicas of one process each: set "
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1 (one_step_off takes rollout TP > 1).")
+        from rlhf_mcore.algos import adv_estimator_info
+
+        _require(not adv_estimator_info(cfg.algorithm.adv_estimator).needs_greedy_baseline,
+                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a greedy baseline per prompt, which "
+                 f"the streaming rollout does not generate: use one_step_off or another estimator.")
 
 
 def _check_algorithm_names(cfg: RLConfig) -> None:

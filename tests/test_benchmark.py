@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the checkout first
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                 TOKENIZERS_PARALLELISM="false")
 
 
@@ -32,6 +33,8 @@ def outputs(tmp_path_factory):
         import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
+                        "--warmup", "1", "--steps", "1"])
+        bench_mfu.main(["--one-shape", "tiny", "--peer", "--child-out", out + "/mfu_peer.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
         bench_ppo_step.main(["--workload", "gsm8k_ppo", "--tiny", "--steps", "1", "--profile", "--model-dir", model,
                              "--out", out + "/ppo_step.json"])
@@ -66,8 +69,30 @@ def test_mfu_json(outputs):
         assert "error" not in case, case
         assert case["tokens_per_step"] == case["seq"] * case["micro_batch_seqs"] * case["micro_batches"]
         assert case["step_s"] > 0 and case["tokens_per_s"] > 0 and case["tflops"] > 0
-        assert case["mfu"] is None  # no peak FLOP/s for a CPU: MFU is not made up
+        if res["device"] == "cpu":
+            assert case["mfu"] is None  # no peak FLOP/s for a CPU: MFU is not made up
+        else:
+            assert 0 < case["mfu"] < 1
         assert case["grad_norm"] > 0
+
+
+def test_mfu_peer_json(outputs):
+    """The plain transformers peer ran the same micro-batches (not compiled on a CPU unless asked), and the ratio
+    lines its tokens/s up with Megatron's per sequence length."""
+    import bench_mfu
+
+    peer, res = outputs["mfu_peer"], outputs["mfu"]
+    assert peer["peer"] == "transformers Qwen2ForCausalLM" and peer["compiled"] is (res["device"] != "cpu")
+    assert peer["params"] == res["params"]  # the same shape
+    for seq in ("32", "64"):
+        case, mine = peer["cases"][seq], res["cases"][seq]
+        assert "error" not in case, case
+        for key in ("tokens_per_step", "micro_batch_seqs", "micro_batches"):
+            assert case[key] == mine[key], key
+        assert case["step_s"] > 0 and case["grad_norm"] > 0
+    ratios = bench_mfu.peer_ratios(res, peer)
+    assert ratios["32"] == pytest.approx(res["cases"]["32"]["tokens_per_s"] / peer["cases"]["32"]["tokens_per_s"])
+    assert bench_mfu.peer_ratios(res, {"cases": {"32": {"error": "out of memory"}}})["32"] is None
 
 
 @pytest.mark.parametrize("name", ["ppo_step", "grpo_step"])
@@ -107,11 +132,10 @@ def test_memory_json(outputs):
 
 
 def test_trl_json(outputs):
+    """TRL's GRPOTrainer really runs its tiny form (trl is in the dev extra: `pip install -e .[dev]`)."""
     res = outputs["trl"]
-    if "skipped" in res:  # trl is not installed on the CI machines
-        assert "trl" in res["skipped"]
-    else:
-        assert res["step_s"] > 0 and len(res["step_times"]) == 2
+    assert "skipped" not in res, f"{res['skipped']}: install the dev extra (pip install -e '.[dev]')"
+    assert res["step_s"] > 0 and len(res["step_times"]) == 2
 
 
 def test_shapes_live_in_one_place():
@@ -128,7 +152,7 @@ def test_shapes_live_in_one_place():
 
 def test_driver_writes_report(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "benchmark.py"), "--only", "memory", "--no-measure",
-                           "--out-dir", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           "--tiny", "--out-dir", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "benchmark.json").read_text())

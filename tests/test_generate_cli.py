@@ -52,7 +52,7 @@ def test_greedy_from_parquet_matches_engine(tiny_model_dir, tmp_path, engine):
     ids = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
     assert all(i[-3:] == tok("<|im_start|>assistant\n")["input_ids"][-3:] for i in ids)
-    ref = build_rollout_engine("native", model, max_num_seqs=4, max_model_len=128).generate(
+    ref = build_rollout_engine("native", model, max_num_seqs=4, max_model_len=128, device="cpu").generate(
         ids, SamplingParams(temperature=0, max_new_tokens=12))
     for row, rec, r in zip(rows, out, ref):
         assert rec["reward_model"] == row["reward_model"] and rec["extra_info"] == row["extra_info"]  # in order

@@ -18,7 +18,7 @@ WORKER = ROOT / "tests" / "workers" / "gpt_step.py"
 
 def torchrun(nproc: int, layouts: str, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(WORKER), "--out", str(out), "--layouts", layouts]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -59,3 +59,44 @@ def test_layout_matches_single_process(results, world, layout, reference):
 def test_reference_run_learns(results):
     ref, _ = results
     assert ref["1x1"]["loss1"] < ref["1x1"]["loss0"]
+
+
+# ------------------------------------------------------------------ which device a rank gets
+
+
+@pytest.mark.parametrize("gpus,local_world,local_rank,requested,want", [
+    (2, 2, 1, "auto", "cuda:1"),  # a GPU each
+    (2, 4, 3, "auto", "cpu"),  # more processes than GPUs: every rank on the CPU (gloo), none past the last GPU
+    (2, 4, 0, "auto", "cpu"),  # ... rank 0 included: the ranks agree on one backend
+    (0, 1, 0, "auto", "cpu"),
+    (1, 1, 0, "auto", "cuda:0"),
+    (4, 2, 1, "cuda", "cuda:1"),
+    (2, 2, 0, "cpu", "cpu"),
+])
+def test_pick_device_gives_each_rank_its_own_gpu_or_the_cpu(monkeypatch, gpus, local_world, local_rank, requested,
+                                                             want):
+    import torch
+
+    from rlhf_mcore.parallel import pick_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert str(pick_device(requested)) == want
+
+
+def test_pick_device_cuda_with_too_few_gpus_says_how_to_fix(monkeypatch):
+    import torch
+
+    from rlhf_mcore.parallel import pick_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match=r"4 processes on this node but 2 GPU.*nproc_per_node.*trainer.device=auto"):
+        pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        pick_device("cuda")
+    with pytest.raises(ValueError, match="trainer.device='gpu'"):
+        pick_device("gpu")

@@ -36,8 +36,9 @@ NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "
 
 
 def _env():
+    # CUDA_VISIBLE_DEVICES="": CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false")
+                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
 
 
 def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout: int = 900):

@@ -2,6 +2,7 @@
 
     python launch/bench/bench_mfu.py [--shapes 0.5b 1.5b 7b] [--seqs 1024 4096] [--steps 3] [--out FILE.json]
     python launch/bench/bench_mfu.py --tiny                      # CPU smoke run on a tiny shape
+    python launch/bench/bench_mfu.py --no-peer --peak-tflops 989.4   # Megatron only; the peak given by hand
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -13,8 +14,15 @@ The loss is the PPO clipped policy loss with its log-probs computed by the engin
 
 Each shape runs in its own process (Megatron's global state, and an out-of-memory error stays contained). Per
 (shape, seq): median over `--steps` timed updates after `--warmup`, tokens/s, TFLOP/s and MFU from
-`rlhf_mcore.engine.flops` (causal attention FLOPs, activation recomputation not counted, 989 TFLOP/s dense bf16
-for an H200), peak memory (`torch.cuda.max_memory_allocated`).
+`rlhf_mcore.engine.flops` (causal attention FLOPs, activation recomputation not counted; the device's dense bf16
+peak looked up by its name — `--peak-tflops` overrides, an unlisted GPU reports no MFU), peak memory
+(`torch.cuda.max_memory_allocated`).
+
+The peer, measured in the same call (`--no-peer` leaves it out): a plain transformers `Qwen2ForCausalLM` of the
+same shape (random init, fp32 weights, AMP bf16 autocast, `torch.compile`, fused AdamW, gradient clipping) on the
+same micro-batches (padded: every sequence is `seq` long, so nothing is padding) and the same PPO clipped loss over
+the response tokens; the table prints its tokens/s and the ratio Megatron / peer. On a CPU the peer is not compiled
+unless `--peer-compile on` (compiling takes minutes there) and runs fp32 without autocast.
 
 Memory settings per shape (`PLANS`): 0.5B and 1.5B train without activation recomputation; 7B on one GPU holds
 16 bytes a parameter before any activation (bf16 params 15.2 GB, fp32 grads 30.5, fp32 master 30.5, Adam 60.9 =
@@ -86,7 +94,8 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
     on_gpu = state.device.type == "cuda"
     s = get_shape(name)
     plan = PLANS[name]
-    result = {"shape": name, "params": None, "recompute": plan["recompute"], "layout": layout,
+    result = {"shape": name, "device": torch.cuda.get_device_name(state.device) if on_gpu else "cpu",
+              "params": None, "recompute": plan["recompute"], "layout": layout,
               "grad_buffer": "fp32", "optimizer": "megatron distributed (Adam, fp32 master)", "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
         write_config(s, Path(tmp), dtype="bfloat16" if on_gpu else "float32")
@@ -140,6 +149,90 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
     destroy_distributed()
 
 
+def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
+             compile_mode: str) -> None:
+    """The plain PyTorch peer of `run_shape` for one shape, in this process: same shape, micro-batches and loss."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    compiled = compile_mode == "on" or (compile_mode == "auto" and on_gpu)
+    s = get_shape(name)
+    plan = PLANS[name]
+    result = {"shape": name, "peer": "transformers Qwen2ForCausalLM", "compiled": compiled,
+              "amp": "bf16" if on_gpu else None, "optimizer": "torch AdamW" + (" (fused)" if on_gpu else ""),
+              "cases": {}}
+    torch.manual_seed(1)
+    cfg = Qwen2Config(**s, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    if plan["recompute"]:
+        model.gradient_checkpointing_enable()
+    model.train()
+    result["params"] = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=on_gpu)
+    step_model = torch.compile(model) if compiled else model
+
+    def loss_fn(batch, P):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+            logits = step_model(input_ids=batch["input_ids"]).logits[:, P - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, batch["responses"][..., None]).squeeze(-1)
+        ratio = torch.exp(logp - batch["old_log_probs"])
+        adv = batch["advantages"]
+        return torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+
+    for seq in seqs:
+        mbs = micro_override or plan["seqs"].get(seq, (1, 4))[0]
+        nm = plan["seqs"].get(seq, (1, 4))[1]
+        P = max(1, seq // 4)
+        batch = synthetic_batch(mbs * nm, seq, s["vocab_size"], device)
+        micro = [{k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()} for i in range(nm)]
+        case = {"seq": seq, "micro_batch_seqs": mbs, "micro_batches": nm, "tokens_per_step": mbs * nm * seq}
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            times = []
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                for mb in micro:
+                    (loss_fn(mb, P) / nm).backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if on_gpu:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times.append(dt)
+                print(f"peer {name} seq {seq} step {i}: {dt:.3f} s {mbs * nm * seq / dt:.0f} tok/s", flush=True)
+            step_s = statistics.median(times)
+            case.update(step_s=step_s, tokens_per_s=mbs * nm * seq / step_s, grad_norm=float(grad_norm),
+                        step_times=times)
+        except torch.cuda.OutOfMemoryError as e:
+            case["error"] = f"out of memory: {str(e).splitlines()[0]}"
+            print(f"peer {name} seq {seq}: {case['error']}", flush=True)
+        if on_gpu:
+            case["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["cases"][str(seq)] = case
+        out.write_text(json.dumps(result, indent=1))
+        del batch, micro
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+
+def peer_ratios(megatron: dict, peer: dict) -> dict[str, float | None]:
+    """Per sequence length: Megatron tokens/s over the peer's (None where either failed)."""
+    out = {}
+    for seq, case in megatron.get("cases", {}).items():
+        other = peer.get("cases", {}).get(seq, {})
+        a, b = case.get("tokens_per_s"), other.get("tokens_per_s")
+        out[seq] = a / b if a and b else None
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=None, help="0.5b 1.5b 7b (default all; --tiny: tiny)")
@@ -150,13 +243,30 @@ def main(argv=None) -> dict:
     p.add_argument("--layout", choices=("packed", "padded"), default="packed")
     p.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke run)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per shape")
+    p.add_argument("--no-peer", action="store_true", help="leave the compiled transformers peer out")
+    p.add_argument("--peer-compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the peer (auto: on a GPU only)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense bf16 peak in TFLOP/s (default: looked up by device name)")
     p.add_argument("--out", default=None)
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)  # internal: the child runs the peer
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.peak_tflops is not None:
+        if args.peak_tflops <= 0:
+            p.error(f"--peak-tflops {args.peak_tflops}: give the device's dense bf16 peak, e.g. 989.4")
+        from rlhf_mcore.engine.flops import PEAK_ENV
+
+        os.environ[PEAK_ENV] = repr(args.peak_tflops * 1e12)  # the engine in each child reads it
 
     if args.one_shape:
-        run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro, args.layout)
+        if args.peer:
+            run_peer(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
+                     args.peer_compile)
+        else:
+            run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
+                      args.layout)
         return {}
 
     import torch
@@ -164,9 +274,12 @@ def main(argv=None) -> dict:
     shapes = ["tiny"] if args.tiny else [ALIASES.get(x, x) for x in (args.shapes or ["0.5b", "1.5b", "7b"])]
     for name in shapes:
         get_shape(name)  # unknown names fail here, with the choices
+    from rlhf_mcore.engine.flops import peak_flops_and_source
+
+    peak, peak_source = peak_flops_and_source(torch.device("cuda", 0) if torch.cuda.is_available() else "cpu")
     report = {"benchmark": "actor_update_mfu", "commit": git_commit(), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "peak_tflops": 989 if torch.cuda.is_available() else None, "results": {}}
+              "peak_tflops": peak / 1e12 if peak else None, "peak_source": peak_source, "results": {}, "peer": {}}
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
                                                                   "expandable_segments:True"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,25 +290,40 @@ def main(argv=None) -> dict:
                    *map(str, seqs), "--warmup", str(args.warmup), "--steps", str(args.steps), "--layout", args.layout]
             if args.micro:
                 cmd += ["--micro", str(args.micro)]
-            t0 = time.time()
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            res = json.loads(child_out.read_text()) if child_out.is_file() else {"shape": name, "cases": {}}
-            res["returncode"], res["seconds"] = rc, time.time() - t0
-            report["results"][name] = res
+            report["results"][name] = _child(cmd, child_out, name, env, args.timeout)
+            if not args.no_peer:
+                peer_out = Path(tmp) / f"{name}.peer.json"
+                cmd = [*cmd[:5], str(peer_out), *cmd[6:], "--peer", "--peer-compile", args.peer_compile]
+                report["peer"][name] = peer = _child(cmd, peer_out, name, env, args.timeout)
+                peer["ratio_megatron_over_peer"] = peer_ratios(report["results"][name], peer)
     print(f"\n{report['device']}  torch {report['torch']}  commit {report['commit']}")
-    print(f"{'shape':<14} {'seq':>5} {'micro':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  note")
+    print(f"peak {cell(report, 'peak_tflops', '.1f')} TFLOP/s dense bf16 ({peak_source})")
+    print(f"{'shape':<14} {'seq':>5} {'micro':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+          f"{'peer tok/s':>10} {'ratio':>6}  note")
     for name, res in report["results"].items():
+        peer = report["peer"].get(name, {})
         for seq, c in res.get("cases", {}).items():
+            pc = {**peer.get("cases", {}).get(seq, {}), "ratio": peer.get("ratio_megatron_over_peer", {}).get(seq)}
             print(f"{name:<14} {seq:>5} {c['micro_batch_seqs']:>3}x{c['micro_batches']:<3} "
                   f"{cell(c, 'tokens_per_s', '>9.0f')} {cell(c, 'tflops', '>8.1f')} {cell(c, 'mfu', '>6.1%')} "
-                  f"{cell(c, 'peak_mem_gib', '>9.1f')}  {c.get('error', '')}")
+                  f"{cell(c, 'peak_mem_gib', '>9.1f')} {cell(pc, 'tokens_per_s', '>10.0f')} "
+                  f"{cell(pc, 'ratio', '>6.2f')}  {c.get('error', '')} {pc.get('error', '')}".rstrip())
         if res.get("returncode") not in (0, None):
             print(f"{name:<14} process ended with {res['returncode']}")
     write_report(report, args.out)
     return report
+
+
+def _child(cmd: list[str], out: Path, name: str, env: dict, timeout: int) -> dict:
+    """Run one per-shape child; its JSON (whatever it wrote before a crash) with its return code and seconds."""
+    t0 = time.time()
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    res = json.loads(out.read_text()) if out.is_file() else {"shape": name, "cases": {}}
+    res["returncode"], res["seconds"] = rc, time.time() - t0
+    return res
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ counted, so MFU stays comparable whatever is recomputed):
 
     dense matmuls      6 · N_matmul                      N_matmul = parameters in QKV, attention output, MLP
     attention          6 · L · (heads · head_dim) · s_eff   QKᵀ and PV: 2 · 2 · s · h_attn forward, × 3
-    vocabulary proj.   6 · hidden · vocab
+    output projection  6 · hidden · vocab                (the critic's value head: vocab = 1)
 
 Attention convention: **causal, so half of the full `12 · L · h · s`**: a token at position t attends to t
 keys, `s/2` on average — only the FLOPs a causal kernel has to do count (flash-attention's convention;
@@ -26,15 +26,19 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FlopShape", "effective_seqlen", "train_flops", "forward_flops", "peak_flops", "mfu", "PEAK_BF16_FLOPS"]
+__all__ = ["FlopShape", "effective_seqlen", "train_flops", "forward_flops", "peak_flops", "peak_flops_and_source",
+           "mfu", "PEAK_BF16_FLOPS", "PEAK_ENV"]
 
-# dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s
+# dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s (half the "with sparsity" figure). Keys are
+# matched against the upper-cased device name, longest first, so a PCIe / NVL variant wins over its SXM family name.
 PEAK_BF16_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "GH200": 989e12,
+    "H200": 989.4e12, "H200 NVL": 835.5e12, "H100": 989.4e12, "H100 PCIE": 756.5e12, "H100 NVL": 835.5e12,
+    "H800": 989.4e12, "H20": 148e12, "GH200": 989.4e12,
     "B200": 2250e12, "B100": 1750e12, "GB200": 2500e12,
     "A100": 312e12, "A800": 312e12, "A10G": 70e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
     "MI300X": 1307e12, "MI325X": 1307e12,
 }
+PEAK_ENV = "RLHF_MCORE_PEAK_FLOPS"  # FLOP/s of one device, e.g. 989.4e12: overrides the table
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class FlopShape:
     num_query_groups: int
     head_dim: int
     ffn_hidden_size: int
-    vocab_size: int
+    vocab_size: int  # columns of the output projection: the vocabulary, or 1 for a critic's value head
     gated_mlp: bool = True  # SwiGLU: gate and up projections
 
     @classmethod
@@ -97,18 +101,29 @@ def peak_flops(device: torch.device | str | None = None) -> Optional[float]:
 
     None when unknown (a CPU, an unlisted GPU): MFU is then not reported rather than made up.
     """
-    override = os.environ.get("RLHF_MCORE_PEAK_FLOPS")
+    return peak_flops_and_source(device)[0]
+
+
+def peak_flops_and_source(device: torch.device | str | None = None) -> tuple[Optional[float], str]:
+    """(:func:`peak_flops`, where it came from): "RLHF_MCORE_PEAK_FLOPS", "table: <key>" or "unknown: <why>"."""
+    override = os.environ.get(PEAK_ENV)
     if override:
-        return float(override)
+        try:
+            value = float(override)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ValueError(f"{PEAK_ENV}={override!r}: give the device's dense bf16 peak in FLOP/s, e.g. 989.4e12")
+        return value, PEAK_ENV
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device).upper()
-    # longest key first, so "H200" is not read as "H20" and "L40S" not as "L40"/"L4"
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_FLOPS[key]
-    return None
+        return None, "unknown: not a CUDA device"
+    name = torch.cuda.get_device_name(device)
+    upper = name.upper()
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # "H200 NVL" before "H200", "H200" before "H20"
+        if key in upper:
+            return PEAK_BF16_FLOPS[key], f"table: {key}"
+    return None, f"unknown: {name!r} is not in rlhf_mcore.engine.flops.PEAK_BF16_FLOPS (set {PEAK_ENV})"
 
 
 def mfu(flops: float, seconds: float, num_devices: int, peak: Optional[float]) -> Optional[float]:

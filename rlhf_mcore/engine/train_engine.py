@@ -101,7 +101,9 @@ class TrainEngine:
         # packed total / padded length must split evenly over TP ranks under sequence parallelism
         self._pad_multiple = state.dims.tp if getattr(self.model_config, "sequence_parallel", False) else 1
         self._explicit_mask = state.device.type != "cuda"  # Megatron's default causal mask is CUDA-only
-        self.flop_shape = FlopShape.from_transformer_config(self.model_config, self.vocab_size or 0)
+        # the critic ends in a width-1 value head, not the vocabulary projection
+        head_width = 1 if cfg.role == "critic" else (self.vocab_size or 0)
+        self.flop_shape = FlopShape.from_transformer_config(self.model_config, head_width)
         self.peak_flops = peak_flops(state.device)
         self.optimizer = self.scheduler = None
         if cfg.role == "ref":

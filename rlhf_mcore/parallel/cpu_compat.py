@@ -11,7 +11,9 @@ megatron-core assumes CUDA in a handful of places. Without a GPU, :func:`enable`
 - ``Tensor.type()`` reports ``torch.cuda.*`` names for CPU tensors (the optimizers assert on them);
 - stream/synchronize/memory helpers become no-ops.
 
-It is active only when CUDA is unavailable; :func:`enable` refuses to run on a machine with CUDA, and nothing else
+It is active only in a process that runs on the CPU: without CUDA, or on a GPU machine where this rank was given no
+GPU (``enable(hide_gpus=True)``: more processes than GPUs, or ``trainer.device=cpu``; ``torch.cuda.is_available()``
+then answers False in this process and ``CUDA_VISIBLE_DEVICES`` is emptied for its children). Nothing else
 in the project depends on it: every other module uses ordinary torch/megatron calls. Callers still give the
 model an explicit attention mask (megatron's ``get_default_causal_mask`` hard-codes CUDA).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
 
 import torch
@@ -83,15 +86,23 @@ _CPU_TYPE_NAMES = {
 }
 
 
-def enable() -> None:
-    """Patch torch.cuda and megatron-core for CPU execution. Idempotent; a no-op error on CUDA machines."""
+def enable(hide_gpus: bool = False) -> None:
+    """Patch torch.cuda and megatron-core for CPU execution. Idempotent.
+
+    On a machine with CUDA this process must give its GPUs up (``hide_gpus=True``), else it raises: a process that
+    half uses CUDA and half the CPU stand-ins would mix devices.
+    """
     global _ENABLED, _MODE
     if _ENABLED:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("cpu_compat.enable() is for machines without CUDA; this one has a GPU.")
-
     cuda = torch.cuda
+    if cuda.is_available():
+        if not hide_gpus:
+            raise RuntimeError("cpu_compat.enable() on a machine with CUDA: pass hide_gpus=True to run this process "
+                               "on the CPU (what init_distributed does for a rank without a GPU of its own).")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # helpers this process starts stay on the CPU too
+        cuda.is_available = lambda: False
+
     cuda.current_device = lambda: "cpu"
     cuda.device_count = lambda: 0
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()

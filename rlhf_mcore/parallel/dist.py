@@ -85,11 +85,26 @@ def collective_device(group=None) -> torch.device:
 
 
 def pick_device(requested: str = "auto") -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu.")
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    """The device of this rank: ``cuda:LOCAL_RANK`` when every process on this node gets a GPU of its own, else the
+    CPU (gloo). ``requested``: "auto" (that rule), "cuda" (a GPU per process, or an error that says why not),
+    "cpu". Counting GPUs goes through NVML where it can, so CUDA is not initialised in a rank that ends on the CPU.
+    """
+    if requested not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"trainer.device={requested!r}: choose auto, cuda or cpu.")
+    if requested == "cpu":
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    gpus = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if gpus >= max(local_world, local_rank + 1):
+        return torch.device("cuda", local_rank)
+    if requested == "cuda":
+        if gpus == 0:
+            raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu.")
+        raise RuntimeError(f"trainer.device=cuda: {local_world} processes on this node but {gpus} GPU(s) visible "
+                           f"(LOCAL_RANK={local_rank}); launch at most {gpus} processes a node "
+                           "(torchrun --nproc_per_node), or use trainer.device=auto or cpu (gloo on the CPU).")
+    return torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -120,7 +135,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
         torch.cuda.set_device(dev)
     else:
         from rlhf_mcore.parallel import cpu_compat
-        cpu_compat.enable()
+        cpu_compat.enable(hide_gpus=torch.cuda.device_count() > 0)  # too few GPUs for the world, or device=cpu
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     world = dist.get_world_size()

@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 from .base import (
+    FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
+    Finished,
     GenerationOutput,
+    Request,
     RolloutEngine,
     Sample,
     SamplingParams,
@@ -43,5 +46,5 @@ def build_rollout_engine(name: str, model_dir, **cfg) -> RolloutEngine:
                      "(config key: actor_rollout_ref.rollout.name).")
 
 
-__all__ = ["ENGINES", "FINISH_LENGTH", "FINISH_STOP", "GenerationOutput", "RolloutEngine", "Sample",
-           "SamplingParams", "build_rollout_engine"]
+__all__ = ["ENGINES", "FINISH_ABORT", "FINISH_LENGTH", "FINISH_STOP", "Finished", "GenerationOutput", "Request",
+           "RolloutEngine", "Sample", "SamplingParams", "build_rollout_engine"]

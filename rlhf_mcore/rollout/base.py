@@ -14,6 +14,11 @@ too, and says so with `logprobs_renormalised = False`.
 
 Responses include the stop token that ended them (as vLLM/SGLang return it), so `finish_reason == "stop"`
 means `token_ids[-1]` is one of the stop ids.
+
+Streaming (engines with `supports_streaming`, today the native one): `open_stream(params)`, then `submit`
+`Request`s at any time, call `step()` until `num_pending` is 0 and collect the `Finished` samples it returns;
+`abort()` hands back everything in flight (finish reason "abort") so that it can be resubmitted later as
+continuations (`Request.prefix`), e.g. after a weight update.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,38 @@ class Sample:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # FINISH_STOP | FINISH_LENGTH
+    finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT
+
+
+@dataclass
+class Request:
+    """One sample to generate, submitted to a running engine (`RolloutEngine.submit`).
+
+    request_id: with the stream's seed and `sample`, keys this sample's random stream: token t of the
+      response (prefix tokens counted) is drawn with step t of it, so a continuation whose prefix is an
+      aborted sample reproduces the uninterrupted sample under unchanged weights.
+    sample: the sample index j (the j-th of a prompt's n samples).
+    prefix: a continuation's tokens (and their log-probs) already generated for this sample; the finished
+      sample holds prefix + new tokens.
+    max_new_tokens: cap on the response length, prefix included; None -> the stream's params.max_new_tokens.
+    tag: the caller's handle, returned untouched in `Finished.request`.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    sample: int = 0
+    prefix: Sample | None = None
+    max_new_tokens: int | None = None
+    tag: Any = None
+
+
+@dataclass
+class Finished:
+    """A request that left the engine: the whole response (prefix + new tokens) and why it ended
+    (finish_reason "stop" | "length" | "abort")."""
+
+    request: Request
+    sample: Sample
 
 
 @dataclass
@@ -144,6 +181,8 @@ class RolloutEngine(abc.ABC):
 
     #: whether reported log-probs are renormalised over the tokens top-k / top-p keep (see the module docstring)
     logprobs_renormalised: bool = True
+    #: whether the streaming methods (open_stream ... close_stream) are implemented
+    supports_streaming: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -169,6 +208,38 @@ class RolloutEngine(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release all resources."""
+
+    # ------------------------------------------------------------------------------------------- streaming
+    def _no_streaming(self) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} does not stream; use the native engine "
+                                   "(actor_rollout_ref.rollout.name=native)")
+
+    def open_stream(self, params: SamplingParams) -> None:
+        """Start a stream sampling with `params` (params.n is ignored: each Request is one sample)."""
+        raise self._no_streaming()
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests; allowed at any time while the stream is open (continuous batching)."""
+        raise self._no_streaming()
+
+    def step(self) -> list[Finished]:
+        """Admit waiting requests into free slots (prefill) and run one decode step; returns the samples
+        that finished during it."""
+        raise self._no_streaming()
+
+    def abort(self) -> list[Finished]:
+        """Hand back every waiting and running request with its tokens so far (finish reason "abort"); the
+        stream stays open."""
+        raise self._no_streaming()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet returned (waiting + running)."""
+        raise self._no_streaming()
+
+    def close_stream(self) -> None:
+        """End the stream."""
+        raise self._no_streaming()
 
     @property
     def default_stop_token_ids(self) -> tuple[int, ...]:

@@ -8,14 +8,14 @@ engine takes its own tensor-parallel slice. Pieces:
                 that reuses one buffer, so a sync holds about one bucket
   transport.py  the sender/receiver interface; the in-process (colocated, zero-copy) transport
   ipc.py        CUDA IPC / shared memory to another process (torch.multiprocessing reductions)
-  broadcast.py  a collective broadcast from a source rank to a group of rollout ranks
+  broadcast.py  a broadcast from a source rank to rollout ranks (a torch.distributed group or a cross-pool Link)
   verify.py     exact checksums; transport and engine verification (`WeightSyncError` names the tensor)
   readback.py   a rollout engine's weights in HF layout (native and HF engines; `hf_weight_shards()`)
   memory.py     live / peak bytes held by the sync
   metrics.py    `SyncStats` -> `sync/*` metrics
   colocated.py  `sync_actor_to_rollout`, what the trainer calls
 """
-from .broadcast import BroadcastReceiver, BroadcastSender
+from .broadcast import BroadcastReceiver, BroadcastSender, GroupComm, broadcast_weights, receive_weights
 from .buckets import BucketPacker, FlatBucket, TensorMeta, bucket_bytes_from_mb, group_by_bytes
 from .colocated import sync_actor_to_rollout
 from .ipc import IpcChannel, IpcReceiver, IpcSender, deserialize_bucket, serialize_bucket
@@ -26,7 +26,7 @@ from .transport import InProcessChannel, WeightReceiver, WeightSender, load_buck
 from .verify import ChecksumTap, EngineVerifier, WeightSyncError, checksum, compare_checksums
 
 __all__ = ["BroadcastReceiver", "BroadcastSender", "BucketPacker", "ChecksumTap", "EngineVerifier", "FlatBucket",
-           "HeldShard", "InProcessChannel", "IpcChannel", "IpcReceiver", "IpcSender", "MemoryTracker", "SyncStats",
-           "TensorMeta", "WeightReceiver", "WeightSender", "WeightSyncError", "bucket_bytes_from_mb", "checksum",
-           "compare_checksums", "deserialize_bucket", "engine_hf_shards", "group_by_bytes", "load_buckets_into",
-           "serialize_bucket", "sync_actor_to_rollout"]
+           "GroupComm", "HeldShard", "InProcessChannel", "IpcChannel", "IpcReceiver", "IpcSender", "MemoryTracker",
+           "SyncStats", "TensorMeta", "WeightReceiver", "WeightSender", "WeightSyncError", "broadcast_weights",
+           "bucket_bytes_from_mb", "checksum", "compare_checksums", "deserialize_bucket", "engine_hf_shards",
+           "group_by_bytes", "load_buckets_into", "receive_weights", "serialize_bucket", "sync_actor_to_rollout"]

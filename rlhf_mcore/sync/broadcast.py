@@ -1,17 +1,22 @@
-"""Weight sync by collective broadcast: one source rank (training) to a group of rollout ranks.
+"""Weight sync by broadcast: one source rank (training) to a group of rollout ranks.
 
-For rollout engines on other GPUs than the trainer (one-step-off-policy and asynchronous training): the
-group holds the source rank and the receiving ranks. Per bucket, the source broadcasts the small metadata
-list (`broadcast_object_list`, over `meta_group` if given, e.g. a gloo group, else over `group`) and then
-the flat buffer (`dist.broadcast`); the receivers reuse one buffer across buckets. A `None` metadata entry
-ends the stream (with the source's checksums when it keeps them).
+For rollout engines on other GPUs than the trainer (the asynchronous trainers' rollout pool). The two ends
+speak through a *comm*, anything with
+
+    comm.broadcast(tensor, src)          # a tensor from global rank src to every member
+    comm.broadcast_object(obj, src)      # a small picklable object likewise
+
+:class:`GroupComm` wraps a `torch.distributed` group (and optionally a gloo group for the metadata);
+:class:`rlhf_mcore.parallel.pools.Link` is a group across the asynchronous trainers' pools. Per bucket, the
+source broadcasts the metadata list, then the flat buffer; the receivers reuse one buffer across buckets. A
+`None` metadata entry ends the stream (with the source's checksums when it keeps them).
 
 Every receiver gets the full HF tensors; a receiving engine with tensor parallelism takes its own slice
 (`update_weights` of the native engine does), so the rollout TP size is independent of the trainer's.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,30 +24,34 @@ import torch.distributed as dist
 from .buckets import BucketPacker, FlatBucket, NamedTensor
 from .memory import MemoryTracker
 from .metrics import SyncStats
-from .transport import WeightReceiver, WeightSender
+from .transport import Stopwatch, WeightReceiver, WeightSender, load_buckets_into
 from .verify import ChecksumTap, compare_checksums
 
 
-def _broadcast_object(obj, src: int, group, device):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    return box[0]
+class GroupComm:
+    """`torch.distributed` collectives: tensors over `group`, objects over `meta_group` (default `group`).
+    `device`: where object collectives stage their bytes on an NCCL group."""
 
+    def __init__(self, group, device, meta_group=None):
+        self.group, self.meta_group = group, meta_group or group
+        self.object_device = torch.device(device) if dist.get_backend(self.meta_group) == "nccl" \
+            else torch.device("cpu")
 
-def _object_device(group, device: torch.device):
-    """broadcast_object_list on an NCCL group needs the CUDA device; on gloo, the CPU."""
-    backend = dist.get_backend(group)
-    return device if backend == "nccl" else torch.device("cpu")
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.meta_group, device=self.object_device)
+        return box[0]
 
 
 class BroadcastSender(WeightSender):
-    """The source rank. group: the process group of source + receivers; src defaults to this rank.
-    device: where the flat buffers live (must suit the group's backend: CUDA for NCCL)."""
+    """The source rank `src` (global). device: where the flat buffers live (must suit the comm: CUDA for NCCL)."""
 
-    def __init__(self, group, bucket_bytes: int, device, *, meta_group=None, tracker: MemoryTracker | None = None,
+    def __init__(self, comm, src: int, bucket_bytes: int, device, *, tracker: MemoryTracker | None = None,
                  checksums: bool = False):
-        self.group, self.meta_group = group, meta_group or group
-        self.src = dist.get_rank()
+        self.comm, self.src = comm, src
         self.device = torch.device(device)
         self.bucket_bytes, self.checksums = bucket_bytes, checksums
         self.tracker = tracker or MemoryTracker(self.device)
@@ -52,14 +61,13 @@ class BroadcastSender(WeightSender):
         tap = ChecksumTap() if self.checksums else None
         stream = tap.wrap(named_tensors) if tap else named_tensors
         packer = BucketPacker(self.bucket_bytes, self.device, wrap_large=True, tracker=self.tracker)
-        meta_dev = _object_device(self.meta_group, self.device)
         for bucket in packer.buckets(stream):
             self.stats.add_group(bucket.unpack())
-            _broadcast_object((bucket.metas, bucket.nbytes), self.src, self.meta_group, meta_dev)
-            dist.broadcast(bucket.buffer, src=self.src, group=self.group)
+            self.comm.broadcast_object((bucket.metas, bucket.nbytes), self.src)
+            self.comm.broadcast(bucket.buffer, self.src)
             del bucket
         packer.release()
-        _broadcast_object((None, tap.sums if tap else None), self.src, self.meta_group, meta_dev)
+        self.comm.broadcast_object((None, tap.sums if tap else None), self.src)
         self.stats.peak_extra_bytes = self.tracker.peak
         return self.stats
 
@@ -68,9 +76,8 @@ class BroadcastReceiver(WeightReceiver):
     """A receiving rank. src: the source's global rank. device: where received buffers live.
     verify: compare checksums with the source's (needs checksums=True there)."""
 
-    def __init__(self, group, src: int, device, *, meta_group=None, tracker: MemoryTracker | None = None,
-                 verify: bool = False):
-        self.group, self.meta_group, self.src = group, meta_group or group, src
+    def __init__(self, comm, src: int, device, *, tracker: MemoryTracker | None = None, verify: bool = False):
+        self.comm, self.src = comm, src
         self.device = torch.device(device)
         self.verify = verify
         self.tracker = tracker or MemoryTracker(self.device)
@@ -78,10 +85,9 @@ class BroadcastReceiver(WeightReceiver):
 
     def receive_buckets(self) -> Iterator[list[NamedTensor]]:
         tap = ChecksumTap() if self.verify else None
-        meta_dev = _object_device(self.meta_group, self.device)
         buffer = None
         while True:
-            metas, extra = _broadcast_object(None, self.src, self.meta_group, meta_dev)
+            metas, extra = self.comm.broadcast_object(None, self.src)
             if metas is None:
                 sent_sums = extra
                 break
@@ -90,7 +96,7 @@ class BroadcastReceiver(WeightReceiver):
                 buffer = None
                 buffer = self.tracker.track_storage(torch.empty(size, dtype=torch.uint8, device=self.device))
             view = buffer[:size]
-            dist.broadcast(view, src=self.src, group=self.group)
+            self.comm.broadcast(view, self.src)
             group = FlatBucket(view, metas).unpack()
             self.stats.add_group(group)
             if tap is not None:
@@ -104,3 +110,24 @@ class BroadcastReceiver(WeightReceiver):
                 raise RuntimeError("BroadcastReceiver(verify=True) but the source sent no checksums; create the "
                                    "BroadcastSender with checksums=True.")
             compare_checksums(sent_sums, tap.sums)
+
+
+def broadcast_weights(comm, src: int, named_tensors: Iterable[NamedTensor], *, bucket_mb: float, device,
+                      checksums: bool = False) -> dict[str, float]:
+    """The source's side of a weight broadcast; returns `sync/*` metrics."""
+    from .buckets import bucket_bytes_from_mb
+
+    sender = BroadcastSender(comm, src, bucket_bytes_from_mb(bucket_mb), device, checksums=checksums)
+    with Stopwatch(sender.device) as watch:
+        stats = sender.send(named_tensors)
+    stats.seconds = watch.seconds
+    return stats.as_metrics()
+
+
+def receive_weights(comm, src: int, engine, *, device, verify: bool = False) -> dict[str, float]:
+    """A receiver's side: every bucket into `engine.update_weights`; returns `sync/*` metrics."""
+    receiver = BroadcastReceiver(comm, src, device, verify=verify)
+    with Stopwatch(receiver.device) as watch:
+        load_buckets_into(engine, receiver.receive_buckets())
+    receiver.stats.seconds = watch.seconds
+    return receiver.stats.as_metrics()

@@ -49,7 +49,7 @@ IGNORE_CHANGES_KEY = "trainer.resume_ignore_config_changes"
 # epochs, save/test frequency, loggers, resume mode, names, output paths), learning rates, micro-batching and
 # the parallel layout may change on resume.
 ALGORITHM_KEYS = (
-    "algorithm",
+    "algorithm", "async_training.mode",
     "actor_rollout_ref.model.path",
     "actor_rollout_ref.actor.policy_loss", "actor_rollout_ref.actor.loss_agg_mode",
     "actor_rollout_ref.actor.loss_scale_factor", "actor_rollout_ref.actor.clip_ratio",

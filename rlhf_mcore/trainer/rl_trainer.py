@@ -22,14 +22,14 @@ from rlhf_mcore.algos.dynamic_sampling import GroupPool
 from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
 from rlhf_mcore.parallel import collective_device, destroy_distributed, init_distributed
 from rlhf_mcore.rewards import reward_metrics
-from rlhf_mcore.rewards.overlong import overlong_metrics, overlong_penalty
+from rlhf_mcore.rewards.overlong import overlong_metrics
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch, last_response_token
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
-from rlhf_mcore.trainer.rollout_phase import Row, generate_and_score
+from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score
 from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
 from rlhf_mcore.trainer.validation import validate
@@ -61,8 +61,11 @@ class StepHooks:
 
 
 class RLTrainer:
-    def __init__(self, cfg: RLConfig, hooks: Optional[StepHooks] = None):
+    def __init__(self, cfg: RLConfig, hooks: Optional[StepHooks] = None, pools=None):
+        """pools: the asynchronous trainers' layout (`parallel.pools.init_pools`, already joined): this process
+        is then a training-pool rank and holds no rollout engine. None: the colocated synchronous trainer."""
         self.cfg = cfg
+        self.pools = pools
         self.hooks = hooks or StepHooks()
         load_plugins(cfg.trainer.plugins)
         self.out_dir = roles.run_dir(cfg)
@@ -80,8 +83,9 @@ class RLTrainer:
         self.actor = roles.build_actor(cfg, self.state, self.total_steps)
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
-        self.rollout = roles.build_rollout(cfg, self.state)
-        self.agents = roles.build_agent_runner(cfg, self.rollout, self.tokenizer)  # multi-turn; None when off
+        self.rollout = roles.build_rollout(cfg, self.state) if pools is None else None
+        self.agents = (roles.build_agent_runner(cfg, self.rollout, self.tokenizer)  # multi-turn; None when off
+                       if self.rollout is not None else None)
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep,
@@ -92,9 +96,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
         self.resume()
-        self.logger = MetricLogger(self.cfg.trainer.logger, self.out_dir, self.total_steps, to_dict(self.cfg),
-                                   self.cfg.trainer.project_name, self.cfg.trainer.experiment_name,
-                                   enabled=self.state.is_coordinator, start_step=self.step)
+        self.open_logger()
         self.sync_weights()  # the rollout starts from the actor's weights (fresh or resumed)
         last = {}
         if self.cfg.trainer.val_before_train and self.step == 0:
@@ -123,6 +125,11 @@ class RLTrainer:
             self.export_final()
         return last
 
+    def open_logger(self) -> None:
+        self.logger = MetricLogger(self.cfg.trainer.logger, self.out_dir, self.total_steps, to_dict(self.cfg),
+                                   self.cfg.trainer.project_name, self.cfg.trainer.experiment_name,
+                                   enabled=self.state.is_coordinator, start_step=self.step)
+
     # ------------------------------------------------------------------------------------------- the steps
     def plan(self) -> list[list[int]]:
         """Rank 0 draws the batch and splits it over DP ranks; every rank gets the dataset indices per DP rank.
@@ -149,24 +156,28 @@ class RLTrainer:
             else:
                 rows, stats = self.rollout_and_score([i for part in plan for i in part], gen_batch=0)
         prompt_ids = [i for part in plan for i in part]  # rank order
-        items = [self.train_set[i] for i in prompt_ids]
         per_rank = len(plan[0]) * n
         mine = rows[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]  # this DP rank's groups
-        meta = {"data_source": [items[r.prompt_pos]["data_source"] for r in mine],
-                "ground_truth": [items[r.prompt_pos]["ground_truth"] for r in mine]}
-        batch = build_batch([r.prompt_ids for r in mine], [r.response_ids for r in mine], [r.logprobs for r in mine],
-                            [r.finish_reason for r in mine], [r.prompt_pos for r in mine], meta,
+        if cfg.reward.reward_model.overlong_buffer.log:  # over the step's rows (all DP ranks': the same everywhere)
+            stats.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
+        return self.rows_to_batch(mine, prompt_ids), {**stats, **wake_sync_metrics}
+
+    def rows_to_batch(self, rows: list[Row], prompt_ids: list[int]) -> dict[str, Any]:
+        """This DP rank's rows as the padded batch; `prompt_ids[r.prompt_pos]` is row r's dataset index.
+        The reward sits on the last model token (`token_level_scores`)."""
+        items = [self.train_set[prompt_ids[r.prompt_pos]] for r in rows]
+        meta = {key: [it[key] for it in items] for key in ("data_source", "ground_truth")}
+        batch = build_batch([r.prompt_ids for r in rows], [r.response_ids for r in rows], [r.logprobs for r in rows],
+                            [r.finish_reason for r in rows], [r.prompt_pos for r in rows], meta,
                             pad_token_id=self.tokenizer.pad_token_id,
-                            response_masks=[r.response_mask for r in mine])
+                            response_masks=[r.response_mask for r in rows])
         last = last_response_token(batch["response_mask"])  # (B,) the reward sits on the last model token
-        scores = torch.tensor([r.score for r in mine])
+        scores = torch.tensor([r.score for r in rows])
         batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(
             1, last[:, None], scores[:, None])  # (B, R)
         if self.estimator.needs_greedy_baseline:
-            batch["reward_baselines"] = torch.tensor([r.baseline_score for r in mine])  # (B,)
-        if cfg.reward.reward_model.overlong_buffer.log:  # over the step's rows (all DP ranks': the same everywhere)
-            stats.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
-        return batch, {**stats, **wake_sync_metrics}
+            batch["reward_baselines"] = torch.tensor([r.baseline_score for r in rows])  # (B,)
+        return batch
 
     def rollout_and_score(self, prompt_ids: list[int], gen_batch: int) -> tuple[list[Row], dict[str, float]]:
         """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the overlong penalty
@@ -178,19 +189,7 @@ class RLTrainer:
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
             greedy_baseline=self.estimator.needs_greedy_baseline, agent_runner=self.agents)
-        ob = cfg.reward.reward_model.overlong_buffer
-
-        def penalties(lengths: list[int]) -> list[float]:
-            if not ob.enable:
-                return [0.0] * len(lengths)
-            return overlong_penalty(lengths, cfg.data.max_response_length, ob.len, ob.penalty_factor)
-
-        for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
-            r.reward_extra.update(acc=r.score, overlong_penalty=p)
-            r.score += p
-        if self.estimator.needs_greedy_baseline:  # the baseline is shaped as the samples are
-            for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
-                r.baseline_score += p
+        add_overlong_penalty(rows, cfg, baseline=self.estimator.needs_greedy_baseline)
         return rows, {**reward_metrics(stats), **{k: v for k, v in stats.items() if k.startswith("agent/")}}
 
     def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
@@ -356,6 +355,11 @@ class RLTrainer:
     def trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
 
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
     def save_checkpoint(self) -> Path:
         def save_engines(path: Path) -> None:
             self.actor.save_checkpoint(path / "actor")
@@ -372,10 +376,7 @@ class RLTrainer:
         self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
-        state = self.ckpt.load_trainer_state(path)
-        self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.load_trainer_state(self.ckpt.load_trainer_state(path))
         if self.state.is_coordinator:
             print(f"resumed from {path} at step {self.step}", flush=True)
 
@@ -396,6 +397,10 @@ class RLTrainer:
 
 
 def train(cfg: RLConfig) -> dict[str, float]:
+    if cfg.async_training.mode != "off":  # a training pool and a rollout pool
+        from rlhf_mcore.trainer.async_trainers import train_async
+
+        return train_async(cfg)
     trainer = RLTrainer(cfg)
     try:
         return trainer.fit()

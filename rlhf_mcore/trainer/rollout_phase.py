@@ -31,8 +31,37 @@ class Row:
     reward_extra: dict = field(default_factory=dict)
     baseline_ids: Optional[list[int]] = None  # greedy baseline (ReMax): the greedy response to this prompt
     baseline_score: Optional[float] = None  # ... and its reward
+    versions: Optional[list[int]] = None  # asynchronous trainers: the policy version that sampled each token
     response_mask: Optional[list[int]] = None  # multi-turn: 1 on model tokens, 0 on tool / environment tokens
     agent: Optional[dict] = None  # multi-turn: the trajectory's stats (rlhf_mcore.agents.rollout.trajectory_info)
+
+
+def response_budgets(items: Sequence[dict[str, Any]], limit: int) -> Optional[list[int]]:
+    """Per-prompt response budgets from `extra_info.max_response_length` (a row's own cap, e.g. a benchmark's
+    long-tailed lengths), each at most `limit` (data.max_response_length); None when no row sets one."""
+    caps = [(it.get("extra_info") or {}).get("max_response_length") for it in items]
+    if all(c is None for c in caps):
+        return None
+    return [limit if c is None else max(1, min(int(c), limit)) for c in caps]
+
+
+def add_overlong_penalty(rows: Sequence[Row], cfg, baseline: bool = False) -> None:
+    """DAPO's overlong shaping (`reward.reward_model.overlong_buffer`) added to each row's score, in place;
+    `reward_extra` keeps `acc` (the reward function's score) and `overlong_penalty`. `baseline`: the greedy
+    baselines (ReMax) are shaped as the samples are."""
+    from rlhf_mcore.rewards.overlong import overlong_penalty
+
+    ob, max_len = cfg.reward.reward_model.overlong_buffer, cfg.data.max_response_length
+
+    def penalties(lengths: list[int]) -> list[float]:
+        return overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor) if ob.enable else [0.0] * len(lengths)
+
+    for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
+        r.reward_extra.update(acc=r.score, overlong_penalty=p)
+        r.score += p
+    if baseline:
+        for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
+            r.baseline_score += p
 
 
 def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:
@@ -69,12 +98,17 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         if sub_rank == 0:
             stats = {f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}
     elif share:
-        outs = engine.generate([list(prompts[i]) for i in share], params)
+        caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
+        if caps is not None and not getattr(engine, "supports_streaming", False):
+            raise ValueError("rows set extra_info.max_response_length (a per-prompt response budget), which only the "
+                             "native rollout engine takes: set actor_rollout_ref.rollout.name=native or drop the key.")
+        kw = {"max_new_tokens": caps} if caps is not None else {}
+        outs = engine.generate([list(prompts[i]) for i in share], params, request_ids=share, **kw)
         baselines = None
         if greedy_baseline:
             greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=params.max_new_tokens,
                                     stop_token_ids=params.stop_token_ids)
-            baselines = engine.generate([list(prompts[i]) for i in share], greedy)
+            baselines = engine.generate([list(prompts[i]) for i in share], greedy, request_ids=share)
         for k, (i, out) in enumerate(zip(share, outs)):
             for j, s in enumerate(out.samples):
                 local.append(Row(i, j, list(prompts[i]), list(s.token_ids), list(s.logprobs), s.finish_reason))

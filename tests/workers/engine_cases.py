@@ -256,7 +256,8 @@ def case_critic(model_dir, state, tmp):
     err = ((values - target).abs() * mask).sum() / mask.sum()
     err0 = ((first - target).abs() * mask).sum() / mask.sum()
     return {"initial_error": float(err0), "final_error": float(err), "last_vf_loss": m["critic/vf_loss"],
-            "values_zero_on_padding": bool((values * (1 - mask)).abs().max() == 0)}
+            "values_zero_on_padding": bool((values * (1 - mask)).abs().max() == 0),
+            "flop_head_width": engine.flop_shape.vocab_size, "vocab_size": engine.vocab_size}
 
 
 def case_ckpt(model_dir, state, tmp):

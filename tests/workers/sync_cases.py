@@ -188,7 +188,7 @@ def synthetic(seed: int) -> list:
 
 
 def case_broadcast(state) -> dict:
-    from rlhf_mcore.sync import BroadcastReceiver, BroadcastSender, bucket_bytes_from_mb
+    from rlhf_mcore.sync import BroadcastReceiver, BroadcastSender, GroupComm, bucket_bytes_from_mb
 
     out = {}
     rank = dist.get_rank()
@@ -199,13 +199,14 @@ def case_broadcast(state) -> dict:
             continue
         want = synthetic(seed=len(label))
         if rank == src:
-            sender = BroadcastSender(group, bucket_bytes_from_mb(BUCKET_MB / 2), "cpu", checksums=True)
+            sender = BroadcastSender(GroupComm(group, "cpu"), src, bucket_bytes_from_mb(BUCKET_MB / 2), "cpu",
+                                     checksums=True)
             stats = sender.send(iter(want))
             out[label] = {"role": "sender", "buckets": stats.buckets, "bytes": stats.bytes,
                           "peak_extra_bytes": stats.peak_extra_bytes,
                           "largest_tensor_bytes": stats.largest_tensor_bytes}
         else:
-            receiver = BroadcastReceiver(group, src, "cpu", verify=True)
+            receiver = BroadcastReceiver(GroupComm(group, "cpu"), src, "cpu", verify=True)
             got = {name: t.clone() for name, t in receiver.receive()}
             out[label] = {"role": "receiver", "compare": compare(got, dict(want)),
                           "order": list(got) == [n for n, _ in want], "buckets": receiver.stats.buckets,

@@ -43,7 +43,9 @@ def greedy(engine) -> list:
 def native(model_dir, load: bool):
     from rlhf_mcore.rollout import build_rollout_engine
 
-    return build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=load)
+    # the CPU, on a GPU machine too: this is the shared-memory stand-in for CUDA IPC, with CPU tensors
+    return build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=load,
+                                device="cpu")
 
 
 def rollout_process(channel, model_dir, results, raw):

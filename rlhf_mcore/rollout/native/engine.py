@@ -1,12 +1,15 @@
 """The native rollout engine: continuous batching over a slot-based KV cache, CUDA-graph decode on GPU.
 
-Scheduling (one `generate` call):
-  - every (prompt, sample) pair is a sequence; sequences wait in input order;
-  - when enough cache slots are free, waiting sequences are admitted and prefilled together (a prompt's
-    tokens are computed once and written to the slots of all its admitted samples), producing each
-    sequence's first token;
-  - running sequences decode one token per step as one batch (rows); a finished sequence (stop token or
-    max_new_tokens) hands its slot back and its row is compacted away; waiting ones take the slots.
+Scheduling (a stream: `open_stream`, `submit` at any time, `step` until nothing is pending; `generate`
+submits every (prompt, sample) pair up front and steps to the end):
+  - every submitted request is one sequence (one sample); sequences wait in submission order;
+  - when enough cache slots are free, waiting sequences are admitted and prefilled together (an input —
+    prompt + a continuation's prefix — shared by sequences of one request id is computed once and written to
+    the slots of all of them), producing each sequence's next token;
+  - running sequences decode one token per step as one batch (rows); a finished sequence (stop token or its
+    max_new_tokens) hands its slot back and its row is compacted away; waiting ones take the slots;
+  - `abort` hands back everything in flight with its tokens so far; resubmitted with those tokens as
+    `prefix`, a sequence carries on where it stopped (prefill over prompt + prefix).
 Admission waits until `admit_fraction` of the slots are free (or nothing runs, or all remaining sequences
 fit), so prefills run in batches instead of one prompt at a time between decode steps.
 
@@ -14,10 +17,12 @@ Per-row state lives in persistent device buffers that the decode step (and its C
 place: the step writes the sampled token into the row's input, advances positions, records the token and
 log-prob in a per-slot response buffer and flags finished rows; the host only reads the flags.
 
-Randomness: each sequence has a key from (seed, request id, sample index) and step t of it uses noise
-hash(key, t, vocab id) (sampling.py), so seeded results do not depend on slots, batch composition or
-`max_num_seqs`. (On GPU, GEMMs at different batch sizes can differ in the last bits, which can very rarely
-flip a near-tie; on CPU runs are exactly batch-invariant in practice.)
+Randomness: each sequence has a key from (seed, request id, sample index) and response token t of it (prefix
+tokens counted) uses noise hash(key, t, vocab id) (sampling.py), so seeded results do not depend on slots,
+batch composition, `max_num_seqs` or being aborted and continued. (A continuation's prefill computes the
+prefix's keys and values in one pass rather than token by token, and on GPU, GEMMs at different batch sizes
+can differ in the last bits; either can very rarely flip a near-tie. On CPU, runs are exactly
+batch-invariant in practice.)
 
 Simplifications, on purpose: slot-based (not paged) cache sized max_num_seqs x max_model_len; no prefix
 caching across calls; TP replicates the embedding and LM head; all TP ranks run the same scheduler on the
@@ -27,6 +32,7 @@ same inputs (the caller passes identical prompts), so they agree without extra c
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -40,9 +46,12 @@ import torch.distributed as dist
 from rlhf_mcore.models.hf_config import ModelShape
 
 from ..base import (
+    FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
+    Finished,
     GenerationOutput,
+    Request,
     RolloutEngine,
     Sample,
     SamplingParams,
@@ -61,10 +70,12 @@ _MAX_STOP_IDS = 16
 
 @dataclass
 class _Seq:
-    request: int          # index into the prompts of this generate call
-    sample: int           # sample index within the request
-    prompt: list[int]
+    request: Request
     key: int              # random-stream key
+    tokens: list[int]     # prefill input: prompt + prefix tokens
+    prefill_key: tuple    # (request id, input tokens): sequences with equal keys share one prefill
+    n_prefix: int         # response tokens already there (a continuation's prefix)
+    limit: int            # cap on the response length, prefix included
     slot: int = -1
 
 
@@ -87,6 +98,8 @@ class NativeRolloutEngine(RolloutEngine):
     it on wake(); "drop" frees them and requires update_weights() after wake().
     load_weights: False leaves weights uninitialised until update_weights() (e.g. the trainer syncs them).
     """
+
+    supports_streaming = True
 
     def __init__(self, model_dir, *, max_num_seqs: int = 256, max_model_len: int = 2048, device=None,
                  dtype: torch.dtype | str | None = None, tp_group=None, cuda_graphs: bool | None = None,
@@ -144,6 +157,10 @@ class NativeRolloutEngine(RolloutEngine):
         self._alloc_row_buffers()
         self._allocate_cache()
         self.last_stats: dict = {}
+        self._stream_open = False
+        self._waiting: deque[_Seq] = deque()
+        self._rows: list[_Seq] = []  # running sequences, in row order
+        self._ready: list[Finished] = []  # finished at submit, returned by the next step()
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -198,6 +215,9 @@ class NativeRolloutEngine(RolloutEngine):
 
     def sleep(self, level: int = 1) -> int:
         validate_sleep_level(level)
+        if self._rows:
+            raise RuntimeError(f"sleep() with {len(self._rows)} requests running in the open stream would lose "
+                               "their KV cache; call abort() first and resubmit them as continuations after wake().")
         freed = 0
         self.graphs.clear()
         if self.cache is not None:
@@ -247,21 +267,54 @@ class NativeRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None) -> list[GenerationOutput]:
+                 request_ids: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> list[GenerationOutput]:
+        """Sample `params.n` responses per prompt: one stream, every (prompt, sample) submitted up front.
+        max_new_tokens: a response budget per prompt (each at most `params.max_new_tokens`)."""
         self._check_ready()
-        params = params.with_stop_ids(self._stop_ids_default)
         check_prompts(prompts, self.spec.vocab_size, self.max_model_len, params.max_new_tokens)
-        if len(params.stop_token_ids) > _MAX_STOP_IDS:
-            raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; the native engine takes at most "
-                             f"{_MAX_STOP_IDS}.")
         if request_ids is None:
             request_ids = range(len(prompts))
         elif len(request_ids) != len(prompts):
             raise ValueError(f"request_ids has {len(request_ids)} entries for {len(prompts)} prompts.")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        outputs = [GenerationOutput(prompt_ids=list(p), samples=[None] * params.n) for p in prompts]
-        waiting = deque(_Seq(i, j, list(prompts[i]), sequence_key(seed, int(request_ids[i]), j))
-                        for i in range(len(prompts)) for j in range(params.n))
+        self.open_stream(params)
+        try:
+            outputs = [GenerationOutput(prompt_ids=list(p), samples=[None] * params.n) for p in prompts]
+            if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts.")
+            caps = [None] * len(prompts) if max_new_tokens is None else [int(c) for c in max_new_tokens]
+            self.submit([Request(int(request_ids[i]), prompts[i], sample=j, tag=i, max_new_tokens=caps[i])
+                         for i in range(len(prompts)) for j in range(params.n)])
+            pbar = None
+            if self.show_progress:
+                from tqdm import tqdm
+
+                pbar = tqdm(total=self.num_pending, desc="generate", unit="seq")
+            while self.num_pending:
+                finished = self.step()
+                for f in finished:
+                    outputs[f.request.tag].samples[f.request.sample] = f.sample
+                if pbar is not None and finished:
+                    pbar.update(len(finished))
+            if pbar is not None:
+                pbar.close()
+        finally:
+            self.close_stream()
+        return outputs
+
+    # ------------------------------------------------------------------------------------------- streaming
+    def open_stream(self, params: SamplingParams) -> None:
+        """Start a stream sampling with `params`; params.n is ignored (each Request is one sample).
+        params.seed=None draws the stream's seed from torch's global RNG."""
+        if self._stream_open:
+            raise RuntimeError(f"open_stream(): a stream is already open ({self.num_pending} requests pending); "
+                               "call close_stream() first (generate() runs a stream of its own too).")
+        self._check_ready()
+        params = params.with_stop_ids(self._stop_ids_default)
+        if len(params.stop_token_ids) > _MAX_STOP_IDS:
+            raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; the native engine takes at most "
+                             f"{_MAX_STOP_IDS}.")
+        self._seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.stop_ids.fill_(-1)
         if params.stop_token_ids:
             self.stop_ids[:len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids)
@@ -270,35 +323,139 @@ class NativeRolloutEngine(RolloutEngine):
         self._sampler_key = ("fused" if self.use_triton_sampler and not (params.top_k_active or params.top_p_active)
                              else f"torch-k{params.top_k if params.top_k_active else -1}"
                                   f"-p{params.top_p if params.top_p_active else 1.0}")
-        self._rows: list[_Seq] = []
+        self._waiting, self._rows, self._ready = deque(), [], []
         self._row_pos = np.zeros(self.max_num_seqs, dtype=np.int64)  # host mirror of r_pos
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))
-        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
-                 "generated_tokens": 0, "prompt_tokens": 0}
-        pbar = None
-        if self.show_progress:
-            from tqdm import tqdm
+        self._stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
+                       "generated_tokens": 0, "prompt_tokens": 0}
+        self._t_open = time.perf_counter()
+        self._stream_open = True
 
-            pbar = tqdm(total=len(waiting), desc="generate", unit="seq")
-        t_start = time.perf_counter()
-        while waiting or self._rows:
-            if waiting and self._should_admit(len(waiting)):
-                t0 = time.perf_counter()
-                finished = self._admit(waiting, stats)
-                stats["prefill_s"] += time.perf_counter() - t0
-                self._collect(finished, outputs, pbar)
-            if self._rows:
-                t0 = time.perf_counter()
-                finished = self._decode_once()
-                stats["decode_s"] += time.perf_counter() - t0
-                stats["decode_steps"] += 1
-                self._collect(finished, outputs, pbar)
-        if pbar is not None:
-            pbar.close()
-        stats["total_s"] = time.perf_counter() - t_start
-        stats["generated_tokens"] = sum(len(s.token_ids) for o in outputs for s in o.samples)
-        self.last_stats = stats
-        return outputs
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests (all checked before any is queued). A continuation whose prefix already reached its
+        cap or ends in a stop token needs no compute: it is returned by the next step()."""
+        self._require_stream("submit")
+        for seq in self._to_seqs(requests):
+            prefix = seq.request.prefix
+            if seq.n_prefix and (prefix.token_ids[-1] in self._stop_set or seq.n_prefix >= seq.limit):
+                reason = FINISH_STOP if prefix.token_ids[-1] in self._stop_set else FINISH_LENGTH
+                self._ready.append(Finished(seq.request, Sample(list(prefix.token_ids), list(prefix.logprobs),
+                                                                reason)))
+            else:
+                self._waiting.append(seq)
+
+    def step(self) -> list[Finished]:
+        """Admit waiting requests into free slots (one batched prefill) and run one decode step over the
+        running ones; returns the requests that finished during it."""
+        self._require_stream("step")
+        self._check_ready()
+        finished, self._ready = self._ready, []
+        stats = self._stats
+        if self._waiting and self._should_admit(len(self._waiting)):
+            t0 = time.perf_counter()
+            done = self._admit()
+            stats["prefill_s"] += time.perf_counter() - t0
+            finished += self._collect(done)
+        if self._rows:
+            t0 = time.perf_counter()
+            done = self._decode_once()
+            stats["decode_s"] += time.perf_counter() - t0
+            stats["decode_steps"] += 1
+            finished += self._collect(done)
+        return finished
+
+    def abort(self) -> list[Finished]:
+        """Hand back every waiting and running request with its tokens so far (prefix included), finish reason
+        "abort"; requests that had already finished come back with their own reason. The stream stays open."""
+        self._require_stream("abort")
+        out, self._ready = self._ready, []
+        if self._rows:
+            steps = self.r_step[:len(self._rows)].tolist()  # response length so far (prefix + new) per row
+            out += self._collect(list(zip(self._rows, steps)), reason=FINISH_ABORT)
+            self._rows = []
+        for seq in self._waiting:
+            prefix = seq.request.prefix
+            tokens, logprobs = (list(prefix.token_ids), list(prefix.logprobs)) if prefix is not None else ([], [])
+            out.append(Finished(seq.request, Sample(tokens, logprobs, FINISH_ABORT)))
+        self._waiting.clear()
+        return out
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet returned: waiting + running (+ finished at submit, returned by the
+        next step()). 0 when no stream is open."""
+        return len(self._waiting) + len(self._rows) + len(self._ready)
+
+    def close_stream(self) -> None:
+        """End the stream (no-op when none is open); requests still pending are dropped (abort() first to get
+        them back). The stream's counters become `last_stats`."""
+        if not self._stream_open:
+            return
+        self._stats["total_s"] = time.perf_counter() - self._t_open
+        self.last_stats = self._stats
+        self._waiting, self._rows, self._ready = deque(), [], []
+        self._stream_open = False
+
+    def _require_stream(self, method: str) -> None:
+        if not self._stream_open:
+            raise RuntimeError(f"{method}() before open_stream(params): open a stream first "
+                               "(generate() opens and closes its own).")
+
+    def _to_seqs(self, requests: Sequence[Request]) -> list[_Seq]:
+        """Check requests and make their sequences; ValueError names the bad request."""
+        if isinstance(requests, Request):
+            raise ValueError("submit() takes a sequence of Requests; wrap a single one in a list.")
+        default_cap = self._params.max_new_tokens
+        checked: dict[int, tuple[list[int], tuple[int, ...]]] = {}  # id(prompt_ids) -> (copy, as a tuple)
+        seqs = []
+        for r in requests:
+            if not isinstance(r, Request):
+                raise ValueError(f"submit() got a {type(r).__name__}; pass rlhf_mcore.rollout.Request objects.")
+            name = f"request {r.request_id!r} (sample {r.sample!r})"
+            try:
+                request_id, sample = operator.index(r.request_id), operator.index(r.sample)
+            except TypeError:
+                raise ValueError(f"{name}: request_id and sample must be ints.") from None
+            if sample < 0:
+                raise ValueError(f"{name}: sample={sample} must be >= 0.")
+            cap = default_cap if r.max_new_tokens is None else r.max_new_tokens
+            if not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"{name}: max_new_tokens={r.max_new_tokens!r} must be an int >= 1 (or None for the "
+                                 f"stream's max_new_tokens={default_cap}).")
+            entry = checked.get(id(r.prompt_ids))
+            if entry is None:
+                prompt = list(r.prompt_ids)
+                if not prompt:
+                    raise ValueError(f"{name}: prompt_ids is empty; every prompt needs at least one token.")
+                self._check_vocab(name, "prompt_ids", prompt)
+                entry = checked[id(r.prompt_ids)] = (prompt, tuple(prompt))
+            prompt, prefill_tokens = entry
+            if len(prompt) + cap > self.max_model_len:
+                raise ValueError(f"{name}: prompt_ids has {len(prompt)} tokens + max_new_tokens={cap} > the engine's "
+                                 f"max_model_len={self.max_model_len}; raise max_model_len, lower max_new_tokens or "
+                                 "shorten the prompt.")
+            tokens, n_prefix = prompt, 0
+            if r.prefix is not None:
+                n_prefix = len(r.prefix.token_ids)
+                if len(r.prefix.logprobs) != n_prefix:
+                    raise ValueError(f"{name}: prefix has {n_prefix} token_ids but {len(r.prefix.logprobs)} "
+                                     "logprobs; pass the Sample the engine returned.")
+                if n_prefix > cap:
+                    raise ValueError(f"{name}: prefix has {n_prefix} tokens, beyond the cap max_new_tokens={cap} "
+                                     "(the cap counts the prefix); raise the request's max_new_tokens.")
+                if n_prefix:
+                    self._check_vocab(name, "prefix", r.prefix.token_ids)
+                    tokens = prompt + list(r.prefix.token_ids)
+                    prefill_tokens = tuple(tokens)
+            seqs.append(_Seq(r, sequence_key(self._seed, request_id, sample), tokens, (request_id, prefill_tokens),
+                             n_prefix, cap))
+        return seqs
+
+    def _check_vocab(self, name: str, field: str, ids: Sequence[int]) -> None:
+        lo, hi, vocab = min(ids), max(ids), self.spec.vocab_size
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}: {field} has token id {lo if lo < 0 else hi} outside [0, {vocab}); was it "
+                             "tokenized with another model's tokenizer?")
 
     def _should_admit(self, n_waiting: int) -> bool:
         free = self.max_num_seqs - len(self._rows)
@@ -308,41 +465,42 @@ class NativeRolloutEngine(RolloutEngine):
                 or free >= max(1, int(self.admit_fraction * self.max_num_seqs)))
 
     # ---------------------------------------------------------------------------------------------- prefill
-    def _admit(self, waiting: deque, stats: dict) -> list[tuple[_Seq, int]]:
-        """Admit waiting sequences into free slots, prefill them, sample their first token.
-        Returns the sequences that finished on that first token, as (seq, number of tokens = 1)."""
+    def _admit(self) -> list[tuple[_Seq, int]]:
+        """Admit waiting sequences into free slots, prefill them, sample their first new token.
+        Returns the sequences that finished on that token, as (seq, response length)."""
+        waiting = self._waiting
         free = self.max_num_seqs - len(self._rows)
         admitted: list[_Seq] = []
-        prompt_order: dict[int, int] = {}  # request -> index among this prefill's unique prompts
+        unique: list[list[int]] = []  # this prefill's distinct inputs
+        prompt_order: dict[tuple, int] = {}  # prefill key -> index into unique
+        p_idx: list[int] = []  # per admitted sequence
         tokens_in_batch = 0
         while waiting and len(admitted) < free:
             seq = waiting[0]
-            if seq.request not in prompt_order:
-                if prompt_order and tokens_in_batch + len(seq.prompt) > self.max_prefill_tokens:
+            idx = prompt_order.get(seq.prefill_key)
+            if idx is None:
+                if unique and tokens_in_batch + len(seq.tokens) > self.max_prefill_tokens:
                     break
-                prompt_order[seq.request] = len(prompt_order)
-                tokens_in_batch += len(seq.prompt)
+                idx = prompt_order[seq.prefill_key] = len(unique)
+                unique.append(seq.tokens)
+                tokens_in_batch += len(seq.tokens)
             waiting.popleft()
             seq.slot = self._free_slots.pop()
             admitted.append(seq)
-        stats["prefills"] += 1
-        stats["prompt_tokens"] += tokens_in_batch
+            p_idx.append(idx)
+        self._stats["prefills"] += 1
+        self._stats["prompt_tokens"] += tokens_in_batch
 
         dev = self.device
-        prompts = {}
-        for seq in admitted:
-            prompts.setdefault(seq.request, seq.prompt)
-        unique = list(prompts.values())  # in prompt_order
         lengths = [len(p) for p in unique]
         layout = PackedLayout(lengths, dev)
         flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(unique), dtype=np.int64,
                                             count=sum(lengths))).to(dev)  # (N,)
         starts = np.cumsum([0] + lengths[:-1])
         w_tok, w_slot, w_pos = [], [], []
-        for seq in admitted:
-            p_idx = prompt_order[seq.request]
-            n = lengths[p_idx]
-            w_tok.append(np.arange(starts[p_idx], starts[p_idx] + n))
+        for seq, p in zip(admitted, p_idx):
+            n = lengths[p]
+            w_tok.append(np.arange(starts[p], starts[p] + n))
             w_slot.append(np.full(n, seq.slot))
             w_pos.append(np.arange(n))
 
@@ -351,27 +509,43 @@ class NativeRolloutEngine(RolloutEngine):
 
         with torch.inference_mode():
             logits = self.model.prefill(flat, layout, self.cache, t(w_tok), t(w_slot), t(w_pos))  # (P, V)
-            rows = torch.tensor([prompt_order[s.request] for s in admitted], device=dev)
-            logits = logits.index_select(0, rows)  # (R, V)
+            logits = logits.index_select(0, torch.tensor(p_idx, device=dev))  # (R, V)
             R = len(admitted)
             keys = torch.tensor([s.key for s in admitted], dtype=torch.int64, device=dev)
-            steps = torch.zeros(R, dtype=torch.int64, device=dev)
+            # the first new token is response token n_prefix: that random-stream step, that buffer column
+            steps = torch.tensor([s.n_prefix for s in admitted], dtype=torch.int64, device=dev)
             inv_temp, greedy = self._temperature_rows(R)
             tok, lp = self._sample(logits, keys, steps, inv_temp, greedy)
             slots = torch.tensor([s.slot for s in admitted], dtype=torch.int64, device=dev)
-            self.resp_tokens[slots, 0] = tok
-            self.resp_logprobs[slots, 0] = lp
+            self._write_prefixes(admitted)
+            self.resp_tokens[slots, steps] = tok
+            self.resp_logprobs[slots, steps] = lp
             tok_host = tok.tolist()
 
         finished, keep = [], []
         for seq, first in zip(admitted, tok_host):
-            if first in self._stop_set or self._params.max_new_tokens == 1:
-                finished.append((seq, 1))
+            if first in self._stop_set or seq.n_prefix + 1 >= seq.limit:
+                finished.append((seq, seq.n_prefix + 1))
             else:
                 keep.append((seq, first))
         if keep:
             self._append_rows(keep)
         return finished
+
+    def _write_prefixes(self, admitted: list[_Seq]) -> None:
+        """Copy continuations' prefix tokens and log-probs into their slots' response buffers."""
+        pre = [s for s in admitted if s.n_prefix]
+        if not pre:
+            return
+        counts = [s.n_prefix for s in pre]
+        rows = torch.from_numpy(np.repeat([s.slot for s in pre], counts)).to(self.device)
+        cols = torch.from_numpy(np.concatenate([np.arange(n) for n in counts])).to(self.device)
+        self.resp_tokens[rows, cols] = torch.tensor(
+            list(itertools.chain.from_iterable(s.request.prefix.token_ids for s in pre)), dtype=torch.int64,
+            device=self.device)
+        self.resp_logprobs[rows, cols] = torch.tensor(
+            list(itertools.chain.from_iterable(s.request.prefix.logprobs for s in pre)), dtype=torch.float32,
+            device=self.device)
 
     def _temperature_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self._params
@@ -389,15 +563,16 @@ class NativeRolloutEngine(RolloutEngine):
                             top_k=p.top_k if p.top_k_active else -1, top_p=p.top_p if p.top_p_active else 1.0)
 
     def _append_rows(self, new: list[tuple[_Seq, int]]) -> None:
-        b0, n, dev = len(self._rows), len(new), self.device
+        b0, n = len(self._rows), len(new)
         sl = slice(b0, b0 + n)
-        self.r_tokens[sl] = torch.tensor([f for _, f in new], dtype=torch.int64, device=dev)
-        pos = [len(s.prompt) for s, _ in new]  # the first generated token is written at position len(prompt)
-        self.r_pos[sl] = torch.tensor(pos, dtype=torch.int64, device=dev)
-        self.r_slot[sl] = torch.tensor([s.slot for s, _ in new], dtype=torch.int64, device=dev)
-        self.r_key[sl] = torch.tensor([s.key for s, _ in new], dtype=torch.int64, device=dev)
-        self.r_step[sl] = 1
-        self.r_limit[sl] = self._params.max_new_tokens
+        # the first new token sits at position len(prompt + prefix); it is response token n_prefix, so the
+        # next decode step samples random-stream step (and writes buffer column) n_prefix + 1
+        pos = [len(s.tokens) for s, _ in new]
+        ints = torch.tensor([[f for _, f in new], pos, [s.slot for s, _ in new], [s.key for s, _ in new],
+                             [s.n_prefix + 1 for s, _ in new], [s.limit for s, _ in new]],
+                            dtype=torch.int64, device=self.device)  # (6, n): one host->device copy
+        (self.r_tokens[sl], self.r_pos[sl], self.r_slot[sl], self.r_key[sl], self.r_step[sl],
+         self.r_limit[sl]) = ints
         inv, greedy = self._temperature_rows(n)
         self.r_inv_temp[sl], self.r_greedy[sl], self.r_done[sl] = inv, greedy, False
         self._row_pos[b0:b0 + n] = pos
@@ -494,17 +669,20 @@ class NativeRolloutEngine(RolloutEngine):
         return restore
 
     # ---------------------------------------------------------------------------------------------- results
-    def _collect(self, finished: list[tuple[_Seq, int]], outputs: list[GenerationOutput], pbar) -> None:
+    def _collect(self, finished: list[tuple[_Seq, int]], reason: str | None = None) -> list[Finished]:
+        """Read finished sequences' responses (prefix included) and free their slots. reason: None -> "stop"
+        if the last token is a stop id, else "length"."""
         if not finished:
-            return
+            return []
         slots = torch.tensor([s.slot for s, _ in finished], dtype=torch.int64, device=self.device)
         width = max(n for _, n in finished)
         toks = self.resp_tokens[slots, :width].tolist()
         lps = self.resp_logprobs[slots, :width].tolist()
+        out = []
         for (seq, n), tk, lp in zip(finished, toks, lps):
             tk, lp = tk[:n], lp[:n]
-            reason = FINISH_STOP if tk[-1] in self._stop_set else FINISH_LENGTH
-            outputs[seq.request].samples[seq.sample] = Sample(token_ids=tk, logprobs=lp, finish_reason=reason)
+            why = reason or (FINISH_STOP if tk[-1] in self._stop_set else FINISH_LENGTH)
+            out.append(Finished(seq.request, Sample(token_ids=tk, logprobs=lp, finish_reason=why)))
             self._free_slots.append(seq.slot)
-        if pbar is not None:
-            pbar.update(len(finished))
+            self._stats["generated_tokens"] += n - seq.n_prefix
+        return out

@@ -1,0 +1,277 @@
+"""The rollout pool of the asynchronous trainers: engine replicas that generate, score and put finished groups
+on the data bus, driven by the coordinator's commands (a mailbox per rollout rank in the launcher's store).
+
+Commands (tuples; the first item names them):
+    ("weights", version)                     join the weight broadcast from training rank 0
+    ("generate", step, prompts, seed, dsts)  one_step_off: generate the step's prompts (dataset indices) over the
+                                             pool, score them, send each group to its DP rank's ranks (`dsts`)
+    ("grant", [(uid, prompt), ...])          fully_async: prompts to stream (all n samples of each)
+    ("send", [(uid, ranks), ...])            fully_async: groups the trainer takes, and where they go
+    ("drop", [uid, ...])                     fully_async: stale groups the trainer will not take
+    ("validate", step)                       run validation on the current weights, report to the coordinator
+    ("stop",)
+
+Messages to the coordinator ("coord" mailbox): ("group", GroupMeta), ("stats", step, metrics) and
+("val", step, metrics, samples).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore.config import RLConfig, load_plugins
+from rlhf_mcore.parallel import pick_device
+from rlhf_mcore.parallel.pools import Pools
+from rlhf_mcore.rewards import reward_metrics
+from rlhf_mcore.rewards.scorer import failure_error
+from rlhf_mcore.rollout.base import FINISH_ABORT, Request, Sample
+from rlhf_mcore.sync import receive_weights
+from rlhf_mcore.trainer import roles
+from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
+from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score, response_budgets
+from rlhf_mcore.trainer.validation import validate
+
+
+def record_versions(finished, live: dict, version: int) -> None:
+    """Partial rollout's bookkeeping: the tokens each of these samples gained since its last record were
+    sampled by `version` (`live[uid]["versions"][sample]`: one version per token so far)."""
+    for f in finished:
+        versions = live[f.request.tag]["versions"][f.request.sample]
+        versions.extend([version] * (len(f.sample.token_ids) - len(versions)))
+
+
+def continuation(f) -> Request:
+    """A paused sample (an aborted `Finished`) resumes from the tokens it has, their log-probs kept."""
+    r = f.request
+    return Request(request_id=r.request_id, prompt_ids=r.prompt_ids, sample=r.sample, tag=r.tag,
+                   max_new_tokens=r.max_new_tokens,
+                   prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT))
+
+
+def stream_seed(cfg: RLConfig) -> int:
+    """The fully asynchronous rollout's sampling seed (each group's uid keys its own random streams)."""
+    return cfg.trainer.seed * 100_003 + 7
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RLConfig, pools: Pools):
+        self.cfg, self.pools = cfg, pools
+        load_plugins(cfg.trainer.plugins)
+        self.tokenizer, self.train_set, self.val_set = roles.build_data(cfg)
+        self.scorer = roles.build_scorer(cfg)
+        device = pick_device(cfg.trainer.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.state = SimpleNamespace(device=device, rank=dist.get_rank(), world_size=dist.get_world_size())
+        self.engine = roles.build_rollout(cfg, self.state)
+        self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.leader = self.state.rank % self.tp == 0
+        self.inbox = pools.mailbox(f"rank{pools.rank}")
+        self.coord = pools.mailbox("coord")
+        self.store = GroupStore(pools.bus)
+        self.version = -1
+        self.idle_s, self.t0 = 0.0, time.perf_counter()
+
+    # ------------------------------------------------------------------------------------------- shared
+    def run(self) -> None:
+        try:
+            if self.cfg.async_training.mode == "one_step_off":
+                self.run_one_step_off()
+            else:
+                self.run_fully_async()
+            self.store.reap(wait=True)  # every ordered send was received before the trainer said stop
+        finally:
+            self.scorer.close()
+            self.engine.shutdown()
+
+    def next_command(self) -> tuple:
+        t0 = time.perf_counter()
+        cmd = self.inbox.get()
+        self.idle_s += time.perf_counter() - t0
+        return cmd
+
+    def receive_weights(self, version: int) -> None:
+        r = self.cfg.actor_rollout_ref.rollout
+        receive_weights(self.pools.weights, 0, self.engine, device=self.pools.weights.device, verify=r.sync_verify)
+        self.version = version
+
+    def validate(self, step: int) -> None:
+        metrics, samples = validate(self.engine, self.scorer, self.tokenizer, self.val_set,
+                                    roles.val_sampling_params(self.cfg), rollout_tp=self.tp,
+                                    batch_size=self.cfg.data.val_batch_size)
+        if self.state.rank == 0:
+            metrics["val/policy_version"] = float(self.version)
+            self.coord.put(("val", step, metrics, samples[: self.cfg.trainer.log_val_generations]))
+
+    def clocks(self) -> dict[str, float]:
+        """This replica's seconds idle (nothing to generate) and alive, cumulative."""
+        return {"idle_s": self.idle_s, "wall_s": time.perf_counter() - self.t0}
+
+    def idle_ratio(self) -> float:
+        """The idle fraction since the last call."""
+        now = self.clocks()
+        last = getattr(self, "_last_clocks", {"idle_s": 0.0, "wall_s": 0.0})
+        self._last_clocks = now
+        return (now["idle_s"] - last["idle_s"]) / max(now["wall_s"] - last["wall_s"], 1e-9)
+
+    # ------------------------------------------------------------------------------------------- one step off
+    def run_one_step_off(self) -> None:
+        """Commands in order: the weights, then each step's generation (with the weights of two steps back)."""
+        while True:
+            cmd = self.next_command()
+            if cmd[0] == "weights":
+                self.receive_weights(cmd[1])
+            elif cmd[0] == "generate":
+                self.generate_step(*cmd[1:])
+            elif cmd[0] == "validate":
+                self.validate(cmd[1])
+            elif cmd[0] == "stop":
+                return
+            else:
+                raise RuntimeError(f"rollout worker: unknown command {cmd[0]!r}")
+            self.store.reap()
+
+    def generate_step(self, step: int, prompt_ids: list[int], seed: int, dsts: list[list[int]]) -> None:
+        """All rollout ranks generate the step's prompts together (replicas split them as the synchronous
+        trainer's replicas do); each replica's first rank sends the groups it made to their DP rank's ranks."""
+        cfg = self.cfg
+        items = [self.train_set[i] for i in prompt_ids]
+        t0 = time.perf_counter()
+        rows, stats = generate_and_score(self.engine, self.scorer, [it["input_ids"] for it in items], items,
+                                         roles.train_sampling_params(cfg, seed=seed), self.tokenizer,
+                                         rollout_tp=self.tp)
+        add_overlong_penalty(rows, cfg)
+        gen_s = time.perf_counter() - t0
+        for r in rows:
+            r.versions = [self.version] * len(r.response_ids)
+        if self.state.rank == 0:
+            metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
+                       "rollouter/idle_ratio": self.idle_ratio()}
+            if cfg.reward.reward_model.overlong_buffer.log:
+                from rlhf_mcore.rewards.overlong import overlong_metrics
+
+                metrics.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
+            self.coord.put(("stats", step, metrics))
+        if not self.leader:
+            return
+        replicas, replica = self.state.world_size // self.tp, self.state.rank // self.tp
+        share = set(np.array_split(np.arange(len(prompt_ids)), replicas)[replica].tolist())
+        groups: dict[int, list[Row]] = {}
+        for r in rows:
+            if r.prompt_pos in share:
+                groups.setdefault(r.prompt_pos, []).append(r)
+        for pos, group in sorted(groups.items()):
+            uid = step * len(prompt_ids) + pos
+            meta = self.describe(uid, prompt_ids[pos], group, step=step, pos=pos)
+            self.store.send(uid, dsts[pos])
+            self.coord.put(("group", meta))
+
+    def describe(self, uid: int, prompt: int, group: list[Row], **extra: Any) -> GroupMeta:
+        """Keep the group's rows under `uid` and say what they are."""
+        nbytes = self.store.put(uid, group)
+        versions = [v for r in group for v in (r.versions or [self.version])]
+        return GroupMeta(uid=uid, src=self.pools.rank, nbytes=nbytes, prompt=prompt,
+                         tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in group),
+                         min_version=min(versions), max_version=max(versions),
+                         partial=any(len(set(r.versions or [])) > 1 for r in group),
+                         stats=self.clocks(), **extra)
+
+    # ------------------------------------------------------------------------------------------- fully async
+    def run_fully_async(self) -> None:
+        """Stream: keep the engine full with granted prompts, score each group as its last sample finishes and
+        put it on the bus; between engine steps, act on the coordinator's commands. At a weight sync, in-flight
+        samples are paused and continued under the new weights (partial_rollout) or finished first."""
+        cfg = self.cfg
+        n, partial = cfg.actor_rollout_ref.rollout.n, cfg.async_training.partial_rollout
+        cap = cfg.actor_rollout_ref.rollout.max_num_seqs
+        params = roles.train_sampling_params(cfg, seed=stream_seed(cfg))
+        first = self.next_command()  # the trainer sends its weights before anything else
+        if first[0] != "weights":
+            raise RuntimeError(f"rollout worker: expected the first weights, got {first[0]!r}")
+        self.receive_weights(first[1])
+        self.engine.open_stream(params)
+        todo: deque = deque()  # granted (uid, prompt) not yet submitted
+        live: dict[int, dict] = {}  # uid -> {"prompt", "samples": [Sample|None]*n, "versions": [[...]]*n}
+        sync_to = None  # a weight version waiting for this replica
+        while True:
+            for cmd in self.inbox.poll():
+                if cmd[0] == "grant":
+                    todo.extend(cmd[1])
+                elif cmd[0] == "send":
+                    for uid, dsts in cmd[1]:
+                        self.store.send(uid, dsts)
+                elif cmd[0] == "drop":
+                    for uid in cmd[1]:
+                        self.store.drop(uid)
+                elif cmd[0] == "weights":
+                    sync_to = cmd[1]
+                elif cmd[0] == "validate":
+                    paused = self.engine.abort()
+                    record_versions(paused, live, self.version)
+                    self.engine.close_stream()
+                    self.validate(cmd[1])
+                    self.engine.open_stream(params)
+                    self.engine.submit([continuation(f) for f in paused])
+                elif cmd[0] == "stop":
+                    self.engine.abort()
+                    self.engine.close_stream()
+                    return
+            if sync_to is not None and (partial or self.engine.num_pending == 0):
+                paused = self.engine.abort() if partial else []
+                record_versions(paused, live, self.version)
+                self.receive_weights(sync_to)
+                sync_to = None
+                self.engine.submit([continuation(f) for f in paused])
+            while todo and sync_to is None and self.engine.num_pending + n <= max(cap, n):
+                uid, prompt = todo.popleft()
+                item = self.train_set[prompt]
+                cap = (response_budgets([item], params.max_new_tokens) or [None])[0]
+                live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)]}
+                self.engine.submit([Request(request_id=uid, prompt_ids=list(item["input_ids"]), sample=j, tag=uid,
+                                            max_new_tokens=cap) for j in range(n)])
+            if self.engine.num_pending:
+                finished = self.engine.step()
+                record_versions(finished, live, self.version)
+                for f in finished:
+                    live[f.request.tag]["samples"][f.request.sample] = f.sample
+                done = [uid for uid in {f.request.tag for f in finished}
+                        if all(s is not None for s in live[uid]["samples"])]
+                if done:
+                    self.publish([(uid, live.pop(uid)) for uid in done])
+            else:
+                t0 = time.perf_counter()
+                time.sleep(0.002)
+                self.idle_s += time.perf_counter() - t0
+            self.store.reap()
+
+    def publish(self, done: list[tuple[int, dict]]) -> None:
+        """Score finished groups together and put each on the bus."""
+        rows, owners = [], []
+        for uid, g in done:
+            ids = list(self.train_set[g["prompt"]]["input_ids"])
+            for j, (s, vs) in enumerate(zip(g["samples"], g["versions"])):
+                rows.append(Row(0, j, ids, list(s.token_ids), list(s.logprobs), s.finish_reason, versions=list(vs)))
+                owners.append((uid, g["prompt"]))
+        items = [self.train_set[p] for _, p in owners]
+        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rows]
+        scores, stats = self.scorer.score([it["data_source"] for it in items], texts,
+                                          [it["ground_truth"] for it in items],
+                                          [it.get("extra_info") for it in items], check=False)
+        error = failure_error(stats, self.scorer.max_failure_ratio)
+        if error is not None:
+            raise error
+        for r, s in zip(rows, scores):
+            r.score = float(s)
+        add_overlong_penalty(rows, self.cfg)
+        counts = reward_metrics(stats)
+        for k, (uid, g) in enumerate(done):
+            group = [r for r, (u, _) in zip(rows, owners) if u == uid]
+            meta = self.describe(uid, g["prompt"], group)
+            meta.stats.update(counts if k == 0 else {})  # the batch's reward counters, once
+            self.coord.put(("group", meta))

@@ -1,0 +1,256 @@
+"""The asynchronous trainers (one-step-off-policy and fully asynchronous) on CPU with gloo: the data bus's
+bookkeeping, partial rollout's versions and log-probs, one-step-off against its synchronous reference, the
+fully asynchronous trainer's staleness bound and sample accounting, and a SIGKILL + resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf_mcore.config import ConfigError, load_config, validate_config
+from rlhf_mcore.parallel.pools import Mailbox, PoolLayout
+from rlhf_mcore.trainer.databus import GroupMeta, Ledger, pull_orders, send_orders, staleness_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def meta(uid, src=1, minv=0, maxv=None, tokens=10, prompt=None):
+    return GroupMeta(uid=uid, src=src, nbytes=100, prompt=uid if prompt is None else prompt, tokens=tokens,
+                     min_version=minv, max_version=minv if maxv is None else maxv, partial=maxv not in (None, minv))
+
+
+# ------------------------------------------------------------------------------------------------ unit
+def test_ledger_accounting_and_staleness():
+    led = Ledger()
+    for uid, v in enumerate([0, 0, 1, 2, 2]):
+        led.add(meta(uid, minv=v))
+    led.check()
+    stale = led.drop_stale(version=2, threshold=1)  # 2 - 0 > 1: the two version-0 groups
+    assert [m.uid for m in stale] == [0, 1] and led.dropped == 2
+    got = led.take([2, 3])
+    assert [m.uid for m in got] == [2, 3] and list(led.queue) == [4]
+    led.check()
+    assert (led.produced, led.trained, led.dropped, len(led)) == (5, 2, 2, 1)
+    led.produced += 1  # a group nobody accounted for
+    with pytest.raises(RuntimeError, match="accounting"):
+        led.check()
+
+
+def test_staleness_histogram_and_partial_counts():
+    ms = [meta(0, minv=3), meta(1, minv=2), meta(2, minv=2, maxv=3), meta(3, minv=1, maxv=3)]
+    out = staleness_metrics(ms, version=3)
+    assert out["fully_async/staleness/0"] == 1 and out["fully_async/staleness/1"] == 2
+    assert out["fully_async/staleness/2"] == 1
+    assert out["fully_async/count/stale_samples_processed"] == 3
+    assert out["fully_async/partial/partial_ratio"] == 0.5 and out["fully_async/partial/max_partial_span"] == 2
+
+
+def test_orders_keep_groups_whole_and_route_to_model_parallel_ranks():
+    chosen = [[meta(0, src=4), meta(1, src=5)], [meta(2, src=4)]]
+    sends = send_orders(chosen, dp_ranks=[[0, 1], [2, 3]])  # DP rank 0 = ranks 0,1 (TP=2)
+    assert sends == {4: [(0, [0, 1]), (2, [2, 3])], 5: [(1, [0, 1])]}
+    assert pull_orders(chosen) == [[(4, 0, 100), (5, 1, 100)], [(4, 2, 100)]]
+
+
+def test_mailbox_order_several_writers_and_cursor():
+    store = dist.HashStore()
+    a, b, reader = Mailbox(store, "coord"), Mailbox(store, "coord"), Mailbox(store, "coord")
+    assert reader.poll() == []
+    a.put(("group", 1))
+    b.put(("group", 2))
+    a.put(("stats", 3))
+    assert reader.poll() == [("group", 1), ("group", 2), ("stats", 3)]
+    b.put("late")
+    assert reader.get(timeout_s=5) == "late" and reader.cursor == 4
+    assert not store.check(["mb/coord/1"])  # read messages are deleted
+
+
+def test_pool_layout():
+    lay = PoolLayout(train_size=2, rollout_size=4, rollout_tp=2)
+    assert lay.world_size == 6 and lay.replicas == 2 and lay.rollout_ranks == [2, 3, 4, 5]
+    assert [lay.replica_leader(r) for r in range(2)] == [2, 4] and lay.replica_of(5) == 1
+    assert not lay.is_rollout(1) and lay.is_rollout(2)
+    with pytest.raises(ValueError):
+        PoolLayout(1, 3, rollout_tp=2)
+
+
+@pytest.mark.parametrize("overrides,world,fragments", [
+    (["async_training.mode=fully_async"], 2, ["rollout.n_gpus_per_node"]),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=2"], 2, ["must add up", "2 processes"]),
+    (["rollout.n_gpus_per_node=1"], 2, ["async_training.mode=one_step_off or fully_async"]),
+    (["async_training.staleness_threshold=3"], 1, ["fully_async only"]),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1"], 2, ["data.train_batch_size=4"]),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
+      "actor_rollout_ref.rollout.name=hf"], 2, ["does not stream"]),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"], 2,
+     ["filter_groups"]),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
+])
+def test_async_config_errors(overrides, world, fragments):
+    base = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config(None, base + overrides), world)
+    for f in fragments:
+        assert f in str(e.value), str(e.value)
+
+
+def test_async_config_accepted_layouts():
+    base = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+    validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
+                                              "trainer.n_gpus_per_node=2",
+                                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2
+    validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
+                                              "async_training.require_batches=2"]), 2)
+
+
+# ------------------------------------------------------------------------------------------------ partial rollout
+def test_partial_rollout_versions_and_logprobs_match_the_weights_that_sampled_them(tiny_model_dir):
+    """A sample paused after 5 tokens under weights A and continued under weights B carries versions
+    [0]*5 + [1]*rest, and each token's log-prob equals a teacher-forced pass of the weights that sampled it."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.base import Request
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+    from rlhf_mcore.trainer.rollout_worker import continuation, record_versions
+
+    model_dir = tiny_model_dir("qwen2")
+    engine = NativeRolloutEngine(model_dir, max_num_seqs=8, max_model_len=64, device="cpu")
+    hf_a = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hf_b = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf_b.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt = [5, 17, 33, 2, 9]
+    live = {7: {"versions": [[], []], "samples": [None, None]}}
+    engine.open_stream(SamplingParams(temperature=1.0, max_new_tokens=20, stop_token_ids=(), seed=3))
+    engine.submit([Request(request_id=7, prompt_ids=prompt, sample=j, tag=7) for j in range(2)])
+    for _ in range(4):  # the first token comes with the prefill
+        assert engine.step() == []
+    paused = engine.abort()
+    record_versions(paused, live, version=0)
+    assert [len(f.sample.token_ids) for f in paused] == [5, 5]
+    engine.update_weights(hf_b.state_dict().items())  # the new policy
+    engine.submit([continuation(f) for f in paused])
+    done = []
+    while engine.num_pending:
+        done += engine.step()
+    record_versions(done, live, version=1)
+    engine.close_stream()
+    assert len(done) == 2
+    for f in done:
+        versions = live[7]["versions"][f.request.sample]
+        assert versions == [0] * 5 + [1] * 15
+        ids = torch.tensor([prompt + f.sample.token_ids])
+        for model, lo, hi in ((hf_a, 0, 5), (hf_b, 5, 20)):
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            want = logp.gather(1, torch.tensor(f.sample.token_ids)[:, None])[:, 0]
+            got = torch.tensor(f.sample.logprobs)
+            assert torch.allclose(got[lo:hi], want[lo:hi], atol=1e-4), (model is hf_a, got[lo:hi], want[lo:hi])
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _setup(tmp_path, tiny_model_dir):
+    from rlhf_mcore.data import write_synthetic_parquet
+
+    write_synthetic_parquet(tmp_path / "syn", n=64, difficulty=0, seed=0, n_test=4)
+    reward = tmp_path / "parity_reward.py"  # a random model's responses score 0 or 1 by length: groups vary
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) % 2)\n")
+    return [f"actor_rollout_ref.model.path={tiny_model_dir('qwen2')}",
+            f"data.train_files=[{tmp_path / 'syn' / 'train.parquet'}]", "data.val_files=[]",
+            "data.train_batch_size=4", "data.max_response_length=12", "data.max_prompt_length=128",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+            "trainer.device=cpu", "trainer.logger=[jsonl]", f"custom_reward_function.path={reward}",
+            "trainer.export_hf_final=false", "trainer.max_rollout_logprob_gap=null"]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _torchrun(nproc, args, **kw):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / "launch" / "train.py"), *args]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir):
+    """1 rollout + 1 training process against one process whose step k is generated by the weights of step k-1's
+    start (built from the synchronous trainer's parts): the same metrics, step by step."""
+    args = _setup(tmp_path, tiny_model_dir) + ["trainer.total_training_steps=4", "trainer.save_freq=2"]
+    ref = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "one_step_off_reference.py"), *args,
+                          f"trainer.default_local_dir={tmp_path / 'ref'}"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    run = subprocess.run(_torchrun(2, args + [f"trainer.default_local_dir={tmp_path / 'osp'}",
+                                              "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    want, got = _records(tmp_path / "ref"), _records(tmp_path / "osp")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    keys = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
+            "actor/grad_norm", "rollout/k3_kl", "actor/ppo_kl"]
+    for w, g in zip(want, got):
+        for k in keys:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (g["step"], k, g[k], w[k])
+    assert got[1]["one_step_off/staleness/1"] == 4 and got[0]["one_step_off/staleness/0"] == 4
+    assert got[2]["rollout/k3_kl"] > 0  # generated one update behind: off-policy, as in the reference
+
+
+def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_dir):
+    """Fully async (1 rollout + 1 training process, partial rollout): no trained sample staler than the threshold,
+    produced = trained + dropped + queued at every step; killed (SIGKILL to the whole job) after a checkpoint and
+    resumed, every prompt's samples are trained once and none is lost."""
+    from rlhf_mcore.data import ResumableSampler
+
+    out = tmp_path / "fa"
+    args = _setup(tmp_path, tiny_model_dir) + [
+        f"trainer.default_local_dir={out}", "async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
+        "trainer.total_training_steps=8", "trainer.save_freq=2", "async_training.staleness_threshold=1",
+        "data.max_response_length=24", "actor_rollout_ref.rollout.max_num_seqs=8"]
+    job = subprocess.Popen(_torchrun(2, args), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    kill_after = 3 + int(time.time()) % 3  # steps 3..5: after the step-2 checkpoint, at a varying moment
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 300:
+            if (out / "metrics.jsonl").exists() and len(_records(out)) >= kill_after:
+                break
+            assert job.poll() is None, "the job ended before it was killed"
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGKILL)
+    finally:
+        job.wait()
+    assert (out / "checkpoints").exists()
+    resumed = subprocess.run(_torchrun(2, args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    records = _records(out)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        thr_ok = all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/"))
+        assert thr_ok, r
+        c = {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("fully_async/count/")}
+        assert c["produced_samples"] == c["trained_samples"] + c["dropped_samples_total"] + c["queued_samples"]
+        assert c["trained_samples"] == r["step"] * 4 * 4
+    final = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
+    state = json.loads((final / "trainer_state_rank0.json").read_text())  # the coordinator's
+    trained, regrant, dropped = state["trained_prompts"], state["regrant"], state["dropped_prompts"]
+    assert len(trained) == 8 * 4 and len(set(trained)) == len(trained), trained  # each prompt trained once
+    drawn = ResumableSampler(64, shuffle=True, seed=1).next_batch(len(trained) + len(regrant) + len(dropped))
+    assert sorted(trained + regrant + dropped) == sorted(drawn)  # none lost: trained, dropped (counted) or pending
