@@ -1,7 +1,8 @@
 """The scheduler and the trainer's side of multi-turn rollouts.
 
 - 64 trajectories with tools of random latency (0-200 ms) all finish, with the engine kept busy meanwhile (the
-  busy fraction is reported); a tool that never returns times out; malformed JSON, an unknown tool, a raising
+  busy fraction is reported), on a scripted engine and on the native engine's stream (which keeps decoding other
+  trajectories while tools run); a tool that never returns times out; malformed JSON, an unknown tool, a raising
   tool and too many calls each produce their error message and metric.
 - On the native engine (CPU), the log-probs of the model's tokens equal a teacher-forced forward pass of the whole
   multi-turn trajectory (1e-4), and rows carry the trajectory's response mask into the batch.
@@ -16,11 +17,14 @@ import torch
 from agent_helpers import ScriptedEngine, fixture_tokenizer
 
 from rlhf_mcore.agents import (
+    AgentLoop,
     AgentRunner,
     Environment,
     MultiTurnSettings,
     Tool,
+    ToolCall,
     get_tool,
+    register_agent,
     register_environment,
     register_tool,
 )
@@ -94,6 +98,57 @@ def test_64_trajectories_with_slow_tools(tiny_model_dir, streaming):
     assert 0 < m["agent/engine_busy_fraction"] <= 1
     if streaming:  # trajectories join the running batch while others wait for tools
         assert engine.max_concurrent > 1
+
+
+@register_agent("test_sleepy_agent")
+class SleepyAgent(AgentLoop):
+    """Whatever the (random) model says, its first two turns are followed by a test_sleepy call of a latency drawn
+    from the trajectory's key and turn; the third turn ends the trajectory."""
+
+    async def run(self, row, traj):
+        for turn in range(3):
+            if await self.generate(traj) is None or traj.done or turn == 2:
+                return
+            ms = random.Random(traj.key * 10 + turn).randint(0, 200)
+            if not traj.add_messages(await self.call_tools(traj, [ToolCall("test_sleepy", {"ms": ms})]), role="tool"):
+                return
+
+
+def test_native_stream_keeps_decoding_while_tools_run(tiny_model_dir, capsys):
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    model_dir = tiny_model_dir("qwen2")
+    tok, end = fixture_tokenizer(model_dir, "qwen2")
+    engine = NativeRolloutEngine(model_dir, max_num_seqs=64, max_model_len=512, device="cpu", dtype="float32")
+    steps = {"all": 0, "while_tools": 0}
+    step = engine.step
+
+    def counting_step():  # the engine steps while some trajectory's tool call is running
+        steps["all"] += 1
+        steps["while_tools"] += Sleepy.active > 0
+        return step()
+
+    engine.step = counting_step
+    runner = AgentRunner(engine, tok, MultiTurnSettings(max_tokens_per_turn=6, tool_workers=64),
+                         {"test_sleepy": Sleepy()})
+    prompts, rows = _rows(tok, 32)
+    for r in rows:
+        r["agent_name"] = "test_sleepy_agent"
+    Sleepy.peak = 0
+    trajs = [t for per in runner.run(prompts, rows, SamplingParams(n=2, max_new_tokens=100, seed=3)) for t in per]
+    assert len(trajs) == 64 and engine.num_pending == 0
+    for t in trajs:
+        assert t.stats["tool_calls"] == 2 and t.stats["tool_errors"] == 0 and t.stats["turns"] == 3
+        assert len(t.logprobs) == len(t.response_ids) == len(t.response_mask)
+        assert sum(t.response_mask) == sum(turn["end"] - turn["start"] for turn in t.turns if turn["role"] ==
+                                           "assistant")
+    assert Sleepy.peak > 8  # tool calls overlap
+    assert steps["while_tools"] >= steps["all"] // 4  # decoding goes on while tools run
+    m = agent_metrics([trajectory_info(t) for t in trajs], runner.last_stats)
+    assert 0 < m["agent/engine_busy_fraction"] <= 1
+    with capsys.disabled():
+        print(f"\nnative stream, 64 trajectories: engine busy {m['agent/engine_busy_fraction']:.2f} of "
+              f"{runner.last_stats['wall_s']:.2f} s; {steps['while_tools']} of {steps['all']} steps while tools ran")
 
 
 def test_tool_errors_become_messages_and_metrics(tiny_model_dir):
