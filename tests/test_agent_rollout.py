@@ -100,55 +100,81 @@ def test_64_trajectories_with_slow_tools(tiny_model_dir, streaming):
         assert engine.max_concurrent > 1
 
 
-@register_agent("test_sleepy_agent")
-class SleepyAgent(AgentLoop):
-    """Whatever the (random) model says, its first two turns are followed by a test_sleepy call of a latency drawn
-    from the trajectory's key and turn; the third turn ends the trajectory."""
+class Gate(Tool):
+    """Blocks until `opened` is set (by the engine, after it has decoded with a gate call pending)."""
+
+    name = "test_gate"
+    description = "waits for the gate"
+    parameters = {"type": "object", "properties": {}}
+    opened = threading.Event()
+    waiting = 0
+    lock = threading.Lock()
+
+    def __call__(self) -> str:
+        with Gate.lock:
+            Gate.waiting += 1
+        Gate.opened.wait()
+        with Gate.lock:
+            Gate.waiting -= 1
+        return "open"
+
+
+@register_agent("test_gate_agent")
+class GateAgent(AgentLoop):
+    """Whatever the (random) model says, its first two turns are followed by a tool call: even trajectories call
+    test_gate, odd ones test_sleepy with a latency drawn from the key and the turn; the third turn ends it."""
 
     async def run(self, row, traj):
         for turn in range(3):
             if await self.generate(traj) is None or traj.done or turn == 2:
                 return
             ms = random.Random(traj.key * 10 + turn).randint(0, 200)
-            if not traj.add_messages(await self.call_tools(traj, [ToolCall("test_sleepy", {"ms": ms})]), role="tool"):
+            call = ToolCall("test_gate", {}) if traj.key % 2 == 0 else ToolCall("test_sleepy", {"ms": ms})
+            if not traj.add_messages(await self.call_tools(traj, [call]), role="tool"):
                 return
 
 
 def test_native_stream_keeps_decoding_while_tools_run(tiny_model_dir, capsys):
+    """Half the trajectories call a tool that only returns once the engine has run 4 decode steps while it was
+    blocked: the rollout ends (and without a timeout) only if the others kept decoding meanwhile."""
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
     model_dir = tiny_model_dir("qwen2")
     tok, end = fixture_tokenizer(model_dir, "qwen2")
     engine = NativeRolloutEngine(model_dir, max_num_seqs=64, max_model_len=512, device="cpu", dtype="float32")
-    steps = {"all": 0, "while_tools": 0}
+    steps = {"all": 0, "while_gated": 0}
     step = engine.step
 
-    def counting_step():  # the engine steps while some trajectory's tool call is running
+    def counting_step():
         steps["all"] += 1
-        steps["while_tools"] += Sleepy.active > 0
+        if Gate.waiting:
+            steps["while_gated"] += 1
+            if steps["while_gated"] >= 4:
+                Gate.opened.set()
         return step()
 
     engine.step = counting_step
-    runner = AgentRunner(engine, tok, MultiTurnSettings(max_tokens_per_turn=6, tool_workers=64),
-                         {"test_sleepy": Sleepy()})
+    Gate.opened.clear()
+    runner = AgentRunner(engine, tok, MultiTurnSettings(max_tokens_per_turn=6, tool_workers=64, tool_timeout_s=30),
+                         {"test_sleepy": Sleepy(), "test_gate": Gate()})
     prompts, rows = _rows(tok, 32)
     for r in rows:
-        r["agent_name"] = "test_sleepy_agent"
+        r["agent_name"] = "test_gate_agent"
     Sleepy.peak = 0
     trajs = [t for per in runner.run(prompts, rows, SamplingParams(n=2, max_new_tokens=100, seed=3)) for t in per]
-    assert len(trajs) == 64 and engine.num_pending == 0
+    assert len(trajs) == 64 and engine.num_pending == 0 and Gate.opened.is_set()
     for t in trajs:
         assert t.stats["tool_calls"] == 2 and t.stats["tool_errors"] == 0 and t.stats["turns"] == 3
         assert len(t.logprobs) == len(t.response_ids) == len(t.response_mask)
         assert sum(t.response_mask) == sum(turn["end"] - turn["start"] for turn in t.turns if turn["role"] ==
                                            "assistant")
     assert Sleepy.peak > 8  # tool calls overlap
-    assert steps["while_tools"] >= steps["all"] // 4  # decoding goes on while tools run
     m = agent_metrics([trajectory_info(t) for t in trajs], runner.last_stats)
     assert 0 < m["agent/engine_busy_fraction"] <= 1
     with capsys.disabled():
         print(f"\nnative stream, 64 trajectories: engine busy {m['agent/engine_busy_fraction']:.2f} of "
-              f"{runner.last_stats['wall_s']:.2f} s; {steps['while_tools']} of {steps['all']} steps while tools ran")
+              f"{runner.last_stats['wall_s']:.2f} s; {steps['while_gated']} of {steps['all']} steps with a gate "
+              f"call blocked")
 
 
 def test_tool_errors_become_messages_and_metrics(tiny_model_dir):

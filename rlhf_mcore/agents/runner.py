@@ -266,29 +266,38 @@ class AgentRunner:
         """Each call -> one tool message; malformed / unknown / too many / raising / late calls -> an error
         message, counted in the trajectory's stats."""
         st = traj.stats
+        turn = len(traj.turns) - 1  # the model turn that made the calls
         results: list[Optional[str]] = [None] * len(calls)
+        records: list[dict] = []  # one per call, kept in traj.tool_calls
         pending: list[tuple[int, Tool, dict]] = []
         for k, call in enumerate(calls):
             st["tool_calls"] += 1
             if isinstance(call, CallError):
+                records.append({"turn": turn, "error": call.error, "raw": call.raw, "outcome": "malformed"})
                 results[k] = f"Error: {call.error}."
-                st["tool_malformed"] = st.get("tool_malformed", 0.0) + 1
-            elif k >= self.settings.max_parallel_calls:
-                results[k] = (f"Error: at most {self.settings.max_parallel_calls} tool calls per turn; this one was "
-                              f"not run.")
-                st["tool_rejected"] = st.get("tool_rejected", 0.0) + 1
-            elif call.name not in self.tools:
-                results[k] = f"Error: unknown tool {call.name!r}; the tools are {sorted(self.tools)}."
-                st["tool_unknown"] = st.get("tool_unknown", 0.0) + 1
             else:
-                pending.append((k, self.tools[call.name], call.arguments))
+                records.append({"turn": turn, "name": call.name, "arguments": call.arguments, "outcome": "ok"})
+                if k >= self.settings.max_parallel_calls:
+                    records[k]["outcome"] = "rejected"
+                    results[k] = (f"Error: at most {self.settings.max_parallel_calls} tool calls per turn; this one "
+                                  f"was not run.")
+                elif call.name not in self.tools:
+                    records[k]["outcome"] = "unknown"
+                    results[k] = f"Error: unknown tool {call.name!r}; the tools are {sorted(self.tools)}."
+                else:
+                    pending.append((k, self.tools[call.name], call.arguments))
+            records[k]["seconds"] = 0.0
+            if records[k]["outcome"] != "ok":
+                st[f"tool_{records[k]['outcome']}"] = st.get(f"tool_{records[k]['outcome']}", 0.0) + 1
         if pending:
             outcomes = await self._dispatch(pending)
             for (k, _, _), (kind, text, seconds) in zip(pending, outcomes):
                 results[k] = text
                 st["tool_seconds"] += seconds
+                records[k].update(outcome=kind, seconds=seconds)
                 if kind != "ok":
                     st[f"tool_{kind}"] = st.get(f"tool_{kind}", 0.0) + 1
+        traj.tool_calls += records
         st["tool_errors"] = sum(st.get(f"tool_{k}", 0.0) for k in ("malformed", "rejected", "unknown", "exceptions",
                                                                      "timeouts"))
         return [{"role": "tool", "name": getattr(c, "name", "invalid"), "content": r} for c, r in zip(calls, results)]

@@ -43,6 +43,7 @@ class Trajectory:
     reward: Optional[float] = None    # set by loops that score themselves (environments); None: the reward fn
     turn_rewards: list[float] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)  # tool_calls, tool_errors, tool_timeouts, ...
+    tool_calls: list[dict] = field(default_factory=list)  # per call: turn, name, arguments (or error), outcome, seconds
 
     @property
     def model_logprobs(self) -> list[float]:
@@ -108,6 +109,7 @@ class TrajectoryBuilder:
         self.finish_reason: Optional[str] = None  # set when the trajectory cannot continue
         self.stats: dict[str, float] = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_timeouts": 0.0,
                                         "tool_seconds": 0.0, "template_fallbacks": 0.0}
+        self.tool_calls: list[dict] = []  # filled by the runner, one record per call the model made
         self._end_text: Optional[str] = None
         self._open_text: Optional[str] = None  # the last turn's text when the per-turn budget cut it off
         self.key = 0  # keys the trajectory's random streams (set by the runner)
@@ -214,4 +216,5 @@ class TrajectoryBuilder:
         stats["turns"] = float(self.assistant_turns)
         stats["template_drift"] = float(check_drift and self.template_drift())
         return Trajectory(self.prompt_ids, self.response_ids, self.response_mask, self.logprobs, self.messages,
-                          self.turns, self.finish_reason, self.reward, self.turn_rewards, stats)
+                          self.turns, self.finish_reason, self.reward, self.turn_rewards, stats,
+                          [dict(c) for c in self.tool_calls])
