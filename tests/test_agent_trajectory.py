@@ -157,3 +157,41 @@ def test_response_budget_counts_message_tokens_and_ends_with_length(tiny_model_d
     assert not b.add_messages([{"role": "tool", "content": "word " * 40}])  # does not fit: nothing appended
     t = b.finish()
     assert t.finish_reason == "length" and t.response_ids == [5, 6, end] and t.response_mask == [1, 1, 1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_multiply_sft_target_is_the_rollout_of_the_same_moves(tiny_model_dir, tmp_path, arch):
+    """The multiply task's multi-turn SFT target (call, calculator answer, "#### N"), as launch/sft.py tokenizes it,
+    is token for token the trajectory tool_agent produces when the model makes those moves with the real
+    calculator, and its loss mask is that trajectory's response mask (the model's turns only)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_mcore.agents import load_tool_config
+    from rlhf_mcore.agents.tasks import multiply_rows
+    from rlhf_mcore.trainer.sft import load_sft_rows
+
+    tok, end = fixture_tokenizer(tiny_model_dir(arch), arch)
+    tools = load_tool_config("configs/tools/calculator.yaml")
+    schemas = [t.schema() for t in tools.values()]
+    rows = multiply_rows(4, seed=2)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    sft = load_sft_rows(str(tmp_path / "train.parquet"), tok, 2048, schemas)
+    assert len(sft) == 4
+
+    def policy(request_id, prompt):  # the target's assistant turns
+        return rows[request_id // TURN_KEY]["extra_info"]["messages"][2 * (request_id % TURN_KEY)]["content"]
+
+    runner = AgentRunner(ScriptedEngine(tok, end, policy, streaming=False), tok, MultiTurnSettings(), tools)
+    items = [{"raw_prompt": r["prompt"], "agent_name": r["agent_name"], "index": i} for i, r in enumerate(rows)]
+    params = SamplingParams(n=1, max_new_tokens=2048 - max(len(p) for p, _, _ in sft), seed=0)
+    trajs = runner.run([p for p, _, _ in sft], items, params)
+    for (prompt_ids, response, mask), [t], row in zip(sft, trajs, rows):
+        text = tok.apply_chat_template(row["prompt"], tools=schemas, add_generation_prompt=True, tokenize=False)
+        assert "calculator" in text and prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+        assert t.stats["tool_calls"] == 1 and t.stats["tool_errors"] == 0 and t.finish_reason == "stop"
+        assert response == t.response_ids and mask == t.response_mask
+        tool_span = [x for x, m in zip(response, mask) if not m]
+        truth = row["reward_model"]["ground_truth"]
+        assert truth in tok.decode(tool_span)  # the calculator's answer, not in the loss
+        assert tok.decode([x for x, m in zip(response, mask) if m]).endswith(f"#### {truth}{tok.decode([end])}")

@@ -3,8 +3,10 @@
 - `gsm8k_tool`: GSM8K rows (as `rlhf_mcore.data.preprocess`) whose prompt invites the calculator, as veRL's
   GSM8K multi-turn example; scored by the GSM8K reward (`openai/gsm8k`).
 - `multiply`: "What is 483920 * 771245?" with two 6-digit numbers: a tiny model cannot multiply, so the reward
-  needs the calculator. The SFT target (`extra_info.answer`) shows the call; `extra_info.tool_answer` is what a
-  correct call returns. Scored by the GSM8K strict reward (`synthetic/arithmetic`: "#### N").
+  needs the calculator. The SFT target `extra_info.messages` is the whole exchange: the model's call, the
+  calculator's answer (a tool message) and the model's "#### N" (launch/sft.py puts the loss on the model's
+  turns only); `extra_info.answer` is the first turn alone (the call). Scored by the GSM8K strict reward
+  (`synthetic/arithmetic`: "#### N").
 """
 from __future__ import annotations
 
@@ -33,9 +35,12 @@ def multiply_rows(n: int, seed: int = 0, split: str = "train", digits: int = 6) 
     for k in range(n):
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         question = f"What is {a} * {b}? {TOOL_INSTRUCTION} Output the final answer after \"####\"."
+        messages = [{"role": "assistant", "content": _call(f"{a} * {b}")},
+                    {"role": "tool", "name": "calculator", "content": str(a * b)},  # what the calculator returns
+                    {"role": "assistant", "content": f"#### {a * b}"}]
         row = make_row(DATA_SOURCE, question, str(a * b),
-                       {"split": split, "index": k, "question": question, "answer": _call(f"{a} * {b}"),
-                        "tool_answer": f"#### {a * b}"})
+                       {"split": split, "index": k, "question": question, "answer": messages[0]["content"],
+                        "messages": messages})
         row["agent_name"] = "tool_agent"
         rows.append(row)
     return rows
