@@ -1,5 +1,5 @@
 """The trainer with multi-turn rollouts (tool_agent on the multiply task, the calculator), through launch/train.py:
-a run resumed from its step-2 checkpoint logs exactly the metrics of the uninterrupted run for step 3, the
+a run resumed from its step-1 checkpoint logs exactly the metrics of the uninterrupted run for step 2, the
 agent metrics included."""
 import json
 import shutil
@@ -30,25 +30,25 @@ def test_multi_turn_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
     def args(out, steps):
         return ["--config", "configs/demo_agent_cpu.yaml", f"actor_rollout_ref.model.path={model}",
                 f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]", "data.val_files=[]",
-                f"trainer.default_local_dir={out}", f"trainer.total_training_steps={steps}", "trainer.save_freq=2",
+                f"trainer.default_local_dir={out}", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
                 "trainer.max_actor_ckpt_to_keep=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                "trainer.export_hf_final=false", "data.train_batch_size=4",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=16",
-                "data.max_response_length=64", f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+                "trainer.export_hf_final=false", "data.train_batch_size=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",
+                "data.max_response_length=40", f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
                 "trainer.logger=[jsonl]", "trainer.max_rollout_logprob_gap=null"]
 
     full, part = tmp_path / "full", tmp_path / "part"
-    launch("train.py", *args(full, 3))
+    launch("train.py", *args(full, 2))
     (part / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "global_step_2", part / "checkpoints" / "global_step_2")
+    shutil.copytree(full / "checkpoints" / "global_step_1", part / "checkpoints" / "global_step_1")
     for f in (full / "checkpoints").iterdir():  # the tracker file, if any
         if f.is_file():
             shutil.copy(f, part / "checkpoints" / f.name)
-    launch("train.py", *args(part, 3))
+    launch("train.py", *args(part, 2))
     want, got = _metrics(full / "metrics.jsonl"), _metrics(part / "metrics.jsonl")
-    assert sorted(got) == [3]
-    assert any(k.startswith("agent/") for k in got[3])
-    assert want[1]["actor/grad_norm"] > 0  # the weights step 3 samples from were trained: equality means something
-    assert got[3] == want[3], "step 3 differs after resume"
+    assert sorted(got) == [2]
+    assert any(k.startswith("agent/") for k in got[2])
+    assert want[1]["actor/grad_norm"] > 0  # the weights step 2 samples from were trained: equality means something
+    assert got[2] == want[2], "step 2 differs after resume"
