@@ -10,6 +10,19 @@ add_generation_prompt=True. `--temperature 0` is greedy (then --n must be 1).
 
 Output: one JSON line per input row, in input order: the row's own fields plus `responses` (texts),
 `response_ids`, `logprobs` (per token) and `finish_reasons`, one entry per sample.
+
+Agent loops (multi-turn, rlhf_mcore.agents): `--agent NAME` runs loop NAME (`single_turn_agent`, `tool_agent`,
+`env_agent`, or one registered by a `--plugins` file) for rows without an `agent_name` column of their own;
+`--tools YAML` lists the tools (as multi_turn.tool_config_path; their schemas go to the chat template's `tools`);
+`--max-new-tokens` bounds a trajectory's whole response, tool messages included. Each sample then also carries
+`response_mask` (1 on model tokens, 0 on tool / environment tokens), `logprobs` of the model tokens only (one
+per 1 in the mask), `turns` (role and span in `response_ids` of every turn), `tool_calls` (every call the model
+made: its turn, name and arguments, or the parse error; outcome: ok / malformed / unknown / rejected / exceptions
+/ timeouts; seconds), `messages` (the whole conversation, decoded), `stats` and `reward` (an environment's, else
+null).
+
+    python launch/generate.py --model DIR --input multiply/test.parquet --output out.jsonl \
+        --agent tool_agent --tools configs/tools/calculator.yaml --max-turns 3 --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -76,6 +89,58 @@ def fit_to_context(prompt_ids: list[list[int]], context: int | None, max_new_tok
     return [ids[-room:] if len(ids) > room else ids for ids in prompt_ids]
 
 
+def sample_fields(tok, samples) -> dict:
+    """One row's output fields of single-turn samples."""
+    return {"responses": [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples],
+            "response_ids": [s.token_ids for s in samples], "logprobs": [s.logprobs for s in samples],
+            "finish_reasons": [s.finish_reason for s in samples]}
+
+
+def agent_setup(args) -> dict:
+    """The agent runner's settings and tools from the command line (ValueError names the bad flag)."""
+    from rlhf_mcore.agents import MultiTurnSettings, get_agent, load_tool_config
+    from rlhf_mcore.config import load_plugins
+
+    load_plugins(list(args.plugins))
+    try:
+        get_agent(args.agent)  # an unknown name fails now, listing the known ones
+    except ValueError as e:
+        raise ValueError(f"--agent: {e}") from None
+    if args.max_turns < 1 or args.max_user_turns < 0 or (args.max_tokens_per_turn or 1) < 1 or args.tool_timeout <= 0:
+        raise ValueError(f"--max-turns {args.max_turns} must be >= 1, --max-user-turns {args.max_user_turns} >= 0, "
+                         f"--max-tokens-per-turn {args.max_tokens_per_turn} >= 1 and --tool-timeout "
+                         f"{args.tool_timeout} > 0.")
+    if args.tools and not Path(args.tools).is_file():
+        raise ValueError(f"--tools {args.tools}: file not found (e.g. configs/tools/calculator.yaml).")
+    tools = load_tool_config(args.tools) if args.tools else {}
+    settings = MultiTurnSettings(max_assistant_turns=args.max_turns, max_user_turns=args.max_user_turns,
+                                 max_tokens_per_turn=args.max_tokens_per_turn, tool_timeout_s=args.tool_timeout,
+                                 default_agent=args.agent)
+    return {"settings": settings, "tools": tools, "schemas": [t.schema() for t in tools.values()] or None}
+
+
+def run_agents(engine, tok, runner_kw: dict, rows: list[dict], messages: list[list[dict]],
+               prompt_ids: list[list[int]], params, error) -> list[dict]:
+    """Every row's `params.n` trajectories as its output fields (the module docstring lists them)."""
+    from rlhf_mcore.agents import AgentError, AgentRunner
+
+    items = [{"raw_prompt": m, "agent_name": r.get("agent_name"), "data_source": r.get("data_source"),
+              "ground_truth": (r.get("reward_model") or {}).get("ground_truth"),
+              "extra_info": r.get("extra_info") or {}, "index": i} for i, (r, m) in enumerate(zip(rows, messages))]
+    runner = AgentRunner(engine, tok, runner_kw["settings"], runner_kw["tools"])
+    try:
+        trajs = runner.run(prompt_ids, items, params) if rows else []
+    except (AgentError, ValueError) as e:
+        error(str(e))
+
+    return [{"responses": [tok.decode(t.response_ids, skip_special_tokens=True) for t in per],
+             "response_ids": [t.response_ids for t in per], "response_mask": [t.response_mask for t in per],
+             "logprobs": [t.model_logprobs for t in per],
+             "finish_reasons": [t.finish_reason for t in per], "turns": [t.turns for t in per],
+             "tool_calls": [t.tool_calls for t in per], "messages": [t.messages for t in per],
+             "stats": [t.stats for t in per], "reward": [t.reward for t in per]} for per in trajs]
+
+
 def main(argv=None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -93,7 +158,17 @@ def main(argv=None) -> Path:
     p.add_argument("--truncate-prompts", choices=("error", "left"), default="error",
                    help="a prompt that leaves no room for --max-new-tokens in the model's context: stop with the "
                         "row named (error, default) or keep its last tokens (left, counted in a message)")
+    a = p.add_argument_group("agent loops (multi-turn)")
+    a.add_argument("--agent", default=None, help="agent loop of rows without an `agent_name` (e.g. tool_agent)")
+    a.add_argument("--tools", default=None, help="tool config YAML (e.g. configs/tools/calculator.yaml)")
+    a.add_argument("--plugins", nargs="*", default=[], help=".py files or modules registering tools / agents")
+    a.add_argument("--max-turns", type=int, default=5, help="model turns per trajectory")
+    a.add_argument("--max-user-turns", type=int, default=5, help="environment / user turns per trajectory")
+    a.add_argument("--max-tokens-per-turn", type=int, default=None, help="default: what is left of the budget")
+    a.add_argument("--tool-timeout", type=float, default=30.0, help="seconds per tool call")
     args = p.parse_args(argv)
+    if args.agent is None and (args.tools or args.plugins):
+        p.error("--tools / --plugins are for agent loops: add --agent NAME (e.g. --agent tool_agent).")
 
     model_dir, in_path, out_path = Path(args.model), Path(args.input), Path(args.output)
     if not (model_dir / "config.json").is_file():
@@ -113,8 +188,11 @@ def main(argv=None) -> Path:
         if rows and "prompt" not in rows[0]:
             raise ValueError(f"--input {in_path}: rows have no `prompt` field (found {sorted(rows[0])}).")
         tok = AutoTokenizer.from_pretrained(model_dir)
-        texts = [tok.apply_chat_template(to_messages(r["prompt"], i), tokenize=False, add_generation_prompt=True)
-                 for i, r in enumerate(rows)]
+        runner_kw = agent_setup(args) if args.agent is not None else None
+        template_kw = {"tools": runner_kw["schemas"]} if runner_kw and runner_kw["schemas"] else {}
+        messages = [to_messages(r["prompt"], i) for i, r in enumerate(rows)]
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **template_kw)
+                 for m in messages]
     except ValueError as e:
         p.error(str(e))
     prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -130,19 +208,18 @@ def main(argv=None) -> Path:
     if args.engine == "hf":
         cfg["show_progress"] = True
     engine = build_rollout_engine(args.engine, model_dir, **cfg)
-    outputs = engine.generate(prompt_ids, params) if prompt_ids else []
+    if runner_kw is not None:
+        records = run_agents(engine, tok, runner_kw, rows, messages, prompt_ids, params, p.error)
+    else:
+        records = [sample_fields(tok, out.samples) for out in (engine.generate(prompt_ids, params) if prompt_ids
+                                                               else [])]
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w") as f:
-        for row, out in zip(rows, outputs):
-            rec = _jsonable(row)
-            rec["responses"] = [tok.decode(s.token_ids, skip_special_tokens=True) for s in out.samples]
-            rec["response_ids"] = [s.token_ids for s in out.samples]
-            rec["logprobs"] = [s.logprobs for s in out.samples]
-            rec["finish_reasons"] = [s.finish_reason for s in out.samples]
-            f.write(json.dumps(rec) + "\n")
+        for row, fields in zip(rows, records):
+            f.write(json.dumps({**_jsonable(row), **fields}) + "\n")
     engine.shutdown()
-    print(f"wrote {len(outputs)} rows to {out_path}", file=sys.stderr)
+    print(f"wrote {len(records)} rows to {out_path}", file=sys.stderr)
     return out_path
 
 

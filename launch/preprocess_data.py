@@ -4,6 +4,8 @@
     python launch/preprocess_data.py math --input-dir DIR --output-dir ~/data/math
     python launch/preprocess_data.py synthetic --n 2000 --difficulty 1 --seed 0 --output-dir ~/data/arith
     python launch/preprocess_data.py synthetic-preferences --n 2000 --output-dir ~/data/arith_prefs
+    python launch/preprocess_data.py gsm8k_tool --output-dir ~/data/gsm8k_tool     # agent_name: tool_agent
+    python launch/preprocess_data.py multiply --n 2000 --output-dir ~/data/multiply  # needs the calculator
 
 `gsm8k` reads the vendored copy of GSM8K unless --input-dir points elsewhere; inputs are jsonl or parquet
 files named train/test (or Hugging Face hub shards). `math` reads MATH records with `problem` and `solution`.
@@ -57,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: wrong_number, full_stop, both (equal shares)")
     prefs.add_argument("--seed", type=int, default=0)
     prefs.add_argument("--output-dir", default="~/data/synthetic_preferences")
+    gsm8k_tool = sub.add_parser("gsm8k_tool", help="GSM8K for tool_agent with the calculator (multi-turn)")
+    gsm8k_tool.add_argument("--input-dir", default=str(VENDORED_GSM8K_DIR), help="default: the vendored GSM8K")
+    gsm8k_tool.add_argument("--output-dir", default="~/data/gsm8k_tool")
+
+    multiply = sub.add_parser("multiply", help="multiply two 6-digit numbers: a tool task (tool_agent, calculator)")
+    multiply.add_argument("--n", type=int, required=True, help="training rows")
+    multiply.add_argument("--n-test", type=int, default=None, help="test rows (default: n // 10)")
+    multiply.add_argument("--digits", type=int, default=6)
+    multiply.add_argument("--seed", type=int, default=0)
+    multiply.add_argument("--output-dir", default="~/data/multiply")
     return parser
 
 
@@ -73,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             return write_synthetic_preferences(args.output_dir, args.n, args.seed, args.n_test, args.difficulty,
                                                max_operand=args.max_operand,
                                                rejected_kinds=tuple(args.rejected_kinds.split(",")))
+        if args.task in ("gsm8k_tool", "multiply"):
+            from rlhf_mcore.agents.tasks import preprocess_gsm8k_tool, write_multiply_parquet
+
+            if args.task == "gsm8k_tool":
+                return preprocess_gsm8k_tool(args.input_dir, args.output_dir)
+            return write_multiply_parquet(args.output_dir, args.n, args.seed, args.n_test, args.digits)
         return write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
                                        max_operand=args.max_operand)
 

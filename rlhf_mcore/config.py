@@ -143,6 +143,22 @@ class SamplingKwargs:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools and environments (rlhf_mcore.agents); veRL's names where they exist."""
+
+    enable: bool = False
+    max_assistant_turns: int = 5  # model turns per trajectory
+    max_user_turns: int = 5  # environment / user turns per trajectory
+    tool_config_path: Optional[str] = None  # YAML: the run's tools (rlhf_mcore.agents.tools)
+    format: str = "hermes"  # how tool calls are written: <tool_call>{"name", "arguments"}</tool_call>
+    max_tokens_per_turn: Optional[int] = None  # per model turn; None: what is left of data.max_response_length
+    tool_timeout_s: float = 30.0  # per call (a tool may set its own)
+    max_parallel_calls: int = 4  # calls run per model turn; more get an error message
+    tool_workers: int = 16  # threads running tool calls
+    default_agent: str = "single_turn_agent"  # agent loop of rows without an agent_name
+
+
+@dataclass
 class RolloutConfig:
     name: str = "native"  # native | hf | sglang
     mode: str = "sync"  # sync (the only mode; veRL's server-based "async" rollout is not implemented)
@@ -169,6 +185,7 @@ class RolloutConfig:
     # Weight sync (actor -> rollout after every update)
     sync_bucket_mb: int = 512
     sync_verify: bool = False
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -455,6 +472,7 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
     "actor_rollout_ref.rollout.mode": ("sync",),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
     "async_training.mode": ("off", "one_step_off", "fully_async"),
     "trainer.rollout_logprob_gap_action": ("error", "warn"),
     "reward.reward_model.reward_manager": ("naive", "dapo", "prime"),
@@ -720,6 +738,28 @@ def _check_values(cfg: RLConfig) -> None:
         need(f"{r}.{k}", v is None or v == _get(cfg, f"data.{data_key}"),
              f"unset or equal to data.{data_key} ({_get(cfg, f'data.{data_key}')}), which sets it")
     _check_dapo(cfg, need)
+    _check_multi_turn(cfg, need)
+
+
+def _check_multi_turn(cfg: RLConfig, need) -> None:
+    mt, m = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    need(f"{m}.max_assistant_turns", 1 <= mt.max_assistant_turns <= 255, "in [1, 255]")
+    need(f"{m}.max_user_turns", mt.max_user_turns >= 0, ">= 0")
+    need(f"{m}.max_tokens_per_turn", mt.max_tokens_per_turn is None or mt.max_tokens_per_turn >= 1,
+         "unset (what is left of data.max_response_length) or >= 1")
+    need(f"{m}.tool_timeout_s", mt.tool_timeout_s > 0, "> 0 seconds")
+    for k in ("max_parallel_calls", "tool_workers"):
+        need(f"{m}.{k}", getattr(mt, k) >= 1, ">= 1")
+    if not mt.enable:
+        return
+    need(f"{m}.tool_config_path", mt.tool_config_path is None or Path(mt.tool_config_path).is_file(),
+         "an existing YAML file listing the tools (e.g. configs/tools/calculator.yaml), or unset for no tools")
+    need("algorithm.adv_estimator", cfg.algorithm.adv_estimator != "remax",
+         f"not remax with {m}.enable=true: the greedy baseline is generated single-turn")
+    need("actor_rollout_ref.rollout.tensor_model_parallel_size",
+         cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 1,
+         f"1 with {m}.enable=true: the ranks of a tensor-parallel rollout would have to see tool results at the "
+         f"same engine step")
 
 
 def _check_reward_model(cfg: RLConfig, need) -> None:
@@ -1097,6 +1137,9 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
     _require(not cfg.algorithm.filter_groups.enable,
              f"algorithm.filter_groups (dynamic sampling) runs with async_training.mode=off only, not "
              f"{a.mode}: set algorithm.filter_groups.enable=false or async_training.mode=off.")
+    _require(not r.multi_turn.enable,
+             f"actor_rollout_ref.rollout.multi_turn.enable=true (agent loops) runs with async_training.mode=off only, "
+             f"not {a.mode}: the rollout pool's worker generates single-turn samples. Set async_training.mode=off.")
     if a.mode == "fully_async":
         need = a.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         _require(a.require_batches >= 1 and a.trigger_parameter_sync_step >= 1 and a.staleness_threshold >= 0,

@@ -64,6 +64,8 @@ def test_shipped_configs_load_and_validate():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(path, [])
         world = (cfg.trainer.nnodes or 1) * (cfg.trainer.n_gpus_per_node or 1)
+        if cfg.async_training.mode != "off":  # the rollout pool is launched too
+            world += (cfg.rollout.nnodes or 1) * cfg.rollout.n_gpus_per_node
         validate_config(cfg, world_size=world)
 
 

@@ -107,3 +107,77 @@ def test_over_long_prompts_are_refused_or_cut(tiny_model_dir, tmp_path, capsys):
           "--temperature", "0", "--truncate-prompts", "left", "--device", "cpu"])
     assert "1 prompt(s) cut to their last 4092 tokens" in capsys.readouterr().err
     assert len(read_jsonl(out)) == 2
+
+
+AGENT_PLUGIN = '''
+from rlhf_mcore.agents import AgentLoop, ToolCall, register_agent
+
+
+@register_agent("cli_test_calc_agent")
+class CalcAgent(AgentLoop):
+    """A model turn, then a calculator call of the row's numbers (whatever the random model said), then a turn."""
+
+    async def run(self, row, traj):
+        await self.generate(traj)
+        if traj.done:
+            return
+        a, b = row["extra_info"]["question"].split()[2:5:2]
+        calls = [ToolCall("calculator", {"expression": f"{a} * {b.rstrip('?')}"}), ToolCall("nope", {})]
+        if traj.add_messages(await self.call_tools(traj, calls), role="tool"):
+            await self.generate(traj)
+'''
+
+
+def test_agent_loops_offline(tiny_model_dir, tmp_path):
+    """--agent: rows without agent_name run it (a --plugins loop calling the calculator), a row's own agent_name
+    (tool_agent) wins; every sample carries its mask, model-token log-probs, turns, tool calls and messages."""
+    from rlhf_mcore.agents.tasks import multiply_rows
+
+    rows = multiply_rows(3, seed=1, split="test")
+    for r in rows[:2]:
+        r["agent_name"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    (tmp_path / "cli_agent_plugin.py").write_text(AGENT_PLUGIN)
+    main(["--model", str(tiny_model_dir("qwen2")), "--input", str(tmp_path / "in.parquet"), "--output",
+          str(tmp_path / "out.jsonl"), "--agent", "cli_test_calc_agent", "--tools", "configs/tools/calculator.yaml",
+          "--plugins", str(tmp_path / "cli_agent_plugin.py"), "--n", "2", "--seed", "0", "--max-new-tokens", "96",
+          "--max-tokens-per-turn", "8", "--device", "cpu"])
+    out = read_jsonl(tmp_path / "out.jsonl")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
+    assert [r["extra_info"]["index"] for r in out] == [0, 1, 2]
+    for k, rec in enumerate(out):
+        for i in range(2):
+            ids, mask, turns = rec["response_ids"][i], rec["response_mask"][i], rec["turns"][i]
+            assert len(ids) == len(mask) <= 96 and len(rec["logprobs"][i]) == sum(mask) > 0
+            assert all(lp <= 0 for lp in rec["logprobs"][i])
+            for t in turns:  # the mask is 1 exactly on the model's turns
+                assert set(mask[t["start"]:t["end"]]) == {int(t["role"] == "assistant")}
+            assert rec["messages"][i][:1] == rows[k]["prompt"]  # the conversation, from the prompt on
+            if k == 2:  # its own tool_agent: the random model writes no call, one turn
+                assert [t["role"] for t in turns] == ["assistant"] and rec["tool_calls"][i] == []
+                continue
+            assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"]
+            a, b = rows[k]["extra_info"]["question"].split()[2:5:2]
+            product = str(int(a) * int(b.rstrip("?")))
+            calls = rec["tool_calls"][i]
+            assert [(c["turn"], c["name"], c["outcome"]) for c in calls] == [(0, "calculator", "ok"),
+                                                                              (0, "nope", "unknown")]
+            assert calls[0]["arguments"] == {"expression": f"{a} * {b.rstrip('?')}"}
+            assert [m["content"] for m in rec["messages"][i] if m["role"] == "tool"][0] == product
+            tool_text = tok.decode(ids[turns[1]["start"]:turns[1]["end"]])
+            assert product in tool_text and "unknown tool 'nope'" in tool_text
+            assert rec["stats"][i]["tool_calls"] == 2 and rec["stats"][i]["tool_unknown"] == 1
+
+
+def test_agent_flag_errors(tiny_model_dir, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "What is 7 times 8?"}) + "\n")
+    base = ["--model", str(tiny_model_dir("qwen2")), "--input", str(inp), "--output", str(tmp_path / "o.jsonl")]
+    cases = [(["--tools", "configs/tools/calculator.yaml"], "add --agent NAME"),
+             (["--agent", "no_such_agent"], "--agent: unknown agent_name='no_such_agent'"),
+             (["--agent", "tool_agent", "--tools", str(tmp_path / "missing.yaml")], "missing.yaml: file not found"),
+             (["--agent", "tool_agent", "--max-turns", "0"], "--max-turns 0 must be >= 1")]
+    for args, message in cases:
+        with pytest.raises(SystemExit):
+            main(base + args)
+        assert message in capsys.readouterr().err

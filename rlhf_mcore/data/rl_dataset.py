@@ -14,7 +14,7 @@ so problems surface before training starts rather than at step 3,000:
 Counts are in `dataset.stats` and logged. Items are dicts::
 
     {"input_ids": list[int] (unpadded), "raw_prompt": messages, "data_source": str, "ground_truth": ...,
-     "extra_info": dict, "index": int}   # index: the item's position in this dataset (0..len-1)
+     "extra_info": dict, "index": int, "agent_name": str | None}   # index: the item's position (0..len-1)
 
 Batch them with :class:`rlhf_mcore.data.collate.LeftPadCollator`, order them with
 :class:`rlhf_mcore.data.sampler.ResumableSampler`.
@@ -190,7 +190,8 @@ class RLDataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         file_no, row_no = self._rows[index]
-        messages, data_source, ground_truth, extra_info = check_row(self._tables[file_no][row_no], self.prompt_key)
+        row = self._tables[file_no][row_no]
+        messages, data_source, ground_truth, extra_info = check_row(row, self.prompt_key)
         return {
             "input_ids": self._input_ids[index].tolist(),
             "raw_prompt": messages,
@@ -198,4 +199,5 @@ class RLDataset:
             "ground_truth": ground_truth,
             "extra_info": extra_info,
             "index": index,
+            "agent_name": row.get("agent_name"),  # multi-turn: the row's agent loop (veRL's column); None: default
         }

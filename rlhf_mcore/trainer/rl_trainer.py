@@ -24,7 +24,7 @@ from rlhf_mcore.parallel import collective_device, destroy_distributed, init_dis
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.overlong import overlong_metrics
 from rlhf_mcore.trainer import roles
-from rlhf_mcore.trainer.batch import build_batch
+from rlhf_mcore.trainer.batch import build_batch, last_response_token
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
@@ -87,6 +87,8 @@ class RLTrainer:
         self.prime = roles.build_prime(cfg, self.state, self.total_steps)  # None unless reward_manager=prime
         self.prime_metrics: dict[str, float] = {}
         self.rollout = roles.build_rollout(cfg, self.state) if pools is None else None
+        self.agents = (roles.build_agent_runner(cfg, self.rollout, self.tokenizer)  # multi-turn; None when off
+                       if self.rollout is not None else None)
         self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep,
@@ -165,13 +167,14 @@ class RLTrainer:
 
     def rows_to_batch(self, rows: list[Row], prompt_ids: list[int]) -> dict[str, Any]:
         """This DP rank's rows as the padded batch; `prompt_ids[r.prompt_pos]` is row r's dataset index.
-        The reward sits on the last response token (`token_level_scores`)."""
+        The reward sits on the last model token (`token_level_scores`)."""
         items = [self.train_set[prompt_ids[r.prompt_pos]] for r in rows]
         meta = {key: [it[key] for it in items] for key in ("data_source", "ground_truth")}
         batch = build_batch([r.prompt_ids for r in rows], [r.response_ids for r in rows], [r.logprobs for r in rows],
                             [r.finish_reason for r in rows], [r.prompt_pos for r in rows], meta,
-                            pad_token_id=self.tokenizer.pad_token_id)
-        last = batch["response_mask"].sum(1).clamp(min=1) - 1  # (B,)
+                            pad_token_id=self.tokenizer.pad_token_id,
+                            response_masks=[r.response_mask for r in rows])
+        last = last_response_token(batch["response_mask"])  # (B,) the reward sits on the last model token
         scores = torch.tensor([r.score for r in rows])
         batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(
             1, last[:, None], scores[:, None])  # (B, R)
@@ -189,10 +192,11 @@ class RLTrainer:
         rows, stats = generate_and_score(
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-            greedy_baseline=self.estimator.needs_greedy_baseline)
+            greedy_baseline=self.estimator.needs_greedy_baseline, agent_runner=self.agents)
         rm_metrics = self.reward_model.score_rows(rows, items) if self.reward_model is not None else {}
         add_overlong_penalty(rows, cfg, baseline=self.estimator.needs_greedy_baseline)
-        return rows, {**reward_metrics(stats), **rm_metrics}
+        agent_metrics = {k: v for k, v in stats.items() if k.startswith("agent/")}
+        return rows, {**reward_metrics(stats), **rm_metrics, **agent_metrics}
 
     def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
         """Dynamic sampling: generate data.gen_batch_size prompts at a time, keeping the groups whose
@@ -349,7 +353,7 @@ class RLTrainer:
             metrics, samples = validate(
                 self.rollout, self.scorer, self.tokenizer, self.val_set, roles.val_sampling_params(self.cfg),
                 rollout_tp=self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-                batch_size=self.cfg.data.val_batch_size)
+                batch_size=self.cfg.data.val_batch_size, agent_runner=self.agents)
         if self.state.is_coordinator:
             self.logger.log(self.step, metrics, kind="val")
             for s in samples[: self.cfg.trainer.log_val_generations]:

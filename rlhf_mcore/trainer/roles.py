@@ -64,16 +64,27 @@ def build_data(cfg: RLConfig):
         raise FileNotFoundError("data.train_files is empty: give parquet files in veRL's schema "
                                 "(python launch/preprocess_data.py gsm8k --output-dir data/gsm8k).")
     truncation = "filter" if d.filter_overlong_prompts else d.truncation
+    from rlhf_mcore.agents.rollout import tool_schemas
+
+    tools = tool_schemas(cfg)  # multi-turn with tools: prompts list them, as the chat template writes them
+    kw = {"chat_template_kwargs": {"tools": tools}} if tools else {}
     train = RLDataset(d.train_files, tok, d.max_prompt_length, truncation=truncation, on_bad_row=d.on_bad_row,
-                      prompt_key=d.prompt_key, max_samples=d.max_train_samples)
+                      prompt_key=d.prompt_key, max_samples=d.max_train_samples, **kw)
     if len(train) < d.train_batch_size:
         raise DataError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(train)} usable training "
                          f"rows in {d.train_files}: lower data.train_batch_size.")
     val = None
     if d.val_files:
         val = RLDataset(d.val_files, tok, d.max_prompt_length, truncation=truncation, on_bad_row=d.on_bad_row,
-                        prompt_key=d.prompt_key, max_samples=d.max_val_samples)
+                        prompt_key=d.prompt_key, max_samples=d.max_val_samples, **kw)
     return tok, train, val
+
+
+def build_agent_runner(cfg: RLConfig, rollout, tokenizer):
+    """Multi-turn rollouts (`actor_rollout_ref.rollout.multi_turn.enable`): the agent runner; None when off."""
+    from rlhf_mcore.agents.rollout import build_agent_runner as build
+
+    return build(cfg, rollout, tokenizer)
 
 
 def build_sampler(cfg: RLConfig, n: int):

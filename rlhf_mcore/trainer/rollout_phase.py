@@ -32,6 +32,8 @@ class Row:
     baseline_ids: Optional[list[int]] = None  # greedy baseline (ReMax): the greedy response to this prompt
     baseline_score: Optional[float] = None  # ... and its reward
     versions: Optional[list[int]] = None  # asynchronous trainers: the policy version that sampled each token
+    response_mask: Optional[list[int]] = None  # multi-turn: 1 on model tokens, 0 on tool / environment tokens
+    agent: Optional[dict] = None  # multi-turn: the trajectory's stats (rlhf_mcore.agents.rollout.trajectory_info)
 
 
 def response_budgets(items: Sequence[dict[str, Any]], limit: int) -> Optional[list[int]]:
@@ -70,11 +72,13 @@ def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, i
 
 def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Sequence[dict[str, Any]],
                        params: SamplingParams, tokenizer, *, rollout_tp: int, group=None,
-                       greedy_baseline: bool = False) -> tuple[list[Row], dict[str, float]]:
+                       greedy_baseline: bool = False, agent_runner=None) -> tuple[list[Row], dict[str, float]]:
     """Generate ``params.n`` samples for every prompt (all ranks call this together) and score them.
 
     ``meta[i]`` holds ``data_source``, ``ground_truth`` and ``extra_info`` of prompt ``i``. Returns all rows of
     all prompts, ordered by (prompt, sample), on every rank, plus the scorer's counters.
+    ``agent_runner`` (multi-turn, :mod:`rlhf_mcore.agents`): rows are agent-loop trajectories with their response
+    masks; a trajectory that scored itself (an environment) keeps its reward.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -82,7 +86,19 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     share = np.array_split(np.arange(len(prompts)), replicas)[replica].tolist()
     local: list[Row] = []
     stats: dict[str, float] = {}
-    if share:
+    if share and agent_runner is not None:
+        from rlhf_mcore.agents.rollout import trajectory_info
+
+        if greedy_baseline:
+            raise ValueError("a greedy baseline (ReMax) is not available with multi-turn rollouts")
+        trajs = agent_runner.run([list(prompts[i]) for i in share], [meta[i] for i in share], params, keys=share)
+        for i, per in zip(share, trajs):
+            for j, t in enumerate(per):
+                local.append(Row(i, j, list(prompts[i]), t.response_ids, t.logprobs, t.finish_reason,
+                                 response_mask=t.response_mask, agent=trajectory_info(t)))
+        if sub_rank == 0:
+            stats = {f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}
+    elif share:
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
         if caps is not None and not getattr(engine, "supports_streaming", False):
             raise ValueError("rows set extra_info.max_response_length (a per-prompt response budget), which only the "
@@ -103,10 +119,13 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     if sub_rank == 0 and local:
         texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in local]
         m = [meta[r.prompt_pos] for r in local]
+        runner_stats = stats
         scores, stats = scorer.score([x["data_source"] for x in m], texts, [x["ground_truth"] for x in m],
                                      [x.get("extra_info") for x in m], check=False)  # checked below, on all ranks
+        stats = {**(stats or {}), **runner_stats}
         for r, s in zip(local, scores):
-            r.score = float(s)
+            own = r.agent.get("reward") if r.agent else None  # an environment's reward
+            r.score = float(s) if own is None else float(own)
         if greedy_baseline:
             base_texts = [tokenizer.decode(r.baseline_ids, skip_special_tokens=True) for r in local]
             base_scores, base_stats = scorer.score([x["data_source"] for x in m], base_texts,
@@ -125,6 +144,11 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     error = failure_error(total, scorer.max_failure_ratio) if total.get("num_items") else None
     if error is not None:  # the same counts on every rank: every rank stops, with the same message
         raise error
+    if agent_runner is not None:  # over all rows (the same on every rank); busy time summed over replicas
+        from rlhf_mcore.agents.rollout import agent_metrics
+
+        busy = {k.split("/", 1)[1]: total.pop(k) for k in list(total) if k.startswith("agent_runner/")}
+        total.update(agent_metrics([r.agent for r in rows], busy))
     return rows, {k: v for k, v in total.items() if isinstance(v, float)}
 
 

@@ -9,17 +9,17 @@ from rlhf_mcore.trainer.rollout_phase import generate_and_score
 
 
 def validate(rollout, scorer, tokenizer, dataset, params: SamplingParams, *, rollout_tp: int, group=None,
-             batch_size: Optional[int] = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             batch_size: Optional[int] = None, agent_runner=None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """All ranks call this with a woken `rollout`; returns ``val/<data_source>/acc`` (+ ``val/acc``) and the
     decoded samples (prompt, response, score). `batch_size` (`data.val_batch_size`) prompts go to the rollout
-    at a time; None: all of them."""
+    at a time; None: all of them. `agent_runner`: multi-turn rows run their agent loops (rlhf_mcore.agents)."""
     items = [dataset[i] for i in range(len(dataset))]
     step = batch_size or max(len(items), 1)
     rows = []
     for start in range(0, len(items), step):
         chunk = items[start:start + step]
         part, _ = generate_and_score(rollout, scorer, [it["input_ids"] for it in chunk], chunk, params, tokenizer,
-                                     rollout_tp=rollout_tp, group=group)
+                                     rollout_tp=rollout_tp, group=group, agent_runner=agent_runner)
         for r in part:
             r.prompt_pos += start
         rows += part

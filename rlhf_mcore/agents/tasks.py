@@ -1,0 +1,74 @@
+"""Tool-use datasets in veRL's schema, with `agent_name: tool_agent`.
+
+- `gsm8k_tool`: GSM8K rows (as `rlhf_mcore.data.preprocess`) whose prompt invites the calculator, as veRL's
+  GSM8K multi-turn example; scored by the GSM8K reward (`openai/gsm8k`).
+- `multiply`: "What is 483920 * 771245?" with two 6-digit numbers: a tiny model cannot multiply, so the reward
+  needs the calculator. The SFT target `extra_info.messages` is the whole exchange: the model's call, the
+  calculator's answer (a tool message) and the model's "#### N" (launch/sft.py puts the loss on the model's
+  turns only); `extra_info.answer` is the first turn alone (the call). Scored by the GSM8K strict reward
+  (`synthetic/arithmetic`: "#### N").
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from rlhf_mcore.data.preprocess import GSM8K_INSTRUCTION, find_split_files, gsm8k_row, read_records, write_parquet
+from rlhf_mcore.data.schema import make_row
+from rlhf_mcore.data.synthetic import DATA_SOURCE
+
+__all__ = ["TOOL_INSTRUCTION", "multiply_rows", "write_multiply_parquet", "preprocess_gsm8k_tool"]
+
+TOOL_INSTRUCTION = ('You can call the calculator: <tool_call>{"name": "calculator", "arguments": {"expression": '
+                    '"..."}}</tool_call>.')
+
+
+def _call(expression: str) -> str:
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+def multiply_rows(n: int, seed: int = 0, split: str = "train", digits: int = 6) -> list[dict[str, Any]]:
+    rng = random.Random(f"rlhf_mcore.agents.multiply:{seed}:{split}:{digits}")
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    rows = []
+    for k in range(n):
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        question = f"What is {a} * {b}? {TOOL_INSTRUCTION} Output the final answer after \"####\"."
+        messages = [{"role": "assistant", "content": _call(f"{a} * {b}")},
+                    {"role": "tool", "name": "calculator", "content": str(a * b)},  # what the calculator returns
+                    {"role": "assistant", "content": f"#### {a * b}"}]
+        row = make_row(DATA_SOURCE, question, str(a * b),
+                       {"split": split, "index": k, "question": question, "answer": messages[0]["content"],
+                        "messages": messages})
+        row["agent_name"] = "tool_agent"
+        rows.append(row)
+    return rows
+
+
+def write_multiply_parquet(output_dir: str | Path, n: int, seed: int = 0, n_test: int | None = None,
+                           digits: int = 6) -> dict[str, dict[str, Any]]:
+    out = Path(output_dir).expanduser()
+    n_test = max(n // 10, 1) if n_test is None else n_test
+    return {split: {"path": str(write_parquet(multiply_rows(k, seed, split, digits), out / f"{split}.parquet")),
+                    "rows": k} for split, k in (("train", n), ("test", n_test))}
+
+
+def preprocess_gsm8k_tool(input_dir: str | Path, output_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """GSM8K with `agent_name: tool_agent` and the calculator invited in the prompt."""
+    out = Path(output_dir).expanduser()
+    summary = {}
+    for split in ("train", "test"):
+        files = find_split_files(input_dir, split)
+        if not files:
+            continue
+        rows = []
+        for path in files:
+            for k, record in enumerate(read_records(path)):
+                row = gsm8k_row(record, split, len(rows), f"{path}: row {k}")
+                row["prompt"][0]["content"] = row["prompt"][0]["content"].replace(
+                    GSM8K_INSTRUCTION, f"{TOOL_INSTRUCTION} {GSM8K_INSTRUCTION}")
+                row["agent_name"] = "tool_agent"
+                rows.append(row)
+        summary[split] = {"path": str(write_parquet(rows, out / f"{split}.parquet")), "rows": len(rows)}
+    return summary
