@@ -44,3 +44,42 @@ def test_stream_raises_the_scorers_error_on_finish():
         stream.submit([0, 1], ["s", "s"], ["a", "b"], ["x", "x"], [None, None])
         scores, stats = stream.finish()
     assert scores == {0: 0.0, 1: 0.0} and stats["num_exceptions"] == 2  # counted; the caller applies the ratio
+
+
+def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model_dir):
+    """The native engine's samples are scored as they finish: with a reward that sleeps 50 ms an item and 4
+    reward workers, generate + score takes less than generation and scoring one after the other (ratio printed),
+    the scores equal a separate scoring of the same responses, and little scoring is left at the end."""
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+    from rlhf_mcore.trainer.rollout_phase import generate_and_score
+
+    model = tiny_model_dir("qwen2")
+    tok = AutoTokenizer.from_pretrained(model)
+    engine = NativeRolloutEngine(model, device="cpu", max_num_seqs=16, max_model_len=160)
+    prompts = [[5 + i, 17, 33 + i, 2] for i in range(16)]
+    meta = [{"data_source": "s", "ground_truth": "x", "extra_info": {"max_response_length": 8 + 8 * (i % 12)}}
+            for i in range(16)]  # samples finish over the whole generation
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=96, stop_token_ids=(), seed=5)
+    with RewardScorer(slow_fn, num_workers=4, timeout_s=10) as scorer:
+        scorer.score(["s"] * 4, ["warm"] * 4, ["x"] * 4, [None] * 4)  # workers started and the function loaded
+        t0 = time.monotonic()
+        rows, stats = generate_and_score(engine, scorer, prompts, meta, params, tok, rollout_tp=1)
+        together = time.monotonic() - t0
+        t0 = time.monotonic()
+        outs = engine.generate(prompts, params, request_ids=list(range(16)),
+                               max_new_tokens=[m["extra_info"]["max_response_length"] for m in meta])
+        gen_s = time.monotonic() - t0
+        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for o in outs for s in o.samples]
+        t0 = time.monotonic()
+        want, _ = scorer.score(["s"] * len(texts), texts, ["x"] * len(texts), [None] * len(texts))
+        score_s = time.monotonic() - t0
+    assert [r.response_ids for r in rows] == [s.token_ids for o in outs for s in o.samples]  # same samples
+    assert [r.score for r in rows] == want
+    ratio = together / (gen_s + score_s)
+    print(f"\ngenerate + score streamed {together:.2f} s vs in series {gen_s:.2f} + {score_s:.2f} s: "
+          f"ratio {ratio:.2f}; scoring left after the last sample {stats['tail_s']:.2f} s")
+    assert together < gen_s + score_s
+    assert stats["tail_s"] < score_s

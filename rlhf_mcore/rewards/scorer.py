@@ -423,7 +423,10 @@ def failure_error(stats: dict[str, Any], max_failure_ratio: float) -> RewardFunc
 def reward_metrics(stats: dict[str, Any]) -> dict[str, float]:
     """The per-step failure counts to log: `reward/num_timeouts`, `reward/num_exceptions`, `reward/num_invalid`
     (missing counts, e.g. on ranks that did not score, are 0)."""
-    return {f"reward/{key}": float(stats.get(key, 0)) for key in ("num_timeouts", "num_exceptions", "num_invalid")}
+    out = {f"reward/{key}": float(stats.get(key, 0)) for key in ("num_timeouts", "num_exceptions", "num_invalid")}
+    if "tail_s" in stats:  # RewardLoop: scoring left after the last sample finished (summed over rollout replicas)
+        out["reward/tail_s"] = float(stats["tail_s"])
+    return out
 
 
 def score_batch(

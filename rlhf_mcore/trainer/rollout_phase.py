@@ -86,6 +86,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     share = np.array_split(np.arange(len(prompts)), replicas)[replica].tolist()
     local: list[Row] = []
     stats: dict[str, float] = {}
+    scored = False  # the streaming path scores samples as they finish
     if share and agent_runner is not None:
         from rlhf_mcore.agents.rollout import trajectory_info
 
@@ -98,6 +99,11 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
                                  response_mask=t.response_mask, agent=trajectory_info(t)))
         if sub_rank == 0:
             stats = {f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}
+    elif share and getattr(engine, "supports_streaming", False) and not greedy_baseline:
+        caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
+        local, stats = _generate_scoring_as_they_finish(engine, scorer if sub_rank == 0 else None, prompts, share,
+                                                        meta, params, tokenizer, caps)
+        scored = True
     elif share:
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
         if caps is not None and not getattr(engine, "supports_streaming", False):
@@ -116,7 +122,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
             if baselines is not None:
                 for row in local[-len(out.samples):]:
                     row.baseline_ids = list(baselines[k].samples[0].token_ids)  # scored below
-    if sub_rank == 0 and local:
+    if sub_rank == 0 and local and not scored:
         texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in local]
         m = [meta[r.prompt_pos] for r in local]
         runner_stats = stats
@@ -150,6 +156,44 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         busy = {k.split("/", 1)[1]: total.pop(k) for k in list(total) if k.startswith("agent_runner/")}
         total.update(agent_metrics([r.agent for r in rows], busy))
     return rows, {k: v for k, v in total.items() if isinstance(v, float)}
+
+
+def _generate_scoring_as_they_finish(engine, scorer, prompts, share: list[int], meta, params: SamplingParams,
+                                     tokenizer, caps) -> tuple[list[Row], dict]:
+    """RewardLoop on a streaming engine: every sample is handed to the reward scorer as it finishes, while the
+    engine keeps generating the rest (:class:`rlhf_mcore.rewards.stream.ScoringStream`); `scorer=None` on ranks
+    that do not score (a rollout replica's other TP ranks). Stats carry `tail_s`, the scoring left after the last
+    sample finished."""
+    from rlhf_mcore.rewards.stream import ScoringStream
+    from rlhf_mcore.rollout.base import Request
+
+    stream = ScoringStream(scorer) if scorer is not None else None
+    rows: dict[tuple[int, int], Row] = {}
+    engine.open_stream(params)
+    try:
+        engine.submit([Request(int(i), list(prompts[i]), sample=j, tag=i, max_new_tokens=None if caps is None
+                               else caps[k]) for k, i in enumerate(share) for j in range(params.n)])
+        while engine.num_pending:
+            new = []
+            for f in engine.step():
+                i, j = f.request.tag, f.request.sample
+                rows[(i, j)] = row = Row(i, j, list(prompts[i]), list(f.sample.token_ids), list(f.sample.logprobs),
+                                         f.sample.finish_reason)
+                new.append(row)
+            if stream is not None and new:
+                m = [meta[r.prompt_pos] for r in new]
+                stream.submit([(r.prompt_pos, r.sample) for r in new], [x["data_source"] for x in m],
+                              [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in new],
+                              [x["ground_truth"] for x in m], [x.get("extra_info") for x in m])
+    finally:
+        engine.close_stream()
+    local = [rows[k] for k in sorted(rows)]
+    if stream is None:
+        return local, {}
+    scores, stats = stream.finish()
+    for r in local:
+        r.score = float(scores[(r.prompt_pos, r.sample)])
+    return local, stats
 
 
 def _portable(stats: dict) -> dict:
