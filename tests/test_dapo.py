@@ -157,7 +157,7 @@ def test_group_pool_stop_condition():
 class FakeEngine:
     """Sample j of every prompt has j + 1 tokens."""
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, request_ids=None):
         return [SimpleNamespace(samples=[SimpleNamespace(token_ids=[7] * (j + 1), logprobs=[-0.1] * (j + 1),
                                                          finish_reason="stop") for j in range(params.n)])
                 for _ in prompts]
@@ -184,7 +184,7 @@ def fake_trainer(kinds, *overrides, dp=1, dp_rank=0):
                    for k, kind in enumerate(kinds)]
     t.sampler = ResumableSampler(len(kinds), shuffle=False)
     t.state = SimpleNamespace(is_coordinator=True, dims=SimpleNamespace(dp=dp), dp_rank=dp_rank, cpu_group=None)
-    t.rollout, t.scorer, t.reward_model = FakeEngine(), FakeScorer(), None
+    t.rollout, t.scorer, t.reward_model, t.agents = FakeEngine(), FakeScorer(), None, None
     t.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(len(ids)), pad_token_id=0)
     t.estimator = adv_estimator_info(cfg.algorithm.adv_estimator)
     t.rollout_session = lambda: nullcontext({})

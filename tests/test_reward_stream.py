@@ -63,19 +63,23 @@ def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model
     meta = [{"data_source": "s", "ground_truth": "x", "extra_info": {"max_response_length": 8 + 8 * (i % 12)}}
             for i in range(16)]  # samples finish over the whole generation
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=96, stop_token_ids=(), seed=5)
+    caps = [m["extra_info"]["max_response_length"] for m in meta]
     with RewardScorer(slow_fn, num_workers=4, timeout_s=10) as scorer:
         scorer.score(["s"] * 4, ["warm"] * 4, ["x"] * 4, [None] * 4)  # workers started and the function loaded
-        t0 = time.monotonic()
-        rows, stats = generate_and_score(engine, scorer, prompts, meta, params, tok, rollout_tp=1)
-        together = time.monotonic() - t0
-        t0 = time.monotonic()
-        outs = engine.generate(prompts, params, request_ids=list(range(16)),
-                               max_new_tokens=[m["extra_info"]["max_response_length"] for m in meta])
-        gen_s = time.monotonic() - t0
-        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for o in outs for s in o.samples]
-        t0 = time.monotonic()
-        want, _ = scorer.score(["s"] * len(texts), texts, ["x"] * len(texts), [None] * len(texts))
-        score_s = time.monotonic() - t0
+        engine.generate(prompts, params, request_ids=list(range(16)), max_new_tokens=caps)  # warm
+        together, gen_s, score_s = [], [], []
+        for _ in range(2):  # the best of two of each: a busy machine slows single runs, not the comparison
+            t0 = time.monotonic()
+            rows, stats = generate_and_score(engine, scorer, prompts, meta, params, tok, rollout_tp=1)
+            together.append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            outs = engine.generate(prompts, params, request_ids=list(range(16)), max_new_tokens=caps)
+            gen_s.append(time.monotonic() - t0)
+            texts = [tok.decode(s.token_ids, skip_special_tokens=True) for o in outs for s in o.samples]
+            t0 = time.monotonic()
+            want, _ = scorer.score(["s"] * len(texts), texts, ["x"] * len(texts), [None] * len(texts))
+            score_s.append(time.monotonic() - t0)
+        together, gen_s, score_s = min(together), min(gen_s), min(score_s)
     assert [r.response_ids for r in rows] == [s.token_ids for o in outs for s in o.samples]  # same samples
     assert [r.score for r in rows] == want
     ratio = together / (gen_s + score_s)

@@ -224,7 +224,8 @@ def _trainer(*overrides):
     from rlhf_mcore.trainer.rl_trainer import RLTrainer
 
     cfg = load_config(None, MODEL + list(overrides))
-    t = SimpleNamespace(cfg=cfg, actor=_Engine(), ref=None, critic=None, state=SimpleNamespace(dp_group=None))
+    t = SimpleNamespace(cfg=cfg, actor=_Engine(), ref=None, critic=None, state=SimpleNamespace(dp_group=None),
+                        prime_metrics={})
     return RLTrainer, t
 
 

@@ -155,6 +155,9 @@ class BenchHooks:
         self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
         s = self.sub
         timed(trainer.rollout, "generate", "rollout/generate", s)
+        if getattr(trainer.rollout, "supports_streaming", False):  # the trainer generates through the stream
+            for method in ("submit", "step"):
+                timed(trainer.rollout, method, "rollout/generate", s)
         timed(trainer.rollout, "wake", "rollout/wake_sleep", s)
         timed(trainer.rollout, "sleep", "rollout/wake_sleep", s)
         timed(trainer.scorer, "score", "rollout/reward", s)

@@ -425,7 +425,7 @@ def reward_metrics(stats: dict[str, Any]) -> dict[str, float]:
     (missing counts, e.g. on ranks that did not score, are 0)."""
     out = {f"reward/{key}": float(stats.get(key, 0)) for key in ("num_timeouts", "num_exceptions", "num_invalid")}
     if "tail_s" in stats:  # RewardLoop: scoring left after the last sample finished (summed over rollout replicas)
-        out["reward/tail_s"] = float(stats["tail_s"])
+        out["timing_s/reward_tail"] = float(stats["tail_s"])
     return out
 
 

@@ -7,8 +7,9 @@
 
 With reward workers (`reward.num_workers >= 1`) a background thread hands each submitted batch to the scorer's
 worker pool, so scoring overlaps generation and what is left after the last sample is about one item's time
-(`reward/tail_s`). Without workers (`num_workers=0`) the reward function runs in the calling thread (its timeout
-interrupts through a signal, which only the main thread receives): each `submit` scores its batch at once,
+(logged as `timing_s/reward_tail`). Without workers (`num_workers=0`) the reward function runs in the calling
+thread (its timeout interrupts through a signal, which only the main thread receives): each `submit` scores its
+batch at once,
 between engine steps — still overlapping the rest of the generation, but holding the engine meanwhile.
 """
 from __future__ import annotations
