@@ -3,6 +3,7 @@ bookkeeping, partial rollout's versions and log-probs, one-step-off against its 
 fully asynchronous trainer's staleness bound and sample accounting, and a SIGKILL + resume."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,6 +215,23 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
             assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (g["step"], k, g[k], w[k])
     assert got[1]["one_step_off/staleness/1"] == 4 and got[0]["one_step_off/staleness/0"] == 4
     assert got[2]["rollout/k3_kl"] > 0  # generated one update behind: off-policy, as in the reference
+
+    # resumed from the step-2 checkpoint (steps 3 and 4 in flight are regenerated): the same prompts, each once
+    resumed = tmp_path / "osp_resumed"
+    shutil.copytree(tmp_path / "osp", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "global_step_4")
+    osp_args = ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]
+    run = subprocess.run(_torchrun(2, args + [f"trainer.default_local_dir={resumed}", *osp_args]),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "resumed from" in run.stdout + run.stderr
+    assert [r["step"] for r in _records(resumed)] == [1, 2, 3, 4]
+
+    def trained(out):
+        return json.loads((out / "checkpoints" / "global_step_4" / "trainer_state_rank0.json").read_text())[
+            "trained_prompts"]
+
+    assert trained(resumed) == trained(tmp_path / "osp") and len(set(trained(resumed))) == 16
 
 
 def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_dir):

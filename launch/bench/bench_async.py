@@ -39,8 +39,7 @@ MODES = {
     "sync": ["trainer.n_gpus_per_node=2"],
     "one_step_off": ["async_training.mode=one_step_off", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"],
     "fully_async": ["async_training.mode=fully_async", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1",
-                    "async_training.require_batches=4", "async_training.staleness_threshold=1",
-                    "async_training.partial_rollout=true"],
+                    "async_training.require_batches=4", "async_training.partial_rollout=true"],
 }
 
 
@@ -103,6 +102,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=6, help="steps per mode (the first is a warm-up)")
     p.add_argument("--tiny", action="store_true", help="tiny shape and lengths on CPU")
     p.add_argument("--modes", default="sync,one_step_off,fully_async")
+    p.add_argument("--staleness", type=int, default=1, help="fully_async: async_training.staleness_threshold")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per mode")
     p.add_argument("--logs", default=None, help="write each mode's output (stdout + stderr) to DIR/<mode>.log")
@@ -134,6 +134,7 @@ def main(argv=None) -> dict:
         common += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                    "actor_rollout_ref.actor.use_dynamic_bsz=false", "data.max_prompt_length=256"]
     logs = Path(args.logs) if args.logs else None
+    MODES["fully_async"] = MODES["fully_async"] + [f"async_training.staleness_threshold={args.staleness}"]
     rows = [run_mode(m, common, work / "runs", args.timeout, logs) for m in args.modes.split(",")]
     base = next((r for r in rows if r["mode"] == "sync" and "tokens_per_s" in r), None)
     for r in rows:
@@ -141,6 +142,7 @@ def main(argv=None) -> dict:
             r["vs_sync"] = r["tokens_per_s"] / base["tokens_per_s"]
     report = {"benchmark": "async_trainers", "commit": git_commit(), "tiny": args.tiny, "shape": s,
               "device": f"2 x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu (2 processes)",
+              "staleness_threshold": args.staleness,
               "workload": {"prompts_per_step": prompts, "samples_per_prompt": n, "length_cap_max": top,
                            "length_tail": "85% U[top/64, top/8), 10% U[top/8, top/2), 5% top"},
               "rows": rows}

@@ -38,6 +38,9 @@ class ScoringStream:
         self.stats: dict[str, Any] = {}
         self.last_submit = None
         self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.new_scores: dict[Hashable, float] = {}  # scored since the last take()
+        self.new_stats: dict[str, Any] = {}
         self.threaded = scorer.num_workers >= 1
         if self.threaded:
             self.queue: queue.Queue = queue.Queue()
@@ -59,10 +62,12 @@ class ScoringStream:
     def _score(self, batch) -> None:
         keys, *inputs = batch
         scores, stats = self.scorer.score(*inputs, check=False)
-        for k, s, e in zip(keys, scores, stats.get("extra") or [None] * len(keys)):
-            self.scores[k] = s
-            self.extras[k] = e
-        _merge_stats(self.stats, stats)
+        with self.lock:
+            for k, s, e in zip(keys, scores, stats.get("extra") or [None] * len(keys)):
+                self.scores[k] = self.new_scores[k] = s
+                self.extras[k] = e
+            _merge_stats(self.stats, stats)
+            _merge_stats(self.new_stats, stats)
 
     def _run(self) -> None:
         while True:
@@ -85,6 +90,16 @@ class ScoringStream:
             except BaseException as e:  # raised again by finish(), on the caller's thread
                 self.error = e
                 return
+
+    def take(self) -> tuple[dict[Hashable, float], dict[str, Any]]:
+        """What was scored since the last call (scores by key, the scorer's counters over them), without waiting:
+        for a caller that streams forever (the fully asynchronous rollout)."""
+        if self.error is not None:
+            raise self.error
+        with self.lock:
+            scores, stats = self.new_scores, self.new_stats
+            self.new_scores, self.new_stats = {}, {}
+        return scores, stats
 
     def finish(self) -> tuple[dict[Hashable, float], dict[str, Any]]:
         """Wait for every submitted item; returns the scores by key and the summed stats, with `tail_s`: the

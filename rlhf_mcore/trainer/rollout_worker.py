@@ -30,6 +30,7 @@ from rlhf_mcore.parallel import pick_device
 from rlhf_mcore.parallel.pools import Pools
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.scorer import failure_error
+from rlhf_mcore.rewards.stream import ScoringStream
 from rlhf_mcore.rollout.base import FINISH_ABORT, Request, Sample
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
@@ -77,6 +78,7 @@ class RolloutWorker:
         self.store = GroupStore(pools.bus)
         self.version = -1
         self.idle_s, self.t0 = 0.0, time.perf_counter()
+        self.unreported: dict[str, float] = {}  # fully_async: reward counters not yet attached to a group
 
     # ------------------------------------------------------------------------------------------- shared
     def run(self) -> None:
@@ -196,6 +198,7 @@ class RolloutWorker:
             raise RuntimeError(f"rollout worker: expected the first weights, got {first[0]!r}")
         self.receive_weights(first[1])
         self.engine.open_stream(params)
+        scoring = ScoringStream(self.scorer)  # RewardLoop: samples are scored as they finish
         todo: deque = deque()  # granted (uid, prompt) not yet submitted
         live: dict[int, dict] = {}  # uid -> {"prompt", "samples": [Sample|None]*n, "versions": [[...]]*n}
         sync_to = None  # a weight version waiting for this replica
@@ -211,16 +214,20 @@ class RolloutWorker:
                         self.store.drop(uid)
                 elif cmd[0] == "weights":
                     sync_to = cmd[1]
-                elif cmd[0] == "validate":
+                elif cmd[0] == "validate":  # the engine and the reward workers are the validation's meanwhile
                     paused = self.engine.abort()
                     record_versions(paused, live, self.version)
                     self.engine.close_stream()
+                    scoring.finish()
+                    self.collect(scoring, live)
                     self.validate(cmd[1])
+                    scoring = ScoringStream(self.scorer)
                     self.engine.open_stream(params)
                     self.engine.submit([continuation(f) for f in paused])
                 elif cmd[0] == "stop":
                     self.engine.abort()
                     self.engine.close_stream()
+                    scoring.finish()
                     return
             if sync_to is not None and (partial or self.engine.num_pending == 0):
                 paused = self.engine.abort() if partial else []
@@ -232,7 +239,8 @@ class RolloutWorker:
                 uid, prompt = todo.popleft()
                 item = self.train_set[prompt]
                 budget = (response_budgets([item], params.max_new_tokens) or [None])[0]
-                live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)]}
+                live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)],
+                             "scores": [None] * n}
                 self.engine.submit([Request(request_id=uid, prompt_ids=list(item["input_ids"]), sample=j, tag=uid,
                                             max_new_tokens=budget) for j in range(n)])
             if self.engine.num_pending:
@@ -240,38 +248,47 @@ class RolloutWorker:
                 record_versions(finished, live, self.version)
                 for f in finished:
                     live[f.request.tag]["samples"][f.request.sample] = f.sample
-                done = [uid for uid in {f.request.tag for f in finished}
-                        if all(s is not None for s in live[uid]["samples"])]
-                if done:
-                    self.publish([(uid, live.pop(uid)) for uid in done])
-            else:
+                self.submit_scoring(scoring, finished, live)
+            scored = self.collect(scoring, live)
+            if not self.engine.num_pending and not scored:
                 t0 = time.perf_counter()
                 time.sleep(0.002)
                 self.idle_s += time.perf_counter() - t0
             self.store.reap()
 
-    def publish(self, done: list[tuple[int, dict]]) -> None:
-        """Score finished groups together and put each on the bus."""
-        rows, owners = [], []
-        for uid, g in done:
-            ids = list(self.train_set[g["prompt"]]["input_ids"])
-            for j, (s, vs) in enumerate(zip(g["samples"], g["versions"])):
-                rows.append(Row(0, j, ids, list(s.token_ids), list(s.logprobs), s.finish_reason, versions=list(vs)))
-                owners.append((uid, g["prompt"]))
-        items = [self.train_set[p] for _, p in owners]
-        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rows]
-        scores, stats = self.scorer.score([it["data_source"] for it in items], texts,
-                                          [it["ground_truth"] for it in items],
-                                          [it.get("extra_info") for it in items], check=False)
-        error = failure_error(stats, self.scorer.max_failure_ratio)
+    def submit_scoring(self, scoring: ScoringStream, finished, live: dict) -> None:
+        items = [self.train_set[live[f.request.tag]["prompt"]] for f in finished]
+        scoring.submit([(f.request.tag, f.request.sample) for f in finished], [it["data_source"] for it in items],
+                       [self.tokenizer.decode(f.sample.token_ids, skip_special_tokens=True) for f in finished],
+                       [it["ground_truth"] for it in items], [it.get("extra_info") for it in items])
+
+    def collect(self, scoring: ScoringStream, live: dict) -> int:
+        """Scores that came back: groups whose samples are all scored go on the bus. Returns how many came."""
+        scores, stats = scoring.take()
+        for (uid, j), score in scores.items():
+            live[uid]["scores"][j] = score
+        self.check_rewards(stats)
+        for k, v in reward_metrics(stats).items():
+            self.unreported[k] = self.unreported.get(k, 0.0) + v
+        done = [uid for uid in {uid for uid, _ in scores} if all(x is not None for x in live[uid]["scores"])]
+        if done:
+            self.publish([(uid, live.pop(uid)) for uid in done])
+        return len(scores)
+
+    def check_rewards(self, stats: dict) -> None:
+        error = failure_error(stats, self.scorer.max_failure_ratio) if stats.get("num_items") else None
         if error is not None:
             raise error
-        for r, s in zip(rows, scores):
-            r.score = float(s)
-        add_overlong_penalty(rows, self.cfg)
-        counts = reward_metrics(stats)
+
+    def publish(self, done: list[tuple[int, dict]]) -> None:
+        """Put each scored group on the bus; the first carries the reward counters not reported yet."""
+        counts, self.unreported = self.unreported, {}
         for k, (uid, g) in enumerate(done):
-            group = [r for r, (u, _) in zip(rows, owners) if u == uid]
+            ids = list(self.train_set[g["prompt"]]["input_ids"])
+            group = [Row(0, j, ids, list(s.token_ids), list(s.logprobs), s.finish_reason, score=float(score),
+                         versions=list(vs))
+                     for j, (s, vs, score) in enumerate(zip(g["samples"], g["versions"], g["scores"]))]
+            add_overlong_penalty(group, self.cfg)
             meta = self.describe(uid, g["prompt"], group)
-            meta.stats.update(counts if k == 0 else {})  # the batch's reward counters, once
+            meta.stats.update(counts if k == 0 else {})  # the reward counters, once
             self.coord.put(("group", meta))
