@@ -114,7 +114,9 @@ def learning_runs(assets, tmp_path_factory):
 
 
 # The asynchronous trainers on the same settings, 1 rollout + 1 training process each (fully async: a step is
-# require_batches=2 mini-batches of 8 prompts, the demo's 16).
+# require_batches=2 mini-batches of 8 prompts, the demo's 16), for 8 steps (the synchronous runs' 12 would add a
+# minute of CI; the held-out accuracy is up by step 5 in the demo's runs).
+ASYNC_STEPS = 8
 ASYNC = {"one_step_off": ["async_training.mode=one_step_off"],
          "fully_async": ["async_training.mode=fully_async", "async_training.require_batches=2",
                          "async_training.staleness_threshold=1", "async_training.partial_rollout=true"]}
@@ -127,7 +129,7 @@ def async_learning_runs(assets, tmp_path_factory):
     procs = {name: subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(ROOT / "launch" / "train.py"),
-         *base_args(assets, root / name, LEARN_STEPS, *LEARN, f"trainer.test_freq={LEARN_STEPS}",
+         *base_args(assets, root / name, ASYNC_STEPS, *LEARN, f"trainer.test_freq={ASYNC_STEPS}",
                     "rollout.n_gpus_per_node=1", *extra)],
         cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for name, extra in ASYNC.items()}
@@ -145,9 +147,10 @@ def test_async_trainers_learn_like_the_synchronous_one(async_learning_runs, mode
     of steps 1-3 -> 10-12 measured: one_step_off 0.000 -> 0.641, 0.26 -> 0.63; fully_async 0.000 -> 0.688,
     0.22 -> 0.56 (20-step runs of configs/demo_async_cpu.yaml: README)."""
     m, vals = async_learning_runs[mode]
-    before, after = held_out_before_after(vals)
+    assert [v["step"] for v in vals] == [0, ASYNC_STEPS], vals
+    before, after = vals[0][HELD_OUT], vals[-1][HELD_OUT]
     assert after >= before + 0.30, f"{mode} did not raise held-out accuracy: {before:.3f} -> {after:.3f}"
-    assert mean_reward(m, [10, 11, 12]) > mean_reward(m, [1, 2, 3])
+    assert mean_reward(m, [6, 7, 8]) > mean_reward(m, [1, 2, 3])
 
 
 def held_out_before_after(vals: list[dict]) -> tuple[float, float]:
