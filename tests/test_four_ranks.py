@@ -151,7 +151,7 @@ def test_checkpoint_at_tp2_pp2_resumes_at_tp1_pp4_and_tp4(setup, base_run):
 def test_async_trainers_with_two_rollout_and_two_training_processes(setup, base_run):
     tmp, args = setup
     pools = ["rollout.n_gpus_per_node=2", "trainer.n_gpus_per_node=2", TP_PP[0].format(2),
-             "trainer.total_training_steps=2", "trainer.save_freq=-1"]
+             "trainer.total_training_steps=3", "trainer.save_freq=-1"]
     fa, osp = tmp / "fully_async", tmp / "one_step_off"
     _run_together({
         # one group per replica at a time (4 sequences), so the two replicas' groups interleave on the bus
@@ -161,7 +161,7 @@ def test_async_trainers_with_two_rollout_and_two_training_processes(setup, base_
         "one_step_off": (4, args + pools + [f"trainer.default_local_dir={osp}", "async_training.mode=one_step_off"]),
     })
     recs = _records(fa)
-    assert sorted(recs) == [1, 2]
+    assert sorted(recs) == [1, 2, 3]
     for step, r in recs.items():
         c = {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("fully_async/count/")}
         assert c["produced_samples"] == c["trained_samples"] + c["dropped_samples_total"] + c["queued_samples"], r
@@ -171,7 +171,7 @@ def test_async_trainers_with_two_rollout_and_two_training_processes(setup, base_
     assert max(r["fully_async/count/producers"] for r in recs.values()) == 2, "one replica made every group"
 
     recs, sync = _records(osp), _records(base_run)
-    assert sorted(recs) == [1, 2]
+    assert sorted(recs) == [1, 2, 3]
     assert all(r["one_step_off/count/producers"] == 2 for r in recs.values())  # the replicas split every step
     assert recs[1]["one_step_off/staleness/0"] == 4 and recs[2]["one_step_off/staleness/1"] == 4
     # step 1: the initial weights and the synchronous trainer's seed for step 1 -> its samples and metrics
