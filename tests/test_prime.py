@@ -193,7 +193,7 @@ def test_prime_through_train_py_at_dp2(tmp_path, tiny_model_dir):
             "actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=rloo", "reward_model.enable=true",
             "reward_model.reward_manager=prime", "reward_model.model.optim.lr=1e-3", "trainer.device=cpu",
             "trainer.total_training_steps=2", f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]",
-            f"custom_reward_function.path={reward}", "trainer.export_hf_final=false"]
+            f"custom_reward_function.path={reward}", "trainer.export_hf_final=false", "trainer.save_freq=1"]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(root / "launch" / "train.py"), *args], cwd=root, env=env, capture_output=True,
@@ -205,3 +205,18 @@ def test_prime_through_train_py_at_dp2(tmp_path, tiny_model_dir):
         assert r["prime_rm/ce_loss"] > 0 and r["prime_rm/grad_norm"] > 0 and r["prime_rm/num_optimizer_steps"] == 1
         assert 0 <= r["prime/dpo_acc"] <= 1 and r["prime/process_reward_mean"] != 0
     assert records[0]["prime_rm/ce_loss"] != records[1]["prime_rm/ce_loss"]
+
+    # resumed from the step-1 checkpoint, step 2 sees the PRM as it was trained through step 1 (its checkpoint)
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "global_step_2")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "launch" / "train.py"), *args, f"trainer.default_local_dir={resumed}"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [1, 2]
+    for k in ("prime_rm/ce_loss", "prime/dpo_acc", "prime/process_reward_mean", "actor/pg_loss"):
+        assert again[1][k] == records[1][k], (k, again[1][k], records[1][k])

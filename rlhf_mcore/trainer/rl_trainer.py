@@ -374,6 +374,8 @@ class RLTrainer:
             self.actor.save_checkpoint(path / "actor")
             if self.critic is not None:
                 self.critic.save_checkpoint(path / "critic")
+            if self.prime is not None:  # PRIME's implicit PRM is trained online: its weights and optimizer too
+                self.prime.engine.save_checkpoint(path / "prm")
 
         return self.ckpt.save(self.step, self.trainer_state(), save_engines, config=to_dict(self.cfg))
 
@@ -385,6 +387,8 @@ class RLTrainer:
         self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
+        if self.prime is not None:
+            self.prime.engine.load_checkpoint(path / "prm")
         self.load_trainer_state(self.ckpt.load_trainer_state(path))
         if self.state.is_coordinator:
             print(f"resumed from {path} at step {self.step}", flush=True)
