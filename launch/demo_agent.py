@@ -64,7 +64,7 @@ def evaluate(model: Path, test_file: Path, out_jsonl: Path, samples: int, temper
     run(launch("generate.py", "--model", str(model), "--input", str(test_file), "--output", str(out_jsonl),
                "--agent", "tool_agent", "--tools", TOOLS, "--max-turns", "3", "--max-new-tokens", str(max_response),
                "--max-tokens-per-turn", str(max_turn), "--n", str(samples), "--temperature", str(temperature),
-               "--seed", str(seed), "--device", "cpu"), check=False)  # it can abort at exit after writing
+               "--seed", str(seed), "--device", "cpu"))
     scores = []
     for line in out_jsonl.read_text().splitlines():
         row = json.loads(line)
