@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from e2e_helpers import parity_task, records
 
 from rlhf_mcore.config import ConfigError, load_config, validate_config
 from rlhf_mcore.parallel.pools import Mailbox, PoolLayout
@@ -166,32 +167,18 @@ def test_partial_rollout_versions_and_logprobs_match_the_weights_that_sampled_th
 
 # ------------------------------------------------------------------------------------------------ end to end
 def _setup(tmp_path, tiny_model_dir):
-    from rlhf_mcore.data import write_synthetic_parquet
-
-    write_synthetic_parquet(tmp_path / "syn", n=64, difficulty=0, seed=0, n_test=4)
-    reward = tmp_path / "parity_reward.py"  # a random model's responses score 0 or 1 by length: groups vary
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2)\n")
-    return [f"actor_rollout_ref.model.path={tiny_model_dir('qwen2')}",
-            f"data.train_files=[{tmp_path / 'syn' / 'train.parquet'}]", "data.val_files=[]",
-            "data.train_batch_size=4", "data.max_response_length=12", "data.max_prompt_length=128",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
-            "trainer.device=cpu", "trainer.logger=[jsonl]", f"custom_reward_function.path={reward}",
-            "trainer.export_hf_final=false", "trainer.max_rollout_logprob_gap=null"]
+    return parity_task(tmp_path, tiny_model_dir("qwen2"), max_response_length=12) + [
+        "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "trainer.export_hf_final=false",
+        "trainer.max_rollout_logprob_gap=null"]
 
 
 def _env():
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
-def _torchrun(nproc, args, **kw):
+def _torchrun(nproc, args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(ROOT / "launch" / "train.py"), *args]
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir):
@@ -206,7 +193,7 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
                                               "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]),
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    want, got = _records(tmp_path / "ref"), _records(tmp_path / "osp")
+    want, got = records(tmp_path / "ref"), records(tmp_path / "osp")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     keys = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
             "actor/grad_norm", "rollout/k3_kl", "actor/ppo_kl"]
@@ -225,7 +212,7 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "resumed from" in run.stdout + run.stderr
-    assert [r["step"] for r in _records(resumed)] == [1, 2, 3, 4]
+    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4]
 
     def trained(out):
         return json.loads((out / "checkpoints" / "global_step_4" / "trainer_state_rank0.json").read_text())[
@@ -251,7 +238,7 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
     try:
         t0 = time.time()
         while time.time() - t0 < 300:
-            if (out / "metrics.jsonl").exists() and len(_records(out)) >= kill_after:
+            if (out / "metrics.jsonl").exists() and len(records(out)) >= kill_after:
                 break
             assert job.poll() is None, "the job ended before it was killed"
             time.sleep(0.2)
@@ -262,9 +249,9 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
     resumed = subprocess.run(_torchrun(2, args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
-    records = _records(out)
-    assert [r["step"] for r in records] == list(range(1, 9))
-    for r in records:
+    logged = records(out)
+    assert [r["step"] for r in logged] == list(range(1, 9))
+    for r in logged:
         thr_ok = all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/"))
         assert thr_ok, r
         c = {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("fully_async/count/")}

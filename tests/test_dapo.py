@@ -304,40 +304,21 @@ def test_gen_batch_size_equal_to_train_batch_size_is_accepted_without_filtering(
 def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_model_dir):
     """End to end under torchrun (2 ranks, DP=2): dynamic sampling refills from the sampler, overlong shaping and
     token-level IS weights with batch normalisation run through the real engines; the metrics say so."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from e2e_helpers import parity_task, records, torchrun_train
 
-    from rlhf_mcore.data import write_synthetic_parquet
-
-    root = Path(__file__).resolve().parents[1]
-    write_synthetic_parquet(tmp_path / "syn", n=64, difficulty=0, seed=0, n_test=4)
-    reward = tmp_path / "parity_reward.py"  # a random model's responses score 0 or 1 by length: groups vary
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2)\n")
     out = tmp_path / "run"
-    args = [f"actor_rollout_ref.model.path={tiny_model_dir('qwen2')}",
-            f"data.train_files=[{tmp_path / 'syn' / 'train.parquet'}]",
-            "data.val_files=[]", "data.train_batch_size=4", "data.gen_batch_size=4", "data.max_response_length=8",
-            "data.max_prompt_length=128", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "algorithm.adv_estimator=grpo",
-            "actor_rollout_ref.rollout.n=4", "trainer.device=cpu", "trainer.total_training_steps=2",
-            f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", f"custom_reward_function.path={reward}",
-            "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-            "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
-            "reward_model.overlong_buffer.penalty_factor=1.0", "reward_model.overlong_buffer.log=true",
-            "algorithm.rollout_correction.rollout_is=token",
-            "algorithm.rollout_correction.rollout_is_batch_normalize=true"]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(root / "launch" / "train.py"), *args], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
+    args = parity_task(tmp_path, tiny_model_dir("qwen2")) + [
+        "data.gen_batch_size=4", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={out}", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward", "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=1.0",
+        "reward_model.overlong_buffer.log=true", "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true"]
+    proc = torchrun_train(2, args)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    for r in records:
+    logged = records(out)
+    assert [r["step"] for r in logged] == [1, 2]
+    for r in logged:
         assert r["dynamic_sampling/informative_groups"] >= 4 and r["dynamic_sampling/num_gen_batches"] >= 1
         assert r["dynamic_sampling/drawn_groups"] == 4 * r["dynamic_sampling/num_gen_batches"]
         assert "reward/overlong_fraction" in r and "rollout_corr/rollout_is_mean" in r

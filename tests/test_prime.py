@@ -172,51 +172,31 @@ def test_dpo_accuracy_matches_a_loop():
 def test_prime_through_train_py_at_dp2(tmp_path, tiny_model_dir):
     """End to end under torchrun (2 ranks, DP=2): the implicit PRM is updated every step (its cross-entropy and
     gradient logged), its process rewards enter the advantages, and the run finishes."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from rlhf_mcore.data import write_synthetic_parquet
-
-    root = Path(__file__).resolve().parents[1]
-    write_synthetic_parquet(tmp_path / "syn", n=64, difficulty=0, seed=0, n_test=4)
-    reward = tmp_path / "parity_reward.py"  # a random model's responses score 0 or 1 by length: groups vary
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2)\n")
-    out = tmp_path / "run"
-    args = [f"actor_rollout_ref.model.path={tiny_model_dir('qwen2')}",
-            f"data.train_files=[{tmp_path / 'syn' / 'train.parquet'}]", "data.val_files=[]",
-            "data.train_batch_size=4", "data.max_response_length=8", "data.max_prompt_length=128",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=rloo", "reward_model.enable=true",
-            "reward_model.reward_manager=prime", "reward_model.model.optim.lr=1e-3", "trainer.device=cpu",
-            "trainer.total_training_steps=2", f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]",
-            f"custom_reward_function.path={reward}", "trainer.export_hf_final=false", "trainer.save_freq=1"]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(root / "launch" / "train.py"), *args], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    for r in records:
-        assert r["prime_rm/ce_loss"] > 0 and r["prime_rm/grad_norm"] > 0 and r["prime_rm/num_optimizer_steps"] == 1
-        assert 0 <= r["prime/dpo_acc"] <= 1 and r["prime/process_reward_mean"] != 0
-    assert records[0]["prime_rm/ce_loss"] != records[1]["prime_rm/ce_loss"]
-
-    # resumed from the step-1 checkpoint, step 2 sees the PRM as it was trained through step 1 (its checkpoint)
     import shutil
 
+    from e2e_helpers import parity_task, records, torchrun_train
+
+    out = tmp_path / "run"
+    args = parity_task(tmp_path, tiny_model_dir("qwen2")) + [
+        "algorithm.adv_estimator=rloo", "reward_model.enable=true", "reward_model.reward_manager=prime",
+        "reward_model.model.optim.lr=1e-3", "trainer.total_training_steps=2", "trainer.export_hf_final=false",
+        "trainer.save_freq=1"]
+    proc = torchrun_train(2, args + [f"trainer.default_local_dir={out}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = records(out)
+    assert [r["step"] for r in first] == [1, 2]
+    for r in first:
+        assert r["prime_rm/ce_loss"] > 0 and r["prime_rm/grad_norm"] > 0 and r["prime_rm/num_optimizer_steps"] == 1
+        assert 0 <= r["prime/dpo_acc"] <= 1 and r["prime/process_reward_mean"] != 0
+    assert first[0]["prime_rm/ce_loss"] != first[1]["prime_rm/ce_loss"]
+
+    # resumed from the step-1 checkpoint, step 2 sees the PRM as it was trained through step 1 (its checkpoint)
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "global_step_2")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(root / "launch" / "train.py"), *args, f"trainer.default_local_dir={resumed}"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun_train(2, args + [f"trainer.default_local_dir={resumed}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    again = records(resumed)
     assert [r["step"] for r in again] == [1, 2]
     for k in ("prime_rm/ce_loss", "prime/dpo_acc", "prime/process_reward_mean", "actor/pg_loss"):
-        assert again[1][k] == records[1][k], (k, again[1][k], records[1][k])
+        assert again[1][k] == first[1][k], (k, again[1][k], first[1][k])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_rollout_native import _single_thread, make_prompts  # noqa: F401 (_single_thread: an autouse fixture)
 
 from rlhf_mcore.rollout import FINISH_ABORT, Request, RolloutEngine, Sample, SamplingParams
 from rlhf_mcore.rollout.hf_backend import HFRolloutEngine
@@ -27,20 +28,6 @@ from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "rollout_stream_golden.json"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes run as fast on one thread, and stay fast when other jobs load the shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def make_prompts(n: int, seed: int = 0, vocab: int = 900, lengths=(3, 40)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lengths[0], lengths[1], (n,), generator=g)
-    return [torch.randint(0, vocab, (int(n_),), generator=g).tolist() for n_ in lens]
 
 
 def golden_cases() -> list[dict]:

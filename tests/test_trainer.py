@@ -96,20 +96,24 @@ PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_
 HELD_OUT = "val/synthetic/arithmetic/acc"
 
 
+def side_by_side(cmds: dict[str, list[str]]) -> None:
+    """Run the commands at once (their output discarded) and check that each succeeded."""
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True) for name, cmd in cmds.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name} failed:\n{err[-6000:]}"
+
+
 @pytest.fixture(scope="module")
 def learning_runs(assets, tmp_path_factory):
     """The GRPO and the PPO learning runs, side by side (one process each, one core each: single-threaded runs
     are deterministic however they are scheduled). Returns {name: (train metrics by step, validations)}."""
     root = tmp_path_factory.mktemp("learning")
     runs = {"grpo": [], "ppo": [*PPO, f"critic.model.path={assets / 'sft'}"]}
-    procs = {name: subprocess.Popen(
-        [sys.executable, str(ROOT / "launch" / "train.py"),
-         *base_args(assets, root / name, LEARN_STEPS, *LEARN, f"trainer.test_freq={LEARN_STEPS}", *extra)],
-        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name, extra in runs.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name} failed:\n{err[-6000:]}"
+    side_by_side({name: [sys.executable, str(ROOT / "launch" / "train.py"),
+                         *base_args(assets, root / name, LEARN_STEPS, *LEARN, f"trainer.test_freq={LEARN_STEPS}",
+                                    *extra)] for name, extra in runs.items()})
     return {name: (train_metrics(root / name), val_metrics(root / name)) for name in runs}
 
 
@@ -126,16 +130,10 @@ ASYNC = {"one_step_off": ["async_training.mode=one_step_off"],
 def async_learning_runs(assets, tmp_path_factory):
     """The one-step-off and fully asynchronous runs side by side (2 processes each, single-threaded)."""
     root = tmp_path_factory.mktemp("async_learning")
-    procs = {name: subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "launch" / "train.py"),
-         *base_args(assets, root / name, ASYNC_STEPS, *LEARN, f"trainer.test_freq={ASYNC_STEPS}",
-                    "rollout.n_gpus_per_node=1", *extra)],
-        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name, extra in ASYNC.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name} failed:\n{err[-6000:]}"
+    side_by_side({name: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         str(ROOT / "launch" / "train.py"),
+                         *base_args(assets, root / name, ASYNC_STEPS, *LEARN, f"trainer.test_freq={ASYNC_STEPS}",
+                                    "rollout.n_gpus_per_node=1", *extra)] for name, extra in ASYNC.items()})
     return {name: (train_metrics(root / name), val_metrics(root / name)) for name in ASYNC}
 
 

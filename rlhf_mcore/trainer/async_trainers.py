@@ -47,6 +47,32 @@ class AsyncTrainerBase(RLTrainer):
         dist.all_gather_object(ranks, self.state.dp_rank, group=self.state.cpu_group)
         self.dp_ranks = [[g for g, d in enumerate(ranks) if d == dp] for dp in range(self.state.dims.dp)]
 
+    def fit(self) -> dict[str, float]:
+        """Each mode's schedule is its `take_batch` (which samples a step trains on), `weights_due` (when the
+        rollout pool gets the actor's weights) and `after_step` (what the rollout pool is asked for next)."""
+        self.start()
+        last = {}
+        while self.step < self.total_steps:
+            self.step += 1
+            self.hooks.step_start(self, self.step)
+            t = PhaseTimer()
+            with t("step"):
+                with t("wait"):
+                    batch, info = self.take_batch()                # the step's groups, pulled from the bus
+                train_metrics = self.train_on(batch, t)            # log-probs, advantages, updates
+                with t("sync"):
+                    sync_metrics = self.push_weights() if self.weights_due() else {}
+            last = self.finish_step(batch, {**self.step_metrics(batch, info), **train_metrics, **sync_metrics}, t)
+            self.after_step()
+            self.hooks.step_end(self, self.step, batch, last, t)
+        self.stop_rollout()
+        if self.cfg.trainer.export_hf_final:
+            self.export_final()
+        return last
+
+    def after_step(self) -> None:
+        pass
+
     # ------------------------------------------------------------------------------------------- coordinator
     def command(self, cmd: tuple, ranks: Optional[list[int]] = None) -> None:
         """Coordinator: append `cmd` to the mailboxes of `ranks` (default: every rollout rank)."""
@@ -183,36 +209,15 @@ class OneStepOffTrainer(AsyncTrainerBase):
     """The rollout pool generates step k+1 while the training pool trains step k: step k's samples come from
     the weights after step k-2 (one update behind the actor that trains on them)."""
 
-    def fit(self) -> dict[str, float]:
-        self.start()
-        last = {}
-        while self.step < self.total_steps:
-            self.step += 1
-            self.hooks.step_start(self, self.step)
-            t = PhaseTimer()
-            with t("step"):
-                with t("wait"):
-                    batch, info = self.receive_step()              # step k's groups, generated meanwhile
-                with t("old_log_prob"):
-                    self.forward_passes(batch)
-                with t("adv"):
-                    self.compute_advantages(batch)
-                    corr_metrics = self.correct_rollout(batch)
-                with t("update"):
-                    update_metrics = self.update(batch)
-                with t("sync"):
-                    sync_metrics = {}
-                    if self.step + 2 <= self.total_steps:           # the weights step k+2 will be generated with
-                        sync_metrics = self.push_weights()
-            metrics = {**self.step_metrics(batch, info), **corr_metrics, **update_metrics, **sync_metrics}
-            last = self.finish_step(batch, metrics, t)              # a validation runs before step k+2's generation
-            if self.step + 2 <= self.total_steps:
-                self.post_generate(self.step + 2)
-            self.hooks.step_end(self, self.step, batch, last, t)
-        self.stop_rollout()
-        if self.cfg.trainer.export_hf_final:
-            self.export_final()
-        return last
+    def take_batch(self) -> tuple[dict[str, Any], dict]:
+        return self.receive_step()  # step k's groups, generated while step k-1 trained
+
+    def weights_due(self) -> bool:
+        return self.step + 2 <= self.total_steps  # the weights step k+2 will be generated with
+
+    def after_step(self) -> None:
+        if self.step + 2 <= self.total_steps:  # after step k's validation and checkpoint
+            self.post_generate(self.step + 2)
 
     def start(self) -> None:
         self.resume()
@@ -278,36 +283,16 @@ class FullyAsyncTrainer(AsyncTrainerBase):
     `ppo_mini_batch_size` groups that are not staler than `staleness_threshold`, and the weights go to the
     rollout pool every `trigger_parameter_sync_step` steps."""
 
-    def fit(self) -> dict[str, float]:
-        self.start()
-        last = {}
-        a = self.cfg.async_training
-        while self.step < self.total_steps:
-            self.step += 1
-            self.hooks.step_start(self, self.step)
-            t = PhaseTimer()
-            with t("step"):
-                with t("wait"):
-                    batch, info = self.next_batch()                # the oldest fresh-enough groups on the bus
-                with t("old_log_prob"):
-                    self.forward_passes(batch)
-                with t("adv"):
-                    self.compute_advantages(batch)
-                    corr_metrics = self.correct_rollout(batch)
-                with t("update"):
-                    update_metrics = self.update(batch)
-                    self.version = self.step
-                with t("sync"):
-                    sync_metrics = {}
-                    if self.step % a.trigger_parameter_sync_step == 0 or self.step == self.total_steps:
-                        sync_metrics = self.push_weights()
-            metrics = {**self.step_metrics(batch, info), **corr_metrics, **update_metrics, **sync_metrics}
-            last = self.finish_step(batch, metrics, t)
-            self.hooks.step_end(self, self.step, batch, last, t)
-        self.stop_rollout()
-        if self.cfg.trainer.export_hf_final:
-            self.export_final()
-        return last
+    def take_batch(self) -> tuple[dict[str, Any], dict]:
+        return self.next_batch()  # the oldest fresh-enough groups on the bus
+
+    def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
+        metrics = super().train_on(batch, t)
+        self.version = self.step
+        return metrics
+
+    def weights_due(self) -> bool:
+        return self.step % self.cfg.async_training.trigger_parameter_sync_step == 0 or self.step == self.total_steps
 
     def start(self) -> None:
         self.outstanding: dict[int, int] = {}  # uid -> prompt: granted, not yet trained or dropped

@@ -113,16 +113,10 @@ class RLTrainer:
                     plan = self.plan()                             # 1. coordinator: prompts per DP rank
                 with t("gen"):
                     batch, gen_metrics = self.generate(plan)       # 2-3. rollout + reward (sleep level 2: + sync)
-                with t("old_log_prob"):
-                    self.forward_passes(batch)                     # 4. ref / old log-probs, values
-                with t("adv"):
-                    self.compute_advantages(batch)                 # 5. advantages and returns
-                    corr_metrics = self.correct_rollout(batch)     # 5b. off-policy IS weights / rejection
-                with t("update"):
-                    update_metrics = self.update(batch)            # 6. critic, then actor
+                train_metrics = self.train_on(batch, t)            # 4-6. log-probs, advantages, updates
                 with t("sync"):
                     sync_metrics = self.sync_weights()             # 7. actor -> rollout (sleep level 2: at wake)
-            last = self.finish_step(batch, {**gen_metrics, **corr_metrics, **update_metrics, **sync_metrics}, t)  # 8.
+            last = self.finish_step(batch, {**gen_metrics, **train_metrics, **sync_metrics}, t)  # 8.
             self.hooks.step_end(self, self.step, batch, last, t)
         if self.cfg.trainer.export_hf_final:
             self.export_final()
@@ -227,6 +221,17 @@ class RLTrainer:
         order = [pos for part in parts for pos in part]
         rows = [replace(r, prompt_pos=k) for k, pos in enumerate(order) for r in kept[pos][1]]
         return [[kept[pos][0] for pos in part] for part in parts], rows, {**stats, **pool.metrics()}
+
+    def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
+        """A generated batch to an update: ref / old log-probs and values, advantages, rollout correction, the
+        critic's and the actor's updates (every trainer's steps 4-6). Returns their metrics."""
+        with t("old_log_prob"):
+            self.forward_passes(batch)
+        with t("adv"):
+            self.compute_advantages(batch)
+            corr_metrics = self.correct_rollout(batch)  # off-policy IS weights / rejection
+        with t("update"):
+            return {**corr_metrics, **self.update(batch)}
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
