@@ -6,4 +6,5 @@ the engine chooses between reference and kernel (`rlhf_mcore.engine.logprobs`).
 
     logprob_reference  vocab-parallel log-prob + entropy in chunks of rows (torch)
     fused_logprob      the same in one streaming pass per row (Triton)
+    fused_layer        SwiGLU and packed RoPE, one kernel each way (Triton), with their eager references
 """

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ("rlhf_mcore.kernels.logprob_reference", "rlhf_mcore.kernels.fused_logprob")
+KERNEL_MODULES = ("rlhf_mcore.kernels.logprob_reference", "rlhf_mcore.kernels.fused_logprob",
+                  "rlhf_mcore.kernels.fused_layer")
 
 
 def test_package_is_a_symlink_to_the_top_level_directory():

@@ -32,6 +32,7 @@ Memory settings per shape (`PLANS`): 0.5B and 1.5B train without activation reco
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -79,8 +80,27 @@ def synthetic_batch(n: int, seq: int, vocab: int, device, seed: int = 0) -> dict
         "advantages": torch.randn(n, R, generator=g)}.items()}
 
 
+def profile_update(step, path: Path, label: str) -> None:
+    """One more call of `step` under torch.profiler: tables by device time and by host time written to `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    by_device = avg.table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    by_host = avg.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
+    path.write_text(f"# {label}\n## by {sort}\n{by_device}\n## by cpu_time_total\n{by_host}")
+    print(f"profile of {label} written to {path}", flush=True)
+
+
 def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
-              layout: str) -> None:
+              layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto") -> None:
     """One shape, in this process: build the actor engine once, then time each sequence length."""
     import torch
 
@@ -101,7 +121,9 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
         write_config(s, Path(tmp), dtype="bfloat16" if on_gpu else "float32")
         t0 = time.perf_counter()
         chunks = build_model(tmp, state, role="actor", load_weights=False,
-                             config_overrides=recompute_overrides(plan["recompute"]) or None)
+                             config_overrides=recompute_overrides(plan["recompute"]) or None,
+                             fused_kernels={"auto": None, "on": True, "off": False}[fused_kernels])
+        result["fused_kernels"] = chunks[0].config.fused_rope_kernel
         result["params"] = sum(p.numel() for c in chunks for p in c.parameters())
         micro_sizes = {seq: (micro_override or plan["seqs"].get(seq, (1, 4))[0]) for seq in seqs}
         n_micro = {seq: plan["seqs"].get(seq, (1, 4))[1] for seq in seqs}
@@ -135,6 +157,9 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
                             mfu=statistics.median(r["perf/actor/mfu"] for r in rows) if "perf/actor/mfu" in rows[0]
                             else None, loss=rows[-1].get("actor/pg_loss"), grad_norm=rows[-1].get("actor/grad_norm"),
                             step_times=[r["perf/actor/update_s"] for r in rows])
+                if profile_dir is not None:
+                    profile_update(functools.partial(engine.update_policy, batch), profile_dir / f"{name}_{seq}.txt",
+                                   f"megatron {name} seq {seq}")
             except torch.cuda.OutOfMemoryError as e:  # recorded: "what fits" is a result too
                 case["error"] = f"out of memory: {str(e).splitlines()[0]}"
                 print(f"{name} seq {seq}: {case['error']}", flush=True)
@@ -150,7 +175,7 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
 
 
 def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
-             compile_mode: str) -> None:
+             compile_mode: str, profile_dir: Path | None = None) -> None:
     """The plain PyTorch peer of `run_shape` for one shape, in this process: same shape, micro-batches and loss."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -183,6 +208,14 @@ def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mic
         adv = batch["advantages"]
         return torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
 
+    def train_step(micro, P, nm):
+        for mb in micro:
+            (loss_fn(mb, P) / nm).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return grad_norm
+
     for seq in seqs:
         mbs = micro_override or plan["seqs"].get(seq, (1, 4))[0]
         nm = plan["seqs"].get(seq, (1, 4))[1]
@@ -197,11 +230,7 @@ def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mic
             times = []
             for i in range(warmup + steps):
                 t0 = time.perf_counter()
-                for mb in micro:
-                    (loss_fn(mb, P) / nm).backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                grad_norm = train_step(micro, P, nm)
                 if on_gpu:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
@@ -211,6 +240,9 @@ def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mic
             step_s = statistics.median(times)
             case.update(step_s=step_s, tokens_per_s=mbs * nm * seq / step_s, grad_norm=float(grad_norm),
                         step_times=times)
+            if profile_dir is not None:
+                profile_update(functools.partial(train_step, micro, P, nm), profile_dir / f"peer_{name}_{seq}.txt",
+                               f"peer {name} seq {seq}")
         except torch.cuda.OutOfMemoryError as e:
             case["error"] = f"out of memory: {str(e).splitlines()[0]}"
             print(f"peer {name} seq {seq}: {case['error']}", flush=True)
@@ -249,6 +281,10 @@ def main(argv=None) -> dict:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense bf16 peak in TFLOP/s (default: looked up by device name)")
     p.add_argument("--out", default=None)
+    p.add_argument("--fused-kernels", choices=("auto", "on", "off"), default="auto",
+                   help="the train engine's fused SwiGLU/RoPE kernels (auto: on for CUDA with triton)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, profile one more update per (shape, seq) and write op tables to DIR")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)  # internal: the child runs the peer
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -260,13 +296,14 @@ def main(argv=None) -> dict:
 
         os.environ[PEAK_ENV] = repr(args.peak_tflops * 1e12)  # the engine in each child reads it
 
+    prof = Path(args.profile).resolve() if args.profile else None
     if args.one_shape:
         if args.peer:
             run_peer(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                     args.peer_compile)
+                     args.peer_compile, prof)
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                      args.layout)
+                      args.layout, prof, args.fused_kernels)
         return {}
 
     import torch
@@ -290,7 +327,10 @@ def main(argv=None) -> dict:
                    *map(str, seqs), "--warmup", str(args.warmup), "--steps", str(args.steps), "--layout", args.layout]
             if args.micro:
                 cmd += ["--micro", str(args.micro)]
-            report["results"][name] = _child(cmd, child_out, name, env, args.timeout)
+            if prof is not None:
+                cmd += ["--profile", str(prof)]
+            megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels]
+            report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)
             if not args.no_peer:
                 peer_out = Path(tmp) / f"{name}.peer.json"
                 cmd = [*cmd[:5], str(peer_out), *cmd[6:], "--peer", "--peer-compile", args.peer_compile]

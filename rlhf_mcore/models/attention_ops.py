@@ -117,9 +117,9 @@ def packed_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
 
 
 def varlen_available() -> bool:
-    """Whether torch has `torch.nn.attention.varlen.varlen_attn` (Flash Attention over cu_seqlens; CUDA only)
-    with a causal mode this module can drive."""
-    return _varlen() is not False
+    """Whether torch has Flash Attention over cu_seqlens (CUDA only) in a form this module can drive: its aten
+    operators, or `torch.nn.attention.varlen.varlen_attn` with a causal mode."""
+    return _flash_ops() is not None or _varlen() is not False
 
 
 def _varlen():
@@ -137,13 +137,53 @@ def _varlen():
     return _VARLEN
 
 
+def _flash_ops():
+    """torch's Flash Attention operators (aten::_flash_attention_forward/_backward), or None."""
+    fwd = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    bwd = getattr(torch.ops.aten, "_flash_attention_backward", None)
+    return (fwd, bwd) if fwd is not None and bwd is not None else None
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal Flash Attention over cu_seqlens through the aten operators themselves: grouped keys/values go in
+    as they are (Flash Attention takes fewer key heads than query heads), the scale is an argument, and no
+    Python-level custom-op dispatch runs per call — the wrapper `torch.nn.attention.varlen.varlen_attn`
+    costs several times the kernel's own launch on the host, and in some torch versions repeats the key and
+    value heads for GQA."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, scale):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, rng_state,
+            unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
 def packed_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:
-    """Packed (THD) causal attention with torch's variable-length Flash Attention (no mask at all: each
-    document is its own sequence). q (T, np, hn), k/v (T, ng, hn) -> (T, np, hn); CUDA, bf16/fp16.
+    """Packed (THD) causal attention with variable-length Flash Attention (no mask at all: each document is
+    its own sequence). q (T, np, hn), k/v (T, ng, hn) -> (T, np, hn); CUDA, bf16/fp16.
 
-    Adapts to the torch version's signature: causal via `window_size=(-1, 0)` or `is_causal=True`; grouped
-    keys via `enable_gqa` (else repeated); `scale` (else folded into the query)."""
+    Through torch's Flash Attention operators directly (`_FlashVarlen`) where torch has them; else through
+    `torch.nn.attention.varlen.varlen_attn`, adapting to its signature: causal via `window_size=(-1, 0)` or
+    `is_causal=True`; grouped keys via `enable_gqa` (else repeated); `scale` (else folded into the query)."""
+    if q.is_cuda and _flash_ops() is not None:
+        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.to(torch.int32),
+                                  int(max_seqlen), float(scale))
+    return _packed_attention_varlen_wrapper(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def _packed_attention_varlen_wrapper(q, k, v, cu_seqlens, max_seqlen, scale):
+    """`packed_attention_varlen` through `torch.nn.attention.varlen.varlen_attn`."""
     found = _varlen()
     if found is False:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch")

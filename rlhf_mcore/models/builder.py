@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from rlhf_mcore.models.fused_layers import fused_kernels_default
 from rlhf_mcore.models.hf_config import ModelShape, gpt_model_kwargs, transformer_config
 from rlhf_mcore.models.layer_specs import layer_spec, resolve_backend
 from rlhf_mcore.models.pipeline_layout import chunk_layers, describe
@@ -43,7 +44,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dtype] = None,
                 load_weights: bool = True, attention_backend: str = "auto", config_overrides: Optional[dict] = None,
-                vocab_divisor: int = 128) -> list:
+                vocab_divisor: int = 128, fused_kernels: Optional[bool] = None) -> list:
     """GPTModel chunks (one per virtual pipeline stage of this rank) for the HF model in `hf_dir`.
 
     role: "actor" / "ref" (language-model head, tied to the embedding when the checkpoint ties them),
@@ -52,6 +53,8 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     dtype None: bf16 on GPU, fp32 on CPU.
     attention_backend: see `layer_specs.BACKENDS`. config_overrides: extra `TransformerConfig` fields
     (e.g. recompute_granularity). load_weights=False leaves Megatron's random initialisation.
+    fused_kernels: SwiGLU and packed RoPE as fused Triton kernels (`fused_layers`); None: on for CUDA models
+    on the "sdpa" backend when triton is installed.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -64,14 +67,21 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     dtype = dtype or default_dtype(state.device)
     dims = state.dims
     on_cpu = state.device.type == "cpu"
-    config = transformer_config(shape, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype, on_cpu=on_cpu,
-                                perform_initialization=not load_weights, **(config_overrides or {}))
     backend = resolve_backend(attention_backend)
+    if fused_kernels is None:
+        fused_kernels = fused_kernels_default(state.device, backend)
+    elif fused_kernels and backend != "sdpa":
+        raise ValueError(f"fused_kernels=True needs the 'sdpa' layer spec (attention backend here: {backend!r}); "
+                         "Transformer Engine's spec fuses these itself.")
+    overrides = {**({"use_te_activation_func": True} if fused_kernels else {}), **(config_overrides or {})}
+    config = transformer_config(shape, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype, on_cpu=on_cpu,
+                                perform_initialization=not load_weights, **overrides)
+    config.fused_rope_kernel = bool(fused_kernels)  # read by rope.apply_rope_packed
     if config.sequence_parallel and backend != "te":
         raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec: the local spec's torch "
                          f"RMSNorm refuses it (attention backend here: {backend!r}). Turn sequence parallelism off "
                          "or install Transformer Engine.")
-    spec = layer_spec(shape, backend)
+    spec = layer_spec(shape, backend, fused_swiglu=bool(fused_kernels))
     install_packed_rope()
     n_virtual = dims.vpp or 1
     chunks = []

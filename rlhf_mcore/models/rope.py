@@ -117,6 +117,12 @@ def apply_rope_packed(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: 
     x = t.unsqueeze(1)  # (total, 1, heads, dim): the bshd layout Megatron rotates
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     cos, sin = _packed_cos_sin(freqs, cu_seqlens, total, x.dtype, mscale)
+    if getattr(config, "fused_rope_kernel", False) and rot_dim == t.size(-1):
+        from rlhf_mcore.kernels.fused_layer import rope_rotate, rope_supported
+
+        cos2, sin2 = cos.view(total, rot_dim), sin.view(total, rot_dim)
+        if rope_supported(t, cos2):
+            return rope_rotate(t, cos2, sin2)
     out = x_rot * cos + _rotate_half(x_rot, False) * sin
     if x_pass.size(-1):
         out = torch.cat((out, x_pass), dim=-1)
