@@ -129,6 +129,10 @@ class Request:
       sample holds prefix + new tokens.
     max_new_tokens: cap on the response length, prefix included; None -> the stream's params.max_new_tokens.
     tag: the caller's handle, returned untouched in `Finished.request`.
+    session: a hashable key tying the turns of one conversation together (None: none). An engine that can
+      keeps a finished session's KV cache (`retained`), and the session's next request prefills only the tokens
+      after the longest prefix it shares with that cache; results are the same with or without the reuse.
+      The caller drops a session with `engine.release(session)` when its conversation ends.
     """
 
     request_id: int
@@ -137,6 +141,7 @@ class Request:
     prefix: Sample | None = None
     max_new_tokens: int | None = None
     tag: Any = None
+    session: Any = None
 
 
 @dataclass
@@ -240,6 +245,9 @@ class RolloutEngine(abc.ABC):
     def close_stream(self) -> None:
         """End the stream."""
         raise self._no_streaming()
+
+    def release(self, session) -> None:  # noqa: B027 - engines that retain no KV cache have nothing to drop
+        """Drop whatever the engine keeps for `Request.session` `session` (no-op if nothing is kept)."""
 
     @property
     def default_stop_token_ids(self) -> tuple[int, ...]:

@@ -1,0 +1,186 @@
+"""KV-cache reuse across a conversation's turns in the native engine (`Request.session`).
+
+Conversations are driven by hand through the stream: each turn's prompt is the previous prompt + the sampled
+response + a "tool message". With sessions the engine keeps each conversation's KV cache between turns and
+prefills only the new tokens; every result must equal the same turns submitted without sessions (full
+prefill), greedy and sampled, when prefixes do not match, under eviction, and after a weight update. The
+agent scheduler's use of it is checked end to end on the native engine. CPU, fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from test_rollout_native import _single_thread, make_prompts  # noqa: F401 (_single_thread: an autouse fixture)
+
+from rlhf_mcore.rollout import Request, SamplingParams
+from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+from rlhf_mcore.rollout.native.weights import iter_safetensors
+
+TURNS = 3
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[])
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11, stop_token_ids=[5, 17, 300, 401, 512, 640])
+
+
+def engine_for(model_dir, **kw) -> NativeRolloutEngine:
+    kw = {"max_num_seqs": 4, "max_model_len": 128, **kw}
+    return NativeRolloutEngine(model_dir, device="cpu", **kw)
+
+
+def drain(engine) -> dict:
+    out = {}
+    while engine.num_pending:
+        for f in engine.step():
+            out[f.request.request_id] = f.sample
+    return out
+
+
+def converse(engine, params, prompts, tool_msgs, sessions: bool, edit=None, between=None, plain=True):
+    """Run TURNS turns of every conversation (all submitted together each turn, in reverse order on odd turns,
+    plus one session-less request when `plain`, so prefills mix fresh and cached inputs).
+    edit(turn, conv, history) -> history changes a prompt before it is submitted; between(turn) runs after each
+    turn. Returns the samples per conversation
+    and the prompt tokens prefilled / reused per turn."""
+    histories = [list(p) for p in prompts]
+    samples: list[list] = [[] for _ in prompts]
+    counts = []
+    engine.open_stream(params)
+    try:
+        for t in range(TURNS):
+            if edit is not None:
+                histories = [edit(t, c, h) for c, h in enumerate(histories)]
+            before = dict(engine._stats)
+            reqs = [Request(request_id=100 * c + t, prompt_ids=h, session=c if sessions else None)
+                    for c, h in enumerate(histories)]
+            if t % 2:
+                reqs.reverse()
+            if plain:
+                reqs.append(Request(request_id=9000 + t, prompt_ids=histories[0][:5]))
+            engine.submit(reqs)
+            done = drain(engine)
+            counts.append((engine._stats["prompt_tokens"] - before["prompt_tokens"],
+                           engine._stats["reused_tokens"] - before["reused_tokens"]))
+            for c in range(len(prompts)):
+                s = done[100 * c + t]
+                samples[c].append(s)
+                histories[c] = histories[c] + s.token_ids + tool_msgs[c][t]
+            if between is not None:
+                between(t)
+    finally:
+        engine.close_stream()
+    return samples, counts
+
+
+def assert_same(got, want, atol=1e-5):
+    for g_conv, w_conv in zip(got, want, strict=True):
+        for g, w in zip(g_conv, w_conv, strict=True):
+            assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=atol, rtol=0)
+
+
+def conversations(n: int, seed: int):
+    prompts = make_prompts(n, seed=seed, lengths=(6, 30))
+    tool_msgs = [make_prompts(TURNS, seed=seed * 10 + c, lengths=(2, 12)) for c in range(n)]
+    return prompts, tool_msgs
+
+
+def test_reuse_prefills_only_new_tokens_with_equal_results(tiny_model_dir):
+    prompts, tool_msgs = conversations(3, seed=1)
+    for arch, params in (("qwen2", GREEDY), ("qwen3", SAMPLED)):
+        engine = engine_for(tiny_model_dir(arch))
+        want, full = converse(engine, params, prompts, tool_msgs, sessions=False)
+        got, counts = converse(engine, params, prompts, tool_msgs, sessions=True)
+        assert_same(got, want)
+        plain = 5
+        # turn 0 prefills everything; a later turn only the last sampled token (its KV was never computed)
+        # and the tool message; the rest of the history comes from the kept cache
+        assert counts[0] == full[0] == (sum(map(len, prompts)) + plain, 0)
+        for t in (1, 2):
+            new = sum(1 + len(tool_msgs[c][t - 1]) for c in range(3)) + plain
+            assert counts[t][0] == new, (arch, t)
+            assert counts[t][0] + counts[t][1] == full[t][0]
+        assert engine.num_retained == 0  # close_stream drops the kept caches
+
+
+def test_mismatched_prefix_reuses_only_the_common_part(tiny_model_dir):
+    """Conversation 0's history is changed at its first token (nothing shared: full prefill), conversation 1's
+    inside the last response (template drift: the common prefix is reused), conversation 2's not at all."""
+    prompts, tool_msgs = conversations(3, seed=2)
+    cut = {}
+
+    def edit(t, c, h):
+        if t != 2 or c == 2:
+            return h
+        h = list(h)
+        i = 0 if c == 0 else len(h) - len(tool_msgs[c][1]) - 3  # inside turn 1's response
+        h[i] = (h[i] + 1) % 900
+        cut[c] = i
+        return h
+
+    engine = engine_for(tiny_model_dir("llama"))
+    want, full = converse(engine, SAMPLED, prompts, tool_msgs, sessions=False, edit=edit)
+    got, counts = converse(engine, SAMPLED, prompts, tool_msgs, sessions=True, edit=edit)
+    assert_same(got, want)
+    assert counts[2][0] + counts[2][1] == full[2][0]
+
+    def kept(c):  # tokens with keys/values in conversation c's slot after turn 1: all but turn 1's last token
+        r0, r1 = want[c][0].token_ids, want[c][1].token_ids
+        return len(prompts[c]) + len(r0) + len(tool_msgs[c][0]) + len(r1) - 1
+
+    assert 0 < cut[1] < kept(1)
+    assert counts[2][1] == 0 + cut[1] + kept(2)
+
+
+def test_eviction_under_capacity_pressure(tiny_model_dir):
+    """Three conversations on two slots: kept caches are evicted for admissions (least recently kept first),
+    results stay the same."""
+    prompts, tool_msgs = conversations(3, seed=3)
+    engine = engine_for(tiny_model_dir("qwen2"), max_num_seqs=2)
+    want, full = converse(engine, SAMPLED, prompts, tool_msgs, sessions=False, plain=False)
+    got, counts = converse(engine, SAMPLED, prompts, tool_msgs, sessions=True, plain=False)
+    assert_same(got, want)
+    assert engine.last_stats["evicted_sessions"] > 0
+    assert sum(r for _, r in counts) > 0  # some turns still found their cache
+    assert [p + r for p, r in counts] == [p for p, _ in full]
+
+
+def test_update_weights_drops_kept_caches(tiny_model_dir):
+    """After turn 1 the weights change: turn 2 must prefill its whole history under the new weights (a kept
+    cache would hold the old weights' keys and values) and equal an engine built from the new weights."""
+    old, new = tiny_model_dir("qwen3"), tiny_model_dir("qwen3", seed=1)
+    prompts, tool_msgs = conversations(2, seed=4)
+    engine = engine_for(old)
+
+    def between(t):
+        if t == 1:
+            assert engine.num_retained == 2
+            engine.update_weights(iter_safetensors(new))
+            assert engine.num_retained == 0
+
+    got, counts = converse(engine, GREEDY, prompts, tool_msgs, sessions=True, between=between, plain=False)
+    histories = [prompts[c] + got[c][0].token_ids + tool_msgs[c][0] + got[c][1].token_ids + tool_msgs[c][1]
+                 for c in range(2)]
+    assert counts[2] == (sum(map(len, histories)), 0)
+    reference = engine_for(new).generate(histories, GREEDY, request_ids=[2, 102])
+    for c in range(2):
+        assert got[c][2].token_ids == reference[c].samples[0].token_ids
+        torch.testing.assert_close(torch.tensor(got[c][2].logprobs), torch.tensor(reference[c].samples[0].logprobs),
+                                   atol=1e-5, rtol=0)
+
+
+def test_release_and_abort_hand_slots_back(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("qwen2"), max_num_seqs=2)
+    prompt = make_prompts(1, seed=5)[0]
+    engine.open_stream(GREEDY)
+    engine.submit([Request(1, prompt, session="a"), Request(2, prompt, session="b")])
+    drain(engine)
+    assert engine.num_retained == 2
+    engine.release("a")
+    engine.release("never-seen")  # no-op
+    assert engine.num_retained == 1
+    engine.submit([Request(3, prompt, session="b")])  # running while aborted: not kept
+    engine.step()
+    engine.abort()
+    assert engine.num_retained == 0 and engine.num_pending == 0
+    engine.submit([Request(4, prompt), Request(5, prompt)])  # both slots are free again
+    assert len(drain(engine)) == 2
+    engine.close_stream()
