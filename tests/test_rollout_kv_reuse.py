@@ -9,9 +9,13 @@ agent scheduler's use of it is checked end to end on the native engine. CPU, fp3
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from test_rollout_native import _single_thread, make_prompts  # noqa: F401 (_single_thread: an autouse fixture)
 
+from rlhf_mcore.agents import AgentRunner, Environment, MultiTurnSettings, register_environment
+from rlhf_mcore.agents.rollout import agent_metrics, trajectory_info
 from rlhf_mcore.rollout import Request, SamplingParams
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 from rlhf_mcore.rollout.native.weights import iter_safetensors
@@ -184,3 +188,54 @@ def test_release_and_abort_hand_slots_back(tiny_model_dir):
     engine.submit([Request(4, prompt), Request(5, prompt)])  # both slots are free again
     assert len(drain(engine)) == 2
     engine.close_stream()
+
+
+@register_environment("test_kv_three_turns")
+class ThreeTurns(Environment):
+    def reset(self, row):
+        self.n = 0
+        return "Count with me."
+
+    def step(self, text):
+        self.n += 1
+        return f"That was turn {self.n}. Next.", 0.0, self.n >= 3
+
+
+def test_agent_runner_reuses_each_trajectory_cache(tiny_model_dir):
+    """The scheduler submits a trajectory's turns under one session and releases it when the trajectory ends:
+    the trajectories equal those of the same run with sessions stripped, with fewer tokens prefilled."""
+    from agent_helpers import fixture_tokenizer
+
+    model_dir = tiny_model_dir("qwen2")
+    tok, end = fixture_tokenizer(model_dir, "qwen2")
+    msgs = [{"role": "user", "content": "Go."}]
+    ids = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    rows = [{"raw_prompt": msgs, "agent_name": "env_agent", "extra_info": {"env_name": "test_kv_three_turns"},
+             "index": i} for i in range(2)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=120, seed=2, stop_token_ids=(end,))
+    settings = MultiTurnSettings(max_tokens_per_turn=8, max_user_turns=5)
+
+    def run(strip_sessions: bool):
+        engine = engine_for(model_dir, max_num_seqs=8, max_model_len=256)
+        released = []
+        submit, release = engine.submit, engine.release
+        if strip_sessions:
+            engine.submit = lambda reqs: submit([replace(r, session=None) for r in reqs])
+        engine.release = lambda s: (released.append(s), release(s))
+        runner = AgentRunner(engine, tok, settings)
+        trajs = [t for per in runner.run([ids, ids], rows, params) for t in per]
+        return trajs, runner.last_stats, sorted(released)
+
+    got, stats, released = run(False)
+    want, base, _ = run(True)
+    assert released == [0, 1, 2, 3]  # one session per trajectory, each released at its end
+    assert all(t.stats["turns"] == 3 for t in got)  # the environment's three model turns
+    for g, w in zip(got, want, strict=True):
+        assert g.response_ids == w.response_ids and g.response_mask == w.response_mask
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    assert base["kv_reused_tokens"] == 0 and stats["kv_reused_tokens"] > 0
+    assert stats["prefill_tokens"] + stats["kv_reused_tokens"] == base["prefill_tokens"]
+    metrics = agent_metrics([trajectory_info(t) for t in got], stats)
+    assert metrics["agent/kv_reused_tokens"] == stats["kv_reused_tokens"]
+    assert metrics["agent/prefill_tokens"] == stats["prefill_tokens"]
