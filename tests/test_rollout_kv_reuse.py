@@ -9,16 +9,21 @@ agent scheduler's use of it is checked end to end on the native engine. CPU, fp3
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
+import pytest
 import torch
 from test_rollout_native import _single_thread, make_prompts  # noqa: F401 (_single_thread: an autouse fixture)
 
-from rlhf_mcore.agents import AgentRunner, Environment, MultiTurnSettings, register_environment
-from rlhf_mcore.agents.rollout import agent_metrics, trajectory_info
 from rlhf_mcore.rollout import Request, SamplingParams
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 from rlhf_mcore.rollout.native.weights import iter_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
 
 TURNS = 3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[])
@@ -38,8 +43,9 @@ def drain(engine) -> dict:
     return out
 
 
-def converse(engine, params, prompts, tool_msgs, sessions: bool, edit=None, between=None, plain=True):
-    """Run TURNS turns of every conversation (all submitted together each turn, in reverse order on odd turns,
+def converse(engine, params, prompts, tool_msgs, sessions: bool, edit=None, between=None, plain=True,
+             turns=TURNS):
+    """Run `turns` turns of every conversation (all submitted together each turn, in reverse order on odd turns,
     plus one session-less request when `plain`, so prefills mix fresh and cached inputs).
     edit(turn, conv, history) -> history changes a prompt before it is submitted; between(turn) runs after each
     turn. Returns the samples per conversation
@@ -49,7 +55,7 @@ def converse(engine, params, prompts, tool_msgs, sessions: bool, edit=None, betw
     counts = []
     engine.open_stream(params)
     try:
-        for t in range(TURNS):
+        for t in range(turns):
             if edit is not None:
                 histories = [edit(t, c, h) for c, h in enumerate(histories)]
             before = dict(engine._stats)
@@ -190,21 +196,23 @@ def test_release_and_abort_hand_slots_back(tiny_model_dir):
     engine.close_stream()
 
 
-@register_environment("test_kv_three_turns")
-class ThreeTurns(Environment):
-    def reset(self, row):
-        self.n = 0
-        return "Count with me."
-
-    def step(self, text):
-        self.n += 1
-        return f"That was turn {self.n}. Next.", 0.0, self.n >= 3
-
-
 def test_agent_runner_reuses_each_trajectory_cache(tiny_model_dir):
     """The scheduler submits a trajectory's turns under one session and releases it when the trajectory ends:
     the trajectories equal those of the same run with sessions stripped, with fewer tokens prefilled."""
     from agent_helpers import fixture_tokenizer
+
+    from rlhf_mcore.agents import AgentRunner, Environment, MultiTurnSettings, register_environment
+    from rlhf_mcore.agents.rollout import agent_metrics, trajectory_info
+
+    @register_environment("test_kv_three_turns", override=True)
+    class ThreeTurns(Environment):
+        def reset(self, row):
+            self.n = 0
+            return "Count with me."
+
+        def step(self, text):
+            self.n += 1
+            return f"That was turn {self.n}. Next.", 0.0, self.n >= 3
 
     model_dir = tiny_model_dir("qwen2")
     tok, end = fixture_tokenizer(model_dir, "qwen2")
@@ -239,3 +247,88 @@ def test_agent_runner_reuses_each_trajectory_cache(tiny_model_dir):
     metrics = agent_metrics([trajectory_info(t) for t in got], stats)
     assert metrics["agent/kv_reused_tokens"] == stats["kv_reused_tokens"]
     assert metrics["agent/prefill_tokens"] == stats["prefill_tokens"]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_attention_with_cached_prefixes_matches_fp64(device):
+    """A prefill mixing fresh sequences and sequences after a cached prefix (GQA) against full causal attention
+    over each sequence's whole history in fp64: fp32 on CPU (torch path); bf16 on GPU (torch and Triton)."""
+    from rlhf_mcore.rollout.native.attention import PackedLayout, prefill_attention
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, S, L = 8, 2, 64, 6, 96
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    fresh, cont = [7, 1, 30], [(3, 40, 5), (1, 9, 1), (4, 60, 33)]  # lengths; (slot, offset, new tokens)
+    lengths = fresh + [n for _, _, n in cont]
+    offsets = [0] * len(fresh) + [o for _, o, _ in cont]
+    histories = [torch.randn(o + n, (hq + 2 * hkv), d, generator=g, dtype=torch.float64) for o, n in
+                 zip(offsets, lengths)]  # per sequence: q, k, v heads of every position
+    k_cache = torch.zeros(S, L, hkv, d, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    for (slot, o, n), h in zip(cont, histories[len(fresh):]):
+        k_cache[slot, :o + n], v_cache[slot, :o + n] = h[:, hq:hq + hkv], h[:, hq + hkv:]
+    new = torch.cat([h[o:] for h, o in zip(histories, offsets)])  # packed new tokens
+    q, k, v = new[:, :hq], new[:, hq:hq + hkv], new[:, hq + hkv:]
+    ref = []
+    for h, o in zip(histories, offsets):
+        qs, ks, vs = h[o:, :hq], h[:, hq:hq + hkv].repeat_interleave(hq // hkv, 1), h[:, hq + hkv:].repeat_interleave(
+            hq // hkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * d ** -0.5
+        pos_q, pos_k = torch.arange(o, h.shape[0])[:, None], torch.arange(h.shape[0])[None, :]
+        scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+        ref.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+    ref = torch.cat(ref)
+    layout = PackedLayout(lengths, device, offsets, [-1] * len(fresh) + [s for s, _, _ in cont])
+    for attention in ("torch",) if device == "cpu" else ("torch", "triton"):
+        def on(x):
+            return x.to(device=device, dtype=dtype)
+
+        out = prefill_attention(on(q), on(k), on(v), layout, d ** -0.5, on(k_cache), on(v_cache), attention)
+        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert out.dtype == dtype and err <= (1e-6 if dtype == torch.float32 else 1e-2), (attention, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_gpu_reuse_equals_full_prefill(tiny_model_dir):
+    """The GPU defaults (CUDA graphs, Triton attention and sampler, fused kernels) in fp32: sessions give the
+    results of full prefills, with only the new tokens prefilled."""
+    prompts, tool_msgs = conversations(3, seed=7)
+    engine = NativeRolloutEngine(tiny_model_dir("qwen2"), max_num_seqs=4, max_model_len=128, device="cuda",
+                                 dtype="float32")
+    want, full = converse(engine, SAMPLED, prompts, tool_msgs, sessions=False)
+    got, counts = converse(engine, SAMPLED, prompts, tool_msgs, sessions=True)
+    assert_same(got, want, atol=1e-4)
+    assert counts[2][1] > 0 and [p + r for p, r in counts] == [p for p, _ in full]
+
+
+def test_triton_path_in_interpreter(tiny_model_dir):
+    """The GPU path (cached-prefix prefill through the decode kernel, fused kernels, Triton sampler) run by
+    Triton's CPU interpreter in fp32: with sessions it equals the torch path without them."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ALL OK" in proc.stdout
+
+
+def _triton_interpret_check(model_dir: str) -> None:
+    torch.set_num_threads(1)
+    prompts, tool_msgs = conversations(1, seed=6)
+    params = replace(SAMPLED, max_new_tokens=3)
+    args = dict(prompts=prompts, tool_msgs=tool_msgs, params=params, turns=2)  # + a fresh request in each prefill
+    want, full = converse(engine_for(model_dir, max_model_len=64), sessions=False, **args)
+    kern = engine_for(model_dir, max_model_len=64, attention="triton", sampler="triton", fused_kernels=True)
+    got, counts = converse(kern, sessions=True, **args)
+    assert_same(got, want, atol=1e-4)
+    assert counts[1][1] > 0 and [p + r for p, r in counts] == [p for p, _ in full], (counts, full)
+    print("ALL OK")
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--triton-interpret":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _triton_interpret_check(sys.argv[2])

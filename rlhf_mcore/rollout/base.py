@@ -18,7 +18,8 @@ means `token_ids[-1]` is one of the stop ids.
 Streaming (engines with `supports_streaming`, today the native one): `open_stream(params)`, then `submit`
 `Request`s at any time, call `step()` until `num_pending` is 0 and collect the `Finished` samples it returns;
 `abort()` hands back everything in flight (finish reason "abort") so that it can be resubmitted later as
-continuations (`Request.prefix`), e.g. after a weight update.
+continuations (`Request.prefix`), e.g. after a weight update. Requests of one conversation may share a
+`Request.session`, letting the engine keep its KV cache between them (`release(session)` at the end).
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ SDPA can use its fused kernels. Only attention sees the padding; all GEMMs run o
 
 Prefill after a cached prefix (a session's next turn, see engine.py): such a sequence's new tokens continue
 positions `offset ...` of its cache slot, which already holds the prefix's keys and values (and, by the time
-attention runs, the new tokens' too). Its queries attend over the slot's keys [0, offset + new) with a causal
-mask on absolute positions (`cached_prefix_attention`, SDPA with an explicit mask; on GPU too, where it is the
-correct but unfused path: no varlen/Triton kernel reads the cache during prefill).
+attention runs, the new tokens' too). The query at position t attends over the slot's keys [0, t]
+(`cached_prefix_attention`): on the torch path with SDPA and an explicit causal mask on absolute positions; on
+the Triton path every new token is one row of the decode kernel (slot, length t + 1), which reads the cache in
+place (no gathered copy of the prefix) at the cost of reading it once per new token: fine for the short
+tool/environment messages a turn adds, not a tuned prefill kernel for long suffixes.
 
 Decode: one query per sequence over its cached keys/values; `decode_attention_torch` is the reference (and
 the CPU path); the GPU path is `triton_kernels.decode_attention`.
@@ -67,6 +69,8 @@ class PackedLayout:
         self.cached_max_keys = max((offsets[p] + lengths[p] for p in cached), default=0)
         self.cached_padded_index = ((seq_of_token[nf:] - num_fresh) * self.cached_max_new
                                     + self.pos_in_seq[nf:])  # (N - Nf,) into Pc * max_new
+        self.cached_token_slots = self.cached_slots[seq_of_token[nf:] - num_fresh]  # (N - Nf,)
+        self.cached_token_lens = self.positions[nf:] + 1  # (N - Nf,) keys each new token sees
 
 
 def _varlen_attention():
@@ -91,18 +95,19 @@ def _varlen_attention():
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                      sm_scale: float, k_cache: torch.Tensor | None = None,
-                      v_cache: torch.Tensor | None = None) -> torch.Tensor:
+                      sm_scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                      attention: str = "torch") -> torch.Tensor:
     """Causal attention of each packed sequence's new tokens. q (N, Hq, hd); k, v (N, Hkv, hd) -> (N, Hq, hd).
 
     Fresh sequences attend within their new tokens; sequences after a cached prefix attend over their slot of
-    k_cache / v_cache (S, L, Hkv, hd), which must already hold the new tokens' keys and values too."""
+    k_cache / v_cache (S, L, Hkv, hd), which must already hold the new tokens' keys and values too
+    (attention: "torch" | "triton", see `cached_prefix_attention`)."""
     nf = layout.fresh_tokens
     if layout.num_fresh == layout.num_seqs:
         return _fresh_attention(q, k, v, layout, sm_scale)
     if k_cache is None or v_cache is None:
         raise ValueError("prefill_attention: the layout has sequences after a cached prefix; pass k_cache, v_cache.")
-    cached = cached_prefix_attention(q[nf:], k_cache, v_cache, layout, sm_scale)
+    cached = cached_prefix_attention(q[nf:], k_cache, v_cache, layout, sm_scale, attention)
     if nf == 0:
         return cached
     return torch.cat([_fresh_attention(q[:nf], k[:nf], v[:nf], layout, sm_scale), cached])
@@ -146,10 +151,18 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 
 def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PackedLayout,
-                            sm_scale: float) -> torch.Tensor:
+                            sm_scale: float, attention: str = "torch") -> torch.Tensor:
     """Attention of the new tokens of sequences after a cached prefix. q (Nc, Hq, hd), packed as in `layout`
     after its fresh tokens; caches (S, L, Hkv, hd) hold every key and value of those sequences (prefix and new).
-    Query at absolute position t sees cache positions [0, t]. Returns (Nc, Hq, hd)."""
+    Query at absolute position t sees cache positions [0, t]. Returns (Nc, Hq, hd).
+
+    attention "triton": each query is a row of the decode kernel; "torch": SDPA over the gathered slots."""
+    if attention == "triton":
+        from .triton_kernels import decode_attention, num_splits_for
+
+        splits = num_splits_for(q.shape[0], k_cache.shape[2], layout.cached_max_keys, q.shape[2])
+        return decode_attention(q, k_cache, v_cache, layout.cached_token_slots, layout.cached_token_lens, sm_scale,
+                                splits)
     P, Lq, Lk = layout.cached_slots.shape[0], layout.cached_max_new, layout.cached_max_keys
     Hq, hd = q.shape[1], q.shape[2]
     qp = q.new_zeros(P * Lq, Hq, hd).index_copy_(0, layout.cached_padded_index, q)

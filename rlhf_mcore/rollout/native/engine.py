@@ -593,7 +593,8 @@ class NativeRolloutEngine(RolloutEngine):
             return torch.from_numpy(np.concatenate(parts)).to(dev)
 
         with torch.inference_mode():
-            logits = self.model.prefill(flat, layout, self.cache, t(w_tok), t(w_slot), t(w_pos))  # (P, V)
+            logits = self.model.prefill(flat, layout, self.cache, t(w_tok), t(w_slot), t(w_pos),
+                                        self.attention)  # (P, V)
             logits = logits.index_select(0, torch.tensor(p_idx, device=dev))  # (R, V)
             R = len(admitted)
             keys = torch.tensor([s.key for s in admitted], dtype=torch.int64, device=dev)
