@@ -239,6 +239,7 @@ def test_native_engine_logprobs_match_teacher_forcing(tiny_model_dir, arch):
     rows = [{"raw_prompt": msgs, "agent_name": "env_agent", "extra_info": {"env_name": "test_retry"}, "index": 0}]
     params = SamplingParams(n=3, temperature=0.8, max_new_tokens=120, seed=5, stop_token_ids=(end,))
     trajs = runner.run([ids], rows, params)[0]
+    assert runner.last_stats["kv_reused_tokens"] > 0  # later turns attended to the kept KV cache
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     checked = 0
     for t in trajs:

@@ -50,7 +50,8 @@ def trajectory_info(t) -> dict[str, Any]:
 
 def agent_metrics(infos: Sequence[dict], runner_stats: Optional[dict] = None) -> dict[str, float]:
     """`agent/*`: turns and tool calls per trajectory (mean / max), tool error counts by kind, tool seconds,
-    trajectories stopped by the turn or the length limit, template drift, the engine's busy fraction."""
+    trajectories stopped by the turn or the length limit, template drift, the engine's busy fraction and (streaming
+    engines) the prompt tokens it prefilled and those it reused from a trajectory's kept KV cache."""
     infos = [i for i in infos if i]
     if not infos:
         return {}
@@ -68,4 +69,7 @@ def agent_metrics(infos: Sequence[dict], runner_stats: Optional[dict] = None) ->
     out["agent/message_tokens/mean"] = sum(i["message_tokens"] for i in infos) / n
     if runner_stats and runner_stats.get("wall_s"):
         out["agent/engine_busy_fraction"] = runner_stats["engine_busy_s"] / runner_stats["wall_s"]
+    for key in ("prefill_tokens", "kv_reused_tokens"):  # prompt tokens prefilled / found in a kept KV cache
+        if runner_stats and key in runner_stats:
+            out[f"agent/{key}"] = float(runner_stats[key])
     return out

@@ -15,6 +15,10 @@ trajectory waits for a tool; `engine_busy_s / wall_s` (the busy fraction) is rep
 
 Random streams: turn t of trajectory k is request `k * 256 + t` (sample 0) under the step's seed, so results do
 not depend on timing, batching or which trajectories run together.
+
+KV reuse (streaming engines): every turn of trajectory k is submitted with `session=k`, so the engine can keep the
+trajectory's KV cache between turns and prefill only the new tool/environment message and the generation prompt;
+the session is released when the trajectory ends. `last_stats` reports `prefill_tokens` and `kv_reused_tokens`.
 """
 from __future__ import annotations
 
@@ -91,6 +95,7 @@ class _Turn:
     max_new_tokens: int
     request_id: int
     future: asyncio.Future
+    session: int
 
 
 class AgentContext:
@@ -111,7 +116,8 @@ class AgentContext:
             return None
         if traj.assistant_turns >= TURN_KEY - 1:
             raise AgentError(f"more than {TURN_KEY - 1} model turns in one trajectory")
-        sample = await self._r._request_turn(traj.context_ids, budget, traj.key * TURN_KEY + traj.assistant_turns)
+        sample = await self._r._request_turn(traj.context_ids, budget, traj.key * TURN_KEY + traj.assistant_turns,
+                                             traj.key)
         return traj.add_model_turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason,
                                    cut_by_turn_budget=budget < traj.remaining)
 
@@ -191,6 +197,11 @@ class AgentRunner:
             for t in tasks:
                 t.cancel()
         self.last_stats = {"engine_busy_s": busy, "wall_s": time.perf_counter() - t_start}
+        if streaming:
+            engine_stats = getattr(self.engine, "last_stats", None) or {}
+            if "reused_tokens" in engine_stats:
+                self.last_stats["prefill_tokens"] = float(engine_stats["prompt_tokens"])
+                self.last_stats["kv_reused_tokens"] = float(engine_stats["reused_tokens"])
         out = [t.result() for t in tasks]
         return [out[i * n:(i + 1) * n] for i in range(len(rows))]
 
@@ -221,12 +232,15 @@ class AgentRunner:
         except Exception as e:
             raise AgentError(f"agent loop {name!r} failed on row {row.get('index', '?')} (data_source "
                              f"{row.get('data_source')!r}): {type(e).__name__}: {e}") from e
+        finally:
+            if getattr(self.engine, "supports_streaming", False):
+                self.engine.release(key)  # the trajectory's KV cache, kept between its turns
         return traj.finish(check_drift=self.settings.check_drift)
 
     # ------------------------------------------------------------------------------------------- the engine
-    async def _request_turn(self, prompt: list[int], max_new_tokens: int, request_id: int):
+    async def _request_turn(self, prompt: list[int], max_new_tokens: int, request_id: int, session: int):
         fut = self._loop.create_future()
-        self._queue.append(_Turn(list(prompt), int(max_new_tokens), int(request_id), fut))
+        self._queue.append(_Turn(list(prompt), int(max_new_tokens), int(request_id), fut, session))
         self._gen_waiting += 1
         return await fut
 
@@ -242,7 +256,7 @@ class AgentRunner:
         for turn in self._queue:
             inflight[turn.request_id] = turn
             reqs.append(Request(request_id=turn.request_id, prompt_ids=turn.prompt,
-                                max_new_tokens=turn.max_new_tokens))
+                                max_new_tokens=turn.max_new_tokens, session=turn.session))
         self._queue = []
         self.engine.submit(reqs)
         return time.perf_counter() - t0

@@ -18,7 +18,8 @@ means `token_ids[-1]` is one of the stop ids.
 Streaming (engines with `supports_streaming`, today the native one): `open_stream(params)`, then `submit`
 `Request`s at any time, call `step()` until `num_pending` is 0 and collect the `Finished` samples it returns;
 `abort()` hands back everything in flight (finish reason "abort") so that it can be resubmitted later as
-continuations (`Request.prefix`), e.g. after a weight update.
+continuations (`Request.prefix`), e.g. after a weight update. Requests of one conversation may share a
+`Request.session`, letting the engine keep its KV cache between them (`release(session)` at the end).
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ class Request:
       sample holds prefix + new tokens.
     max_new_tokens: cap on the response length, prefix included; None -> the stream's params.max_new_tokens.
     tag: the caller's handle, returned untouched in `Finished.request`.
+    session: a hashable key tying the turns of one conversation together (None: none). An engine that can
+      keeps a finished session's KV cache (`retained`), and the session's next request prefills only the tokens
+      after the longest prefix it shares with that cache; results are the same with or without the reuse.
+      The caller drops a session with `engine.release(session)` when its conversation ends.
     """
 
     request_id: int
@@ -137,6 +142,7 @@ class Request:
     prefix: Sample | None = None
     max_new_tokens: int | None = None
     tag: Any = None
+    session: Any = None
 
 
 @dataclass
@@ -240,6 +246,9 @@ class RolloutEngine(abc.ABC):
     def close_stream(self) -> None:
         """End the stream."""
         raise self._no_streaming()
+
+    def release(self, session) -> None:  # noqa: B027 - engines that retain no KV cache have nothing to drop
+        """Drop whatever the engine keeps for `Request.session` `session` (no-op if nothing is kept)."""
 
     @property
     def default_stop_token_ids(self) -> tuple[int, ...]:

@@ -5,6 +5,14 @@ right-padded (P, Lmax) batch and attended with `scaled_dot_product_attention(is_
 padding the causal mask alone keeps every real query away from padding, so no explicit mask is needed and
 SDPA can use its fused kernels. Only attention sees the padding; all GEMMs run on the packed tokens.
 
+Prefill after a cached prefix (a session's next turn, see engine.py): such a sequence's new tokens continue
+positions `offset ...` of its cache slot, which already holds the prefix's keys and values (and, by the time
+attention runs, the new tokens' too). The query at position t attends over the slot's keys [0, t]
+(`cached_prefix_attention`): on the torch path with SDPA and an explicit causal mask on absolute positions; on
+the Triton path every new token is one row of the decode kernel (slot, length t + 1), which reads the cache in
+place (no gathered copy of the prefix) at the cost of reading it once per new token: fine for the short
+tool/environment messages a turn adds, not a tuned prefill kernel for long suffixes.
+
 Decode: one query per sequence over its cached keys/values; `decode_attention_torch` is the reference (and
 the CPU path); the GPU path is `triton_kernels.decode_attention`.
 """
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +31,46 @@ _VARLEN = {"checked": False, "fn": None, "kwargs": {}}
 
 
 class PackedLayout:
-    """Index maps between packed tokens (N,) and a right-padded (P, Lmax) batch, built once per prefill."""
+    """Index maps for one prefill's packed new tokens (N,), built once per prefill.
 
-    def __init__(self, lengths: list[int], device):
+    lengths: new tokens per sequence. offsets (default all 0): tokens each sequence already has in its cache
+    slot `slots[p]`; its new tokens sit at positions offset, offset + 1, ... and attend to those cached ones.
+    Sequences with offset 0 ("fresh") must come first: they are attended among themselves through a
+    right-padded (P, Lmax) batch (or varlen flash attention), the others over their cache slots.
+    """
+
+    def __init__(self, lengths: Sequence[int], device, offsets: Sequence[int] | None = None,
+                 slots: Sequence[int] | None = None):
+        lengths = [int(n) for n in lengths]
+        offsets = [0] * len(lengths) if offsets is None else [int(o) for o in offsets]
+        num_fresh = sum(o == 0 for o in offsets)
+        if len(offsets) != len(lengths) or any(offsets[:num_fresh]) or min(lengths) < 1:
+            raise ValueError(f"PackedLayout: lengths {lengths} (each >= 1) and offsets {offsets} (the zeros first) "
+                             "must pair up one per sequence.")
         self.num_seqs = len(lengths)
-        self.max_len = max(lengths)
         self.lengths = torch.tensor(lengths, device=device)
         starts = torch.cumsum(self.lengths, 0) - self.lengths  # (P,)
         seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), self.lengths)  # (N,)
-        self.pos_in_seq = torch.arange(int(sum(lengths)), device=device) - starts[seq_of_token]  # (N,)
-        self.padded_index = seq_of_token * self.max_len + self.pos_in_seq  # (N,) into P * Lmax
+        self.pos_in_seq = torch.arange(sum(lengths), device=device) - starts[seq_of_token]  # (N,) among new tokens
+        self.positions = self.pos_in_seq + torch.tensor(offsets, device=device)[seq_of_token]  # (N,) absolute
         self.last_token = starts + self.lengths - 1  # (P,) index of each sequence's last token
-        self.cu_seqlens = torch.cat([starts, starts[-1:] + self.lengths[-1:]]).to(torch.int32)  # (P + 1,)
+        # fresh sequences: the first `fresh_tokens` packed tokens
+        self.num_fresh, self.fresh_tokens = num_fresh, sum(lengths[:num_fresh])
+        self.max_len = max(lengths[:num_fresh], default=0)
+        nf = self.fresh_tokens
+        self.padded_index = seq_of_token[:nf] * self.max_len + self.pos_in_seq[:nf]  # (Nf,) into P * Lmax
+        self.cu_seqlens = torch.cat([starts[:num_fresh], starts[:num_fresh].new_full((1,), nf)]).to(torch.int32)
+        # sequences after a cached prefix: the remaining packed tokens
+        cached = range(num_fresh, self.num_seqs)
+        self.cached_slots = torch.tensor([int(slots[p]) for p in cached] if cached else [], dtype=torch.int64,
+                                         device=device)  # (Pc,)
+        self.cached_offsets = torch.tensor([offsets[p] for p in cached], dtype=torch.int64, device=device)
+        self.cached_max_new = max((lengths[p] for p in cached), default=0)
+        self.cached_max_keys = max((offsets[p] + lengths[p] for p in cached), default=0)
+        self.cached_padded_index = ((seq_of_token[nf:] - num_fresh) * self.cached_max_new
+                                    + self.pos_in_seq[nf:])  # (N - Nf,) into Pc * max_new
+        self.cached_token_slots = self.cached_slots[seq_of_token[nf:] - num_fresh]  # (N - Nf,)
+        self.cached_token_lens = self.positions[nf:] + 1  # (N - Nf,) keys each new token sees
 
 
 def _varlen_attention():
@@ -58,12 +95,31 @@ def _varlen_attention():
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                      sm_scale: float) -> torch.Tensor:
-    """Causal attention within each packed sequence. q (N, Hq, hd); k, v (N, Hkv, hd) -> (N, Hq, hd).
+                      sm_scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                      attention: str = "torch") -> torch.Tensor:
+    """Causal attention of each packed sequence's new tokens. q (N, Hq, hd); k, v (N, Hkv, hd) -> (N, Hq, hd).
+
+    Fresh sequences attend within their new tokens; sequences after a cached prefix attend over their slot of
+    k_cache / v_cache (S, L, Hkv, hd), which must already hold the new tokens' keys and values too
+    (attention: "torch" | "triton", see `cached_prefix_attention`)."""
+    nf = layout.fresh_tokens
+    if layout.num_fresh == layout.num_seqs:
+        return _fresh_attention(q, k, v, layout, sm_scale)
+    if k_cache is None or v_cache is None:
+        raise ValueError("prefill_attention: the layout has sequences after a cached prefix; pass k_cache, v_cache.")
+    cached = cached_prefix_attention(q[nf:], k_cache, v_cache, layout, sm_scale, attention)
+    if nf == 0:
+        return cached
+    return torch.cat([_fresh_attention(q[:nf], k[:nf], v[:nf], layout, sm_scale), cached])
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+                     sm_scale: float) -> torch.Tensor:
+    """Causal attention within each fresh packed sequence (the first layout.fresh_tokens tokens).
 
     On GPU, torch's varlen flash attention runs on the packed tokens directly; otherwise sequences are
     right-padded for SDPA."""
-    P, L = layout.num_seqs, layout.max_len
+    P, L = layout.num_fresh, layout.max_len
     groups = q.shape[1] // k.shape[1]
     varlen = _varlen_attention() if q.is_cuda and q.dtype != torch.float32 else None
     if varlen is not None:
@@ -92,6 +148,36 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
                                          enable_gqa=q.shape[1] != k.shape[1])  # (P, Hq, L, hd)
     out = out.transpose(1, 2).reshape(P * L, q.shape[1], q.shape[2])
     return out.index_select(0, layout.padded_index)
+
+
+def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PackedLayout,
+                            sm_scale: float, attention: str = "torch") -> torch.Tensor:
+    """Attention of the new tokens of sequences after a cached prefix. q (Nc, Hq, hd), packed as in `layout`
+    after its fresh tokens; caches (S, L, Hkv, hd) hold every key and value of those sequences (prefix and new).
+    Query at absolute position t sees cache positions [0, t]. Returns (Nc, Hq, hd).
+
+    attention "triton": each query is a row of the decode kernel; "torch": SDPA over the gathered slots."""
+    if attention == "triton":
+        from .triton_kernels import decode_attention, num_splits_for
+
+        splits = num_splits_for(q.shape[0], k_cache.shape[2], layout.cached_max_keys, q.shape[2])
+        return decode_attention(q, k_cache, v_cache, layout.cached_token_slots, layout.cached_token_lens, sm_scale,
+                                splits)
+    P, Lq, Lk = layout.cached_slots.shape[0], layout.cached_max_new, layout.cached_max_keys
+    Hq, hd = q.shape[1], q.shape[2]
+    qp = q.new_zeros(P * Lq, Hq, hd).index_copy_(0, layout.cached_padded_index, q)
+    qp = qp.view(P, Lq, Hq, hd).transpose(1, 2)  # (P, Hq, Lq, hd)
+    keys = k_cache[layout.cached_slots, :Lk].transpose(1, 2)  # (P, Hkv, Lk, hd)
+    values = v_cache[layout.cached_slots, :Lk].transpose(1, 2)
+    q_pos = layout.cached_offsets[:, None] + torch.arange(Lq, device=q.device)[None, :]  # (P, Lq)
+    # padded query rows still see key 0, so no row is all -inf (their outputs are dropped)
+    mask = torch.arange(Lk, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (P, Lq, Lk)
+    groups = Hq // keys.shape[1]
+    if q.is_cuda and groups > 1:  # GQA support of SDPA's masked kernels varies: expand the kv heads
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask[:, None], scale=sm_scale,
+                                         enable_gqa=Hq != keys.shape[1])  # (P, Hq, Lq, hd)
+    return out.transpose(1, 2).reshape(P * Lq, Hq, hd).index_select(0, layout.cached_padded_index)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -10,6 +10,14 @@ submits every (prompt, sample) pair up front and steps to the end):
     max_new_tokens) hands its slot back and its row is compacted away; waiting ones take the slots;
   - `abort` hands back everything in flight with its tokens so far; resubmitted with those tokens as
     `prefix`, a sequence carries on where it stopped (prefill over prompt + prefix).
+Sessions (`Request.session`, a conversation's turns): a session's request that finishes (stop or length) keeps
+its slot, "retained" with the tokens whose keys/values it holds (prompt + response but the last sampled token,
+which was never fed back). The session's next request takes that slot and prefills only the tokens after the
+longest prefix it shares with them (at least its last token), attending to the cached ones; with nothing in
+common it prefills everything, like any request. Retained slots count as free: an admission that finds no
+free slot evicts the least recently retained one. `release(session)` drops one; abort, close_stream,
+update_weights and sleep drop them all (new weights invalidate the cache). Reuse never changes results beyond
+the last bits (cached keys/values were computed token by token in decode steps rather than in one prefill pass).
 Admission waits until `admit_fraction` of the slots are free (or nothing runs, or all remaining sequences
 fit), so prefills run in batches instead of one prompt at a time between decode steps.
 
@@ -24,9 +32,10 @@ prefix's keys and values in one pass rather than token by token, and on GPU, GEM
 can differ in the last bits; either can very rarely flip a near-tie. On CPU, runs are exactly
 batch-invariant in practice.)
 
-Simplifications, on purpose: slot-based (not paged) cache sized max_num_seqs x max_model_len; no prefix
-caching across calls; TP replicates the embedding and LM head; all TP ranks run the same scheduler on the
-same inputs (the caller passes identical prompts), so they agree without extra communication.
+Simplifications, on purpose: slot-based (not paged) cache sized max_num_seqs x max_model_len; prefixes are
+reused only within a session (no prefix cache shared across requests); TP replicates the embedding and LM
+head; all TP ranks run the same scheduler on the same inputs (the caller passes identical prompts, sessions
+and releases), so they agree without extra communication.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -77,6 +86,24 @@ class _Seq:
     n_prefix: int         # response tokens already there (a continuation's prefix)
     limit: int            # cap on the response length, prefix included
     slot: int = -1
+    reused: int = 0       # leading tokens whose keys/values its slot already held at admission
+
+
+@dataclass
+class _Retained:
+    """A finished session's slot and the tokens whose keys/values it holds (positions 0..len-1)."""
+
+    slot: int
+    tokens: list[int]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _round_up(x: int, m: int) -> int:
@@ -145,6 +172,7 @@ class NativeRolloutEngine(RolloutEngine):
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self._stop_ids_default = read_eos_token_ids(self.model_dir)
 
+        self._retained: OrderedDict = OrderedDict()  # session -> _Retained, least recently retained first
         self.weights: ModelWeights | None = ModelWeights(self.spec, self.device, self.dtype, tp_rank, tp_size)
         self._missing_weights: set[str] = set(self.weights.expected_names())
         if load_weights:
@@ -208,6 +236,7 @@ class NativeRolloutEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.weights is None:
             raise RuntimeError("update_weights() while asleep at level 2: call wake() first, then update_weights().")
+        self._drop_retained()  # keys/values computed with the old weights
         loaded = self.weights.load(named_tensors)
         self._missing_weights -= loaded
         if self.device.type == "cuda":
@@ -219,6 +248,7 @@ class NativeRolloutEngine(RolloutEngine):
             raise RuntimeError(f"sleep() with {len(self._rows)} requests running in the open stream would lose "
                                "their KV cache; call abort() first and resubmit them as continuations after wake().")
         freed = 0
+        self._drop_retained()
         self.graphs.clear()
         if self.cache is not None:
             freed += self.cache.nbytes()
@@ -324,10 +354,12 @@ class NativeRolloutEngine(RolloutEngine):
                              else f"torch-k{params.top_k if params.top_k_active else -1}"
                                   f"-p{params.top_p if params.top_p_active else 1.0}")
         self._waiting, self._rows, self._ready = deque(), [], []
+        self._retained = OrderedDict()
         self._row_pos = np.zeros(self.max_num_seqs, dtype=np.int64)  # host mirror of r_pos
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        # prompt_tokens: tokens prefilled; reused_tokens: tokens admitted sequences found in their session's slot
         self._stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
-                       "generated_tokens": 0, "prompt_tokens": 0}
+                       "generated_tokens": 0, "prompt_tokens": 0, "reused_tokens": 0}
         self._t_open = time.perf_counter()
         self._stream_open = True
 
@@ -366,8 +398,10 @@ class NativeRolloutEngine(RolloutEngine):
 
     def abort(self) -> list[Finished]:
         """Hand back every waiting and running request with its tokens so far (prefix included), finish reason
-        "abort"; requests that had already finished come back with their own reason. The stream stays open."""
+        "abort"; requests that had already finished come back with their own reason. The stream stays open;
+        retained sessions are dropped (an abort usually precedes a weight update)."""
         self._require_stream("abort")
+        self._drop_retained()
         out, self._ready = self._ready, []
         if self._rows:
             steps = self.r_step[:len(self._rows)].tolist()  # response length so far (prefix + new) per row
@@ -394,7 +428,39 @@ class NativeRolloutEngine(RolloutEngine):
         self._stats["total_s"] = time.perf_counter() - self._t_open
         self.last_stats = self._stats
         self._waiting, self._rows, self._ready = deque(), [], []
+        self._retained = OrderedDict()
         self._stream_open = False
+
+    def release(self, session) -> None:
+        """Hand back the slot retained for `session` (no-op if none is, or no stream is open)."""
+        held = self._retained.pop(session, None)
+        if held is not None:
+            self._free_slots.append(held.slot)
+
+    @property
+    def num_retained(self) -> int:
+        """Slots held for finished sessions."""
+        return len(self._retained)
+
+    def _drop_retained(self) -> None:
+        for held in self._retained.values():
+            self._free_slots.append(held.slot)
+        self._retained.clear()
+
+    def _retain(self, session, slot: int, tokens: list[int]) -> None:
+        old = self._retained.pop(session, None)
+        if old is not None:  # the session had two requests in flight: keep the later one's cache
+            self._free_slots.append(old.slot)
+        self._retained[session] = _Retained(slot, tokens)
+
+    def _take_slot(self) -> int:
+        """A free slot; with none left, the least recently retained session's (admission only asks for one
+        when free + retained slots suffice)."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        _, held = self._retained.popitem(last=False)
+        self._stats["evicted_sessions"] = self._stats.get("evicted_sessions", 0) + 1
+        return held.slot
 
     def _require_stream(self, method: str) -> None:
         if not self._stream_open:
@@ -469,32 +535,51 @@ class NativeRolloutEngine(RolloutEngine):
         """Admit waiting sequences into free slots, prefill them, sample their first new token.
         Returns the sequences that finished on that token, as (seq, response length)."""
         waiting = self._waiting
-        free = self.max_num_seqs - len(self._rows)
+        free = self.max_num_seqs - len(self._rows)  # free + retained slots
         admitted: list[_Seq] = []
-        unique: list[list[int]] = []  # this prefill's distinct inputs
+        unique: list[list[int]] = []  # this prefill's distinct fresh inputs
         prompt_order: dict[tuple, int] = {}  # prefill key -> index into unique
-        p_idx: list[int] = []  # per admitted sequence
+        cont: list[_Seq] = []  # sequences prefilling after their session's cached prefix, one input each
         tokens_in_batch = 0
         while waiting and len(admitted) < free:
             seq = waiting[0]
-            idx = prompt_order.get(seq.prefill_key)
-            if idx is None:
-                if unique and tokens_in_batch + len(seq.tokens) > self.max_prefill_tokens:
+            session = seq.request.session
+            held = self._retained.get(session) if session is not None else None
+            # keep at least the last token to prefill: its logits give the first new token
+            reuse = _common_prefix(held.tokens, seq.tokens, len(seq.tokens) - 1) if held is not None else 0
+            shared = reuse == 0 and seq.prefill_key in prompt_order
+            if not shared:
+                n_new = len(seq.tokens) - reuse
+                if (unique or cont) and tokens_in_batch + n_new > self.max_prefill_tokens:
                     break
-                idx = prompt_order[seq.prefill_key] = len(unique)
-                unique.append(seq.tokens)
-                tokens_in_batch += len(seq.tokens)
+                tokens_in_batch += n_new
+                if reuse:
+                    cont.append(seq)
+                else:
+                    prompt_order[seq.prefill_key] = len(unique)
+                    unique.append(seq.tokens)
             waiting.popleft()
-            seq.slot = self._free_slots.pop()
+            if held is not None:  # its own slot, whatever it reuses
+                del self._retained[session]
+                seq.slot = held.slot
+            else:
+                seq.slot = self._take_slot()
+            seq.reused = reuse
             admitted.append(seq)
-            p_idx.append(idx)
         self._stats["prefills"] += 1
         self._stats["prompt_tokens"] += tokens_in_batch
+        self._stats["reused_tokens"] += sum(s.reused for s in cont)
 
+        # inputs: the fresh ones, then one per continuing sequence (PackedLayout wants fresh ones first)
         dev = self.device
-        lengths = [len(p) for p in unique]
-        layout = PackedLayout(lengths, dev)
-        flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(unique), dtype=np.int64,
+        n_fresh = len(unique)
+        cont_index = {id(seq): n_fresh + i for i, seq in enumerate(cont)}
+        p_idx = [cont_index[id(s)] if s.reused else prompt_order[s.prefill_key] for s in admitted]
+        inputs = unique + [s.tokens[s.reused:] for s in cont]
+        lengths = [len(p) for p in inputs]
+        offsets = [0] * n_fresh + [s.reused for s in cont]
+        layout = PackedLayout(lengths, dev, offsets, [-1] * n_fresh + [s.slot for s in cont])
+        flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(inputs), dtype=np.int64,
                                             count=sum(lengths))).to(dev)  # (N,)
         starts = np.cumsum([0] + lengths[:-1])
         w_tok, w_slot, w_pos = [], [], []
@@ -502,13 +587,14 @@ class NativeRolloutEngine(RolloutEngine):
             n = lengths[p]
             w_tok.append(np.arange(starts[p], starts[p] + n))
             w_slot.append(np.full(n, seq.slot))
-            w_pos.append(np.arange(n))
+            w_pos.append(np.arange(offsets[p], offsets[p] + n))
 
         def t(parts):
             return torch.from_numpy(np.concatenate(parts)).to(dev)
 
         with torch.inference_mode():
-            logits = self.model.prefill(flat, layout, self.cache, t(w_tok), t(w_slot), t(w_pos))  # (P, V)
+            logits = self.model.prefill(flat, layout, self.cache, t(w_tok), t(w_slot), t(w_pos),
+                                        self.attention)  # (P, V)
             logits = logits.index_select(0, torch.tensor(p_idx, device=dev))  # (R, V)
             R = len(admitted)
             keys = torch.tensor([s.key for s in admitted], dtype=torch.int64, device=dev)
@@ -670,8 +756,8 @@ class NativeRolloutEngine(RolloutEngine):
 
     # ---------------------------------------------------------------------------------------------- results
     def _collect(self, finished: list[tuple[_Seq, int]], reason: str | None = None) -> list[Finished]:
-        """Read finished sequences' responses (prefix included) and free their slots. reason: None -> "stop"
-        if the last token is a stop id, else "length"."""
+        """Read finished sequences' responses (prefix included) and free their slots (a session's is retained
+        instead, unless aborted). reason: None -> "stop" if the last token is a stop id, else "length"."""
         if not finished:
             return []
         slots = torch.tensor([s.slot for s, _ in finished], dtype=torch.int64, device=self.device)
@@ -683,6 +769,10 @@ class NativeRolloutEngine(RolloutEngine):
             tk, lp = tk[:n], lp[:n]
             why = reason or (FINISH_STOP if tk[-1] in self._stop_set else FINISH_LENGTH)
             out.append(Finished(seq.request, Sample(token_ids=tk, logprobs=lp, finish_reason=why)))
-            self._free_slots.append(seq.slot)
+            if seq.request.session is not None and why != FINISH_ABORT:
+                # keys/values are in place for the prompt and every response token but the last (never fed back)
+                self._retain(seq.request.session, seq.slot, seq.tokens[:len(seq.tokens) - seq.n_prefix] + tk[:-1])
+            else:
+                self._free_slots.append(seq.slot)
             self._stats["generated_tokens"] += n - seq.n_prefix
         return out

@@ -2,7 +2,9 @@
 
 Two entry points share the per-layer code:
   - `prefill`: packed new tokens of several prompts (N tokens in all); writes their keys/values into the
-    cache slots of every sample of the prompt and returns logits for each prompt's last token only;
+    cache slots of every sample of the prompt and returns logits for each prompt's last token only; a
+    sequence whose slot already holds a prefix (a session's earlier turns) continues its positions and
+    attends to it;
   - `decode`: one token per running sequence (B rows); writes its key/value at (slot, position), attends
     over the sequence's cache, returns logits (B, V). This is what CUDA graphs capture.
 
@@ -125,17 +127,20 @@ class NativeModel:
 
     # ---------------------------------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor, layout: PackedLayout, cache: KVCache, write_token: torch.Tensor,
-                write_slot: torch.Tensor, write_pos: torch.Tensor) -> torch.Tensor:
-        """Prefill packed prompts. tokens (N,); the cache rows (write_slot[j], write_pos[j]) receive the key and
-        value of token write_token[j] (a prompt's tokens go to every slot of its samples).
-        Returns logits (P, V) at each prompt's last token."""
-        positions = layout.pos_in_seq
+                write_slot: torch.Tensor, write_pos: torch.Tensor, attention: str = "torch") -> torch.Tensor:
+        """Prefill packed new tokens of several sequences. tokens (N,), at positions `layout.positions`; the
+        cache rows (write_slot[j], write_pos[j]) receive the key and value of token write_token[j] (a fresh
+        prompt's tokens go to every slot of its samples). Sequences after a cached prefix (layout offsets) attend
+        to their slot's cached keys too, through `attention` ("torch" | "triton"). Returns logits (P, V) at each
+        sequence's last token."""
+        positions = layout.positions
 
         def attend(i, qkv):
             q, k, v = self._split_rope(qkv, positions, self.w.layers[i])
             cache.k[i].index_put_((write_slot, write_pos), k.index_select(0, write_token))
             cache.v[i].index_put_((write_slot, write_pos), v.index_select(0, write_token))
-            return prefill_attention(q, k, v, layout, self.sm_scale).reshape(qkv.shape[0], self.q_size)
+            return prefill_attention(q, k, v, layout, self.sm_scale, cache.k[i], cache.v[i], attention).reshape(
+                qkv.shape[0], self.q_size)
 
         h = self._layers(F.embedding(tokens, self.w.embed), attend)  # (N, D)
         return F.linear(h.index_select(0, layout.last_token), self.w.lm_head)
