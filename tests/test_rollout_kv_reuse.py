@@ -309,7 +309,8 @@ def test_engine_on_gpu_reuse_equals_full_prefill(tiny_model_dir):
 def test_triton_path_in_interpreter(tiny_model_dir):
     """The GPU path (cached-prefix prefill through the decode kernel, fused kernels, Triton sampler) run by
     Triton's CPU interpreter in fp32: with sessions it equals the torch path without them."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    # CPU tensors (the interpreter's), also on a GPU machine
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
