@@ -3,6 +3,8 @@
     python launch/bench/bench_mfu.py [--shapes 0.5b 1.5b 7b] [--seqs 1024 4096] [--steps 3] [--out FILE.json]
     python launch/bench/bench_mfu.py --tiny                      # CPU smoke run on a tiny shape
     python launch/bench/bench_mfu.py --no-peer --peak-tflops 989.4   # Megatron only; the peak given by hand
+    python launch/bench/bench_mfu.py --shapes 0.5b --profile prof/   # + op tables of one more update per case
+    python launch/bench/bench_mfu.py --fused-kernels off             # Megatron without the fused layer kernels
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
