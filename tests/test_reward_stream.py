@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from rlhf_mcore.rewards import RewardScorer
 from rlhf_mcore.rewards.stream import ScoringStream
@@ -89,3 +90,54 @@ def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model
     print(f"\ngenerate + score streamed {together:.2f} s vs in series {gen_s:.2f} + {score_s:.2f} s: "
           f"ratio {ratio:.2f}; scoring left after the last sample {stats['tail_s']:.2f} s")
     assert stats["tail_s"] < score_s
+
+
+def test_reward_model_batches_are_scored_as_they_fill_up(tiny_model_dir, tmp_path):
+    """A reward model on the train engine scores the rollout's samples between engine steps, a micro-batch (2) at a
+    time as they finish, on each rank's own replica (2 processes, rollout TP 1, reward model DP 2): the combined
+    scores equal scoring the same rows after generation exactly, and the reward model ran more than once while
+    the rollout still had requests pending. With reward-model TP 2 across two rollout replicas it cannot stream:
+    the reason is given and it scores after generation (no hang). tests/workers/reward_stream_cases.py."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    policy = tiny_model_dir("qwen2")
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32).save_pretrained(
+        tmp_path / "rm")
+    AutoTokenizer.from_pretrained(policy).save_pretrained(tmp_path / "rm")
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "tests" / "workers" / "reward_stream_cases.py"), "--policy", str(policy),
+                           "--rm", str(tmp_path / "rm"), "--out", str(tmp_path / "out.json")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    got = json.loads((tmp_path / "out.json").read_text())
+
+    s = got["1x1"]
+    print(f"\nreward-model forwards on rank 0: {len(s['calls_during'])}, with requests pending at each: "
+          f"{s['calls_during']}; both ranks: {s['stats']['reward_model/num_streamed_batches']:.0f}")
+    assert s["blocker"] is None
+    assert s["streamed"] == s["after"]  # exactly
+    assert len(set(s["after"])) > len(s["after"]) // 2  # distinct scores: a row scored as another would show
+    assert len(s["calls_during_pending"]) > 1, s["calls_during"]  # rank 0's forwards while generation went on
+    assert s["metrics"]["reward_model/num_scored_after"] == 0  # all streamed
+    assert s["after_metrics"]["reward_model/num_scored_after"] == s["covered"]
+    assert s["stats"]["reward_model/num_streamed_batches"] >= len(s["calls_during"]) + 1  # both replicas' calls
+    assert s["metrics"]["reward_model/num_truncated"] == s["num_truncated"] > 0
+    for k in ("reward_model/score_mean", "reward_model/score_std"):
+        assert s["metrics"][k] == s["after_metrics"][k]
+    assert "tail_s" in s["stats"]
+
+    f = got["2x1"]
+    assert "is not a rollout replica" in f["blocker"] and "tensor_model_parallel_size=1" in f["blocker"]
+    assert f["calls_during"] == [] and "reward_model/num_streamed_batches" not in f["stats"]
+    assert f["metrics"]["reward_model/num_scored_after"] == f["covered"]
+    assert f["streamed"] == pytest.approx(s["after"], abs=1e-4)  # TP 2 scores the same rows alike
