@@ -93,17 +93,25 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     stats: dict[str, float] = {}
     scored = False  # the streaming path scores samples as they finish
     if share and agent_runner is not None:
-        from rlhf_mcore.agents.rollout import trajectory_info
+        from rlhf_mcore.agents.rollout import run_scoring_as_they_finish, trajectory_info
+        from rlhf_mcore.rewards.stream import ScoringStream
 
         if greedy_baseline:
             raise ValueError("a greedy baseline (ReMax) is not available with multi-turn rollouts")
-        trajs = agent_runner.run([list(prompts[i]) for i in share], [meta[i] for i in share], params, keys=share)
+        stream = ScoringStream(scorer) if sub_rank == 0 else None  # each trajectory scored as it finishes
+        trajs = run_scoring_as_they_finish(agent_runner, [list(prompts[i]) for i in share], [meta[i] for i in share],
+                                           params, share, stream, tokenizer)
         for i, per in zip(share, trajs):
             for j, t in enumerate(per):
                 local.append(Row(i, j, list(prompts[i]), t.response_ids, t.logprobs, t.finish_reason,
                                  response_mask=t.response_mask, agent=trajectory_info(t)))
-        if sub_rank == 0:
-            stats = {f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}
+        if stream is not None:
+            scores, stats = stream.finish()
+            for r in local:
+                own = r.agent.get("reward")  # an environment's reward
+                r.score = float(scores[(r.prompt_pos, r.sample)]) if own is None else float(own)
+            stats = {**stats, **{f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}}
+        scored = True
     elif share and getattr(engine, "supports_streaming", False) and not greedy_baseline:
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
         local, stats = _generate_scoring_as_they_finish(engine, scorer if sub_rank == 0 else None, prompts, share,
