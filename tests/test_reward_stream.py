@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from rlhf_mcore.rewards import RewardScorer
 from rlhf_mcore.rewards.stream import ScoringStream
@@ -89,3 +90,101 @@ def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model
     print(f"\ngenerate + score streamed {together:.2f} s vs in series {gen_s:.2f} + {score_s:.2f} s: "
           f"ratio {ratio:.2f}; scoring left after the last sample {stats['tail_s']:.2f} s")
     assert stats["tail_s"] < score_s
+
+
+def test_reward_model_batches_are_scored_as_they_fill_up(tiny_model_dir, tmp_path):
+    """A reward model on the train engine scores the rollout's samples between engine steps, a micro-batch (2) at a
+    time as they finish, on each rank's own replica (2 processes, rollout TP 1, reward model DP 2): the combined
+    scores equal scoring the same rows after generation exactly, and the reward model ran more than once while
+    the rollout still had requests pending. With reward-model TP 2 across two rollout replicas it cannot stream:
+    the reason is given and it scores after generation (no hang). tests/workers/reward_stream_cases.py."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    policy = tiny_model_dir("qwen2")
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32).save_pretrained(
+        tmp_path / "rm")
+    AutoTokenizer.from_pretrained(policy).save_pretrained(tmp_path / "rm")
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "tests" / "workers" / "reward_stream_cases.py"), "--policy", str(policy),
+                           "--rm", str(tmp_path / "rm"), "--out", str(tmp_path / "out.json")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    got = json.loads((tmp_path / "out.json").read_text())
+
+    s = got["1x1"]
+    print(f"\nreward-model forwards on rank 0: {len(s['calls_during'])}, with requests pending at each: "
+          f"{s['calls_during']}; both ranks: {s['stats']['reward_model/num_streamed_batches']:.0f}")
+    assert s["blocker"] is None
+    assert s["streamed"] == s["after"]  # exactly
+    assert len(set(s["after"])) > len(s["after"]) // 2  # distinct scores: a row scored as another would show
+    assert len(s["calls_during_pending"]) > 1, s["calls_during"]  # rank 0's forwards while generation went on
+    assert s["metrics"]["reward_model/num_scored_after"] == 0  # all streamed
+    assert s["after_metrics"]["reward_model/num_scored_after"] == s["covered"]
+    assert s["stats"]["reward_model/num_streamed_batches"] >= len(s["calls_during"]) + 1  # both replicas' calls
+    assert s["metrics"]["reward_model/num_truncated"] == s["num_truncated"] > 0
+    for k in ("reward_model/score_mean", "reward_model/score_std"):
+        assert s["metrics"][k] == s["after_metrics"][k]
+    assert "tail_s" in s["stats"]
+
+    f = got["2x1"]
+    assert "is not a rollout replica" in f["blocker"] and "tensor_model_parallel_size=1" in f["blocker"]
+    assert f["calls_during"] == [] and "reward_model/num_streamed_batches" not in f["stats"]
+    assert f["metrics"]["reward_model/num_scored_after"] == f["covered"]
+    assert f["streamed"] == pytest.approx(s["after"], abs=1e-4)  # TP 2 scores the same rows alike
+
+
+def test_agent_trajectories_are_scored_as_they_finish(tiny_model_dir):
+    """Multi-turn rollouts (agent loops with a tool that sleeps 0-420 ms, so trajectories finish over the whole
+    rollout): each trajectory goes to the reward stream as it finishes. With a reward that sleeps 50 ms an item
+    (4 workers) the scores equal scoring the same trajectories afterwards, and the scoring left after the last
+    trajectory is less than scoring them all afterwards, measured in the same run (ratio printed)."""
+    from agent_helpers import ScriptedEngine, fixture_tokenizer
+
+    from rlhf_mcore.agents import AgentRunner, MultiTurnSettings
+    from rlhf_mcore.agents.runner import TURN_KEY
+    from rlhf_mcore.agents.tools import FunctionTool
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.trainer.rollout_phase import generate_and_score
+
+    def policy(request_id, prompt):
+        turn, traj = request_id % TURN_KEY, request_id // TURN_KEY
+        if turn == 0:
+            return f'<tool_call>{{"name": "nap", "arguments": {{"ms": {60 * (traj % 8)}}}}}</tool_call>'
+        return f"#### {traj}" + "!" * (traj % 5)
+
+    tok, end = fixture_tokenizer(tiny_model_dir("qwen2"), "qwen2")
+    engine = ScriptedEngine(tok, end, policy, step_s=0.002)
+    runner = AgentRunner(engine, tok, MultiTurnSettings(max_assistant_turns=3, tool_workers=32),
+                         {"nap": FunctionTool(lambda ms: time.sleep(ms / 1000) or "ok", "nap", "sleeps ms",
+                                              {"type": "object", "properties": {"ms": {"type": "integer"}}})})
+    msgs = [{"role": "user", "content": "go"}]
+    ids = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    meta = [{"raw_prompt": msgs, "agent_name": "tool_agent", "index": i, "data_source": "s", "ground_truth": "x"}
+            for i in range(8)]
+    params = SamplingParams(n=2, max_new_tokens=200, seed=1)
+    with RewardScorer(slow_fn, num_workers=4, timeout_s=10) as scorer:
+        scorer.score(["s"] * 4, ["warm"] * 4, ["x"] * 4, [None] * 4)  # workers started and the function loaded
+        rows, stats = generate_and_score(engine, scorer, [ids] * 8, meta, params, tok, rollout_tp=1,
+                                         agent_runner=runner)
+        texts = [tok.decode(r.response_ids, skip_special_tokens=True) for r in rows]
+        t0 = time.monotonic()
+        want, _ = scorer.score(["s"] * len(texts), texts, ["x"] * len(texts), [None] * len(texts))
+        after_s = time.monotonic() - t0
+    assert len(rows) == 16 and all(r.agent["tool_calls"] == 1 for r in rows)
+    assert len({r.score for r in rows}) == 3  # the scores vary
+    assert [r.score for r in rows] == want
+    assert stats["num_items"] == 16 and stats["agent/turns/mean"] == 2
+    print(f"\nagent loops: scoring left after the last trajectory {stats['tail_s']:.3f} s, scoring all afterwards "
+          f"{after_s:.3f} s: ratio {stats['tail_s'] / after_s:.2f}")
+    assert stats["tail_s"] < after_s

@@ -6,6 +6,12 @@ The pairs here reject answers the strict reward scores 0 for their format ("####
 accuracy must reach 0.9. (Rejecting a wrong number without a full stop needs the model to compare digits across
 the conversation; from random initialisation it stays near chance in the few hundred steps tried, see
 launch/demo_rm.py, which starts from the SFT warm start.)
+
+Then GRPO with that reward model as the only reward raises the task's true (rule) accuracy: a policy warm-started
+on the synthetic task (one-digit numbers, 70% of the targets ending with the full stop the strict rule rejects)
+copies the number but ends every greedy answer with a full stop; three GRPO steps on the reward model's score
+alone make its held-out greedy answers pass the rule. The same run checks that the trainer scored the reward
+model's batches while the rollout generated.
 """
 import json
 import os
@@ -17,6 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+GRPO_STEPS = 3
 
 
 def launch(*args, check=True):
@@ -77,3 +84,48 @@ def test_preference_file_missing_a_column_is_one_line(tiny_model_dir, tmp_path):
                   tmp_path / "bad.parquet", "--out", tmp_path / "rm", "--device", "cpu", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "lacks column(s) ['rejected']" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def warm_start(tiny_model_dir, tmp_path_factory):
+    """The demo's tiny policy shape, supervised on the synthetic task with one-digit numbers (300 steps of 16: it
+    copies the number in every greedy answer of the held-out split and ends it with a full stop)."""
+    from rlhf_mcore.data import write_synthetic_parquet
+
+    root = tmp_path_factory.mktemp("rm_grpo")
+    write_synthetic_parquet(root / "syn", n=1024, difficulty=0, seed=0, n_test=64, max_operand=9,
+                            period_answers=0.7)
+    policy = tiny_model_dir("qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
+    launch(ROOT / "launch" / "sft.py", "--model", policy, "--train-file", root / "syn" / "train.parquet", "--out",
+           root / "sft", "--steps", "300", "--batch-size", "16", "--lr", "3e-3", "--max-length", "160", "--seed", "1",
+           "trainer.device=cpu")
+    return root
+
+
+def test_grpo_with_the_reward_model_alone_raises_rule_accuracy(trained, warm_start):
+    """GRPO (configs/demo_cpu.yaml, one process) whose only reward is the reward model trained above (rule_weight
+    0), validated greedily by the strict rule on the 64 held-out problems: before the first step -> after step 3
+    measured 0.000 -> 1.000 at seed 1 and at seed 2 (warm start and GRPO both on that seed)."""
+    rm_dir, out = trained[0] / "rm", warm_start / "grpo"
+    launch(ROOT / "launch" / "train.py", "--config", ROOT / "configs" / "demo_cpu.yaml",
+           f"actor_rollout_ref.model.path={warm_start / 'sft'}",
+           f"data.train_files=[{warm_start / 'syn' / 'train.parquet'}]",
+           f"data.val_files=[{warm_start / 'syn' / 'test.parquet'}]", "reward_model.enable=true",
+           f"reward_model.model.path={rm_dir}", "reward_model.micro_batch_size_per_gpu=16",
+           "trainer.n_gpus_per_node=1", f"trainer.default_local_dir={out}",
+           f"trainer.total_training_steps={GRPO_STEPS}", f"trainer.test_freq={GRPO_STEPS}", "trainer.save_freq=-1",
+           "trainer.logger=[jsonl]", "trainer.export_hf_final=false", "trainer.seed=1", "data.seed=1",
+           "trainer.device=cpu")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in records if r["kind"] == "val"]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [v["step"] for v in vals] == [0, GRPO_STEPS], vals
+    before, after = vals[0]["val/synthetic/arithmetic/acc"], vals[-1]["val/synthetic/arithmetic/acc"]
+    print(f"\nrule accuracy (greedy, 64 held-out problems) with the reward model as the only reward: "
+          f"{before:.3f} -> {after:.3f}")
+    assert before <= 0.2 and after >= before + 0.5, (before, after)
+    for r in train:  # the reward model scored every batch as the rollout produced it, none after
+        assert r["reward_model/num_streamed_batches"] >= 128 / 16 and r["reward_model/num_scored_after"] == 0, r
+        assert r["reward_model/num_scored"] == 128
+        assert r["critic/score/mean"] == pytest.approx(r["reward_model/score_mean"], abs=1e-5)
+        assert "timing_s/reward_tail" in r

@@ -7,7 +7,8 @@ from typing import Any, Optional, Sequence
 from rlhf_mcore.agents.runner import AgentRunner, MultiTurnSettings
 from rlhf_mcore.agents.tools import load_tool_config
 
-__all__ = ["settings_from_config", "tools_from_config", "build_agent_runner", "trajectory_info", "agent_metrics"]
+__all__ = ["settings_from_config", "tools_from_config", "build_agent_runner", "trajectory_info", "agent_metrics",
+           "run_scoring_as_they_finish"]
 
 
 def settings_from_config(mt) -> MultiTurnSettings:
@@ -39,6 +40,23 @@ def build_agent_runner(cfg, engine, tokenizer) -> Optional[AgentRunner]:
 
     get_agent(mt.default_agent)  # an unknown name fails at start, with the known ones
     return AgentRunner(engine, tokenizer, settings_from_config(mt), tools_from_config(mt))
+
+
+def run_scoring_as_they_finish(runner: AgentRunner, prompt_ids: Sequence[list[int]], rows: Sequence[dict],
+                               params, keys: Sequence[int], stream, tokenizer) -> list[list[Any]]:
+    """`runner.run(...)`, each trajectory handed to `stream` (a :class:`rlhf_mcore.rewards.stream.ScoringStream`,
+    or None: no scoring) as it finishes, while the other agent loops go on: keyed `(keys[i], j)` for sample j of
+    row i, scored as `tokenizer.decode(response_ids, skip_special_tokens=True)` (tool messages included) against
+    the row's `data_source` / `ground_truth` / `extra_info`, as scoring after the rollout does."""
+    n, row_of = params.n, {k: i for i, k in enumerate(keys)}
+
+    def submit(key: int, t) -> None:
+        row = rows[row_of[key // n]]
+        stream.submit([(key // n, key % n)], [row["data_source"]],
+                      [tokenizer.decode(t.response_ids, skip_special_tokens=True)], [row["ground_truth"]],
+                      [row.get("extra_info")])
+
+    return runner.run(prompt_ids, rows, params, keys=keys, on_trajectory=submit if stream is not None else None)
 
 
 def trajectory_info(t) -> dict[str, Any]:

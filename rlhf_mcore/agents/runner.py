@@ -135,16 +135,20 @@ class AgentRunner:
         self.tools = dict(tools or {})
         self.tool_schemas = [t.schema() for t in self.tools.values()] or None
         self.last_stats: dict[str, float] = {}
+        self._on_trajectory: Optional[Callable[[int, Trajectory], None]] = None
 
     # ------------------------------------------------------------------------------------------------ api
     def run(self, prompt_ids: Sequence[list[int]], rows: Sequence[dict[str, Any]], params: SamplingParams,
-            keys: Optional[Sequence[int]] = None) -> list[list[Trajectory]]:
+            keys: Optional[Sequence[int]] = None,
+            on_trajectory: Optional[Callable[[int, Trajectory], None]] = None) -> list[list[Trajectory]]:
         """`params.n` trajectories per row (row i's prompt: `prompt_ids[i]`); `keys[i]` (default i) keys row i's
-        random streams. Returns them per row, in sample order; `last_stats` holds engine_busy_s and wall_s."""
+        random streams. Returns them per row, in sample order; `last_stats` holds engine_busy_s and wall_s.
+        `on_trajectory(keys[i] * n + j, trajectory)`: called on the event loop's thread as each one finishes."""
         if len(prompt_ids) != len(rows):
             raise ValueError(f"{len(prompt_ids)} prompts for {len(rows)} rows")
         keys = list(range(len(rows))) if keys is None else list(keys)
         params = params.with_stop_ids(self.engine.default_stop_token_ids)
+        self._on_trajectory = on_trajectory
         return asyncio.run(self._main(list(prompt_ids), list(rows), params, keys))
 
     # ------------------------------------------------------------------------------------------------ main
@@ -235,7 +239,10 @@ class AgentRunner:
         finally:
             if getattr(self.engine, "supports_streaming", False):
                 self.engine.release(key)  # the trajectory's KV cache, kept between its turns
-        return traj.finish(check_drift=self.settings.check_drift)
+        out = traj.finish(check_drift=self.settings.check_drift)
+        if self._on_trajectory is not None:
+            self._on_trajectory(key, out)
+        return out
 
     # ------------------------------------------------------------------------------------------- the engine
     async def _request_turn(self, prompt: list[int], max_new_tokens: int, request_id: int, session: int):

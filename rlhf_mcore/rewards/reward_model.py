@@ -28,6 +28,19 @@ accuracy are unchanged by the reward model.
 Every rank holds all rows of a step; each data-parallel replica scores a contiguous share and the scores are
 all-gathered, so every rank ends with the same rewards. With `reward_model.megatron.param_offload` the weights
 live on the host and come to the device only while scoring.
+
+Scoring while the rollout generates (:class:`StreamingBatches`, the synchronous trainer on a streaming engine): the
+finished samples of a rollout replica gather, and every `micro_batch_size_per_gpu` of them are scored at once,
+between two engine steps, by the reward-model replica made of the same ranks; the rest (less than one batch) right
+after the last sample. The rollout is awake meanwhile, as it is for scoring after generation: the reward model's
+weights are on the device all along (it is not in the rollout's offload plan), so the peak memory is the one of
+scoring after generation. This needs every rank of the reward model's model-parallel group to see the same finished
+samples in the same order, which holds exactly when that group is a rollout replica (TP x PP of the reward model =
+`rollout.tensor_model_parallel_size`, the same consecutive ranks). Otherwise, and with `param_offload` (streamed
+batches would copy the weights to the device once per batch instead of once per step), the reward model scores
+after generation and the reason is logged once (:attr:`RewardModelScorer.streaming_blocker`). Metrics:
+`reward_model/num_streamed_batches` (forward calls during generation) and `reward_model/num_scored_after` (rows
+scored after generation); the seconds scoring took after the last sample are in `timing_s/reward_tail`.
 """
 from __future__ import annotations
 
@@ -40,8 +53,8 @@ import torch.distributed as dist
 
 from rlhf_mcore.rewards.errors import RewardError
 
-__all__ = ["RewardModelError", "RewardModelScorer", "build_reward_model", "combine", "rm_token_ids",
-           "check_reward_model_dir", "score_sequences"]
+__all__ = ["RewardModelError", "RewardModelScorer", "StreamingBatches", "build_reward_model", "combine",
+           "rm_token_ids", "check_reward_model_dir", "score_sequences", "streaming_blocker"]
 
 
 class RewardModelError(RewardError):
@@ -96,75 +109,153 @@ def combine(rule_scores: Sequence[float], rm_scores: Sequence[float | None], rew
 
 
 class RewardModelScorer:
-    """A frozen reward model on the train engine and the rules above. Build with :func:`build_reward_model`."""
+    """A frozen reward model on the train engine and the rules above. Build with :func:`build_reward_model`.
+    `streaming_blocker`: why it cannot score during generation (:func:`streaming_blocker`), None when it can."""
 
-    def __init__(self, engine, state, rm_cfg, rm_tokenizer, input_tokenizer=None):
+    def __init__(self, engine, state, rm_cfg, rm_tokenizer, input_tokenizer=None, streaming_blocker: str | None = None):
         self.engine, self.state, self.cfg = engine, state, rm_cfg
         self.rm_tokenizer, self.input_tokenizer = rm_tokenizer, input_tokenizer
         self.offload = bool(rm_cfg.megatron.param_offload)
+        self.streaming_blocker = streaming_blocker
         if self.offload:
             self.engine.offload(params=True)
 
     def covers(self, data_source: str) -> bool:
         return not self.cfg.data_sources or data_source in self.cfg.data_sources
 
-    def inputs(self, rows, items) -> tuple[list[list[int]], int]:
+    def inputs(self, rows, items) -> tuple[list[list[int]], list[bool]]:
         """Token ids for each row (`rows[i].prompt_ids/.response_ids`, `items[rows[i].prompt_pos]["raw_prompt"]`),
-        cut to max_length; and how many were cut."""
-        out, cut = [], 0
+        cut to max_length; and whether each was cut."""
+        out, cut = [], []
         for r in rows:
             ids = rm_token_ids(r.prompt_ids, r.response_ids, items[r.prompt_pos].get("raw_prompt"),
                                input_tokenizer=self.input_tokenizer, rm_tokenizer=self.rm_tokenizer)
-            if self.cfg.max_length is not None and len(ids) > self.cfg.max_length:
-                ids, cut = ids[:self.cfg.max_length], cut + 1
-            out.append(ids)
+            cut.append(self.cfg.max_length is not None and len(ids) > self.cfg.max_length)
+            out.append(ids[:self.cfg.max_length] if cut[-1] else ids)
         return out, cut
 
+    @property
+    def pad_token_id(self) -> int:
+        return self.rm_tokenizer.pad_token_id if self.rm_tokenizer.pad_token_id is not None else 0
+
     def score_ids(self, sequences: list[list[int]]) -> list[float]:
-        """Scores of token sequences (see :func:`score_sequences`)."""
-        pad = self.rm_tokenizer.pad_token_id if self.rm_tokenizer.pad_token_id is not None else 0
-        return score_sequences(self.engine, self.state, sequences, pad, offload=self.offload)
+        """Scores of token sequences, all ranks together (see :func:`score_sequences`)."""
+        return score_sequences(self.engine, self.state, sequences, self.pad_token_id, offload=self.offload)
+
+    def record(self, rows, items) -> None:
+        """Score `rows` (all covered) on this rank's model replica alone, every rank of it with the same rows, and
+        keep each score in the row's `reward_extra["rm_score"]` (`rm_truncated` when its input was cut)."""
+        seqs, cut = self.inputs(rows, items)
+        for r, s, c in zip(rows, forward_scores(self.engine, seqs, self.pad_token_id, offload=self.offload), cut,
+                           strict=True):
+            r.reward_extra["rm_score"] = s
+            if c:
+                r.reward_extra["rm_truncated"] = True
 
     def score_rows(self, rows, items) -> dict[str, float]:
         """Score the rows this reward model covers and set each row's `score` by :func:`combine` (the rule score
-        stays in `reward_extra["acc"]`). Returns `reward_model/*` metrics."""
+        stays in `reward_extra["acc"]`); rows scored while they were generated (`rm_score` already set, the same on
+        every rank) are only combined. All ranks call this together. Returns `reward_model/*` metrics."""
         covered = [r for r in rows if self.covers(items[r.prompt_pos]["data_source"])]
         for r in rows:
             r.reward_extra.setdefault("acc", r.score)
-        metrics = {"reward_model/num_scored": float(len(covered))}
+        todo = [r for r in covered if "rm_score" not in r.reward_extra]
+        metrics = {"reward_model/num_scored": float(len(covered)), "reward_model/num_scored_after": float(len(todo))}
         if not covered:
             return metrics
-        seqs, cut = self.inputs(covered, items)
-        scores = self.score_ids(seqs)
-        for r, s in zip(covered, scores, strict=True):
-            r.reward_extra["rm_score"] = s
+        if todo:
+            seqs, cut = self.inputs(todo, items)
+            for r, s, c in zip(todo, self.score_ids(seqs), cut, strict=True):
+                r.reward_extra["rm_score"] = s
+                if c:
+                    r.reward_extra["rm_truncated"] = True
+        scores = [r.reward_extra["rm_score"] for r in covered]
+        for r, s in zip(covered, scores):
             r.score = combine([r.reward_extra["acc"]], [s], self.cfg.reward_weight, self.cfg.rule_weight)[0]
         metrics.update({"reward_model/score_mean": float(np.mean(scores)),
-                        "reward_model/score_std": float(np.std(scores)), "reward_model/num_truncated": float(cut)})
+                        "reward_model/score_std": float(np.std(scores)),
+                        "reward_model/num_truncated": float(sum("rm_truncated" in r.reward_extra for r in covered))})
         return metrics
+
+
+class StreamingBatches:
+    """A rollout replica's finished samples, scored by the reward model a micro-batch at a time while the rest are
+    generated (module docstring). Every rank of the replica hands in the same rows in the same order."""
+
+    def __init__(self, scorer: RewardModelScorer, items: Sequence[dict]):
+        self.scorer, self.items = scorer, items
+        self.size = scorer.cfg.micro_batch_size_per_gpu or 1
+        self.pending: list = []
+        self.num_batches = 0  # forward calls made
+
+    def add(self, rows) -> None:
+        """Rows that just finished: the covered ones wait; every full batch is scored now."""
+        self.pending += [r for r in rows if self.scorer.covers(self.items[r.prompt_pos]["data_source"])]
+        while len(self.pending) >= self.size:
+            batch, self.pending = self.pending[:self.size], self.pending[self.size:]
+            self._score(batch)
+
+    def flush(self) -> None:
+        """After the last sample: score what is left (less than one batch)."""
+        if self.pending:
+            batch, self.pending = self.pending, []
+            self._score(batch)
+
+    def _score(self, rows) -> None:
+        self.scorer.record(rows, self.items)
+        self.num_batches += 1
+
+
+def streaming_blocker(state, rollout_tp: int, offload: bool) -> str | None:
+    """Why a reward model on `state`'s layout cannot score batches between the rollout's engine steps, or None when
+    it can: with `offload` (its weights on the host), or when its model-parallel group (TP x PP) is not one rollout
+    replica (`rollout_tp` consecutive ranks). All ranks call this together (one gather over the CPU group), so all
+    give the same answer."""
+    if offload:
+        return ("reward_model.megatron.param_offload=true keeps the reward model's weights on the host during "
+                "generation: it scores once after generation (one copy of the weights to the device, not one per "
+                "micro-batch)")
+    if state is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    group = sorted(dist.get_process_group_ranks(state.mp_group))
+    replica = state.rank // rollout_tp
+    mine = group == list(range(replica * rollout_tp, (replica + 1) * rollout_tp))
+    everyone: list = [None] * dist.get_world_size(state.cpu_group)
+    dist.all_gather_object(everyone, mine, group=state.cpu_group)
+    if all(everyone):
+        return None
+    return (f"the reward model's model-parallel group (TP {state.dims.tp} x PP {state.dims.pp}) is not a rollout "
+            f"replica (actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} consecutive ranks), so its "
+            f"ranks do not see the same finished samples at the same time: it scores after generation")
+
+
+def forward_scores(engine, sequences: list[list[int]], pad_token_id: int, *, offload: bool = False) -> list[float]:
+    """Scores of `sequences` by one model replica (its ranks all call this with the same list), padded to whole
+    micro-batches (the extra rows dropped). `offload`: the parameters come to the device for this call only."""
+    from rlhf_mcore.engine.reward_engine import sequence_batch
+
+    if not sequences:
+        return []
+    local = list(sequences)
+    multiple = engine.cfg.fwd_micro_batch_size * (engine.state.dims.pp if len(engine.modules) > 1 else 1)
+    local += [local[-1]] * (-len(local) % multiple)
+    if offload:
+        engine.onload(params=True)
+    try:
+        return [float(x) for x in engine.compute_scores(sequence_batch(local, pad_token_id))[:len(sequences)].tolist()]
+    finally:
+        if offload:
+            engine.offload(params=True)
 
 
 def score_sequences(engine, state, sequences: list[list[int]], pad_token_id: int, *,
                     offload: bool = False) -> list[float]:
     """Scores of token sequences by a reward engine, all ranks together (every rank passes the same list; each
-    data-parallel replica scores a contiguous share, padded to whole micro-batches); every rank returns all
-    scores. `offload`: the engine's parameters are on the host, brought to the device for this call only."""
-    from rlhf_mcore.engine.reward_engine import sequence_batch
-
+    data-parallel replica scores a contiguous share, :func:`forward_scores`); every rank returns all scores.
+    `offload`: the engine's parameters are on the host, brought to the device for this call only."""
     dims = state.dims
     share = np.array_split(np.arange(len(sequences)), dims.dp)[state.dp_rank].tolist()
-    mine: list[float] = []
-    if share:
-        local = [sequences[i] for i in share]
-        multiple = engine.cfg.fwd_micro_batch_size * (dims.pp if len(engine.modules) > 1 else 1)
-        local += [local[-1]] * (-len(local) % multiple)  # whole micro-batches; the extra rows are dropped
-        if offload:
-            engine.onload(params=True)
-        try:
-            mine = [float(x) for x in engine.compute_scores(sequence_batch(local, pad_token_id))[:len(share)].tolist()]
-        finally:
-            if offload:
-                engine.offload(params=True)
+    mine = forward_scores(engine, [sequences[i] for i in share], pad_token_id, offload=offload)
     if dims.dp == 1:
         return mine
     parts: list = [None] * dist.get_world_size(state.cpu_group)
@@ -210,4 +301,6 @@ def build_reward_model(cfg, state, policy_tokenizer) -> RewardModelScorer:
     ecfg = EngineConfig(role="reward", micro_batch_size=micro, use_remove_padding=rm.model.use_remove_padding,
                         seed=rm.megatron.seed)
     engine = RewardEngine(chunks, state, ecfg, None, hf_dir=rm.model.path, param_offload=rm.megatron.param_offload)
-    return RewardModelScorer(engine, state, rm, rm_tok, input_tok)
+    blocker = streaming_blocker(state, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                                bool(rm.megatron.param_offload))
+    return RewardModelScorer(engine, state, rm, rm_tok, input_tok, streaming_blocker=blocker)

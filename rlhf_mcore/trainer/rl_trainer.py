@@ -84,6 +84,7 @@ class RLTrainer:
         self.ref = roles.build_reference(cfg, self.state) if reference_enabled(cfg) else None
         self.critic = roles.build_critic(cfg, self.state, self.total_steps) if critic_enabled(cfg) else None
         self.reward_model = roles.build_reward_model(cfg, self.state, self.tokenizer)  # None unless enabled
+        self.told_rm_blocker = False  # why the reward model cannot stream: logged once
         self.prime = roles.build_prime(cfg, self.state, self.total_steps)  # None unless reward_manager=prime
         self.prime_metrics: dict[str, float] = {}
         self.rollout = roles.build_rollout(cfg, self.state) if pools is None else None
@@ -186,11 +187,27 @@ class RLTrainer:
         rows, stats = generate_and_score(
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
-            greedy_baseline=self.estimator.needs_greedy_baseline, agent_runner=self.agents)
-        rm_metrics = self.reward_model.score_rows(rows, items) if self.reward_model is not None else {}
+            greedy_baseline=self.estimator.needs_greedy_baseline, agent_runner=self.agents,
+            reward_model=self.streaming_reward_model())
+        metrics = reward_metrics(stats)
+        if self.reward_model is not None:  # what the stream left (all of it when it could not stream) is scored now
+            t0 = time.monotonic()
+            metrics.update(self.reward_model.score_rows(rows, items))
+            if "timing_s/reward_tail" in metrics:  # ... and is scoring left after the last sample
+                metrics["timing_s/reward_tail"] += time.monotonic() - t0
         add_overlong_penalty(rows, cfg, baseline=self.estimator.needs_greedy_baseline)
-        agent_metrics = {k: v for k, v in stats.items() if k.startswith("agent/")}
-        return rows, {**reward_metrics(stats), **rm_metrics, **agent_metrics}
+        metrics.update({k: v for k, v in stats.items() if k.startswith(("agent/", "reward_model/"))})
+        return rows, metrics
+
+    def streaming_reward_model(self):
+        """The reward model when it can score batches during generation (reward_model.StreamingBatches), else None;
+        the reason it cannot is logged at the first step."""
+        blocker = getattr(self.reward_model, "streaming_blocker", "a judge scores after generation")
+        if self.reward_model is not None and blocker is not None and not self.told_rm_blocker:
+            self.told_rm_blocker = True
+            if self.logger is not None:
+                self.logger.text(f"the reward model does not score while the rollout generates: {blocker}")
+        return self.reward_model if blocker is None else None
 
     def sample_informative_groups(self, first_ids: list[int]) -> tuple[list[list[int]], list[Row], dict[str, float]]:
         """Dynamic sampling: generate data.gen_batch_size prompts at a time, keeping the groups whose

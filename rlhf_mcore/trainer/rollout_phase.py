@@ -72,13 +72,18 @@ def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, i
 
 def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Sequence[dict[str, Any]],
                        params: SamplingParams, tokenizer, *, rollout_tp: int, group=None,
-                       greedy_baseline: bool = False, agent_runner=None) -> tuple[list[Row], dict[str, float]]:
+                       greedy_baseline: bool = False, agent_runner=None,
+                       reward_model=None) -> tuple[list[Row], dict[str, float]]:
     """Generate ``params.n`` samples for every prompt (all ranks call this together) and score them.
 
     ``meta[i]`` holds ``data_source``, ``ground_truth`` and ``extra_info`` of prompt ``i``. Returns all rows of
     all prompts, ordered by (prompt, sample), on every rank, plus the scorer's counters.
     ``agent_runner`` (multi-turn, :mod:`rlhf_mcore.agents`): rows are agent-loop trajectories with their response
     masks; a trajectory that scored itself (an environment) keeps its reward.
+    ``reward_model`` (a :class:`rlhf_mcore.rewards.reward_model.RewardModelScorer` that can stream, i.e. whose
+    `streaming_blocker` is None): on the streaming path its micro-batches are scored as samples finish, each
+    score kept in the row's `reward_extra["rm_score"]` for its `score_rows` to combine; stats then count the
+    forward calls (`reward_model/num_streamed_batches`, summed over rollout replicas). Elsewhere it is unused.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -88,21 +93,29 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     stats: dict[str, float] = {}
     scored = False  # the streaming path scores samples as they finish
     if share and agent_runner is not None:
-        from rlhf_mcore.agents.rollout import trajectory_info
+        from rlhf_mcore.agents.rollout import run_scoring_as_they_finish, trajectory_info
+        from rlhf_mcore.rewards.stream import ScoringStream
 
         if greedy_baseline:
             raise ValueError("a greedy baseline (ReMax) is not available with multi-turn rollouts")
-        trajs = agent_runner.run([list(prompts[i]) for i in share], [meta[i] for i in share], params, keys=share)
+        stream = ScoringStream(scorer) if sub_rank == 0 else None  # each trajectory scored as it finishes
+        trajs = run_scoring_as_they_finish(agent_runner, [list(prompts[i]) for i in share], [meta[i] for i in share],
+                                           params, share, stream, tokenizer)
         for i, per in zip(share, trajs):
             for j, t in enumerate(per):
                 local.append(Row(i, j, list(prompts[i]), t.response_ids, t.logprobs, t.finish_reason,
                                  response_mask=t.response_mask, agent=trajectory_info(t)))
-        if sub_rank == 0:
-            stats = {f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}
+        if stream is not None:
+            scores, stats = stream.finish()
+            for r in local:
+                own = r.agent.get("reward")  # an environment's reward
+                r.score = float(scores[(r.prompt_pos, r.sample)]) if own is None else float(own)
+            stats = {**stats, **{f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}}
+        scored = True
     elif share and getattr(engine, "supports_streaming", False) and not greedy_baseline:
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
         local, stats = _generate_scoring_as_they_finish(engine, scorer if sub_rank == 0 else None, prompts, share,
-                                                        meta, params, tokenizer, caps)
+                                                        meta, params, tokenizer, caps, reward_model)
         scored = True
     elif share:
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
@@ -159,15 +172,21 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
 
 
 def _generate_scoring_as_they_finish(engine, scorer, prompts, share: list[int], meta, params: SamplingParams,
-                                     tokenizer, caps) -> tuple[list[Row], dict]:
+                                     tokenizer, caps, reward_model=None) -> tuple[list[Row], dict]:
     """RewardLoop on a streaming engine: every sample is handed to the reward scorer as it finishes, while the
     engine keeps generating the rest (:class:`rlhf_mcore.rewards.stream.ScoringStream`); `scorer=None` on ranks
-    that do not score (a rollout replica's other TP ranks). Stats carry `tail_s`, the scoring left after the last
-    sample finished."""
+    that do not score (a rollout replica's other TP ranks). `reward_model`: its batches are scored between engine
+    steps as they fill up, on every rank of the replica (:class:`rlhf_mcore.rewards.reward_model.StreamingBatches`).
+    Stats carry `tail_s`, the scoring (rule and reward model) left after the last sample finished."""
     from rlhf_mcore.rewards.stream import ScoringStream
     from rlhf_mcore.rollout.base import Request
 
     stream = ScoringStream(scorer) if scorer is not None else None
+    batches = None
+    if reward_model is not None:
+        from rlhf_mcore.rewards.reward_model import StreamingBatches
+
+        batches = StreamingBatches(reward_model, meta)
     rows: dict[tuple[int, int], Row] = {}
     engine.open_stream(params)
     try:
@@ -185,14 +204,20 @@ def _generate_scoring_as_they_finish(engine, scorer, prompts, share: list[int], 
                 stream.submit([(r.prompt_pos, r.sample) for r in new], [x["data_source"] for x in m],
                               [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in new],
                               [x["ground_truth"] for x in m], [x.get("extra_info") for x in m])
+            if batches is not None and new:  # between engine steps: the rollout waits for full batches only
+                batches.add(new)
     finally:
         engine.close_stream()
+    if batches is not None:
+        batches.flush()
     local = [rows[k] for k in sorted(rows)]
     if stream is None:
         return local, {}
     scores, stats = stream.finish()
     for r in local:
         r.score = float(scores[(r.prompt_pos, r.sample)])
+    if batches is not None:
+        stats["reward_model/num_streamed_batches"] = float(batches.num_batches)
     return local, stats
 
 
