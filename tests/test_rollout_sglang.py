@@ -65,6 +65,8 @@ def engine(fake_sglang_module, tiny_model_dir):
 
 def test_engine_construction_and_generate_translation(fake_sglang_module, tiny_model_dir, monkeypatch):
     fake_sglang_module("0.5.23")
+    # a CPU layout (the fake engine runs anywhere); on a GPU machine rank 0's GPU 0 is not base_gpu_id 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "3")
     d = tiny_model_dir("qwen2")
     engine = build_rollout_engine("sglang", d, base_gpu_id=3, max_model_len=64, port_base=40000, **NO_GPU)
@@ -282,7 +284,8 @@ def test_one_engine_per_tp_group(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
            str(ROOT / "tests" / "workers" / "sglang_tp_cases.py"), "--model", str(tiny_model_dir("qwen2")),
            "--out", str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # CPU ranks (gloo), also on a GPU machine: 4 ranks on fewer GPUs would share one, which the layout check refuses
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads((tmp_path / "results.json").read_text())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -125,10 +126,19 @@ def accepts(fn: ast.FunctionDef, keywords: tuple[str, ...]) -> str | None:
     return f"required parameter(s) {missing} not passed" if missing else None
 
 
+def wheel_cache(request) -> Path:
+    """pytest's cache directory for the wheels; a temporary one when the cache plugin is off (-p no:cacheprovider)."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir("sglang_wheels"))
+    path = Path(tempfile.gettempdir()) / "rlhf_mcore_sglang_wheels"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="module", params=VERSIONS)
 def sglang_sources(request):
-    cache = Path(request.config.cache.mkdir("sglang_wheels"))
-    return request.param, Sources(download_wheel(request.param, cache))
+    return request.param, Sources(download_wheel(request.param, wheel_cache(request)))
 
 
 def test_engine_methods(sglang_sources):
@@ -174,7 +184,7 @@ def test_output_format_names(sglang_sources):
 
 def test_version_before_the_minimum_lacks_sampling_seed(request):
     """Why SGLANG_MIN_VERSION is 0.5.3: 0.5.2's SamplingParams has no `sampling_seed`."""
-    src = Sources(download_wheel("0.5.2", Path(request.config.cache.mkdir("sglang_wheels"))))
+    src = Sources(download_wheel("0.5.2", wheel_cache(request)))
     assert "sampling_seed" not in sampling_params_fields(src)
     assert Version("0.5.2") < Version(SGLANG_MIN_VERSION)
 
@@ -182,7 +192,7 @@ def test_version_before_the_minimum_lacks_sampling_seed(request):
 def test_subprocess_watchdog_is_where_shutdown_looks(request):
     """`shutdown` stops `engine.tokenizer_manager._subprocess_watchdog` (it would SIGQUIT the trainer when the
     engine's processes end); it exists in the newest version."""
-    src = Sources(download_wheel(SGLANG_NEWEST_CHECKED, Path(request.config.cache.mkdir("sglang_wheels"))))
+    src = Sources(download_wheel(SGLANG_NEWEST_CHECKED, wheel_cache(request)))
     assert "tokenizer_manager._subprocess_watchdog = " in src.zip.read("sglang/srt/entrypoints/engine.py").decode()
     assert "stop" in methods(src.cls("sglang/srt/utils/watchdog.py", "SubprocessWatchdog"))
 

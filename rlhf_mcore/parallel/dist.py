@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -107,12 +106,6 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device: str = "auto",
                      seed: int = 1, timeout_minutes: int = 30) -> ParallelState:
     """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's parallel state."""
@@ -125,9 +118,13 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
 
     from rlhf_mcore.lifetime import tie_helpers_to_this_process
 
-    if "RANK" not in os.environ:  # plain `python launch/x.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    # a world of one (plain `python launch/x.py`, or torchrun with one process) rendezvouses in-process: no port
+    # to pick (a free port can be taken by another job between the pick and the bind)
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if alone:
+        for key in ("RANK", "LOCAL_RANK"):
+            os.environ.setdefault(key, "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
     tie_helpers_to_this_process()  # helpers that Megatron / multiprocessing start die with this process
     dev = pick_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -137,7 +134,11 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
         from rlhf_mcore.parallel import cpu_compat
         cpu_compat.enable(hide_gpus=torch.cuda.device_count() > 0)  # too few GPUs for the world, or device=cpu
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if alone:
+            dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
     dims = ParallelDims.from_world(world, tp, pp, vpp)
     if mpu.model_parallel_is_initialized():
