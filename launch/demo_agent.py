@@ -87,11 +87,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/agent_demo", help="where everything goes")
     ap.add_argument("--digits", type=int, default=2, help="digits per operand of the multiply task")
+    ap.add_argument("--call-fraction", type=float, default=0.5,
+                    help="share of SFT targets that call the calculator (the rest guess a wrong product)")
     ap.add_argument("--n-train", type=int, default=2048, help="training prompts (SFT and GRPO)")
     ap.add_argument("--n-test", type=int, default=64, help="held-out prompts")
     ap.add_argument("--hidden", type=int, default=128, help="tiny model width")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--sft-steps", type=int, default=700)
+    ap.add_argument("--sft-batch-size", type=int, default=16)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--sft-model", default=None, help="reuse this warm start (a Hugging Face directory) instead of "
                                                       "running step 3")
@@ -114,7 +117,8 @@ def main() -> int:
                         init_std=0.02)
     data = out / "data"
     print(f"[2/6] writing the multiply task ({args.digits} digits) to {data}", flush=True)
-    write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits)
+    write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits,
+                           call_fraction=args.call_fraction)
 
     cfg = load_config(ROOT / CONFIG, list(args.overrides))
     rollout = cfg.actor_rollout_ref.rollout
@@ -126,7 +130,7 @@ def main() -> int:
     else:
         print(f"[3/6] supervised warm start -> {sft}", flush=True)
         run(launch("sft.py", "--model", str(tiny), "--train-file", str(data / "train.parquet"), "--out", str(sft),
-                   "--steps", str(args.sft_steps), "--batch-size", "32", "--lr", str(args.sft_lr), "--max-length",
+                   "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size), "--lr", str(args.sft_lr), "--max-length",
                    str(cfg.data.max_prompt_length + max_response), "--seed", str(args.seed), "--tools", TOOLS,
                    "trainer.device=cpu"))
 
@@ -148,6 +152,8 @@ def main() -> int:
     print("[6/6] held-out tool use after GRPO", flush=True)
     after = evaluate(grpo / "hf_final", out_jsonl=out / "eval_grpo.jsonl", **ev)
     print("\n" + table(before, after))
+    (out / "summary.json").write_text(json.dumps({"after_sft": before, "after_grpo": after,
+                                                  "seconds": round(time.time() - t0, 1)}, indent=1))
     print(f"\ndone in {time.time() - t0:.0f} s. Outputs: {out} (eval_*.jsonl: the scored trajectories; "
           f"grpo/metrics.jsonl: the training curve)")
     return 0
