@@ -2,14 +2,14 @@
 
 - `gsm8k_tool`: GSM8K rows (as `rlhf_mcore.data.preprocess`) whose prompt invites the calculator, as veRL's
   GSM8K multi-turn example; scored by the GSM8K reward (`openai/gsm8k`).
-- `multiply`: "What is 483920 * 771245? Use the calculator. ..." with two 6-digit numbers: a tiny model cannot multiply, so the reward
-  needs the calculator. The SFT target `extra_info.messages` is the whole exchange: the model's call, the
-  calculator's answer (a tool message) and the model's "#### N" (launch/sft.py puts the loss on the model's
-  turns only); `extra_info.answer` is the first turn alone (the call). Scored by the GSM8K strict reward
-  (`synthetic/arithmetic`: "#### N"). `call_fraction` < 1 makes the rest of the SFT targets a direct answer without
-  the tool, "#### M" with M a wrong product of the same number of digits (the prompt and ground truth unchanged): a
-  warm start on that mix calls the calculator in about `call_fraction` of its samples and is wrong otherwise, so
-  an RL run has a choice to learn (call or guess) at the first token of the response.
+- `multiply`: "What is 483920 * 771245? Use the calculator. ..." with two 6-digit numbers (`digits`): a tiny
+  model cannot multiply, so the reward needs the calculator. The SFT target `extra_info.messages` is the whole
+  exchange: the model's call, the calculator's answer (a tool message) and the model's "#### N" (launch/sft.py
+  puts the loss on the model's turns only); `extra_info.answer` is the first turn alone (the call). Scored by
+  the GSM8K strict reward (`synthetic/arithmetic`: "#### N"). `call_fraction` < 1 makes the rest of the SFT
+  targets a direct answer without the tool, "#### M" with M a wrong product of the same number of digits (the
+  prompt and ground truth unchanged): a warm start on that mix calls the calculator in about `call_fraction` of
+  its samples and is wrong otherwise, so an RL run has a choice to learn (call or guess) at the first token.
 """
 from __future__ import annotations
 
