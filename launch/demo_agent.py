@@ -1,16 +1,32 @@
-"""Multi-turn GRPO with the calculator on CPU: does RL raise the reward and the rate of correct tool use?
+"""Multi-turn GRPO with the calculator on CPU: RL raises the reward and the rate of correct tool use.
 
 1. build a tiny Qwen2-shaped model (random weights) if missing;
-2. write the `multiply` tool task ("What is 47 * 83?", `agent_name: tool_agent`) with `--digits` digits;
-3. a supervised warm start on the whole exchange (the call, the calculator's answer, "#### N"; the loss on the
-   model's turns only), short enough that the model has the call format but still copies digits wrongly;
+2. write the `multiply` tool task ("What is 47 * 83? Use the calculator. ...", `agent_name: tool_agent`) with
+   `--digits` digits, where `--call-fraction` of the SFT targets are the whole tool exchange (the call, the
+   calculator's answer, "#### N") and the rest answer at once with a wrong product of the right length;
+3. a supervised warm start on that mix (the loss on the model's turns only): the model learns the call format
+   and to copy the operands and the calculator's answer, and calls the calculator in about `--call-fraction` of
+   its samples; it guesses (and is wrong) in the rest. The choice is made at the first token of the response;
 4. measure on the held-out prompts (`--eval-samples` sampled trajectories each, at the training temperature);
-5. GRPO (launch/train.py --config configs/demo_agent_cpu.yaml) on the training prompts;
+5. GRPO (launch/train.py --config configs/demo_agent_cpu.yaml) on the training prompts: in a group of 8 samples
+   the calls that copy right score 1 and the guesses 0, so the policy moves towards calling;
 6. measure again and print the before/after table: mean reward (GSM8K strict score of the final "#### N"), and
    the share of trajectories with a well-formed calculator call, with the question's exact operands in the
-   call, and with the right final answer.
+   call, and with the right final answer (also written to OUT/summary.json).
 
-    python launch/demo_agent.py [--digits 2] [--sft-steps 700] [--grpo-steps 20] [--out outputs/agent_demo]
+    python launch/demo_agent.py [--digits 2] [--call-fraction 0.7] [--sft-steps 1000] [--grpo-steps 15]
+
+Measured with the defaults (2 digits, 70% calls, 1000 SFT steps of 16 at lr 3e-3, 15 GRPO steps of 8 prompts x 8
+samples at T=1.0, lr 3e-4; 64 held-out prompts x 4 samples), after SFT -> after GRPO:
+--seed 2: mean reward 0.516 -> 0.773, calculator calls 0.629 -> 0.938, exact operands 0.629 -> 0.934 (about 100 s
+after a 4-minute warm start). Not robust yet: at --seed 1 the warm start copies the operands (0.664 -> 0.766) but
+never the calculator's answer (reward 0 -> 0); with --call-fraction 0.5, seed 1 gives reward 0.402 -> 0.691 and
+operands 0.477 -> 0.840, seed 2 copies nothing (reward 0).
+What did not work: a warm start on calls only (every target calls) leaves nothing to choose: at 700 SFT steps on
+the full-length prompt it is right in 0.79 of samples and GRPO lowers it (0.69), at 550 steps the entropy is 0.04
+and groups rarely disagree (0.535 -> 0.539); 6-digit operands are never copied right (reward 0 everywhere); a
+prompt that spells out the call format delays operand copying past 1000 SFT steps; with 50% calls the copying is
+learned at 1000 SFT steps for one seed and not at all for another.
 
 Every process runs single-threaded (OMP_NUM_THREADS=1) with fixed seeds, one at a time.
 """
@@ -87,11 +103,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/agent_demo", help="where everything goes")
     ap.add_argument("--digits", type=int, default=2, help="digits per operand of the multiply task")
+    ap.add_argument("--call-fraction", type=float, default=0.7,
+                    help="share of SFT targets that call the calculator (the rest guess a wrong product)")
     ap.add_argument("--n-train", type=int, default=2048, help="training prompts (SFT and GRPO)")
     ap.add_argument("--n-test", type=int, default=64, help="held-out prompts")
     ap.add_argument("--hidden", type=int, default=128, help="tiny model width")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=700)
+    ap.add_argument("--sft-steps", type=int, default=1000)
+    ap.add_argument("--sft-batch-size", type=int, default=16)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--sft-model", default=None, help="reuse this warm start (a Hugging Face directory) instead of "
                                                       "running step 3")
@@ -114,7 +133,8 @@ def main() -> int:
                         init_std=0.02)
     data = out / "data"
     print(f"[2/6] writing the multiply task ({args.digits} digits) to {data}", flush=True)
-    write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits)
+    write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits,
+                           call_fraction=args.call_fraction)
 
     cfg = load_config(ROOT / CONFIG, list(args.overrides))
     rollout = cfg.actor_rollout_ref.rollout
@@ -126,9 +146,9 @@ def main() -> int:
     else:
         print(f"[3/6] supervised warm start -> {sft}", flush=True)
         run(launch("sft.py", "--model", str(tiny), "--train-file", str(data / "train.parquet"), "--out", str(sft),
-                   "--steps", str(args.sft_steps), "--batch-size", "32", "--lr", str(args.sft_lr), "--max-length",
-                   str(cfg.data.max_prompt_length + max_response), "--seed", str(args.seed), "--tools", TOOLS,
-                   "trainer.device=cpu"))
+                   "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size), "--lr", str(args.sft_lr),
+                   "--max-length", str(cfg.data.max_prompt_length + max_response), "--seed", str(args.seed),
+                   "--tools", TOOLS, "trainer.device=cpu"))
 
     print("[4/6] held-out tool use after the warm start", flush=True)
     ev = dict(test_file=data / "test.parquet", samples=args.eval_samples, temperature=rollout.temperature,
@@ -148,6 +168,8 @@ def main() -> int:
     print("[6/6] held-out tool use after GRPO", flush=True)
     after = evaluate(grpo / "hf_final", out_jsonl=out / "eval_grpo.jsonl", **ev)
     print("\n" + table(before, after))
+    (out / "summary.json").write_text(json.dumps({"after_sft": before, "after_grpo": after,
+                                                  "seconds": round(time.time() - t0, 1)}, indent=1))
     print(f"\ndone in {time.time() - t0:.0f} s. Outputs: {out} (eval_*.jsonl: the scored trajectories; "
           f"grpo/metrics.jsonl: the training curve)")
     return 0

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     multiply.add_argument("--n-test", type=int, default=None, help="test rows (default: n // 10)")
     multiply.add_argument("--digits", type=int, default=6)
     multiply.add_argument("--seed", type=int, default=0)
+    multiply.add_argument("--call-fraction", type=float, default=1.0,
+                          help="share of SFT targets that call the calculator; the rest guess a wrong product")
     multiply.add_argument("--output-dir", default="~/data/multiply")
     return parser
 
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.task == "gsm8k_tool":
                 return preprocess_gsm8k_tool(args.input_dir, args.output_dir)
-            return write_multiply_parquet(args.output_dir, args.n, args.seed, args.n_test, args.digits)
+            return write_multiply_parquet(args.output_dir, args.n, args.seed, args.n_test, args.digits,
+                                          args.call_fraction)
         return write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
                                        max_operand=args.max_operand)
 
