@@ -2,6 +2,7 @@
 
     python launch/bench/bench_ppo_step.py --workload gsm8k_ppo [--steps 1] [--profile] [--out FILE.json]
     python launch/bench/bench_ppo_step.py --workload trl_grpo  [--steps 2] [--out FILE.json]
+    python launch/bench/bench_ppo_step.py --workload trl_grpo_7b --steps 1   # a whole 7B GRPO step, one H200
     python launch/bench/bench_ppo_step.py --workload gsm8k_ppo --tiny            # CPU smoke run on a tiny shape
 
 What runs: `rlhf_mcore.trainer.RLTrainer`, unchanged, on one GPU, for 1 warm-up step + `--steps` timed steps
@@ -26,6 +27,9 @@ Workloads:
   model, one optimizer step a step) on configs/gsm8k_grpo_qwen2.5_0.5b.yaml with those overrides and the same
   model with a vocabulary of 8,192 (as TRL was measured); responses run to 256 tokens for the same reason.
   launch/bench/bench_trl.py runs TRL's GRPOTrainer on the same model directory and prompts.
+- `trl_grpo_7b`: the same workload at the Qwen2.5-7B shape (vocabulary 152,064) with the one-GPU memory plan
+  (`rollout.sleep_level=2`, the actor's gradients and optimizer state offloaded while it generates, full
+  recomputation, 4k-token micro-batches); the report's per-step `peak_mem_gib` is the trainer's own peak.
 
 Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rollout/reward`, `rollout/offload`
 + `rollout/onload` (training state off/on the GPU around generation; only
@@ -59,6 +63,19 @@ WORKLOADS = {
         "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8", "data.max_response_length=256",
         "actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.rollout.max_num_seqs=512"]},
+    # TRL's workload at the 7B shape on one H200, with the memory plan bench_memory.py --measure validated phase by
+    # phase: the rollout sleeps at level 2 (weights dropped, re-sent at the next wake), the actor's gradients and
+    # optimizer state leave the GPU while it generates, full activation recomputation, 4k-token micro-batches
+    "trl_grpo_7b": {"config": "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "vocab": None, "shape": "qwen2.5-7b",
+                    "overrides": [
+        "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8", "data.max_response_length=256",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.rollout.max_num_seqs=512", "actor_rollout_ref.rollout.sleep_level=2",
+        "actor_rollout_ref.actor.megatron.grad_offload=true", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"]},
 }
 # the CPU smoke run: same code, tiny everything
 TINY_OVERRIDES = {
@@ -72,6 +89,7 @@ TINY_OVERRIDES = {
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024"],
 }
+TINY_OVERRIDES["trl_grpo_7b"] = TINY_OVERRIDES["trl_grpo"]
 
 
 def _sync():
@@ -245,7 +263,7 @@ def main(argv=None) -> dict:
 
     w = WORKLOADS[args.workload]
     vocab = {"vocab_size": w["vocab"]} if w["vocab"] else {}
-    s = get_shape("tiny" if args.tiny else "qwen2.5-0.5b", **({} if args.tiny else vocab))
+    s = get_shape("tiny" if args.tiny else w.get("shape", "qwen2.5-0.5b"), **({} if args.tiny else vocab))
     on_gpu = torch.cuda.is_available()
     tmp = tempfile.TemporaryDirectory(prefix="bench_step_")
     model_dir = Path(args.model_dir or Path(tmp.name) / "model")
