@@ -100,6 +100,9 @@ BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rol
       "reward_model.model.path=/rm"], 2, ["reward_model.enable", "rollout pool"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
+      "actor_rollout_ref.rollout.multi_turn.enable=true"], 2,
+     ["multi_turn.enable=true", "not fully_async", "partial rollout", "tool calls", "mode=one_step_off"]),
 ])
 def test_async_config_errors(overrides, world, fragments):
     base = BASE
@@ -116,6 +119,8 @@ def test_async_config_accepted_layouts():
                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2
     validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
                                               "async_training.require_batches=2"]), 2)
+    validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
+                                              "actor_rollout_ref.rollout.multi_turn.enable=true"]), 2)  # agent loops
 
 
 # ------------------------------------------------------------------------------------------------ partial rollout

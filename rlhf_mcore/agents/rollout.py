@@ -67,9 +67,10 @@ def trajectory_info(t) -> dict[str, Any]:
 
 
 def agent_metrics(infos: Sequence[dict], runner_stats: Optional[dict] = None) -> dict[str, float]:
-    """`agent/*`: turns and tool calls per trajectory (mean / max), tool error counts by kind, tool seconds,
-    trajectories stopped by the turn or the length limit, template drift, the engine's busy fraction and (streaming
-    engines) the prompt tokens it prefilled and those it reused from a trajectory's kept KV cache."""
+    """`agent/*`: turns and tool calls per trajectory (mean / max), model and message tokens per trajectory
+    (mean), tool error counts by kind, tool seconds, trajectories stopped by the turn or the length limit, template
+    drift, the engine's busy fraction and (streaming engines) the prompt tokens it prefilled and those it reused
+    from a trajectory's kept KV cache."""
     infos = [i for i in infos if i]
     if not infos:
         return {}
@@ -84,6 +85,7 @@ def agent_metrics(infos: Sequence[dict], runner_stats: Optional[dict] = None) ->
         out[f"agent/{key}"] = sum(i.get(key, 0.0) for i in infos)
     out["agent/stopped_by_turns"] = float(sum(i["finish_reason"] == "turns" for i in infos))
     out["agent/stopped_by_length"] = float(sum(i["finish_reason"] == "length" for i in infos))
+    out["agent/model_tokens/mean"] = sum(i["model_tokens"] for i in infos) / n
     out["agent/message_tokens/mean"] = sum(i["message_tokens"] for i in infos) / n
     if runner_stats and runner_stats.get("wall_s"):
         out["agent/engine_busy_fraction"] = runner_stats["engine_busy_s"] / runner_stats["wall_s"]

@@ -4,7 +4,9 @@ on the data bus, driven by the coordinator's commands (a mailbox per rollout ran
 Commands (tuples; the first item names them):
     ("weights", version)                     join the weight broadcast from training rank 0
     ("generate", step, prompts, seed, dsts)  one_step_off: generate the step's prompts (dataset indices) over the
-                                             pool, score them, send each group to its DP rank's ranks (`dsts`)
+                                             pool, score them, send each group to its DP rank's ranks (`dsts`);
+                                             with multi_turn.enable the prompts run their agent loops (rows
+                                             carry the trajectories' response masks and `agent/*` metrics)
     ("grant", [(uid, prompt), ...])          fully_async: prompts to stream (all n samples of each)
     ("send", [(uid, ranks), ...])            fully_async: groups the trainer takes, and where they go
     ("drop", [uid, ...])                     fully_async: stale groups the trainer will not take
@@ -71,6 +73,7 @@ class RolloutWorker:
             torch.cuda.set_device(device)
         self.state = SimpleNamespace(device=device, rank=dist.get_rank(), world_size=dist.get_world_size())
         self.engine = roles.build_rollout(cfg, self.state)
+        self.agents = roles.build_agent_runner(cfg, self.engine, self.tokenizer)  # multi-turn; None when off
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.leader = self.state.rank % self.tp == 0
         self.inbox = pools.mailbox(f"rank{pools.rank}")
@@ -106,7 +109,7 @@ class RolloutWorker:
     def validate(self, step: int) -> None:
         metrics, samples = validate(self.engine, self.scorer, self.tokenizer, self.val_set,
                                     roles.val_sampling_params(self.cfg), rollout_tp=self.tp,
-                                    batch_size=self.cfg.data.val_batch_size)
+                                    batch_size=self.cfg.data.val_batch_size, agent_runner=self.agents)
         if self.state.rank == 0:
             metrics["val/policy_version"] = float(self.version)
             self.coord.put(("val", step, metrics, samples[: self.cfg.trainer.log_val_generations]))
@@ -141,20 +144,23 @@ class RolloutWorker:
 
     def generate_step(self, step: int, prompt_ids: list[int], seed: int, dsts: list[list[int]]) -> None:
         """All rollout ranks generate the step's prompts together (replicas split them as the synchronous
-        trainer's replicas do); each replica's first rank sends the groups it made to their DP rank's ranks."""
+        trainer's replicas do); each replica's first rank sends the groups it made to their DP rank's ranks.
+        Multi-turn: the synchronous trainer's agent-loop rollout (`generate_and_score` with the agent runner);
+        its `agent/*` metrics go with the step's stats."""
         cfg = self.cfg
         items = [self.train_set[i] for i in prompt_ids]
         t0 = time.perf_counter()
         rows, stats = generate_and_score(self.engine, self.scorer, [it["input_ids"] for it in items], items,
                                          roles.train_sampling_params(cfg, seed=seed), self.tokenizer,
-                                         rollout_tp=self.tp)
+                                         rollout_tp=self.tp, agent_runner=self.agents)
         add_overlong_penalty(rows, cfg)
         gen_s = time.perf_counter() - t0
         for r in rows:
             r.versions = [self.version] * len(r.response_ids)
         if self.state.rank == 0:
             metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
-                       "rollouter/idle_ratio": self.idle_ratio()}
+                       "rollouter/idle_ratio": self.idle_ratio(),
+                       **{k: v for k, v in stats.items() if k.startswith("agent/")}}
             if cfg.reward.reward_model.overlong_buffer.log:
                 from rlhf_mcore.rewards.overlong import overlong_metrics
 
