@@ -96,8 +96,11 @@ BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rol
       "actor_rollout_ref.rollout.name=hf"], 2, ["does not stream"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"], 2,
      ["filter_groups"]),
-    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "reward_model.enable=true",
-      "reward_model.model.path=/rm"], 2, ["reward_model.enable", "rollout pool"]),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "reward.judge.enable=true",
+      "reward.judge.model_path=/judge"], 2, ["reward.judge.enable=true", "second rollout engine", "mode=off"]),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
+      "reward_model.enable=true", "reward_model.reward_manager=prime", "algorithm.adv_estimator=rloo"], 2,
+     ["reward_model.reward_manager=prime", "synchronous step", "mode=off"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
 ])
@@ -116,6 +119,10 @@ def test_async_config_accepted_layouts():
                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2
     validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
                                               "async_training.require_batches=2"]), 2)
+    for mode in ("one_step_off", "fully_async"):  # a reward model scores on the training pool
+        validate_config(load_config(None, base + [f"async_training.mode={mode}", "rollout.n_gpus_per_node=1",
+                                                  "data.train_batch_size=4", "reward_model.enable=true",
+                                                  "reward_model.model.path=/rm"]), 2)
 
 
 # ------------------------------------------------------------------------------------------------ partial rollout
