@@ -277,13 +277,14 @@ def _rm_rows(path: Path) -> tuple[list[dict], list[dict]]:
     return [x for x in lines if "ids" in x], [x for x in lines if "metrics" in x]
 
 
-@pytest.mark.parametrize("mode", ["one_step_off"])  # "fully_async" passes too: ~50 s more than the suite can spend
+# "fully_async" passes as well (the same rows, the same checks); its own launch is more than the suite's time budget
+@pytest.mark.parametrize("mode", ["one_step_off"])
 def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
-    """A reward model on the training pool (1 rollout + 1 training process, its weights offloaded between
-    scorings): every trained row's reward equals reward_weight x the transformers sequence classifier's score of
-    that row + rule_weight x the rule score + the overlong penalty, each computed offline from the row's tokens;
-    the step's `reward_model/*` metrics describe the rows trained; the weights are off the device after each
-    step. tests/workers/async_reward_rows.py records the rows."""
+    """A reward model on the training pool (1 rollout + 2 training processes: each DP rank scores the rows it
+    pulled; its weights offloaded between scorings): every trained row's reward equals reward_weight x the
+    transformers sequence classifier's score of that row + rule_weight x the rule score + the overlong penalty,
+    each computed offline from the row's tokens; the step's `reward_model/*` metrics describe all ranks' rows;
+    the weights are off the device after each step. tests/workers/async_reward_rows.py records the rows."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_mcore.rewards.overlong import overlong_penalty
@@ -298,17 +299,19 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
                  ["async_training.mode=fully_async", "async_training.staleness_threshold=1",
                   "actor_rollout_ref.rollout.max_num_seqs=8"])
     args = _setup(tmp_path, tiny_model_dir) + mode_args + [
-        "rollout.n_gpus_per_node=1", "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'run'}",
+        "rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
         "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}", "reward_model.reward_weight=2.0",
         "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
         "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0"]
-    cmd = _torchrun(2, args + ["--rows", str(tmp_path / "rows.jsonl")])
+    cmd = _torchrun(3, args + ["--rows", str(tmp_path / "rows.jsonl")])
     cmd[cmd.index(str(ROOT / "launch" / "train.py"))] = str(ROOT / "tests" / "workers" / "async_reward_rows.py")
     run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     rows, steps = _rm_rows(tmp_path / "rows.jsonl")
     assert [s["step"] for s in steps] == [1, 2] and len(rows) == 2 * 4 * 4
+    assert {(r["step"], r["rank"]) for r in rows} == {(s, k) for s in (1, 2) for k in (0, 1)}  # both DP ranks
     rm.eval()
     rm_scores = []
     for r in rows:
