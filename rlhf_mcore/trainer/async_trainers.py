@@ -149,7 +149,7 @@ class AsyncTrainerBase(RLTrainer):
             with t("reward_model"):
                 info.update(self.score_with_reward_model(rows, prompts))
         batch = self.rows_to_batch(rows, prompts)
-        version = self.step - 1
+        version = self.step - 1  # the trainer's policy before this step's update
         batch["staleness"] = torch.tensor([version - min(r.versions) for r in rows])  # (B,)
         return batch
 
