@@ -1128,12 +1128,15 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
     _require(rollout % r.tensor_model_parallel_size == 0,
              f"the rollout pool has {rollout} processes, not a multiple of "
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}.")
-    rm = cfg.reward.reward_model
-    for key, on in (("reward_model.enable", rm.enable), ("reward.judge.enable", cfg.reward.judge.enable),
-                    ("reward_model.reward_manager=prime", rm.reward_manager == "prime")):
-        _require(not on, f"{key} scores on the training engines of the synchronous trainer; with "
-                         f"async_training.mode={a.mode} samples are scored on the rollout pool by rule functions "
-                         f"only: turn it off or set async_training.mode=off.")
+    # reward_model.enable (a discriminative reward model) runs on the training pool: async_trainers scores each batch
+    _require(not cfg.reward.judge.enable,
+             f"reward.judge.enable=true serves the judge with a second rollout engine colocated with the synchronous "
+             f"trainer's; with async_training.mode={a.mode} the training pool holds no rollout engine to serve it: "
+             f"turn the judge off or set async_training.mode=off.")
+    _require(cfg.reward.reward_model.reward_manager != "prime",
+             f"reward_model.reward_manager=prime updates its implicit PRM inside the synchronous step, on that step's "
+             f"freshly generated samples before the actor's update; async_training.mode={a.mode} has no such step: "
+             f"use another reward_manager or set async_training.mode=off.")
     _require(not cfg.algorithm.filter_groups.enable,
              f"algorithm.filter_groups (dynamic sampling) runs with async_training.mode=off only, not "
              f"{a.mode}: set algorithm.filter_groups.enable=false or async_training.mode=off.")

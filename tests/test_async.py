@@ -96,8 +96,11 @@ BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rol
       "actor_rollout_ref.rollout.name=hf"], 2, ["does not stream"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"], 2,
      ["filter_groups"]),
-    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "reward_model.enable=true",
-      "reward_model.model.path=/rm"], 2, ["reward_model.enable", "rollout pool"]),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "reward.judge.enable=true",
+      "reward.judge.model_path=/judge"], 2, ["reward.judge.enable=true", "second rollout engine", "mode=off"]),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
+      "reward_model.enable=true", "reward_model.reward_manager=prime", "algorithm.adv_estimator=rloo"], 2,
+     ["reward_model.reward_manager=prime", "synchronous step", "mode=off"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
     (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
@@ -121,6 +124,10 @@ def test_async_config_accepted_layouts():
                                               "async_training.require_batches=2"]), 2)
     validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
                                               "actor_rollout_ref.rollout.multi_turn.enable=true"]), 2)  # agent loops
+    for mode in ("one_step_off", "fully_async"):  # a reward model scores on the training pool
+        validate_config(load_config(None, base + [f"async_training.mode={mode}", "rollout.n_gpus_per_node=1",
+                                                  "data.train_batch_size=4", "reward_model.enable=true",
+                                                  "reward_model.model.path=/rm"]), 2)
 
 
 # ------------------------------------------------------------------------------------------------ partial rollout
@@ -268,3 +275,61 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
     assert len(trained) == 8 * 4 and len(set(trained)) == len(trained), trained  # each prompt trained once
     drawn = ResumableSampler(64, shuffle=True, seed=1).next_batch(len(trained) + len(regrant) + len(dropped))
     assert sorted(trained + regrant + dropped) == sorted(drawn)  # none lost: trained, dropped (counted) or pending
+
+
+def _rm_rows(path: Path) -> tuple[list[dict], list[dict]]:
+    lines = [json.loads(x) for f in sorted(path.parent.glob(path.name + ".rank*")) for x in f.read_text().splitlines()]
+    return [x for x in lines if "ids" in x], [x for x in lines if "metrics" in x]
+
+
+# "fully_async" passes as well (the same rows, the same checks); its own launch is more than the suite's time budget
+@pytest.mark.parametrize("mode", ["one_step_off"])
+def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
+    """A reward model on the training pool (1 rollout + 2 training processes: each DP rank scores the rows it
+    pulled; its weights offloaded between scorings): every trained row's reward equals reward_weight x the
+    transformers sequence classifier's score of that row + rule_weight x the rule score + the overlong penalty,
+    each computed offline from the row's tokens; the step's `reward_model/*` metrics describe all ranks' rows;
+    the weights are off the device after each step. tests/workers/async_reward_rows.py records the rows."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_mcore.rewards.overlong import overlong_penalty
+
+    policy = tiny_model_dir("qwen2")
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32)
+    rm.save_pretrained(tmp_path / "rm")
+    tok = AutoTokenizer.from_pretrained(policy)
+    tok.save_pretrained(tmp_path / "rm")
+    mode_args = (["async_training.mode=one_step_off"] if mode == "one_step_off" else
+                 ["async_training.mode=fully_async", "async_training.staleness_threshold=1",
+                  "actor_rollout_ref.rollout.max_num_seqs=8"])
+    args = _setup(tmp_path, tiny_model_dir) + mode_args + [
+        "rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}", "reward_model.reward_weight=2.0",
+        "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
+        "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0"]
+    cmd = _torchrun(3, args + ["--rows", str(tmp_path / "rows.jsonl")])
+    cmd[cmd.index(str(ROOT / "launch" / "train.py"))] = str(ROOT / "tests" / "workers" / "async_reward_rows.py")
+    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows, steps = _rm_rows(tmp_path / "rows.jsonl")
+    assert [s["step"] for s in steps] == [1, 2] and len(rows) == 2 * 4 * 4
+    assert {(r["step"], r["rank"]) for r in rows} == {(s, k) for s in (1, 2) for k in (0, 1)}  # both DP ranks
+    rm.eval()
+    rm_scores = []
+    for r in rows:
+        with torch.no_grad():
+            rm_scores.append(float(rm(torch.tensor([r["ids"]])).logits[0, 0]))
+        rule = float(len(tok.decode(r["response"], skip_special_tokens=True)) % 2)  # the task's parity reward
+        penalty = overlong_penalty([len(r["response"])], 12, 6, 1.0)[0]
+        assert r["score"] == pytest.approx(2.0 * rm_scores[-1] + 0.5 * rule + penalty, abs=1e-4), r
+        assert r["rm_offloaded"]
+    assert len({round(s, 4) for s in rm_scores}) > len(rows) // 2  # distinct scores: a row scored as another shows
+    for s in steps:
+        mine = [x for x, r in zip(rm_scores, rows) if r["step"] == s["step"]]
+        m = s["metrics"]
+        assert m["reward_model/num_scored"] == m["reward_model/num_scored_after"] == 16
+        assert m["reward_model/score_mean"] == pytest.approx(sum(mine) / len(mine), abs=1e-4)
+        assert m["timing_s/reward_model"] > 0

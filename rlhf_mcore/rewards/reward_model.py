@@ -26,8 +26,10 @@ returned; it stays in the row's `reward_extra["acc"]`, so dynamic sampling's `ac
 accuracy are unchanged by the reward model.
 
 Every rank holds all rows of a step; each data-parallel replica scores a contiguous share and the scores are
-all-gathered, so every rank ends with the same rewards. With `reward_model.megatron.param_offload` the weights
-live on the host and come to the device only while scoring.
+all-gathered, so every rank ends with the same rewards. In the asynchronous trainers the reward model lives on the
+training pool, and each data-parallel replica scores the rows it pulled from the data bus
+(`score_rows(..., local=True)`). With `reward_model.megatron.param_offload` the weights live on the host and come
+to the device only while scoring.
 
 Scoring while the rollout generates (:class:`StreamingBatches`, the synchronous trainer on a streaming engine): the
 finished samples of a rollout replica gather, and every `micro_batch_size_per_gpu` of them are scored at once,
@@ -152,30 +154,51 @@ class RewardModelScorer:
             if c:
                 r.reward_extra["rm_truncated"] = True
 
-    def score_rows(self, rows, items) -> dict[str, float]:
+    def score_rows(self, rows, items, *, local: bool = False) -> dict[str, float]:
         """Score the rows this reward model covers and set each row's `score` by :func:`combine` (the rule score
         stays in `reward_extra["acc"]`); rows scored while they were generated (`rm_score` already set, the same on
-        every rank) are only combined. All ranks call this together. Returns `reward_model/*` metrics."""
+        every rank) are only combined. All ranks call this together. Returns `reward_model/*` metrics.
+
+        `local=False`: every rank holds the step's rows (the synchronous trainer); data-parallel replicas share the
+        work. `local=True`: each data-parallel replica holds its own rows (the asynchronous trainers' training
+        pool), scored on this rank's replica alone; the metrics are then gathered over the replicas, so they
+        describe the whole step's rows and are the same on every rank."""
         covered = [r for r in rows if self.covers(items[r.prompt_pos]["data_source"])]
         for r in rows:
             r.reward_extra.setdefault("acc", r.score)
         todo = [r for r in covered if "rm_score" not in r.reward_extra]
-        metrics = {"reward_model/num_scored": float(len(covered)), "reward_model/num_scored_after": float(len(todo))}
-        if not covered:
-            return metrics
+        n_todo = len(todo)
         if todo:
             seqs, cut = self.inputs(todo, items)
-            for r, s, c in zip(todo, self.score_ids(seqs), cut, strict=True):
+            scored = (forward_scores(self.engine, seqs, self.pad_token_id, offload=self.offload) if local
+                      else self.score_ids(seqs))
+            for r, s, c in zip(todo, scored, cut, strict=True):
                 r.reward_extra["rm_score"] = s
                 if c:
                     r.reward_extra["rm_truncated"] = True
         scores = [r.reward_extra["rm_score"] for r in covered]
         for r, s in zip(covered, scores):
             r.score = combine([r.reward_extra["acc"]], [s], self.cfg.reward_weight, self.cfg.rule_weight)[0]
-        metrics.update({"reward_model/score_mean": float(np.mean(scores)),
-                        "reward_model/score_std": float(np.std(scores)),
-                        "reward_model/num_truncated": float(sum("rm_truncated" in r.reward_extra for r in covered))})
+        truncated = sum("rm_truncated" in r.reward_extra for r in covered)
+        if local:
+            scores, n_todo, truncated = self.gather_replicas(scores, n_todo, truncated)
+        metrics = {"reward_model/num_scored": float(len(scores)), "reward_model/num_scored_after": float(n_todo)}
+        if scores:
+            metrics.update({"reward_model/score_mean": float(np.mean(scores)),
+                            "reward_model/score_std": float(np.std(scores)),
+                            "reward_model/num_truncated": float(truncated)})
         return metrics
+
+    def gather_replicas(self, scores: list[float], n_todo: int, truncated: int) -> tuple[list[float], int, int]:
+        """Each data-parallel replica's (scores, rows scored now, rows truncated), gathered over all ranks (one
+        rank per replica counted) and summed."""
+        if not dist.is_initialized() or dist.get_world_size(self.state.cpu_group) == 1:
+            return scores, n_todo, truncated
+        parts: list = [None] * dist.get_world_size(self.state.cpu_group)
+        dist.all_gather_object(parts, (self.state.dp_rank, scores, n_todo, truncated), group=self.state.cpu_group)
+        by_dp = {p[0]: p[1:] for p in parts}
+        return ([s for d in sorted(by_dp) for s in by_dp[d][0]], sum(p[1] for p in by_dp.values()),
+                sum(p[2] for p in by_dp.values()))
 
 
 class StreamingBatches:

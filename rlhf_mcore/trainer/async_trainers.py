@@ -8,6 +8,14 @@ training ranks which groups to pull from which producer.
 
 Policy versions: version v is the actor after v training steps. A group's staleness at step s is
 (s - 1) - its oldest token's version.
+
+Rewards: the rollout pool scores every sample with the rule functions (plus DAPO's overlong penalty) as it streams
+them. A discriminative reward model (`reward_model.enable`) lives on the training pool, sharded like the critic:
+each step, after its rows arrive over the data bus and before the forward passes, every data-parallel replica scores
+its own rows and combines the score with the rule score by the synchronous trainer's rule
+(:meth:`AsyncTrainerBase.score_with_reward_model`). With `reward_model.megatron.param_offload` its weights are on
+the host except while it scores, so the training pool alternates reward-model scoring and the actor's update
+without holding both on the device.
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ class AsyncTrainerBase(RLTrainer):
         self.dp_ranks = [[g for g, d in enumerate(ranks) if d == dp] for dp in range(self.state.dims.dp)]
 
     def fit(self) -> dict[str, float]:
-        """Each mode's schedule is its `take_batch` (which samples a step trains on), `weights_due` (when the
+        """Each mode's schedule is its `take_groups` (which samples a step trains on), `weights_due` (when the
         rollout pool gets the actor's weights) and `after_step` (what the rollout pool is asked for next)."""
         self.start()
         last = {}
@@ -58,7 +66,8 @@ class AsyncTrainerBase(RLTrainer):
             t = PhaseTimer()
             with t("step"):
                 with t("wait"):
-                    batch, info = self.take_batch()                # the step's groups, pulled from the bus
+                    groups, prompts, info = self.take_groups()    # the step's groups, pulled from the bus
+                batch = self.groups_to_batch(groups, prompts, info, t)  # reward-model scores combined in
                 train_metrics = self.train_on(batch, t)            # log-probs, advantages, updates
                 with t("sync"):
                     sync_metrics = self.push_weights() if self.weights_due() else {}
@@ -126,16 +135,38 @@ class AsyncTrainerBase(RLTrainer):
         info["timing_s/pull"] = time.perf_counter() - t0
         return groups, info
 
-    def groups_to_batch(self, groups: list[list], prompts: list[int]) -> dict[str, Any]:
+    def groups_to_batch(self, groups: list[list], prompts: list[int], info: dict, t: PhaseTimer) -> dict[str, Any]:
+        """This rank's groups as the padded batch (`prompts[pos]`: group pos's dataset index), each row's reward
+        the rollout pool's rule score or, with a reward model, its combination with the model's score (metrics
+        into `info`), and `staleness` (B,): the trainer's policy before this step's update less each row's
+        oldest token's version."""
         rows = []
         for pos, group in enumerate(groups):
             for r in group:
                 r.prompt_pos = pos
                 rows.append(r)
+        if self.reward_model is not None:
+            with t("reward_model"):
+                info.update(self.score_with_reward_model(rows, prompts))
         batch = self.rows_to_batch(rows, prompts)
         version = self.step - 1  # the trainer's policy before this step's update
         batch["staleness"] = torch.tensor([version - min(r.versions) for r in rows])  # (B,)
         return batch
+
+    def score_with_reward_model(self, rows: list, prompts: list[int]) -> dict[str, float]:
+        """Every training rank together: this DP rank's rows scored by the reward model on its replica and
+        combined with the rule score as the synchronous trainer does: `reward_weight * rm + rule_weight * rule`
+        for covered rows (`reward_model.data_sources`), the rule score for the others, then DAPO's overlong
+        penalty added. The rollout pool's score already holds the rule score plus that penalty; `reward_extra`
+        keeps both apart (`acc`, `overlong_penalty`). Returns the `reward_model/*` metrics of the step's rows."""
+        items = [self.train_set[p] for p in prompts]
+        for r in rows:
+            penalty = r.reward_extra.get("overlong_penalty", 0.0)
+            r.score = r.reward_extra.setdefault("acc", r.score - penalty)  # the rule's score alone
+        metrics = self.reward_model.score_rows(rows, items, local=True)
+        for r in rows:
+            r.score += r.reward_extra.get("overlong_penalty", 0.0)
+        return metrics
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         super().forward_passes(batch)
@@ -209,7 +240,7 @@ class OneStepOffTrainer(AsyncTrainerBase):
     """The rollout pool generates step k+1 while the training pool trains step k: step k's samples come from
     the weights after step k-2 (one update behind the actor that trains on them)."""
 
-    def take_batch(self) -> tuple[dict[str, Any], dict]:
+    def take_groups(self) -> tuple[list[list], list[int], dict]:
         return self.receive_step()  # step k's groups, generated while step k-1 trained
 
     def weights_due(self) -> bool:
@@ -245,7 +276,7 @@ class OneStepOffTrainer(AsyncTrainerBase):
         seed = self.cfg.trainer.seed * 100_003 + k  # the synchronous trainer's seed for step k
         self.command(("generate", k, prompts, seed, dsts))
 
-    def receive_step(self) -> tuple[dict[str, Any], dict]:
+    def receive_step(self) -> tuple[list[list], list[int], dict]:
         k, chosen, info = self.step, None, None
         if self.state.is_coordinator:
             plan = self.plans.pop(k)
@@ -264,7 +295,7 @@ class OneStepOffTrainer(AsyncTrainerBase):
         groups, info = self.pull_groups(chosen, info)
         plan_part = self.my_prompts(chosen)
         self.step_prompts = plan_part
-        return self.groups_to_batch(groups, plan_part), info
+        return groups, plan_part, info
 
     def my_prompts(self, chosen) -> list[int]:
         parts = broadcast_object([[m.prompt for m in part] for part in chosen] if chosen is not None else None,
@@ -283,7 +314,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
     `ppo_mini_batch_size` groups that are not staler than `staleness_threshold`, and the weights go to the
     rollout pool every `trigger_parameter_sync_step` steps."""
 
-    def take_batch(self) -> tuple[dict[str, Any], dict]:
+    def take_groups(self) -> tuple[list[list], list[int], dict]:
         return self.next_batch()  # the oldest fresh-enough groups on the bus
 
     def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
@@ -328,7 +359,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
     def on_message(self) -> None:
         self.grant()
 
-    def next_batch(self) -> tuple[dict[str, Any], dict]:
+    def next_batch(self) -> tuple[list[list], list[int], dict]:
         a, g = self.cfg.async_training, self.cfg.data.train_batch_size
         chosen, info = None, None
         if self.state.is_coordinator:
@@ -360,7 +391,7 @@ class FullyAsyncTrainer(AsyncTrainerBase):
         prompts = broadcast_object([[m.prompt for m in part] for part in chosen] if chosen is not None else None,
                                    group=self.state.cpu_group)[self.state.dp_rank]
         self.step_prompts = prompts
-        return self.groups_to_batch(groups, prompts), info
+        return groups, prompts, info
 
     def bus_metrics(self, metas: list[GroupMeta], dropped: list[GroupMeta], version: int) -> dict[str, float]:
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -399,8 +430,9 @@ class FullyAsyncTrainer(AsyncTrainerBase):
         self.ledger.produced = self.ledger.trained + self.ledger.dropped  # what was queued is regenerated
 
 
-def train_async(cfg: RLConfig) -> dict[str, float]:
-    """Every rank of an asynchronous run: join its pool, then train (training pool) or generate (rollout pool)."""
+def train_async(cfg: RLConfig, hooks=None) -> dict[str, float]:
+    """Every rank of an asynchronous run: join its pool, then train (training pool) or generate (rollout pool).
+    `hooks`: the training pool's step observers (:class:`rlhf_mcore.trainer.rl_trainer.StepHooks`)."""
     import os
 
     from rlhf_mcore.config import pool_sizes
@@ -417,7 +449,8 @@ def train_async(cfg: RLConfig) -> dict[str, float]:
         finally:
             dist.destroy_process_group()
         return {}
-    trainer = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}[cfg.async_training.mode](cfg, pools)
+    mode = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}[cfg.async_training.mode]
+    trainer = mode(cfg, pools, hooks=hooks)
     try:
         return trainer.fit()
     finally:
