@@ -113,9 +113,10 @@ def main() -> int:
     ap.add_argument("--n-test", type=int, default=64, help="held-out prompts")
     ap.add_argument("--hidden", type=int, default=128, help="tiny model width")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=1000)
+    ap.add_argument("--sft-steps", type=int, default=500)
     ap.add_argument("--sft-batch-size", type=int, default=16)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--sft-lr-scheduler", default="constant", choices=("constant", "cosine", "linear"))
     ap.add_argument("--sft-model", default=None, help="reuse this warm start (a Hugging Face directory) instead of "
                                                       "running step 3")
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
@@ -153,7 +154,8 @@ def main() -> int:
         run(launch("sft.py", "--model", str(tiny), "--train-file", str(data / "train.parquet"), "--out", str(sft),
                    "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size), "--lr", str(args.sft_lr),
                    "--max-length", str(cfg.data.max_prompt_length + max_response), "--seed", str(args.seed),
-                   "--tools", TOOLS, "trainer.device=cpu"))
+                   "--tools", TOOLS, "trainer.device=cpu",
+                   f"actor_rollout_ref.actor.optim.lr_scheduler={args.sft_lr_scheduler}"))
 
     print("[4/6] held-out tool use after the warm start", flush=True)
     ev = dict(test_file=data / "test.parquet", samples=args.eval_samples, temperature=rollout.temperature,
