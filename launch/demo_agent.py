@@ -104,9 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/agent_demo", help="where everything goes")
     ap.add_argument("--digits", type=int, default=2, help="digits per operand of the multiply task")
-    ap.add_argument("--first-digits", type=int, default=None, help="digits of the first operand (default: --digits)")
     ap.add_argument("--any-length", action="store_true",
-                    help="also operand pairs whose product is shorter than the sum of their digits (the "
+                    help="also operand pairs whose product has fewer than 2 * --digits digits (the "
                          "calculator's answer then varies in length)")
     ap.add_argument("--call-fraction", type=float, default=0.7,
                     help="share of SFT targets that call the calculator (the rest guess a wrong product)")
@@ -142,8 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = out / "data"
     print(f"[2/6] writing the multiply task ({args.digits} digits) to {data}", flush=True)
     write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits,
-                           call_fraction=args.call_fraction, first_digits=args.first_digits,
-                           full_length=not args.any_length)
+                           call_fraction=args.call_fraction, full_length=not args.any_length)
 
     cfg = load_config(ROOT / CONFIG, list(args.overrides))
     rollout = cfg.actor_rollout_ref.rollout
