@@ -2,11 +2,13 @@
 
 1. build a tiny Qwen2-shaped model (random weights) if missing;
 2. write the `multiply` tool task ("What is 47 * 83? Use the calculator. ...", `agent_name: tool_agent`) with
-   `--digits` digits, where `--call-fraction` of the SFT targets are the whole tool exchange (the call, the
-   calculator's answer, "#### N") and the rest answer at once with a wrong product of the right length;
-3. a supervised warm start on that mix (the loss on the model's turns only): the model learns the call format
-   and to copy the operands and the calculator's answer, and calls the calculator in about `--call-fraction` of
-   its samples; it guesses (and is wrong) in the rest. The choice is made at the first token of the response;
+   `--digits` digits and a product of all 2 * digits digits (unless `--any-length`), where `--call-fraction` of the
+   SFT targets are the whole tool exchange (the call, the calculator's answer, "#### N") and the rest answer at
+   once with a wrong product of the right length;
+3. a supervised warm start on that mix (the loss on the model's turns only; constant LR, Adam beta2 0.95): the
+   model learns the call format and to copy the operands and the calculator's answer, and calls the calculator in
+   about `--call-fraction` of its samples; it guesses (and is wrong) in the rest. The choice is made at the first
+   token of the response;
 4. measure on the held-out prompts (`--eval-samples` sampled trajectories each, at the training temperature);
 5. GRPO (launch/train.py --config configs/demo_agent_cpu.yaml) on the training prompts: in a group of 8 samples
    the calls that copy right score 1 and the guesses 0, so the policy moves towards calling;
@@ -14,19 +16,25 @@
    the share of trajectories with a well-formed calculator call, with the question's exact operands in the
    call, and with the right final answer (also written to OUT/summary.json).
 
-    python launch/demo_agent.py [--digits 2] [--call-fraction 0.7] [--sft-steps 1000] [--grpo-steps 15]
+    python launch/demo_agent.py [--digits 2] [--call-fraction 0.7] [--sft-steps 500] [--grpo-steps 15] [--seed 1]
 
-Measured with the defaults (2 digits, 70% calls, 1000 SFT steps of 16 at lr 3e-3, 15 GRPO steps of 8 prompts x 8
-samples at T=1.0, lr 3e-4; 64 held-out prompts x 4 samples), after SFT -> after GRPO:
---seed 2: mean reward 0.516 -> 0.773, calculator calls 0.629 -> 0.938, exact operands 0.629 -> 0.934 (about 100 s
-after a 4-minute warm start). Not robust yet: at --seed 1 the warm start copies the operands (0.664 -> 0.766) but
-never the calculator's answer (reward 0 -> 0); with --call-fraction 0.5, seed 1 gives reward 0.402 -> 0.691 and
-operands 0.477 -> 0.840, seed 2 copies nothing (reward 0).
-What did not work: a warm start on calls only (every target calls) leaves nothing to choose: at 700 SFT steps on
-the full-length prompt it is right in 0.79 of samples and GRPO lowers it (0.69), at 550 steps the entropy is 0.04
-and groups rarely disagree (0.535 -> 0.539); 6-digit operands are never copied right (reward 0 everywhere); a
-prompt that spells out the call format delays operand copying past 1000 SFT steps; with 50% calls the copying is
-learned at 1000 SFT steps for one seed and not at all for another.
+Measured with the defaults (2 digits, 4-digit products, 70% calls, 500 SFT steps of 16 at a constant lr 3e-3 with
+Adam betas (0.9, 0.95), 15 GRPO steps of 8 prompts x 8 samples at T=1.0, lr 3e-4; 64 held-out prompts x 4 samples
+= 256 trajectories), after SFT -> after GRPO:
+    seed  mean reward      exact operands   calculator calls
+    1     0.441 -> 0.895   0.473 -> 0.918   0.777 -> 0.945
+    2     0.039 -> 0.070   0.039 -> 0.070   0.613 -> 0.875
+    3     0.793 -> 0.961   0.797 -> 0.965   0.812 -> 0.973
+Not robust yet: at seed 2 the warm start copies the calculator's answer but not yet the operands by step 500 (its
+loss still falling), so GRPO only raises the rate of calls; with Adam beta2 0.999 seed 2 copied (0.660 -> 0.883)
+and seed 3 did not. Unmeasured next step: more SFT steps at this recipe. A few minutes on one core, the warm start
+about half of it.
+What did not work: products of 3 or 4 digits (the calculator's answer, so the copy's distance, varies in length):
+the answer was copied at 1000 SFT steps at some seeds only (seed 1: reward 0 -> 0); a cosine-decayed SFT LR
+(seed 2: the decay ends the copying mid-way, operands 0.121 at 500 steps); Adam beta2 0.999 at a constant LR (seed
+3: a loss spike at step 250 undoes it, no copying at 500 steps); warm starts on calls only (nothing left to choose:
+GRPO lowers 0.79 -> 0.69, or 0.535 -> 0.539 at entropy 0.04); 6-digit operands (never copied right); a prompt that
+spells out the call format (operands not copied after 1000 steps); 50% calls (copied at one seed, not another).
 
 Every process runs single-threaded (OMP_NUM_THREADS=1) with fixed seeds, one at a time.
 """
@@ -99,26 +107,33 @@ def table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> dict:
+    """Run the demo; returns the summary ({"after_sft": ..., "after_grpo": ..., "seconds": ...})."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/agent_demo", help="where everything goes")
     ap.add_argument("--digits", type=int, default=2, help="digits per operand of the multiply task")
+    ap.add_argument("--any-length", action="store_true",
+                    help="also operand pairs whose product has fewer than 2 * --digits digits (the "
+                         "calculator's answer then varies in length)")
     ap.add_argument("--call-fraction", type=float, default=0.7,
                     help="share of SFT targets that call the calculator (the rest guess a wrong product)")
     ap.add_argument("--n-train", type=int, default=2048, help="training prompts (SFT and GRPO)")
     ap.add_argument("--n-test", type=int, default=64, help="held-out prompts")
     ap.add_argument("--hidden", type=int, default=128, help="tiny model width")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=1000)
+    ap.add_argument("--sft-steps", type=int, default=500)
     ap.add_argument("--sft-batch-size", type=int, default=16)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--sft-lr-scheduler", default="constant", choices=("constant", "cosine", "linear"))
+    ap.add_argument("--sft-beta2", type=float, default=0.95,
+                    help="Adam's beta2 for the warm start (0.999 let a loss spike undo the copying at one seed)")
     ap.add_argument("--sft-model", default=None, help="reuse this warm start (a Hugging Face directory) instead of "
                                                       "running step 3")
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
     ap.add_argument("--eval-samples", type=int, default=4, help="sampled trajectories per held-out prompt")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("overrides", nargs="*", help="GRPO config overrides (key=value)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = ROOT / args.out
     t0 = time.time()
 
@@ -134,7 +149,7 @@ def main() -> int:
     data = out / "data"
     print(f"[2/6] writing the multiply task ({args.digits} digits) to {data}", flush=True)
     write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits,
-                           call_fraction=args.call_fraction)
+                           call_fraction=args.call_fraction, full_length=not args.any_length)
 
     cfg = load_config(ROOT / CONFIG, list(args.overrides))
     rollout = cfg.actor_rollout_ref.rollout
@@ -148,7 +163,9 @@ def main() -> int:
         run(launch("sft.py", "--model", str(tiny), "--train-file", str(data / "train.parquet"), "--out", str(sft),
                    "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size), "--lr", str(args.sft_lr),
                    "--max-length", str(cfg.data.max_prompt_length + max_response), "--seed", str(args.seed),
-                   "--tools", TOOLS, "trainer.device=cpu"))
+                   "--tools", TOOLS, "trainer.device=cpu",
+                   f"actor_rollout_ref.actor.optim.lr_scheduler={args.sft_lr_scheduler}",
+                   f"actor_rollout_ref.actor.optim.betas=[0.9,{args.sft_beta2}]"))
 
     print("[4/6] held-out tool use after the warm start", flush=True)
     ev = dict(test_file=data / "test.parquet", samples=args.eval_samples, temperature=rollout.temperature,
@@ -168,12 +185,12 @@ def main() -> int:
     print("[6/6] held-out tool use after GRPO", flush=True)
     after = evaluate(grpo / "hf_final", out_jsonl=out / "eval_grpo.jsonl", **ev)
     print("\n" + table(before, after))
-    (out / "summary.json").write_text(json.dumps({"after_sft": before, "after_grpo": after,
-                                                  "seconds": round(time.time() - t0, 1)}, indent=1))
+    summary = {"after_sft": before, "after_grpo": after, "seconds": round(time.time() - t0, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\ndone in {time.time() - t0:.0f} s. Outputs: {out} (eval_*.jsonl: the scored trajectories; "
           f"grpo/metrics.jsonl: the training curve)")
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

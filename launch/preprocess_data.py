@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     multiply = sub.add_parser("multiply", help="multiply two 6-digit numbers: a tool task (tool_agent, calculator)")
     multiply.add_argument("--n", type=int, required=True, help="training rows")
     multiply.add_argument("--n-test", type=int, default=None, help="test rows (default: n // 10)")
-    multiply.add_argument("--digits", type=int, default=6)
+    multiply.add_argument("--digits", type=int, default=6, help="digits of each operand")
+    multiply.add_argument("--full-length", action="store_true",
+                          help="only operand pairs whose product has all its digits (one length of answer)")
     multiply.add_argument("--seed", type=int, default=0)
     multiply.add_argument("--call-fraction", type=float, default=1.0,
                           help="share of SFT targets that call the calculator; the rest guess a wrong product")
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.task == "gsm8k_tool":
                 return preprocess_gsm8k_tool(args.input_dir, args.output_dir)
             return write_multiply_parquet(args.output_dir, args.n, args.seed, args.n_test, args.digits,
-                                          args.call_fraction)
+                                          args.call_fraction, args.full_length)
         return write_synthetic_parquet(args.output_dir, args.n, args.difficulty, args.seed, args.n_test,
                                        max_operand=args.max_operand)
 

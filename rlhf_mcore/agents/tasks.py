@@ -10,6 +10,9 @@
   targets a direct answer without the tool, "#### M" with M a wrong product of the same number of digits (the
   prompt and ground truth unchanged): a warm start on that mix calls the calculator in about `call_fraction` of
   its samples and is wrong otherwise, so an RL run has a choice to learn (call or guess) at the first token.
+  `full_length` keeps only operand pairs whose product has all `2 * digits` digits (2-digit: 1000 and up), so the
+  calculator's answer always has one length: the copy into "#### N" is then at one fixed distance from the
+  tool message, which a tiny model learns reliably (with products of 3 or 4 digits it did at some seeds only).
 """
 from __future__ import annotations
 
@@ -44,16 +47,20 @@ def _wrong_product(rng: random.Random, product: int) -> int:
 
 
 def multiply_rows(n: int, seed: int = 0, split: str = "train", digits: int = 6,
-                  call_fraction: float = 1.0) -> list[dict[str, Any]]:
+                  call_fraction: float = 1.0, full_length: bool = False) -> list[dict[str, Any]]:
     if not 0.0 <= call_fraction <= 1.0:
         raise ValueError(f"call_fraction={call_fraction} must be within [0, 1] (the share of SFT targets that call "
                          f"the calculator)")
     rng = random.Random(f"rlhf_mcore.agents.multiply:{seed}:{split}:{digits}")
     choice = random.Random(f"rlhf_mcore.agents.multiply.choice:{seed}:{split}:{digits}")  # operands independent of it
+    if digits < 1:
+        raise ValueError(f"digits={digits} must be >= 1 (the digits of each operand)")
     lo, hi = 10 ** (digits - 1), 10 ** digits - 1
     rows = []
     for k in range(n):
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        while full_length and len(str(a * b)) < 2 * digits:  # redraw: a product with a digit fewer
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         question = f"What is {a} * {b}? {MULTIPLY_INSTRUCTION}"
         if call_fraction == 1.0 or choice.random() < call_fraction:
             messages = [{"role": "assistant", "content": _call(f"{a} * {b}")},
@@ -70,11 +77,13 @@ def multiply_rows(n: int, seed: int = 0, split: str = "train", digits: int = 6,
 
 
 def write_multiply_parquet(output_dir: str | Path, n: int, seed: int = 0, n_test: int | None = None,
-                           digits: int = 6, call_fraction: float = 1.0) -> dict[str, dict[str, Any]]:
+                           digits: int = 6, call_fraction: float = 1.0,
+                           full_length: bool = False) -> dict[str, dict[str, Any]]:
     """train.parquet and test.parquet; `call_fraction` shapes the SFT targets (`multiply_rows`), not the task."""
     out = Path(output_dir).expanduser()
     n_test = max(n // 10, 1) if n_test is None else n_test
-    return {split: {"path": str(write_parquet(multiply_rows(k, seed, split, digits, call_fraction),
+    return {split: {"path": str(write_parquet(multiply_rows(k, seed, split, digits, call_fraction,
+                                                                        full_length),
                                               out / f"{split}.parquet")), "rows": k}
             for split, k in (("train", n), ("test", n_test))}
 
