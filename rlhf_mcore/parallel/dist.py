@@ -119,12 +119,9 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
     from rlhf_mcore.lifetime import tie_helpers_to_this_process
 
     # a world of one (plain `python launch/x.py`, or torchrun with one process) rendezvouses in-process: no port
-    # to pick (a free port can be taken by another job between the pick and the bind)
+    # to pick (a free port can be taken by another job between the pick and the bind), and no RANK/MASTER_* left
+    # in the environment for other libraries in this process (accelerate) to mistake for a launcher's
     alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    if alone:
-        for key in ("RANK", "LOCAL_RANK"):
-            os.environ.setdefault(key, "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
     tie_helpers_to_this_process()  # helpers that Megatron / multiprocessing start die with this process
     dev = pick_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
