@@ -9,31 +9,15 @@ unit of the value's magnitude).
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from triton_kernels import import_kernel_module
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _import_kernel_module():
-    if CUDA:
-        pytest.importorskip("triton", reason="the fused layer kernels need `triton` (pip install '.[dev]')")
-        return importlib.import_module("rlhf_mcore.kernels.fused_layer")
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported earlier in this session without TRITON_INTERPRET=1, and the interpreter is "
-                    "chosen when @triton.jit functions are defined: run this file in its own pytest process",
-                    allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"  # left set: triton reads it again when it lazily imports parts of itself
-    pytest.importorskip("triton", reason="the fused layer kernels need `triton` (pip install '.[dev]')")
-    return importlib.import_module("rlhf_mcore.kernels.fused_layer")
-
-
-fl = _import_kernel_module()
+fl = import_kernel_module("fused_layer")
 
 
 def _close_as_eager(fused: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor) -> None:

@@ -9,35 +9,17 @@ the GPU, plus a realistic shape (4096 × 151936 bf16) that also checks peak memo
 """
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
+from triton_kernels import import_kernel_module
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _import_kernel_module():
-    """The kernel module; without CUDA, with its kernels (and triton's own jit functions) interpreted."""
-    if CUDA:
-        pytest.importorskip("triton", reason="the fused log-prob kernel needs `triton` (pip install '.[dev]')")
-        return importlib.import_module("rlhf_mcore.kernels.fused_logprob")
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported earlier in this session without TRITON_INTERPRET=1, and the interpreter is "
-                    "chosen when @triton.jit functions are defined: run this file in its own pytest process",
-                    allow_module_level=True)
-    # Left set for the rest of the session: triton reads it again when it lazily imports parts of itself.
-    # (Without CUDA no compiled triton kernel could run anyway.)
-    os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton", reason="the fused log-prob kernel needs `triton` (pip install '.[dev]')")
-    mod = importlib.import_module("rlhf_mcore.kernels.fused_logprob")
-    return mod
-
-
-fl = _import_kernel_module()
+fl = import_kernel_module("fused_logprob")
 
 from rlhf_mcore.engine.logprobs import get_logprob_backend  # noqa: E402
 from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs  # noqa: E402
