@@ -1140,11 +1140,6 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
     _require(not cfg.algorithm.filter_groups.enable,
              f"algorithm.filter_groups (dynamic sampling) runs with async_training.mode=off only, not "
              f"{a.mode}: set algorithm.filter_groups.enable=false or async_training.mode=off.")
-    _require(not (r.multi_turn.enable and a.mode == "fully_async"),
-             "actor_rollout_ref.rollout.multi_turn.enable=true (agent loops) runs with async_training.mode=off or "
-             "one_step_off, not fully_async: its streaming rollout submits single-turn samples and pauses them at "
-             "weight syncs to continue under the new weights (partial rollout); pausing and continuing a trajectory "
-             "across its tool calls is not supported. Set async_training.mode=one_step_off or off.")
     if a.mode == "fully_async":
         need = a.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         _require(a.require_batches >= 1 and a.trigger_parameter_sync_step >= 1 and a.staleness_threshold >= 0,

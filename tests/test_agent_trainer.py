@@ -2,12 +2,17 @@
 the tool's answer, a model turn), through launch/train.py: a run resumed from its step-1 checkpoint logs exactly
 the metrics of the uninterrupted run for step 2, the agent metrics included; the one-step-off-policy trainer runs
 the same agent loops on its rollout pool, trains the tool tokens masked out, and its step 1 (the initial weights'
-samples, as the synchronous trainer's) logs the synchronous run's metrics."""
+samples, as the synchronous trainer's) logs the synchronous run's metrics; the fully asynchronous trainer streams
+them across a weight sync, each model token's rollout log-prob that of the policy version that sampled it."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
-from e2e_helpers import torchrun_train
+import torch
+from e2e_helpers import ROOT, torchrun_train
 from test_trainer import NONDETERMINISTIC, launch
 
 from rlhf_mcore.agents.tasks import multiply_rows
@@ -36,6 +41,33 @@ class CallsCalculator(AgentLoop):
             await self.generate(traj)
 '''
 
+GATED_CALCULATOR = '''
+import threading
+import time
+from pathlib import Path
+
+from rlhf_mcore.agents import register_tool
+from rlhf_mcore.agents.calculator import Calculator
+
+_calls, _lock = [0], threading.Lock()
+
+
+@register_tool(override=True)
+class GatedCalculator(Calculator):
+    """The calculator, whose calls after the first `free` wait (up to 60 s) for the file `gate`."""
+
+    def __init__(self, gate: str, free: int):
+        self.gate, self.free = Path(gate), free
+
+    def __call__(self, **arguments):
+        with _lock:
+            _calls[0] += 1
+            gated = _calls[0] > self.free
+        t0 = time.monotonic()
+        while gated and not self.gate.exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.02)
+        return super().__call__(**arguments)
+'''
 
 
 def _metrics(path):
@@ -118,3 +150,79 @@ def test_one_step_off_multi_turn_masks_tool_tokens_and_matches_step_1(tmp_path, 
     assert "actor/pg_loss" in keys and "agent/message_tokens/mean" in keys
     for k in keys:
         assert got[1][k] == pytest.approx(sync[1][k], rel=1e-4, abs=1e-6), (k, got[1][k], sync[1][k])
+
+
+def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_dir):
+    """One rollout + one training process, async_training.mode=fully_async, one group (2 trajectories) in flight at
+    a time: groups 1-2 (step 1) run under the initial weights; group 3's calculator calls are held (a gated
+    calculator, released by the training pool after step 1's weight sync), so its trajectories cross the sync:
+    first model turn under version 0, second under version 1. Every trained row's response mask is 0 exactly on
+    the calculator's message; every model token's rollout log-prob equals a teacher-forced pass of the version it
+    records (0: the initial model, 1: the weights the trainer pushed); step 2 counts group 3 as 1 version stale (its
+    oldest token) and its 2 trajectories as across the sync. tests/workers/async_agent_rows.py records the rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args, tmp = task
+    (tmp_path / "gated.py").write_text(GATED_CALCULATOR)
+    (tmp_path / "tools.yaml").write_text(f"tools:\n  - name: calculator\n    config: {{gate: {tmp_path / 'gate'}, "
+                                         f"free: 4}}\n")
+    run_args = args(tmp_path / "run", 2) + [
+        f"trainer.plugins=[{tmp / 'agent.py'},{tmp_path / 'gated.py'}]", "trainer.save_freq=-1",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+        "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=120", "async_training.mode=fully_async",
+        "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=1",
+        "actor_rollout_ref.rollout.max_num_seqs=2"]  # n=2: one group in flight at a time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "workers" / "async_agent_rows.py"), *run_args, "--out", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    rows = [x for x in lines if "response_ids" in x]
+    steps = {x["step"]: x["metrics"] for x in lines if "metrics" in x}
+    assert sorted(steps) == [1, 2] and [sum(r["step"] == s for r in rows) for s in (1, 2)] == [4, 4]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
+    models = [AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.float32).eval()]
+    models.append(AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.float32).eval())
+    missing, unexpected = models[1].load_state_dict(torch.load(tmp_path / "v1.pt"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    across = []
+    for r in rows:
+        mask, versions = r["response_mask"], r["versions"]
+        # the mask: model turn, the calculator's message (0), model turn
+        first0, last0 = mask.index(0), len(mask) - 1 - mask[::-1].index(0)
+        assert mask == [1] * first0 + [0] * (last0 + 1 - first0) + [1] * (len(mask) - last0 - 1), mask
+        message = tok.decode(r["response_ids"][first0:last0 + 1])  # the fixture's ChatML template's tool turn
+        expected = f"\n<|im_start|>tool\n{r['ground_truth']}<|im_end|>\n<|im_start|>assistant\n"
+        assert message in (expected, "<|im_end|>" + expected), message
+        if message.startswith("<|im_end|>"):  # closes a first turn the per-turn budget (12) cut
+            assert first0 == 12 and tok.decode(r["response_ids"][first0 - 1:first0]) != "<|im_end|>"
+        model_text = tok.decode([t for t, m in zip(r["response_ids"], mask) if m])
+        assert "tool_response" not in model_text, model_text
+        # versions: 0 or 1, never decreasing, a turn's tokens from one version here (the sync found no turn running)
+        assert set(versions) <= {0, 1} and versions == sorted(versions)
+        if len(set(versions)) > 1:
+            across.append(r)
+            assert versions[first0 - 1] == 0 and versions[last0 + 1] == 1 and r["step"] == 2
+        # every model token's rollout log-prob: a teacher-forced pass of the version it records (temperature 1)
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+        got, want = torch.tensor(r["logprobs"]), []
+        for model in models:
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(r["prompt_ids"]) - 1:-1].float()
+            want.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(r["response_ids"])[:, None])[:, 0])
+        for v in (0, 1):
+            mine = torch.tensor([m == 1 and x == v for m, x in zip(mask, versions)])
+            if mine.any():
+                assert torch.allclose(got[mine], want[v][mine], atol=1e-4), (r["step"], v, got[mine], want[v][mine])
+                assert (got[mine] - want[1 - v][mine]).abs().max() > 1e-2  # the other version would not match
+    assert len(across) == 2  # group 3's trajectories, trained at step 2
+    m1, m2 = steps[1], steps[2]
+    assert m1["fully_async/staleness/0"] == 2 and "fully_async/staleness/1" not in m1
+    assert m2["fully_async/staleness/1"] == 1 and m2["fully_async/staleness/0"] == 1  # by the oldest token
+    assert m2["fully_async/partial/samples_across_sync"] == 2 and m1["fully_async/partial/samples_across_sync"] == 0
+    assert m2["fully_async/partial/max_partial_span"] == 1
+    for m in (m1, m2):
+        assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0 and m["agent/paused_turns"] == 0
+        assert m["response_length/mean"] == pytest.approx(m["agent/model_tokens/mean"])  # tool tokens not trained

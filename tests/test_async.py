@@ -22,9 +22,11 @@ from rlhf_mcore.trainer.databus import GroupMeta, Ledger, pull_orders, send_orde
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def meta(uid, src=1, minv=0, maxv=None, tokens=10, prompt=None):
+def meta(uid, src=1, minv=0, maxv=None, tokens=10, prompt=None, spanning=None):
+    partial = maxv not in (None, minv)
     return GroupMeta(uid=uid, src=src, nbytes=100, prompt=uid if prompt is None else prompt, tokens=tokens,
-                     min_version=minv, max_version=minv if maxv is None else maxv, partial=maxv not in (None, minv))
+                     min_version=minv, max_version=minv if maxv is None else maxv, partial=partial,
+                     spanning=int(partial) if spanning is None else spanning)
 
 
 # ------------------------------------------------------------------------------------------------ unit
@@ -45,12 +47,13 @@ def test_ledger_accounting_and_staleness():
 
 
 def test_staleness_histogram_and_partial_counts():
-    ms = [meta(0, minv=3), meta(1, minv=2), meta(2, minv=2, maxv=3), meta(3, minv=1, maxv=3)]
+    ms = [meta(0, minv=3), meta(1, minv=2), meta(2, minv=2, maxv=3), meta(3, minv=1, maxv=3, spanning=3)]
     out = staleness_metrics(ms, version=3)
     assert out["fully_async/staleness/0"] == 1 and out["fully_async/staleness/1"] == 2
     assert out["fully_async/staleness/2"] == 1
     assert out["fully_async/count/stale_samples_processed"] == 3
     assert out["fully_async/partial/partial_ratio"] == 0.5 and out["fully_async/partial/max_partial_span"] == 2
+    assert out["fully_async/partial/samples_across_sync"] == 4  # samples (trajectories) across a sync, summed
 
 
 def test_orders_keep_groups_whole_and_route_to_model_parallel_ranks():
@@ -103,9 +106,6 @@ BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rol
      ["reward_model.reward_manager=prime", "synchronous step", "mode=off"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
-    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
-      "actor_rollout_ref.rollout.multi_turn.enable=true"], 2,
-     ["multi_turn.enable=true", "not fully_async", "partial rollout", "tool calls", "mode=one_step_off"]),
 ])
 def test_async_config_errors(overrides, world, fragments):
     base = BASE
@@ -122,8 +122,12 @@ def test_async_config_accepted_layouts():
                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2
     validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
                                               "async_training.require_batches=2"]), 2)
-    validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
-                                              "actor_rollout_ref.rollout.multi_turn.enable=true"]), 2)  # agent loops
+    for mode in ("one_step_off", "fully_async", "fully_async partial_rollout=false"):  # agent loops
+        mode, *more = mode.split()
+        validate_config(load_config(None, base + [f"async_training.mode={mode}", "rollout.n_gpus_per_node=1",
+                                                  "data.train_batch_size=4",
+                                                  "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                                  *[f"async_training.{kv}" for kv in more]]), 2)
     for mode in ("one_step_off", "fully_async"):  # a reward model scores on the training pool
         validate_config(load_config(None, base + [f"async_training.mode={mode}", "rollout.n_gpus_per_node=1",
                                                   "data.train_batch_size=4", "reward_model.enable=true",
@@ -131,50 +135,159 @@ def test_async_config_accepted_layouts():
 
 
 # ------------------------------------------------------------------------------------------------ partial rollout
+def _perturbed(model_dir, k: int):
+    """The model with seeded noise on every weight (k = 0: as saved): policy version k's stand-in."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(k)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * k * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _teacher_forced(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """(R,) log-prob of each response token under `model`, the whole sequence in one pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
 def test_partial_rollout_versions_and_logprobs_match_the_weights_that_sampled_them(tiny_model_dir):
     """A sample paused after 5 tokens under weights A and continued under weights B carries versions
     [0]*5 + [1]*rest, and each token's log-prob equals a teacher-forced pass of the weights that sampled it."""
-    from transformers import AutoModelForCausalLM
-
     from rlhf_mcore.rollout import SamplingParams
-    from rlhf_mcore.rollout.base import Request
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
-    from rlhf_mcore.trainer.rollout_worker import continuation, record_versions
+    from rlhf_mcore.trainer.sample_streams import SampleStream
 
     model_dir = tiny_model_dir("qwen2")
     engine = NativeRolloutEngine(model_dir, max_num_seqs=8, max_model_len=64, device="cpu")
-    hf_a = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    hf_b = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in hf_b.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    prompt = [5, 17, 33, 2, 9]
-    live = {7: {"versions": [[], []], "samples": [None, None]}}
-    engine.open_stream(SamplingParams(temperature=1.0, max_new_tokens=20, stop_token_ids=(), seed=3))
-    engine.submit([Request(request_id=7, prompt_ids=prompt, sample=j, tag=7) for j in range(2)])
+    hf_a, hf_b = _perturbed(model_dir, 0), _perturbed(model_dir, 1)
+    item = {"input_ids": [5, 17, 33, 2, 9]}
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, stop_token_ids=(), seed=3)
+    stream = SampleStream(engine, params)
+    stream.version = 0
+    engine.open_stream(params)
+    stream.add(7, item, None)
     for _ in range(4):  # the first token comes with the prefill
-        assert engine.step() == []
-    paused = engine.abort()
-    record_versions(paused, live, version=0)
-    assert [len(f.sample.token_ids) for f in paused] == [5, 5]
+        assert stream.step() == []
+    stream.pause()
+    assert [len(v) for v in stream.versions[7]] == [5, 5]
     engine.update_weights(hf_b.state_dict().items())  # the new policy
-    engine.submit([continuation(f) for f in paused])
+    stream.version = 1
+    stream.resume()
     done = []
-    while engine.num_pending:
-        done += engine.step()
-    record_versions(done, live, version=1)
+    while not stream.drained():
+        done += stream.step()
     engine.close_stream()
-    assert len(done) == 2
-    for f in done:
-        versions = live[7]["versions"][f.request.sample]
-        assert versions == [0] * 5 + [1] * 15
-        ids = torch.tensor([prompt + f.sample.token_ids])
+    assert len(done) == 2 and not stream.prompts  # the group's bookkeeping is gone with its last sample
+    for uid, row in done:
+        assert uid == 7 and row.versions == [0] * 5 + [1] * 15
         for model, lo, hi in ((hf_a, 0, 5), (hf_b, 5, 20)):
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
-            want = logp.gather(1, torch.tensor(f.sample.token_ids)[:, None])[:, 0]
-            got = torch.tensor(f.sample.logprobs)
+            want = _teacher_forced(model, item["input_ids"], row.response_ids)
+            got = torch.tensor(row.logprobs)
             assert torch.allclose(got[lo:hi], want[lo:hi], atol=1e-4), (model is hf_a, got[lo:hi], want[lo:hi])
+
+
+def test_trajectories_paused_at_weight_syncs_keep_each_tokens_policy(tiny_model_dir):
+    """The fully asynchronous rollout's agent loops across three weight syncs: one in each trajectory's first
+    model turn, one while its calculator call runs, one in its second model turn. Each model turn is continued
+    from its tokens; every token records the version that sampled it (tool tokens: the model token's before them)
+    and its rollout log-prob equals a teacher-forced pass of that version's weights; the tool's answer is exactly
+    the masked span."""
+    import threading
+
+    from agent_helpers import fixture_tokenizer
+
+    from rlhf_mcore.agents import AgentLoop, AgentRunner, MultiTurnSettings, parse_tool_calls, register_agent
+    from rlhf_mcore.agents.calculator import Calculator
+    from rlhf_mcore.agents.runner import AgentStream
+    from rlhf_mcore.agents.tasks import multiply_rows
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    @register_agent("test_async_calculator_agent", override=True)
+    class CallsCalculator(AgentLoop):  # a model turn, the row's calculator call, a model turn
+        async def run(self, row, traj):
+            if await self.generate(traj) is None or traj.done:
+                return
+            if traj.add_messages(await self.call_tools(traj, parse_tool_calls(row["extra_info"]["answer"])),
+                                 role="tool"):
+                await self.generate(traj)
+
+    gate, arrived = threading.Event(), []
+
+    class GatedCalculator(Calculator):  # the call returns once the test opens the gate
+        def __call__(self, **arguments):
+            arrived.append(1)
+            assert gate.wait(60)
+            return super().__call__(**arguments)
+
+    model_dir = tiny_model_dir("qwen2")
+    tok, end = fixture_tokenizer(model_dir, "qwen2")
+    engine = NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=512, device="cpu", dtype="float32")
+    runner = AgentRunner(engine, tok, MultiTurnSettings(max_tokens_per_turn=12), {"calculator": GatedCalculator()})
+    row = multiply_rows(1, digits=3)[0]
+    row.update(agent_name="test_async_calculator_agent", raw_prompt=row["prompt"])
+    prompt = tok(tok.apply_chat_template(row["prompt"], tools=runner.tool_schemas, add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    models = [_perturbed(model_dir, k) for k in range(4)]  # policy versions 0..3
+    done = {}
+    stream = AgentStream(runner, SamplingParams(n=2, temperature=1.0, max_new_tokens=60, seed=11,
+                                                stop_token_ids=(end,)), done.__setitem__)
+    engine.open_stream(stream.params)
+
+    def sync(version: int) -> int:  # as the rollout worker does: pause, new weights, continue
+        paused = stream.pause()
+        engine.update_weights(models[version].state_dict().items())
+        stream.version = version
+        return paused
+
+    def pump_until(cond):
+        t0 = time.time()
+        while not cond():
+            assert time.time() - t0 < 60
+            stream.pump()
+
+    stream.add(prompt, row, key=0)
+    for _ in range(3):  # the first turns' first 4 tokens (the first one comes with the prefill)
+        stream.pump()
+    assert sync(1) == 2  # both first turns paused mid-generation
+    pump_until(lambda: len(arrived) == 2)  # both first turns finished; their calls run
+    assert sync(2) == 0  # nothing in the engine: the calls are in flight and finish under the new weights
+    gate.set()
+    pump_until(lambda: engine.num_pending == 2)  # both second turns started (the tools' answers come when they do)
+    stream.pump()
+    stream.pump()
+    assert sync(3) == 2  # ... and are paused mid-generation
+    pump_until(lambda: not stream.unfinished)
+    engine.close_stream()
+    stream.close()
+
+    assert sorted(done) == [0, 1]
+    for t in done.values():
+        model_turns = [x for x in t.turns if x["role"] == "assistant"]
+        assert len(model_turns) == 2 and t.stats["paused_turns"] == 2.0
+        (a0, a1), (b0, b1) = [(x["start"], x["end"]) for x in model_turns]
+        assert a1 - a0 > 4  # the first turn went on after its pause
+        assert t.response_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0) and b1 == len(t.response_ids)
+        tool_text = tok.decode(t.response_ids[a1:b0])
+        assert f"<tool_response>\n{row['reward_model']['ground_truth']}\n</tool_response>" in tool_text, tool_text
+        assert tool_text.endswith("<|im_start|>assistant\n")
+        second = t.versions[b0:]  # 2 or more tokens under version 2 (the prefill's, a step's at least), then 3
+        k = second.count(2)
+        assert t.versions[:b0] == [0] * 4 + [1] * (a1 - 4) + [1] * (b0 - a1) and second == [2] * k + [3] * (b1 - b0 - k)
+        assert k >= 2 and second[-1] == 3  # paused mid-turn, continued under version 3
+        got, checked = torch.tensor(t.logprobs), 0
+        for v, model in enumerate(models):
+            want = _teacher_forced(model, t.prompt_ids, t.response_ids)
+            mine = torch.tensor([m == 1 and x == v for m, x in zip(t.response_mask, t.versions)])
+            assert torch.allclose(got[mine], want[mine], atol=1e-4), (v, got[mine], want[mine])
+            other = _teacher_forced(models[(v + 1) % 4], t.prompt_ids, t.response_ids)
+            assert not torch.allclose(got[mine], other[mine], atol=1e-3)  # the versions' weights differ
+            checked += int(mine.sum())
+        assert checked == sum(t.response_mask)
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -69,8 +69,8 @@ def trajectory_info(t) -> dict[str, Any]:
 def agent_metrics(infos: Sequence[dict], runner_stats: Optional[dict] = None) -> dict[str, float]:
     """`agent/*`: turns and tool calls per trajectory (mean / max), model and message tokens per trajectory
     (mean), tool error counts by kind, tool seconds, trajectories stopped by the turn or the length limit, template
-    drift, the engine's busy fraction and (streaming engines) the prompt tokens it prefilled and those it reused
-    from a trajectory's kept KV cache."""
+    drift, the engine's busy fraction, (streaming engines) the prompt tokens it prefilled and those it reused
+    from a trajectory's kept KV cache, and (fully_async) the model turns paused at a weight sync."""
     infos = [i for i in infos if i]
     if not infos:
         return {}
@@ -83,6 +83,8 @@ def agent_metrics(infos: Sequence[dict], runner_stats: Optional[dict] = None) ->
     for key in ("tool_errors", "tool_timeouts", "tool_exceptions", "tool_malformed", "tool_unknown", "tool_rejected",
                 "tool_seconds", "template_drift", "template_fallbacks"):
         out[f"agent/{key}"] = sum(i.get(key, 0.0) for i in infos)
+    if any("paused_turns" in i for i in infos):  # fully_async: model turns paused at a weight sync, continued
+        out["agent/paused_turns"] = sum(i.get("paused_turns", 0.0) for i in infos)
     out["agent/stopped_by_turns"] = float(sum(i["finish_reason"] == "turns" for i in infos))
     out["agent/stopped_by_length"] = float(sum(i["finish_reason"] == "length" for i in infos))
     out["agent/model_tokens/mean"] = sum(i["model_tokens"] for i in infos) / n

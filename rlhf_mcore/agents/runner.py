@@ -19,6 +19,10 @@ not depend on timing, batching or which trajectories run together.
 KV reuse (streaming engines): every turn of trajectory k is submitted with `session=k`, so the engine can keep the
 trajectory's KV cache between turns and prefill only the new tool/environment message and the generation prompt;
 the session is released when the trajectory ends. `last_stats` reports `prefill_tokens` and `kv_reused_tokens`.
+
+`AgentRunner.run` runs a fixed set of rows to the end; :class:`AgentStream` is the same scheduler driven round by
+round by its caller, rows added at any time: the fully asynchronous trainer's rollout streams trajectories with it
+and pauses their model turns at weight syncs (partial rollout across a trajectory's turns; see the class).
 """
 from __future__ import annotations
 
@@ -28,16 +32,16 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from rlhf_mcore.agents.hermes import CallError
 from rlhf_mcore.agents.loops import get_agent
 from rlhf_mcore.agents.tools import Tool
 from rlhf_mcore.agents.trajectory import Trajectory, TrajectoryBuilder
-from rlhf_mcore.rollout.base import SamplingParams
+from rlhf_mcore.rollout.base import FINISH_ABORT, Request, Sample, SamplingParams
 
-__all__ = ["MultiTurnSettings", "AgentContext", "AgentRunner", "AgentError", "TURN_KEY"]
+__all__ = ["MultiTurnSettings", "AgentContext", "AgentRunner", "AgentStream", "AgentError", "TURN_KEY"]
 
 TURN_KEY = 256  # request id = trajectory key * TURN_KEY + turn: at most TURN_KEY - 1 model turns
 
@@ -96,16 +100,20 @@ class _Turn:
     request_id: int
     future: asyncio.Future
     session: int
+    prefix: Optional[Sample] = None  # a turn paused at a weight sync: its tokens so far, continued from there
+    versions: list[int] = field(default_factory=list)  # the policy version of each of its tokens so far
+    paused: bool = False  # paused mid-generation at least once
+    sample: Optional[Sample] = None  # the finished turn
 
 
 class AgentContext:
     """What agent loops reach through `self.ctx`: the tokenizer, the tools, the settings and the two waits."""
 
-    def __init__(self, runner: "AgentRunner"):
-        self._r = runner
-        self.tokenizer = runner.tokenizer
-        self.tools: dict[str, Tool] = runner.tools
-        self.settings = runner.settings
+    def __init__(self, stream: "AgentStream"):
+        self._s = stream
+        self.tokenizer = stream.runner.tokenizer
+        self.tools: dict[str, Tool] = stream.runner.tools
+        self.settings = stream.runner.settings
 
     async def generate(self, traj: TrajectoryBuilder) -> Optional[str]:
         budget = traj.remaining
@@ -116,13 +124,16 @@ class AgentContext:
             return None
         if traj.assistant_turns >= TURN_KEY - 1:
             raise AgentError(f"more than {TURN_KEY - 1} model turns in one trajectory")
-        sample = await self._r._request_turn(traj.context_ids, budget, traj.key * TURN_KEY + traj.assistant_turns,
-                                             traj.key)
+        turn = await self._s._request_turn(traj.context_ids, budget, traj.key * TURN_KEY + traj.assistant_turns,
+                                           traj.key)
+        sample = turn.sample
+        if turn.paused:
+            traj.stats["paused_turns"] = traj.stats.get("paused_turns", 0.0) + 1
         return traj.add_model_turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason,
-                                   cut_by_turn_budget=budget < traj.remaining)
+                                   cut_by_turn_budget=budget < traj.remaining, versions=turn.versions)
 
     async def call_tools(self, traj: TrajectoryBuilder, calls: list) -> list[dict]:
-        return await self._r._run_calls(traj, calls)
+        return await self._s._run_calls(traj, calls)
 
 
 class AgentRunner:
@@ -135,9 +146,7 @@ class AgentRunner:
         self.tools = dict(tools or {})
         self.tool_schemas = [t.schema() for t in self.tools.values()] or None
         self.last_stats: dict[str, float] = {}
-        self._on_trajectory: Optional[Callable[[int, Trajectory], None]] = None
 
-    # ------------------------------------------------------------------------------------------------ api
     def run(self, prompt_ids: Sequence[list[int]], rows: Sequence[dict[str, Any]], params: SamplingParams,
             keys: Optional[Sequence[int]] = None,
             on_trajectory: Optional[Callable[[int, Trajectory], None]] = None) -> list[list[Trajectory]]:
@@ -147,136 +156,214 @@ class AgentRunner:
         if len(prompt_ids) != len(rows):
             raise ValueError(f"{len(prompt_ids)} prompts for {len(rows)} rows")
         keys = list(range(len(rows))) if keys is None else list(keys)
-        params = params.with_stop_ids(self.engine.default_stop_token_ids)
-        self._on_trajectory = on_trajectory
-        return asyncio.run(self._main(list(prompt_ids), list(rows), params, keys))
+        done: dict[int, Trajectory] = {}
 
-    # ------------------------------------------------------------------------------------------------ main
-    async def _main(self, prompt_ids, rows, params: SamplingParams, keys) -> list[list[Trajectory]]:
-        loop = asyncio.get_running_loop()
-        self._loop, self._params = loop, params
-        self._queue: list[_Turn] = []
-        self._gen_waiting = self._tool_waiting = 0
-        self._wake = asyncio.Event()
-        pool = _ToolPool(self.settings.tool_workers)
-        self._pool = pool
-        ctx = AgentContext(self)
-        n = params.n
-        tasks = [loop.create_task(self._one(ctx, rows[i], prompt_ids[i], keys[i] * n + j, params))
-                 for i in range(len(rows)) for j in range(n)]
-        streaming = bool(getattr(self.engine, "supports_streaming", False))
-        busy, t_start = 0.0, time.perf_counter()
-        inflight: dict[int, _Turn] = {}
-        if streaming:
-            self.engine.open_stream(params)
+        def finished(key: int, t: Trajectory) -> None:
+            done[key] = t
+            if on_trajectory is not None:
+                on_trajectory(key, t)
+
+        stream = AgentStream(self, params, finished)
+        t_start = time.perf_counter()
+        if stream.streaming:
+            self.engine.open_stream(stream.params)
         try:
-            while True:
-                await self._settle(tasks)
-                if all(t.done() for t in tasks):
-                    break
-                if streaming:
-                    if self._queue:
-                        busy += self._submit(inflight)
-                    if self.engine.num_pending:
-                        t0 = time.perf_counter()
-                        finished = self.engine.step()
-                        busy += time.perf_counter() - t0
-                        for f in finished:
-                            self._resolve(inflight.pop(f.request.request_id), f.sample)
-                        continue
-                elif self._queue:
-                    t0 = time.perf_counter()
-                    self._generate_queued()
-                    busy += time.perf_counter() - t0
-                    continue
-                if self._tool_waiting:
-                    self._wake.clear()
-                    await self._wake.wait()  # every unfinished trajectory waits for a tool: the engine idles
-                elif self._gen_waiting:
-                    raise AgentError(f"{self._gen_waiting} turn(s) wait for an engine that has nothing pending")
+            for i in range(len(rows)):
+                stream.add(prompt_ids[i], rows[i], keys[i])
+            while stream.unfinished:
+                stream.pump(wait=True)
         finally:
-            if streaming:
+            if stream.streaming:
                 self.engine.close_stream()
-            pool.close(self.settings.tool_workers)
-            for t in tasks:
-                t.cancel()
-        self.last_stats = {"engine_busy_s": busy, "wall_s": time.perf_counter() - t_start}
-        if streaming:
+            stream.close()
+        self.last_stats = {"engine_busy_s": stream.busy_s, "wall_s": time.perf_counter() - t_start}
+        if stream.streaming:
             engine_stats = getattr(self.engine, "last_stats", None) or {}
             if "reused_tokens" in engine_stats:
                 self.last_stats["prefill_tokens"] = float(engine_stats["prompt_tokens"])
                 self.last_stats["kv_reused_tokens"] = float(engine_stats["reused_tokens"])
-        out = [t.result() for t in tasks]
-        return [out[i * n:(i + 1) * n] for i in range(len(rows))]
+        n = stream.params.n
+        return [[done[k * n + j] for j in range(n)] for k in keys]
 
-    async def _settle(self, tasks) -> None:
-        """Let every runnable task go on until it waits for a turn or for its tools (or ends)."""
-        spins = 0
+
+class AgentStream:
+    """The scheduler: agent loops added at any time (`add`), driven one round at a time by the caller (`pump`), each
+    finished trajectory handed to `on_trajectory(key, trajectory)`. A streaming engine's stream is the caller's to
+    open (with `self.params`) and close; `close()` ends the loops and the tool threads.
+
+    Weight syncs (the fully asynchronous trainer, `pause` / `version`): `pause()` takes every model turn out of the
+    engine with its tokens so far (their log-probs and policy versions kept) and puts it first in line; after the
+    caller loads new weights and sets `version`, the next `pump` continues those turns from their tokens (the
+    engine's continuation: same random stream, the new tokens sampled and scored by the new weights). Tool calls in
+    flight are not touched: they finish, and the trajectory's next turn runs under the weights of its time.
+    `pump(submit=False)` holds new turns back (a sync waiting for the engine to drain, without pausing)."""
+
+    def __init__(self, runner: AgentRunner, params: SamplingParams,
+                 on_trajectory: Optional[Callable[[int, Trajectory], None]] = None):
+        self.runner, self.engine, self.settings, self.tools = runner, runner.engine, runner.settings, runner.tools
+        self.params = params.with_stop_ids(self.engine.default_stop_token_ids)
+        self.on_trajectory = on_trajectory
+        self.streaming = bool(getattr(self.engine, "supports_streaming", False))
+        self.version = 0  # the policy version of the engine's weights: recorded for every token sampled
+        self.busy_s = 0.0  # seconds in the engine
+        self._loop = asyncio.new_event_loop()
+        self._queue: list[_Turn] = []  # turns waiting for the engine
+        self._inflight: dict[int, _Turn] = {}  # request id -> turn in the engine
+        self._tasks: set[asyncio.Task] = set()
+        self._gen_waiting = self._tool_waiting = 0
+        self._wake = asyncio.Event()
+        self._pool = _ToolPool(self.settings.tool_workers)
+        self._ctx = AgentContext(self)
+
+    # ------------------------------------------------------------------------------------------------ api
+    def add(self, prompt_ids: list[int], row: dict[str, Any], key: int) -> None:
+        """`params.n` trajectories of `row`, keyed `key * n + j` (their random streams, `on_trajectory`'s key)."""
+        n = self.params.n
+        for j in range(n):
+            self._tasks.add(self._loop.create_task(self._one(row, list(prompt_ids), key * n + j)))
+
+    @property
+    def unfinished(self) -> int:
+        """Trajectories added and not finished."""
+        return len(self._tasks)
+
+    def pump(self, wait: bool = False, submit: bool = True) -> int:
+        """One round: every loop that can go on does until it waits (finished ones go to `on_trajectory`), the
+        turns that wait go to the engine (not with `submit=False`) and the engine runs one step (or, not
+        streaming, generates them). With `wait`, when only tools are left to wait for, blocks until one returns.
+        Returns the engine's requests still pending."""
+        self._run(self._settle())
+        if not self._tasks:
+            return 0
+        if self.streaming:
+            if self._queue and submit:
+                self._submit()
+            if self.engine.num_pending:
+                t0 = time.perf_counter()
+                finished = self.engine.step()
+                self.busy_s += time.perf_counter() - t0
+                for f in finished:
+                    self._resolve(self._inflight.pop(f.request.request_id), f.sample)
+                return self.engine.num_pending
+        elif self._queue and submit:
+            t0 = time.perf_counter()
+            self._generate_queued()
+            self.busy_s += time.perf_counter() - t0
+            return 0
+        if wait and self._tool_waiting:
+            self._wake.clear()
+            self._run(self._wake.wait())  # every unfinished trajectory waits for a tool: the engine idles
+        elif wait and self._gen_waiting and submit:
+            raise AgentError(f"{self._gen_waiting} turn(s) wait for an engine that has nothing pending")
+        return 0
+
+    def pause(self) -> int:
+        """Take every turn out of the engine (streaming engines): each keeps its tokens so far, recorded under
+        `version`, and waits first in line to be continued. Returns how many had tokens (paused mid-turn)."""
+        paused, back = 0, []
+        for f in self.engine.abort():
+            turn = self._inflight.pop(f.request.request_id)
+            if f.sample.finish_reason != FINISH_ABORT:  # it had finished already
+                self._resolve(turn, f.sample)
+                continue
+            self._record(turn, f.sample)
+            if f.sample.token_ids:
+                turn.prefix, turn.paused = f.sample, True
+                paused += 1
+            back.append(turn)
+        self._queue = back + self._queue
+        return paused
+
+    def close(self) -> None:
+        """End every loop (unfinished ones are cancelled) and the tool threads."""
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            self._run(asyncio.gather(*self._tasks, return_exceptions=True))
+        self._tasks = set()
+        self._pool.close(self.settings.tool_workers)
+        self._loop.close()
+
+    # ------------------------------------------------------------------------------------------------ loops
+    def _run(self, awaitable):
+        return self._loop.run_until_complete(awaitable)
+
+    async def _settle(self) -> None:
+        """Let every runnable task go on until it waits for a turn or for its tools (or ends); finished ones leave
+        the set (a failed loop stops the rollout with its row named)."""
+        tasks, spins = self._tasks, 0
         while sum(not t.done() for t in tasks) > self._gen_waiting + self._tool_waiting:
             await asyncio.sleep(0 if spins < 64 else 0.0005)  # a loop awaiting something else: poll gently
             spins += 1
-        for t in tasks:  # a failed loop stops the step with its row named
-            if t.done() and not t.cancelled() and t.exception() is not None:
+        for t in [t for t in tasks if t.done()]:
+            tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
                 raise t.exception()
 
-    async def _one(self, ctx: AgentContext, row: dict, prompt: list[int], key: int, params) -> Trajectory:
+    async def _one(self, row: dict, prompt: list[int], key: int) -> Trajectory:
         name = row.get("agent_name") or self.settings.default_agent
         try:
             cls = get_agent(name)
         except ValueError as e:
             raise AgentError(f"row {row.get('index', '?')}: {e}") from None
-        traj = TrajectoryBuilder(self.tokenizer, row.get("raw_prompt") or [], prompt,
-                                 max_response_tokens=params.max_new_tokens, tools=self.tool_schemas,
+        params = self.params
+        traj = TrajectoryBuilder(self.runner.tokenizer, row.get("raw_prompt") or [], prompt,
+                                 max_response_tokens=params.max_new_tokens, tools=self.runner.tool_schemas,
                                  stop_token_ids=tuple(params.stop_token_ids))
-        traj.key = key
+        traj.key, traj.start_version = key, self.version
         try:
-            await cls(ctx).run(row, traj)
+            await cls(self._ctx).run(row, traj)
         except AgentError:
             raise
         except Exception as e:
             raise AgentError(f"agent loop {name!r} failed on row {row.get('index', '?')} (data_source "
                              f"{row.get('data_source')!r}): {type(e).__name__}: {e}") from e
         finally:
-            if getattr(self.engine, "supports_streaming", False):
+            if self.streaming:
                 self.engine.release(key)  # the trajectory's KV cache, kept between its turns
         out = traj.finish(check_drift=self.settings.check_drift)
-        if self._on_trajectory is not None:
-            self._on_trajectory(key, out)
+        if self.on_trajectory is not None:
+            self.on_trajectory(key, out)
         return out
 
     # ------------------------------------------------------------------------------------------- the engine
-    async def _request_turn(self, prompt: list[int], max_new_tokens: int, request_id: int, session: int):
+    async def _request_turn(self, prompt: list[int], max_new_tokens: int, request_id: int, session: int) -> _Turn:
+        """The turn, once the engine has finished it (`sample`, and `versions`: its tokens' policy versions)."""
         fut = self._loop.create_future()
         self._queue.append(_Turn(list(prompt), int(max_new_tokens), int(request_id), fut, session))
         self._gen_waiting += 1
         return await fut
 
-    def _resolve(self, turn: _Turn, sample) -> None:
+    def _record(self, turn: _Turn, sample: Sample) -> None:
+        """The tokens the turn gained since its last record were sampled under `version`."""
+        turn.versions += [self.version] * (len(sample.token_ids) - len(turn.versions))
+
+    def _resolve(self, turn: _Turn, sample: Sample) -> None:
+        self._record(turn, sample)
+        turn.sample = sample
         self._gen_waiting -= 1
-        turn.future.set_result(sample)
+        turn.future.set_result(turn)
 
-    def _submit(self, inflight: dict) -> float:
-        from rlhf_mcore.rollout.base import Request
-
-        t0 = time.perf_counter()
+    def _submit(self) -> None:
         reqs = []
         for turn in self._queue:
-            inflight[turn.request_id] = turn
+            self._inflight[turn.request_id] = turn
             reqs.append(Request(request_id=turn.request_id, prompt_ids=turn.prompt,
-                                max_new_tokens=turn.max_new_tokens, session=turn.session))
+                                max_new_tokens=turn.max_new_tokens, session=turn.session, prefix=turn.prefix))
         self._queue = []
+        t0 = time.perf_counter()
         self.engine.submit(reqs)
-        return time.perf_counter() - t0
+        self.busy_s += time.perf_counter() - t0
 
     def _generate_queued(self) -> None:
         groups: dict[int, list[_Turn]] = defaultdict(list)
         for turn in self._queue:
             groups[turn.max_new_tokens].append(turn)
         self._queue = []
+        p = self.params
         for budget, turns in sorted(groups.items()):
-            params = SamplingParams(n=1, temperature=self._params.temperature, top_p=self._params.top_p,
-                                    top_k=self._params.top_k, max_new_tokens=budget,
-                                    stop_token_ids=self._params.stop_token_ids, seed=self._params.seed)
+            params = SamplingParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                    max_new_tokens=budget, stop_token_ids=p.stop_token_ids, seed=p.seed)
             outs = self.engine.generate([t.prompt for t in turns], params,
                                         request_ids=[t.request_id for t in turns])
             for turn, out in zip(turns, outs):

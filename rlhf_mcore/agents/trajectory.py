@@ -13,6 +13,11 @@ and tokenized on its own. Template-rendered history that differs from what the m
 earlier `<think>` blocks, a detokenize/retokenize round trip that changes ids) is never written back: the
 trajectory keeps the model's tokens, and :meth:`TrajectoryBuilder.finish` counts such a difference in
 `template_drift` (one check of the whole conversation, after the fact).
+
+Policy versions (the asynchronous trainers): each response token carries the version of the policy that sampled it
+(`versions`; the runner records them per model token, a turn paused at a weight sync and continued spans two);
+message tokens, which no policy sampled, carry the version of the model token before them (the trajectory's first
+version when none is), so a trajectory's oldest and newest versions are those of its model tokens.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)  # tool_calls, tool_errors, tool_timeouts, ...
     tool_calls: list[dict] = field(default_factory=list)  # per call: turn, name, arguments (or error), outcome, seconds
+    versions: list[int] = field(default_factory=list)  # per response token: the policy version (module docstring)
 
     @property
     def model_logprobs(self) -> list[float]:
@@ -113,6 +119,8 @@ class TrajectoryBuilder:
         self._end_text: Optional[str] = None
         self._open_text: Optional[str] = None  # the last turn's text when the per-turn budget cut it off
         self.key = 0  # keys the trajectory's random streams (set by the runner)
+        self.versions: list[int] = []  # per response token (module docstring)
+        self.start_version = 0  # the policy version when the trajectory started (set by the runner)
 
     # ---------------------------------------------------------------------------------------------- state
     @property
@@ -147,12 +155,17 @@ class TrajectoryBuilder:
         self.messages = [dict(m) for m in messages]
 
     def add_model_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: str,
-                       cut_by_turn_budget: bool = False) -> str:
+                       cut_by_turn_budget: bool = False, versions: Optional[list[int]] = None) -> str:
         """Append the model's tokens as sampled; returns the turn's text (without its end token). A turn that
         did not end on a stop token ends the trajectory ("length"), unless the per-turn budget cut it
-        (`cut_by_turn_budget`) with room left: the next message then closes the turn as the template does."""
+        (`cut_by_turn_budget`) with room left: the next message then closes the turn as the template does.
+        `versions`: the policy version of each token (None: `start_version` for all)."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs")
+        versions = [self.start_version] * len(token_ids) if versions is None else [int(v) for v in versions]
+        if len(versions) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens but {len(versions)} policy versions")
+        self.versions += versions
         start = len(self.response_ids)
         self.response_ids += list(token_ids)
         self.response_mask += [1] * len(token_ids)
@@ -187,6 +200,7 @@ class TrajectoryBuilder:
         self.response_ids += ids
         self.response_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else self.start_version] * len(ids)
         first = len(self.messages)
         self.messages += [dict(m) for m in messages]
         self.turns.append({"role": role or messages[0]["role"], "start": start, "end": len(self.response_ids),
@@ -217,4 +231,4 @@ class TrajectoryBuilder:
         stats["template_drift"] = float(check_drift and self.template_drift())
         return Trajectory(self.prompt_ids, self.response_ids, self.response_mask, self.logprobs, self.messages,
                           self.turns, self.finish_reason, self.reward, self.turn_rewards, stats,
-                          [dict(c) for c in self.tool_calls])
+                          [dict(c) for c in self.tool_calls], list(self.versions))

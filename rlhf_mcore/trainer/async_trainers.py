@@ -9,6 +9,13 @@ training ranks which groups to pull from which producer.
 Policy versions: version v is the actor after v training steps. A group's staleness at step s is
 (s - 1) - its oldest token's version.
 
+Multi-turn (agent loops): one_step_off generates each step's trajectories with one policy; fully_async streams them
+and, at a weight sync, pauses the model turns in the engine and continues them under the new weights, tool calls
+in flight finishing meanwhile (:mod:`rlhf_mcore.trainer.sample_streams`). A trajectory then spans several
+versions: each model token keeps the rollout log-prob of the policy that sampled it, its staleness counts from its
+oldest token, `fully_async/partial/samples_across_sync` counts the trained ones that crossed a sync and
+`agent/paused_turns` the model turns paused mid-generation.
+
 Rewards: the rollout pool scores every sample with the rule functions (plus DAPO's overlong penalty) as it streams
 them. A discriminative reward model (`reward_model.enable`) lives on the training pool, sharded like the critic:
 each step, after its rows arrive over the data bus and before the forward passes, every data-parallel replica scores
@@ -405,6 +412,11 @@ class FullyAsyncTrainer(AsyncTrainerBase):
                     "fully_async/count/producers": float(len({m.src for m in metas}))})  # rollout replicas
         for k in ("num_timeouts", "num_exceptions", "num_invalid"):
             out[f"reward/{k}"] = float(sum(m.stats.get(f"reward/{k}", 0.0) for m in metas))
+        if self.cfg.actor_rollout_ref.rollout.multi_turn.enable:  # the step's trajectories (rows carry their own)
+            from rlhf_mcore.agents.rollout import agent_metrics
+
+            out.update(agent_metrics([info for m in metas for info in m.stats.get("agent", [])]))
+            out.setdefault("agent/paused_turns", 0.0)  # model turns paused at a weight sync and continued
         for m in metas:  # each producer's clocks at its latest group
             if m.stats["wall_s"] >= self.latest_clock.get(m.src, (0.0, 0.0))[1]:
                 self.latest_clock[m.src] = (m.stats["idle_s"], m.stats["wall_s"])

@@ -37,6 +37,7 @@ class GroupMeta:
     min_version: int  # the oldest policy version that sampled one of its tokens
     max_version: int
     partial: bool = False  # some sample spans more than one version
+    spanning: int = 0  # its samples (multi-turn: trajectories) whose tokens span more than one version
     step: int = 0  # one_step_off: the step whose plan holds it
     pos: int = 0  # one_step_off: its position in that plan
     stats: dict = field(default_factory=dict)  # reward counters, producer clocks
@@ -138,7 +139,8 @@ def pull_orders(groups_per_dp: list[list[GroupMeta]]) -> list[list[tuple[int, in
 
 def staleness_metrics(metas: list[GroupMeta], version: int, prefix: str = "fully_async") -> dict[str, float]:
     """Histogram of trained groups' staleness (versions behind the trainer, by their oldest token) and the
-    partial-rollout counts."""
+    partial-rollout counts: the share of groups with a sample across a weight sync, the samples (multi-turn:
+    trajectories) across one, the widest span of versions."""
     out: dict[str, float] = {}
     for m in metas:
         k = f"{prefix}/staleness/{version - m.min_version}"
@@ -146,6 +148,7 @@ def staleness_metrics(metas: list[GroupMeta], version: int, prefix: str = "fully
     n = max(len(metas), 1)
     out[f"{prefix}/count/stale_samples_processed"] = float(sum(version - m.min_version > 0 for m in metas))
     out[f"{prefix}/partial/partial_ratio"] = sum(m.partial for m in metas) / n
+    out[f"{prefix}/partial/samples_across_sync"] = float(sum(m.spanning for m in metas))
     out[f"{prefix}/partial/max_partial_span"] = float(max((m.max_version - m.min_version for m in metas),
                                                           default=0))
     return out

@@ -7,7 +7,8 @@ Commands (tuples; the first item names them):
                                              pool, score them, send each group to its DP rank's ranks (`dsts`);
                                              with multi_turn.enable the prompts run their agent loops (rows
                                              carry the trajectories' response masks and `agent/*` metrics)
-    ("grant", [(uid, prompt), ...])          fully_async: prompts to stream (all n samples of each)
+    ("grant", [(uid, prompt), ...])          fully_async: prompts to stream (all n samples of each; with
+                                             multi_turn.enable, n agent-loop trajectories: sample_streams.py)
     ("send", [(uid, ranks), ...])            fully_async: groups the trainer takes, and where they go
     ("drop", [uid, ...])                     fully_async: stale groups the trainer will not take
     ("validate", step)                       run validation on the current weights, report to the coordinator
@@ -33,28 +34,12 @@ from rlhf_mcore.parallel.pools import Pools
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rewards.stream import ScoringStream
-from rlhf_mcore.rollout.base import FINISH_ABORT, Request, Sample
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
 from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score, response_budgets
+from rlhf_mcore.trainer.sample_streams import SampleStream, TrajectoryStream
 from rlhf_mcore.trainer.validation import validate
-
-
-def record_versions(finished, live: dict, version: int) -> None:
-    """Partial rollout's bookkeeping: the tokens each of these samples gained since its last record were
-    sampled by `version` (`live[uid]["versions"][sample]`: one version per token so far)."""
-    for f in finished:
-        versions = live[f.request.tag]["versions"][f.request.sample]
-        versions.extend([version] * (len(f.sample.token_ids) - len(versions)))
-
-
-def continuation(f) -> Request:
-    """A paused sample (an aborted `Finished`) resumes from the tokens it has, their log-probs kept."""
-    r = f.request
-    return Request(request_id=r.request_id, prompt_ids=r.prompt_ids, sample=r.sample, tag=r.tag,
-                   max_new_tokens=r.max_new_tokens,
-                   prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT))
 
 
 def stream_seed(cfg: RLConfig) -> int:
@@ -188,13 +173,15 @@ class RolloutWorker:
                          tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in group),
                          min_version=min(versions), max_version=max(versions),
                          partial=any(len(set(r.versions or [])) > 1 for r in group),
+                         spanning=sum(len(set(r.versions or [])) > 1 for r in group),
                          stats=self.clocks(), **extra)
 
     # ------------------------------------------------------------------------------------------- fully async
     def run_fully_async(self) -> None:
         """Stream: keep the engine full with granted prompts, score each group as its last sample finishes and
         put it on the bus; between engine steps, act on the coordinator's commands. At a weight sync, in-flight
-        samples are paused and continued under the new weights (partial_rollout) or finished first."""
+        samples (multi-turn: model turns) are paused and continued under the new weights (partial_rollout) or
+        finished first (sample_streams.py)."""
         cfg = self.cfg
         n, partial = cfg.actor_rollout_ref.rollout.n, cfg.async_training.partial_rollout
         slots = cfg.actor_rollout_ref.rollout.max_num_seqs  # keep the engine's waiting queue short
@@ -203,69 +190,70 @@ class RolloutWorker:
         if first[0] != "weights":
             raise RuntimeError(f"rollout worker: expected the first weights, got {first[0]!r}")
         self.receive_weights(first[1])
+        stream = TrajectoryStream(self.agents, params) if self.agents is not None else SampleStream(self.engine, params)
+        stream.version = self.version
         self.engine.open_stream(params)
         scoring = ScoringStream(self.scorer)  # RewardLoop: samples are scored as they finish
-        todo: deque = deque()  # granted (uid, prompt) not yet submitted
-        live: dict[int, dict] = {}  # uid -> {"prompt", "samples": [Sample|None]*n, "versions": [[...]]*n}
+        todo: deque = deque()  # granted (uid, prompt) not yet started
+        live: dict[int, dict] = {}  # uid -> {"prompt", "rows": [Row|None]*n, "scores": [float|None]*n}
         sync_to = None  # a weight version waiting for this replica
-        while True:
-            for cmd in self.inbox.poll():
-                if cmd[0] == "grant":
-                    todo.extend(cmd[1])
-                elif cmd[0] == "send":
-                    for uid, dsts in cmd[1]:
-                        self.store.send(uid, dsts)
-                elif cmd[0] == "drop":
-                    for uid in cmd[1]:
-                        self.store.drop(uid)
-                elif cmd[0] == "weights":
-                    sync_to = cmd[1]
-                elif cmd[0] == "validate":  # the engine and the reward workers are the validation's meanwhile
-                    paused = self.engine.abort()
-                    record_versions(paused, live, self.version)
-                    self.engine.close_stream()
-                    scoring.finish()
-                    self.collect(scoring, live)
-                    self.validate(cmd[1])
-                    scoring = ScoringStream(self.scorer)
-                    self.engine.open_stream(params)
-                    self.engine.submit([continuation(f) for f in paused])
-                elif cmd[0] == "stop":
-                    self.engine.abort()
-                    self.engine.close_stream()
-                    scoring.finish()
-                    return
-            if sync_to is not None and (partial or self.engine.num_pending == 0):
-                paused = self.engine.abort() if partial else []
-                record_versions(paused, live, self.version)
-                self.receive_weights(sync_to)
-                sync_to = None
-                self.engine.submit([continuation(f) for f in paused])
-            while todo and sync_to is None and self.engine.num_pending + n <= max(slots, n):
-                uid, prompt = todo.popleft()
-                item = self.train_set[prompt]
-                budget = (response_budgets([item], params.max_new_tokens) or [None])[0]
-                live[uid] = {"prompt": prompt, "samples": [None] * n, "versions": [[] for _ in range(n)],
-                             "scores": [None] * n}
-                self.engine.submit([Request(request_id=uid, prompt_ids=list(item["input_ids"]), sample=j, tag=uid,
-                                            max_new_tokens=budget) for j in range(n)])
-            if self.engine.num_pending:
-                finished = self.engine.step()
-                record_versions(finished, live, self.version)
-                for f in finished:
-                    live[f.request.tag]["samples"][f.request.sample] = f.sample
+        try:
+            while True:
+                for cmd in self.inbox.poll():
+                    if cmd[0] == "grant":
+                        todo.extend(cmd[1])
+                    elif cmd[0] == "send":
+                        for uid, dsts in cmd[1]:
+                            self.store.send(uid, dsts)
+                    elif cmd[0] == "drop":
+                        for uid in cmd[1]:
+                            self.store.drop(uid)
+                    elif cmd[0] == "weights":
+                        sync_to = cmd[1]
+                    elif cmd[0] == "validate":  # the engine and the reward workers are the validation's meanwhile
+                        stream.pause()
+                        self.engine.close_stream()
+                        scoring.finish()
+                        self.collect(scoring, live)
+                        self.validate(cmd[1])
+                        scoring = ScoringStream(self.scorer)
+                        self.engine.open_stream(params)
+                        stream.resume()
+                    elif cmd[0] == "stop":
+                        self.engine.abort()
+                        self.engine.close_stream()
+                        scoring.finish()
+                        return
+                if sync_to is not None and (partial or stream.drained()):
+                    if partial:
+                        stream.pause()
+                    self.receive_weights(sync_to)
+                    stream.version, sync_to = self.version, None
+                    stream.resume()
+                while todo and sync_to is None and stream.load + n <= max(slots, n):
+                    uid, prompt = todo.popleft()
+                    item = self.train_set[prompt]
+                    live[uid] = {"prompt": prompt, "rows": [None] * n, "scores": [None] * n}
+                    stream.add(uid, item, (response_budgets([item], params.max_new_tokens) or [None])[0])
+                finished = stream.step(submit=sync_to is None)
+                for uid, row in finished:
+                    live[uid]["rows"][row.sample] = row
                 self.submit_scoring(scoring, finished, live)
-            scored = self.collect(scoring, live)
-            if not self.engine.num_pending and not scored:
-                t0 = time.perf_counter()
-                time.sleep(0.002)
-                self.idle_s += time.perf_counter() - t0
-            self.store.reap()
+                scored = self.collect(scoring, live)
+                if not self.engine.num_pending and not scored and not finished:
+                    t0 = time.perf_counter()
+                    time.sleep(0.002)
+                    self.idle_s += time.perf_counter() - t0
+                self.store.reap()
+        finally:
+            stream.close()
 
-    def submit_scoring(self, scoring: ScoringStream, finished, live: dict) -> None:
-        items = [self.train_set[live[f.request.tag]["prompt"]] for f in finished]
-        scoring.submit([(f.request.tag, f.request.sample) for f in finished], [it["data_source"] for it in items],
-                       [self.tokenizer.decode(f.sample.token_ids, skip_special_tokens=True) for f in finished],
+    def submit_scoring(self, scoring: ScoringStream, finished: list[tuple[int, Row]], live: dict) -> None:
+        """Each finished sample to the reward function: its response decoded (multi-turn: tool messages
+        included, as the synchronous trainer scores trajectories)."""
+        items = [self.train_set[live[uid]["prompt"]] for uid, _ in finished]
+        scoring.submit([(uid, r.sample) for uid, r in finished], [it["data_source"] for it in items],
+                       [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in finished],
                        [it["ground_truth"] for it in items], [it.get("extra_info") for it in items])
 
     def collect(self, scoring: ScoringStream, live: dict) -> int:
@@ -287,14 +275,17 @@ class RolloutWorker:
             raise error
 
     def publish(self, done: list[tuple[int, dict]]) -> None:
-        """Put each scored group on the bus; the first carries the reward counters not reported yet."""
+        """Put each scored group on the bus; the first carries the reward counters not reported yet. A trajectory
+        that scored itself (an environment) keeps its reward."""
         counts, self.unreported = self.unreported, {}
         for k, (uid, g) in enumerate(done):
-            ids = list(self.train_set[g["prompt"]]["input_ids"])
-            group = [Row(0, j, ids, list(s.token_ids), list(s.logprobs), s.finish_reason, score=float(score),
-                         versions=list(vs))
-                     for j, (s, vs, score) in enumerate(zip(g["samples"], g["versions"], g["scores"]))]
+            group = g["rows"]
+            for r, score in zip(group, g["scores"]):
+                own = r.agent.get("reward") if r.agent else None
+                r.score = float(score) if own is None else float(own)
             add_overlong_penalty(group, self.cfg)
             meta = self.describe(uid, g["prompt"], group)
             meta.stats.update(counts if k == 0 else {})  # the reward counters, once
+            if self.agents is not None:  # for the step's agent/* metrics
+                meta.stats["agent"] = [r.agent for r in group]
             self.coord.put(("group", meta))
