@@ -6,6 +6,7 @@ test session and argument set, so many tests can share one model without rebuild
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,16 @@ import pytest
 _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
+
+# One intra-op thread per test process (and, through the environment, per process a test starts). `make test` runs
+# two xdist workers on CI's two cores: with torch's default of one thread per core, each worker's OpenMP threads
+# spin against the other worker's, and small CPU ops slow down 20-80x (measured: the native engine's 64 samples of
+# a tiny model, 0.45 s with one thread, 8-35 s with two while the other core was busy).
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 # `make test` runs two pytest-xdist workers, one test file per worker at a time (--dist loadfile). The files that
