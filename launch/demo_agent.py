@@ -198,5 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a bad input (config override, file) ends in one line, as the other launch scripts
+    from rlhf_mcore.cli import report_user_errors
+
+    sys.exit(report_user_errors(lambda: main() and 0))
