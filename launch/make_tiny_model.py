@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlhf_mcore.agents.tasks import multiply_texts  # noqa: E402
 from rlhf_mcore.models.tiny import ARCHS, make_tiny_model  # noqa: E402
 
 
@@ -29,11 +30,17 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2 * hidden)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--init-std", type=float, default=0.2,
+                   help="initializer range (0.2 for generation tests; the demos train from 0.02)")
+    p.add_argument("--multiply-digits", type=int, default=None,
+                   help="also train the tokenizer on the multiply tool task's layout with operands of this many "
+                        "digits (its prompt and calculator call become a few tokens each; launch/demo_agent.py)")
     args = p.parse_args(argv)
     out = make_tiny_model(
         args.out, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
         kv_heads=args.kv_heads, vocab=args.vocab, intermediate=args.intermediate, seed=args.seed,
-        dtype=args.dtype,
+        dtype=args.dtype, init_std=args.init_std,
+        tokenizer_texts=multiply_texts(args.multiply_digits) if args.multiply_digits else (),
     )
     print(f"wrote tiny {args.arch} model to {out}")
     return out

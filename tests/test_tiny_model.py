@@ -93,3 +93,24 @@ def test_cli_and_options(tmp_path):
         make_tiny_model(tmp_path / "bad", heads=4, kv_heads=3)
     with pytest.raises(ValueError, match="arch"):
         make_tiny_model(tmp_path / "bad", arch="gpt2")
+
+
+def test_tokenizer_texts_make_a_task_layout_short(tmp_path):
+    """`--multiply-digits`: the tokenizer also learns the multiply task's prompt and calculator call (a few tokens
+    each, as in a real vocabulary); text still round-trips, digits stay single tokens, `--init-std` reaches the
+    config."""
+    from launch.make_tiny_model import main
+    from rlhf_mcore.agents.tasks import multiply_rows
+
+    row = multiply_rows(1, digits=2, call_fraction=1.0)[0]
+    texts = [row["prompt"][0]["content"], row["extra_info"]["messages"][0]["content"]]
+    plain = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "plain", hidden=32))
+    out = main(["--out", str(tmp_path / "task"), "--hidden", "32", "--multiply-digits", "2", "--init-std", "0.02"])
+    task = AutoTokenizer.from_pretrained(out)
+    assert AutoConfig.from_pretrained(out).initializer_range == 0.02
+    for text in texts:
+        ids = task(text, add_special_tokens=False)["input_ids"]
+        assert task.decode(ids) == text
+        assert len(ids) < 0.6 * len(plain(text, add_special_tokens=False)["input_ids"]), text
+        pieces = [task.decode([i]) for i in ids]
+        assert all(p.isdigit() and len(p) == 1 for p in pieces if any(c.isdigit() for c in p)), pieces

@@ -24,7 +24,7 @@ from rlhf_mcore.data.preprocess import GSM8K_INSTRUCTION, find_split_files, gsm8
 from rlhf_mcore.data.schema import make_row
 from rlhf_mcore.data.synthetic import DATA_SOURCE
 
-__all__ = ["TOOL_INSTRUCTION", "multiply_rows", "write_multiply_parquet", "preprocess_gsm8k_tool"]
+__all__ = ["TOOL_INSTRUCTION", "multiply_texts", "multiply_rows", "write_multiply_parquet", "preprocess_gsm8k_tool"]
 
 TOOL_INSTRUCTION = ('You can call the calculator: <tool_call>{"name": "calculator", "arguments": {"expression": '
                     '"..."}}</tool_call>.')
@@ -44,6 +44,14 @@ def _wrong_product(rng: random.Random, product: int) -> int:
     lo, hi = 10 ** (len(str(product)) - 1), 10 ** len(str(product)) - 1
     guess = rng.randint(lo, hi - 1)
     return guess + (guess >= product)
+
+
+def multiply_texts(digits: int = 6) -> list[str]:
+    """The task's conversation layout (operands all 9s; the chat roles and the default system prompt), for a tiny
+    tokenizer to learn merges from."""
+    a = "9" * digits
+    return ["system", "user", "assistant", "tool", "You are a helpful assistant.",
+            f"What is {a} * {a}? {MULTIPLY_INSTRUCTION}", _call(f"{a} * {a}"), f"#### {a}{a}"]
 
 
 def multiply_rows(n: int, seed: int = 0, split: str = "train", digits: int = 6,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -54,6 +55,9 @@ QWEN2_PRETOKENIZE_REGEX = (
 _GSM8K_TRAIN = Path(__file__).resolve().parents[1] / "data" / "raw" / "gsm8k" / "train.jsonl"
 # Rows of GSM8K used to train the tokenizer: enough for sensible merges, few enough to train in a moment.
 _TOKENIZER_TRAIN_ROWS = 1500
+# How often the caller's extra texts (make_tiny_model's `tokenizer_texts`) repeat among those rows: often enough
+# that their words become single tokens even in a small vocabulary.
+_EXTRA_TEXT_REPEATS = 1000
 
 
 def default_tokenizer_vocab(vocab: int) -> int:
@@ -61,7 +65,7 @@ def default_tokenizer_vocab(vocab: int) -> int:
     return vocab - max(1, vocab // 16)
 
 
-def _gsm8k_texts(n_rows: int) -> list[str]:
+def _gsm8k_texts(n_rows: int, extra_texts: Sequence[str] = ()) -> list[str]:
     if not _GSM8K_TRAIN.exists():
         raise FileNotFoundError(
             f"vendored GSM8K not found at {_GSM8K_TRAIN}; the tiny tokenizer is trained on it. "
@@ -78,11 +82,13 @@ def _gsm8k_texts(n_rows: int) -> list[str]:
     # Chat-template words, so rendered prompts tokenize into few tokens.
     texts.extend(["system", "user", "assistant", "You are a helpful assistant.",
                   "Let's think step by step and output the final answer after \"####\"."] * 50)
+    texts.extend(list(extra_texts) * _EXTRA_TEXT_REPEATS)
     return texts
 
 
-def train_tokenizer(tokenizer_vocab: int):
-    """Train a byte-level BPE tokenizer on GSM8K text; ChatML special tokens get the last 3 ids (as in Qwen).
+def train_tokenizer(tokenizer_vocab: int, extra_texts: Sequence[str] = ()):
+    """Train a byte-level BPE tokenizer on GSM8K text (and `extra_texts`, each repeated `_EXTRA_TEXT_REPEATS` times);
+    ChatML special tokens get the last 3 ids (as in Qwen).
 
     Returns a `transformers.PreTrainedTokenizerFast` with eos = <|im_end|>, pad = <|endoftext|> and the
     ChatML chat template.
@@ -111,7 +117,7 @@ def train_tokenizer(tokenizer_vocab: int):
         special_tokens=[],
         show_progress=False,
     )
-    tok.train_from_iterator(_gsm8k_texts(_TOKENIZER_TRAIN_ROWS), trainer=trainer)
+    tok.train_from_iterator(_gsm8k_texts(_TOKENIZER_TRAIN_ROWS, extra_texts), trainer=trainer)
     # Special tokens are appended after the learned vocabulary, as in Qwen2 (151643.. for the real one).
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
@@ -166,6 +172,7 @@ def make_tiny_model(
     tokenizer_vocab: int | None = None,
     max_position_embeddings: int = 4096,
     init_std: float = 0.2,
+    tokenizer_texts: Sequence[str] = (),
 ) -> Path:
     """Write a tiny random HF model directory (config, safetensors, tokenizer, generation config) to `out_dir`.
 
@@ -177,6 +184,8 @@ def make_tiny_model(
     with tied embeddings just repeats its last input token greedily; at 0.2 the layers decide the next token,
     so generation tests exercise attention and the MLP, and top-1/top-2 logit gaps are wide enough that
     fp32 implementations agree token for token.
+    `tokenizer_texts`: more text for the tokenizer to learn merges from (e.g. a task's prompt and tool-call
+    layout), so that it tokenizes into few tokens as in a real model's vocabulary.
     Returns `Path(out_dir)`.
     """
     if arch not in ARCHS:
@@ -204,7 +213,7 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer(tokenizer_vocab)
+    tokenizer = train_tokenizer(tokenizer_vocab, tokenizer_texts)
     assert len(tokenizer) == tokenizer_vocab, (len(tokenizer), tokenizer_vocab)
     eot_id, im_end_id = tokenizer.convert_tokens_to_ids([ENDOFTEXT, IM_END])
 

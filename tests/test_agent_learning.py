@@ -1,0 +1,37 @@
+"""Learning with a tool on CPU: on the synthetic multiply task, after a short SFT warm start that shows the call
+format, GRPO raises the held-out reward and the rate of correct tool use (a calculator call with the question's
+exact operands).
+
+It runs `launch/demo_agent.py` with its defaults (seed 1, one process, about a minute on one core): an h64 model
+whose tokenizer knows the task's layout, 400 SFT steps where 70% of the targets call the calculator and 30% guess a
+wrong product, 12 GRPO steps of 8 prompts x 8 samples; 128 held-out prompts x 8 samples = 1024 trajectories on
+each side, so each rate has a standard error of at most 0.016 (0.023 on a difference). Measured at seeds 1-10
+(the demo's docstring): reward gains 0.19 to 0.47, exact-operand gains 0.20 to 0.43, exact operands after SFT
+0.42 to 0.71; the margins below are 0.1.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARGIN = 0.1  # > 4 standard errors of a difference; under half of the smallest gain measured at 10 seeds
+
+
+def test_grpo_raises_reward_and_correct_tool_use(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "demo_agent.py"), "--out", str(tmp_path),
+                           "--seed", "1", "trainer.test_freq=-1"],  # held-out numbers come from the demo's own eval
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    sft, grpo = summary["after_sft"], summary["after_grpo"]
+    assert sft["n"] == grpo["n"] == 1024
+    # the warm start shows the call format and copies the operands in some of its samples, and guesses in others:
+    # there is something for GRPO to choose
+    assert 0.3 <= sft["operands"] and sft["call"] <= 0.85, sft
+    assert grpo["reward"] >= sft["reward"] + MARGIN, (sft, grpo)
+    assert grpo["operands"] >= sft["operands"] + MARGIN, (sft, grpo)
+    assert grpo["call"] > sft["call"], (sft, grpo)
