@@ -190,104 +190,154 @@ def test_partial_rollout_versions_and_logprobs_match_the_weights_that_sampled_th
             assert torch.allclose(got[lo:hi], want[lo:hi], atol=1e-4), (model is hf_a, got[lo:hi], want[lo:hi])
 
 
+class _GatedAgents:
+    """The fully asynchronous rollout's agent loops on the native engine, driven by hand: two trajectories of one
+    multiply row (a model turn, the row's calculator call, a model turn), a calculator that answers once `gate` is
+    set, and four policy versions (`models`, seeded perturbations of the tiny model)."""
+
+    def __init__(self, tiny_model_dir, partial: bool):
+        import threading
+
+        from agent_helpers import fixture_tokenizer
+
+        from rlhf_mcore.agents import AgentLoop, AgentRunner, MultiTurnSettings, parse_tool_calls, register_agent
+        from rlhf_mcore.agents.calculator import Calculator
+        from rlhf_mcore.agents.runner import AgentStream
+        from rlhf_mcore.agents.tasks import multiply_rows
+        from rlhf_mcore.rollout import SamplingParams
+        from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+        @register_agent("test_async_calculator_agent", override=True)
+        class CallsCalculator(AgentLoop):  # a model turn, the row's calculator call, a model turn
+            async def run(self, row, traj):
+                if await self.generate(traj) is None or traj.done:
+                    return
+                if traj.add_messages(await self.call_tools(traj, parse_tool_calls(row["extra_info"]["answer"])),
+                                     role="tool"):
+                    await self.generate(traj)
+
+        self.gate, self.arrived = threading.Event(), []
+        gate, arrived = self.gate, self.arrived
+
+        class GatedCalculator(Calculator):  # the call returns once the test opens the gate
+            def __call__(self, **arguments):
+                arrived.append(1)
+                assert gate.wait(60)
+                return super().__call__(**arguments)
+
+        model_dir = tiny_model_dir("qwen2")
+        self.tok, end = fixture_tokenizer(model_dir, "qwen2")
+        self.engine = NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=512, device="cpu",
+                                          dtype="float32")
+        runner = AgentRunner(self.engine, self.tok, MultiTurnSettings(max_tokens_per_turn=12),
+                             {"calculator": GatedCalculator()})
+        self.row = multiply_rows(1, digits=3)[0]
+        self.row.update(agent_name="test_async_calculator_agent", raw_prompt=self.row["prompt"])
+        prompt = self.tok(self.tok.apply_chat_template(self.row["prompt"], tools=runner.tool_schemas,
+                                                       add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)["input_ids"]
+        self.models = [_perturbed(model_dir, k) for k in range(4)]  # policy versions 0..3
+        self.partial, self.done = partial, {}
+        self.stream = AgentStream(runner, SamplingParams(n=2, temperature=1.0, max_new_tokens=60, seed=11,
+                                                         stop_token_ids=(end,)), self.done.__setitem__)
+        self.engine.open_stream(self.stream.params)
+        self.stream.add(prompt, self.row, key=0)
+
+    def sync(self, version: int) -> int:
+        """As the rollout worker does: with partial rollout, pause the model turns; without, hold new turns back
+        until the engine has drained. Then the new weights. Returns the turns paused."""
+        if self.partial:
+            paused = self.stream.pause()
+        else:
+            self.pump_until(lambda: self.engine.num_pending == 0, submit=False)
+            paused = 0
+        self.engine.update_weights(self.models[version].state_dict().items())
+        self.stream.version = version
+        return paused
+
+    def pump_until(self, cond, submit: bool = True) -> None:
+        t0 = time.time()
+        while not cond():
+            assert time.time() - t0 < 60
+            self.stream.pump(submit=submit)
+
+    def finish(self) -> dict:
+        self.pump_until(lambda: not self.stream.unfinished)
+        self.engine.close_stream()
+        self.stream.close()
+        assert sorted(self.done) == [0, 1]
+        return self.done
+
+    def check(self, t) -> tuple[int, int, int, int]:
+        """Masks exactly on the calculator's answer; each model token's log-prob equals a teacher-forced pass of
+        the version it records (and not of another). Returns the two model turns' (start, end) positions."""
+        model_turns = [x for x in t.turns if x["role"] == "assistant"]
+        assert len(model_turns) == 2
+        (a0, a1), (b0, b1) = [(x["start"], x["end"]) for x in model_turns]
+        assert t.response_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0) and b1 == len(t.response_ids)
+        tool_text = self.tok.decode(t.response_ids[a1:b0])
+        assert f"<tool_response>\n{self.row['reward_model']['ground_truth']}\n</tool_response>" in tool_text, tool_text
+        assert tool_text.endswith("<|im_start|>assistant\n")
+        got, checked = torch.tensor(t.logprobs), 0
+        for v, model in enumerate(self.models):
+            mine = torch.tensor([m == 1 and x == v for m, x in zip(t.response_mask, t.versions)])
+            if not mine.any():
+                continue
+            want = _teacher_forced(model, t.prompt_ids, t.response_ids)
+            assert torch.allclose(got[mine], want[mine], atol=1e-4), (v, got[mine], want[mine])
+            other = _teacher_forced(self.models[(v + 1) % 4], t.prompt_ids, t.response_ids)
+            assert not torch.allclose(got[mine], other[mine], atol=1e-3)  # the versions' weights differ
+            checked += int(mine.sum())
+        assert checked == sum(t.response_mask)
+        return a0, a1, b0, b1
+
+
 def test_trajectories_paused_at_weight_syncs_keep_each_tokens_policy(tiny_model_dir):
     """The fully asynchronous rollout's agent loops across three weight syncs: one in each trajectory's first
     model turn, one while its calculator call runs, one in its second model turn. Each model turn is continued
     from its tokens; every token records the version that sampled it (tool tokens: the model token's before them)
     and its rollout log-prob equals a teacher-forced pass of that version's weights; the tool's answer is exactly
     the masked span."""
-    import threading
-
-    from agent_helpers import fixture_tokenizer
-
-    from rlhf_mcore.agents import AgentLoop, AgentRunner, MultiTurnSettings, parse_tool_calls, register_agent
-    from rlhf_mcore.agents.calculator import Calculator
-    from rlhf_mcore.agents.runner import AgentStream
-    from rlhf_mcore.agents.tasks import multiply_rows
-    from rlhf_mcore.rollout import SamplingParams
-    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
-
-    @register_agent("test_async_calculator_agent", override=True)
-    class CallsCalculator(AgentLoop):  # a model turn, the row's calculator call, a model turn
-        async def run(self, row, traj):
-            if await self.generate(traj) is None or traj.done:
-                return
-            if traj.add_messages(await self.call_tools(traj, parse_tool_calls(row["extra_info"]["answer"])),
-                                 role="tool"):
-                await self.generate(traj)
-
-    gate, arrived = threading.Event(), []
-
-    class GatedCalculator(Calculator):  # the call returns once the test opens the gate
-        def __call__(self, **arguments):
-            arrived.append(1)
-            assert gate.wait(60)
-            return super().__call__(**arguments)
-
-    model_dir = tiny_model_dir("qwen2")
-    tok, end = fixture_tokenizer(model_dir, "qwen2")
-    engine = NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=512, device="cpu", dtype="float32")
-    runner = AgentRunner(engine, tok, MultiTurnSettings(max_tokens_per_turn=12), {"calculator": GatedCalculator()})
-    row = multiply_rows(1, digits=3)[0]
-    row.update(agent_name="test_async_calculator_agent", raw_prompt=row["prompt"])
-    prompt = tok(tok.apply_chat_template(row["prompt"], tools=runner.tool_schemas, add_generation_prompt=True,
-                                         tokenize=False), add_special_tokens=False)["input_ids"]
-    models = [_perturbed(model_dir, k) for k in range(4)]  # policy versions 0..3
-    done = {}
-    stream = AgentStream(runner, SamplingParams(n=2, temperature=1.0, max_new_tokens=60, seed=11,
-                                                stop_token_ids=(end,)), done.__setitem__)
-    engine.open_stream(stream.params)
-
-    def sync(version: int) -> int:  # as the rollout worker does: pause, new weights, continue
-        paused = stream.pause()
-        engine.update_weights(models[version].state_dict().items())
-        stream.version = version
-        return paused
-
-    def pump_until(cond):
-        t0 = time.time()
-        while not cond():
-            assert time.time() - t0 < 60
-            stream.pump()
-
-    stream.add(prompt, row, key=0)
+    run = _GatedAgents(tiny_model_dir, partial=True)
     for _ in range(3):  # the first turns' first 4 tokens (the first one comes with the prefill)
-        stream.pump()
-    assert sync(1) == 2  # both first turns paused mid-generation
-    pump_until(lambda: len(arrived) == 2)  # both first turns finished; their calls run
-    assert sync(2) == 0  # nothing in the engine: the calls are in flight and finish under the new weights
-    gate.set()
-    pump_until(lambda: engine.num_pending == 2)  # both second turns started (the tools' answers come when they do)
-    stream.pump()
-    stream.pump()
-    assert sync(3) == 2  # ... and are paused mid-generation
-    pump_until(lambda: not stream.unfinished)
-    engine.close_stream()
-    stream.close()
-
-    assert sorted(done) == [0, 1]
-    for t in done.values():
-        model_turns = [x for x in t.turns if x["role"] == "assistant"]
-        assert len(model_turns) == 2 and t.stats["paused_turns"] == 2.0
-        (a0, a1), (b0, b1) = [(x["start"], x["end"]) for x in model_turns]
-        assert a1 - a0 > 4  # the first turn went on after its pause
-        assert t.response_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0) and b1 == len(t.response_ids)
-        tool_text = tok.decode(t.response_ids[a1:b0])
-        assert f"<tool_response>\n{row['reward_model']['ground_truth']}\n</tool_response>" in tool_text, tool_text
-        assert tool_text.endswith("<|im_start|>assistant\n")
+        run.stream.pump()
+    assert run.sync(1) == 2  # both first turns paused mid-generation
+    run.pump_until(lambda: len(run.arrived) == 2)  # both first turns finished; their calls run
+    assert run.sync(2) == 0  # nothing in the engine: the calls are in flight and finish under the new weights
+    run.gate.set()
+    run.pump_until(lambda: run.engine.num_pending == 2)  # both second turns started
+    run.stream.pump()
+    run.stream.pump()
+    assert run.sync(3) == 2  # ... and are paused mid-generation
+    for t in run.finish().values():
+        a0, a1, b0, b1 = run.check(t)
+        assert a1 - a0 > 4 and t.stats["paused_turns"] == 2.0  # the first turn went on after its pause
         second = t.versions[b0:]  # 2 or more tokens under version 2 (the prefill's, a step's at least), then 3
         k = second.count(2)
         assert t.versions[:b0] == [0] * 4 + [1] * (a1 - 4) + [1] * (b0 - a1) and second == [2] * k + [3] * (b1 - b0 - k)
         assert k >= 2 and second[-1] == 3  # paused mid-turn, continued under version 3
-        got, checked = torch.tensor(t.logprobs), 0
-        for v, model in enumerate(models):
-            want = _teacher_forced(model, t.prompt_ids, t.response_ids)
-            mine = torch.tensor([m == 1 and x == v for m, x in zip(t.response_mask, t.versions)])
-            assert torch.allclose(got[mine], want[mine], atol=1e-4), (v, got[mine], want[mine])
-            other = _teacher_forced(models[(v + 1) % 4], t.prompt_ids, t.response_ids)
-            assert not torch.allclose(got[mine], other[mine], atol=1e-3)  # the versions' weights differ
-            checked += int(mine.sum())
-        assert checked == sum(t.response_mask)
+
+
+def test_trajectories_without_partial_rollout_finish_their_turn_before_a_sync(tiny_model_dir):
+    """async_training.partial_rollout=false with agent loops: a sync requested mid-turn waits for the engine's
+    turns to finish under the old weights (no new turn starts meanwhile: `pump(submit=False)`), so every model
+    turn is sampled by one version; the next turns run under the new weights."""
+    run = _GatedAgents(tiny_model_dir, partial=False)
+    for _ in range(3):
+        run.stream.pump()
+    run.gate.set()  # the calculator answers at once: a second turn could start while the engine drains
+    assert run.engine.num_pending == 2
+    run.pump_until(lambda: run.engine.num_pending == 0, submit=False)  # a sync waits: the first turns end (v0)
+    t0 = time.time()
+    while len(run.arrived) < 2 or time.time() - t0 < 0.5:  # the calls run and answer; the scheduler takes them
+        run.stream.pump(submit=False)
+        time.sleep(0.01)
+    assert run.engine.num_pending == 0 and run.stream.unfinished == 2  # ... and no second turn has started
+    assert run.sync(1) == 0
+    for t in run.finish().values():
+        a0, a1, b0, b1 = run.check(t)
+        assert t.stats.get("paused_turns", 0.0) == 0.0
+        assert t.versions == [0] * b0 + [1] * (b1 - b0)  # first turn (and the tool's tokens) v0, second turn v1
 
 
 # ------------------------------------------------------------------------------------------------ end to end
