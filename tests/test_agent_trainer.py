@@ -200,11 +200,13 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
             assert first0 == 12 and tok.decode(r["response_ids"][first0 - 1:first0]) != "<|im_end|>"
         model_text = tok.decode([t for t, m in zip(r["response_ids"], mask) if m])
         assert "tool_response" not in model_text, model_text
-        # versions: 0 or 1, never decreasing, a turn's tokens from one version here (the sync found no turn running)
+        # versions: 0 or 1, never decreasing. A trajectory across the sync starts under 0 and its second turn (after
+        # the held calculator call) is all 1; its first turn may have been running at the sync (paused there and
+        # continued under 1: on a loaded machine the sync can come before group 3's first turns end)
         assert set(versions) <= {0, 1} and versions == sorted(versions)
         if len(set(versions)) > 1:
             across.append(r)
-            assert versions[first0 - 1] == 0 and versions[last0 + 1] == 1 and r["step"] == 2
+            assert versions[0] == 0 and versions[last0 + 1] == 1 and r["step"] == 2
         # every model token's rollout log-prob: a teacher-forced pass of the version it records (temperature 1)
         ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
         got, want = torch.tensor(r["logprobs"]), []
@@ -223,6 +225,7 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
     assert m2["fully_async/staleness/1"] == 1 and m2["fully_async/staleness/0"] == 1  # by the oldest token
     assert m2["fully_async/partial/samples_across_sync"] == 2 and m1["fully_async/partial/samples_across_sync"] == 0
     assert m2["fully_async/partial/max_partial_span"] == 1
+    assert m1.get("agent/paused_turns", 0) == 0 and m2.get("agent/paused_turns", 0) <= 2  # group 3's first turns
     for m in (m1, m2):
-        assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0 and m["agent/paused_turns"] == 0
+        assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0
         assert m["response_length/mean"] == pytest.approx(m["agent/model_tokens/mean"])  # tool tokens not trained
