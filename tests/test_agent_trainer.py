@@ -229,3 +229,22 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
     for m in (m1, m2):
         assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0
         assert m["response_length/mean"] == pytest.approx(m["agent/model_tokens/mean"])  # tool tokens not trained
+
+
+def test_fully_async_multi_turn_validates_mid_stream(tmp_path, task):
+    """fully_async with agent loops and validation every step: the rollout pool pauses its trajectories, runs the
+    validation's agent loops on the same engine, and resumes them; both steps train, each validation reports the
+    held-out reward, and the trajectories validated call the calculator as the trained ones do."""
+    args, tmp = task
+    run = torchrun_train(2, args(tmp_path, 2) + [
+        "trainer.save_freq=-1", "async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
+        f"data.val_files=[{tmp / 'train.parquet'}]", "data.max_val_samples=4", "trainer.test_freq=1"])
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    vals = [r for r in rows if r["kind"] == "val"]
+    assert sorted(train) == [1, 2] and [v["step"] for v in vals] == [1, 2], [(r["kind"], r["step"]) for r in rows]
+    for v in vals:
+        assert 0.0 <= v["val/acc"] <= 1.0, v
+    for m in train.values():
+        assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0
