@@ -246,5 +246,6 @@ def test_fully_async_multi_turn_validates_mid_stream(tmp_path, task):
     assert sorted(train) == [1, 2] and [v["step"] for v in vals] == [1, 2], [(r["kind"], r["step"]) for r in rows]
     for v in vals:
         assert 0.0 <= v["val/acc"] <= 1.0, v
+        assert v["val/agent/tool_calls/mean"] == 1.0 and v["val/agent/tool_errors"] == 0.0, v  # agent loops ran
     for m in train.values():
         assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0
