@@ -10,12 +10,11 @@ DIR/rows.jsonl: one line per trained row {"step", "ground_truth", "prompt_ids", 
 (Hugging Face names) of policy version `step`.
 """
 import json
-import sys
 from pathlib import Path
 
 import torch
+from worker_common import run_async_trainer
 
-from rlhf_mcore.cli import main
 from rlhf_mcore.trainer.async_trainers import AsyncTrainerBase
 from rlhf_mcore.trainer.rl_trainer import StepHooks
 
@@ -52,14 +51,4 @@ class RowWriter(StepHooks):
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    at = argv.index("--out")
-    out_dir = argv[at + 1]
-    del argv[at:at + 2]
-
-    def run(cfg):
-        from rlhf_mcore.trainer.async_trainers import train_async
-
-        train_async(cfg, hooks=RowWriter(out_dir))
-
-    sys.exit(main(run, argv))
+    run_async_trainer("--out", RowWriter)

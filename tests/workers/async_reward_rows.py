@@ -8,9 +8,9 @@ One line per trained row: {"step", "rank", "ids" (prompt + response, unpadded), 
 the device at the step's end)}; one line per step from the coordinator: {"step", "metrics"}.
 """
 import json
-import sys
 
-from rlhf_mcore.cli import main
+from worker_common import run_async_trainer
+
 from rlhf_mcore.trainer.rl_trainer import StepHooks
 
 
@@ -39,14 +39,4 @@ class RowWriter(StepHooks):
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    at = argv.index("--rows")
-    rows_path = argv[at + 1]
-    del argv[at:at + 2]
-
-    def run(cfg):
-        from rlhf_mcore.trainer.async_trainers import train_async
-
-        train_async(cfg, hooks=RowWriter(rows_path))
-
-    sys.exit(main(run, argv))
+    run_async_trainer("--rows", RowWriter)

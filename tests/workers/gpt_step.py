@@ -6,11 +6,11 @@ Usage: torchrun --nproc_per_node=N tests/workers/gpt_step.py --out FILE --layout
 Several layouts run inside one process group (re-initialising Megatron's parallel state) to save start-up time.
 """
 import argparse
-import json
 import zlib
 
 import torch
 import torch.distributed as dist
+from worker_common import write_results
 
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
@@ -148,9 +148,7 @@ def main():
         lay, *flags = spec.split(":")
         tp, pp = map(int, lay.split("x"))
         results[spec] = run_layout(tp, pp, "dist" in flags, "tied" in flags)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(results, args.out, indent=1)
     destroy_distributed()
 
 

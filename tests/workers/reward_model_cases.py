@@ -14,7 +14,7 @@ import json
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
+from worker_common import write_results
 
 
 def rm_cfg(micro: int):
@@ -68,9 +68,7 @@ def main():
                                            "bt_loss": metrics["reward/bt_loss"],
                                            "accuracy": metrics["reward/accuracy"]}
         mpu.destroy_model_parallel()
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    write_results(results, args.out)
     destroy_distributed()
 
 

@@ -12,11 +12,10 @@ Layouts (TPxPP of the reward model; the rollout has TP 1, so each rank is a roll
   the rows are scored after generation (all ranks together, no hang).
 """
 import argparse
-import json
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
+from worker_common import write_results
 
 
 def rule(data_source, solution_str, ground_truth, extra_info=None):
@@ -90,9 +89,7 @@ def main():
                            "after_metrics": after_metrics, "covered": sum(m["data_source"] == "s" for m in meta) * 3,
                            "num_truncated": after_metrics["reward_model/num_truncated"]}
         mpu.destroy_model_parallel()
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    write_results(results, args.out)
     destroy_distributed()
 
 

@@ -1,0 +1,34 @@
+"""What the multi-process test workers share (imported as a sibling module: a worker runs as a script, so its own
+directory is first on sys.path)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+
+def write_results(results: Any, path: str, indent: int | None = None) -> None:
+    """Rank 0 writes the worker's results as JSON (every rank holds the same; the test reads one file)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=indent)
+
+
+def run_async_trainer(flag: str, make_hooks: Callable[[str], Any]) -> None:
+    """launch/train.py's asynchronous run with step hooks: `flag VALUE` is taken out of the command line and
+    `make_hooks(VALUE)` observes the training pool; the rest are train.py's arguments. Exits with its code."""
+    from rlhf_mcore.cli import main
+
+    argv = sys.argv[1:]
+    at = argv.index(flag)
+    value = argv[at + 1]
+    del argv[at:at + 2]
+
+    def run(cfg):
+        from rlhf_mcore.trainer.async_trainers import train_async
+
+        train_async(cfg, hooks=make_hooks(value))
+
+    sys.exit(main(run, argv))
