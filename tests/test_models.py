@@ -577,6 +577,11 @@ def test_packed_rope_is_megatrons_thd_rope_bitwise(dtype, rot_dim):
     assert torch.equal(a.grad, b.grad)
     # the tables are cached per batch: a second call (the key) with the same cu/freqs reuses them
     assert torch.equal(apply_rope_packed(t, freqs, cfg, cu_seqlens=cu, cp_group=_OneRankGroup()), ref.detach())
+    # a table as long as the packed tensor (max_seqlen = total: the CUDA graphs' static shapes) still restarts
+    # positions per document, without reading cu_seqlens on the host
+    long_freqs = torch.cat([freqs, torch.randn(total - max_len, 1, 1, rot_dim, generator=g)])
+    assert torch.equal(apply_rope_packed(t, long_freqs, cfg, cu_seqlens=cu.clone(), cp_group=_OneRankGroup()),
+                       ref.detach())
     # one document filling the packed tensor (freqs as long as it): positions 0..T-1 either way
     one = torch.tensor([0, max_len], dtype=torch.int32)
     single = t[:max_len]

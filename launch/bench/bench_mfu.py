@@ -5,6 +5,7 @@
     python launch/bench/bench_mfu.py --no-peer --peak-tflops 989.4   # Megatron only; the peak given by hand
     python launch/bench/bench_mfu.py --shapes 0.5b --profile prof/   # + op tables of one more update per case
     python launch/bench/bench_mfu.py --fused-kernels off             # Megatron without the fused layer kernels
+    python launch/bench/bench_mfu.py --cuda-graphs off               # Megatron's decoder eager, not CUDA graphs
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -12,6 +13,7 @@ fp32 master weights), gradient clipping, LR schedule — and `update_policy` on 
 sequence is `seq` tokens long (a quarter prompt, the rest response; random token ids, random advantages,
 old log-probs at the uniform-policy value), packed (THD, `use_remove_padding`, what the trainer runs) into
 micro-batches of `micro` sequences, one optimizer step per `update_policy` call (mini-batch = the whole batch).
+The decoder runs as CUDA graphs where the engine supports them (no recompute: 0.5B and 1.5B; `--cuda-graphs`).
 The loss is the PPO clipped policy loss with its log-probs computed by the engine's log-prob backend.
 
 Each shape runs in its own process (Megatron's global state, and an out-of-memory error stays contained). Per
@@ -102,7 +104,8 @@ def profile_update(step, path: Path, label: str) -> None:
 
 
 def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
-              layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto") -> None:
+              layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
+              cuda_graphs: str = "auto") -> None:
     """One shape, in this process: build the actor engine once, then time each sequence length."""
     import torch
 
@@ -129,8 +132,10 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
         result["params"] = sum(p.numel() for c in chunks for p in c.parameters())
         micro_sizes = {seq: (micro_override or plan["seqs"].get(seq, (1, 4))[0]) for seq in seqs}
         n_micro = {seq: plan["seqs"].get(seq, (1, 4))[1] for seq in seqs}
-        ecfg = EngineConfig(role="actor", micro_batch_size=1, use_remove_padding=layout == "packed")
+        ecfg = EngineConfig(role="actor", micro_batch_size=1, use_remove_padding=layout == "packed",
+                            cuda_graphs={"auto": None, "on": True, "off": False}[cuda_graphs])
         engine = TrainEngine(chunks, state, ecfg, OptimConfig(lr=1e-6))
+        result["cuda_graphs"] = bool(engine._graphs)
         result["build_s"] = time.perf_counter() - t0
         result["static_mem_gib"] = torch.cuda.memory_allocated() / 2**30 if on_gpu else None
         for seq in seqs:
@@ -158,6 +163,7 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
                 case.update(step_s=step_s, tokens_per_s=n * seq / step_s, tflops=tflops,
                             mfu=statistics.median(r["perf/actor/mfu"] for r in rows) if "perf/actor/mfu" in rows[0]
                             else None, loss=rows[-1].get("actor/pg_loss"), grad_norm=rows[-1].get("actor/grad_norm"),
+                            graph_captures=engine.graph_captures,
                             step_times=[r["perf/actor/update_s"] for r in rows])
                 if profile_dir is not None:
                     profile_update(functools.partial(engine.update_policy, batch), profile_dir / f"{name}_{seq}.txt",
@@ -285,6 +291,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None)
     p.add_argument("--fused-kernels", choices=("auto", "on", "off"), default="auto",
                    help="the train engine's fused SwiGLU/RoPE kernels (auto: on for CUDA with triton)")
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="the decoder as CUDA graphs (auto: where supported: no recompute, TP = PP = 1)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, profile one more update per (shape, seq) and write op tables to DIR")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
@@ -305,7 +313,7 @@ def main(argv=None) -> dict:
                      args.peer_compile, prof)
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                      args.layout, prof, args.fused_kernels)
+                      args.layout, prof, args.fused_kernels, args.cuda_graphs)
         return {}
 
     import torch
@@ -331,7 +339,7 @@ def main(argv=None) -> dict:
                 cmd += ["--micro", str(args.micro)]
             if prof is not None:
                 cmd += ["--profile", str(prof)]
-            megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels]
+            megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs]
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)
             if not args.no_peer:
                 peer_out = Path(tmp) / f"{name}.peer.json"

@@ -49,6 +49,8 @@ class EngineConfig:
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs of softmax(logits / T)
     logprob_chunk_size: int = 2048  # rows of logits processed at once (bounds fp32 working memory)
     logprob_backend: str = "auto"  # auto | torch | triton (registry in rlhf_mcore.engine.logprobs)
+    # -- the decoder as CUDA graphs (rlhf_mcore.engine.cuda_graphs): None on where supported, True required
+    cuda_graphs: Optional[bool] = None
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -82,6 +84,12 @@ class EngineConfig:
             return "reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu"
         prefix = "actor_rollout_ref.ref" if self.role == "ref" else "actor_rollout_ref.rollout"
         return f"{prefix}.log_prob_micro_batch_size_per_gpu", f"{prefix}.log_prob_max_token_len_per_gpu"
+
+    @property
+    def graph_key(self) -> str:
+        """The run-config key of this role's CUDA graphs switch (for error messages)."""
+        return {"critic": "critic.megatron.cuda_graphs", "ref": "actor_rollout_ref.ref.megatron.cuda_graphs",
+                "reward": "reward_model.megatron.cuda_graphs"}.get(self.role, "actor_rollout_ref.actor.megatron.cuda_graphs")
 
     @property
     def fwd_micro_batch_size(self) -> int:
@@ -119,7 +127,7 @@ class EngineConfig:
             kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, grad_clip=actor.grad_clip,
             loss_scale_factor=getattr(actor, "loss_scale_factor", None),
             temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
-            logprob_backend=getattr(actor, "logprob_backend", "auto"))
+            logprob_backend=getattr(actor, "logprob_backend", "auto"), cuda_graphs=actor.megatron.cuda_graphs)
 
     @classmethod
     def from_critic(cls, critic, actor, rollout, dp_size: int) -> "EngineConfig":
@@ -133,7 +141,7 @@ class EngineConfig:
             forward_max_token_len=getattr(critic, "forward_max_token_len_per_gpu", None),
             ppo_epochs=critic.ppo_epochs or actor.ppo_epochs, shuffle=actor.shuffle, seed=critic.megatron.seed,
             use_remove_padding=critic.model.use_remove_padding, loss_agg_mode=critic.loss_agg_mode,
-            cliprange_value=critic.cliprange_value, grad_clip=critic.grad_clip)
+            cliprange_value=critic.cliprange_value, grad_clip=critic.grad_clip, cuda_graphs=critic.megatron.cuda_graphs)
 
     @classmethod
     def from_ref(cls, ref, model, rollout) -> "EngineConfig":
@@ -143,7 +151,7 @@ class EngineConfig:
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz, max_token_len=ref.log_prob_max_token_len_per_gpu,
             use_remove_padding=model.use_remove_padding, seed=ref.megatron.seed,
             temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
-            logprob_backend=getattr(ref, "logprob_backend", "auto"))
+            logprob_backend=getattr(ref, "logprob_backend", "auto"), cuda_graphs=ref.megatron.cuda_graphs)
 
 
 def _per_rank(prompts: int, n: int, dp_size: int, key: str) -> int:

@@ -68,13 +68,16 @@ def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic
 
 def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, ...], packed: bool,
                        pad_to_multiple_of: int = 1, explicit_mask: bool = True,
-                       uniform_shape: bool = False) -> list[MicroBatch]:
+                       uniform_shape: bool = False, static_shape: Optional[tuple[int, int]] = None
+                       ) -> list[MicroBatch]:
     """Cut `batch` along `plan` and build each part's model inputs; `keys` are the (B, R) loss inputs.
 
     `uniform_shape`: pad every micro-batch to the largest one's shape. Pipeline parallelism needs it:
     stages exchange activations of a fixed shape (megatron-core's `variable_seq_lengths` shape exchange
     mismatches messages under the interleaved schedule at PP=2, so it is not used). With balanced
     micro-batches the padding is small.
+    `static_shape` (packed): `(tokens, documents)` every micro-batch is padded to (CUDA graphs, see
+    :func:`rlhf_mcore.engine.cuda_graphs.static_shape`).
     """
     missing = [k for k in ("input_ids", "attention_mask", *keys) if k not in batch]
     if missing:
@@ -82,8 +85,12 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     R = response_length_of(batch)
     device = batch["input_ids"].device
     lengths = batch["attention_mask"].sum(-1).tolist()
-    pad_length = pad_rows = 0
-    if uniform_shape:
+    pad_length = pad_rows = pad_docs = 0
+    if static_shape is not None:
+        if not packed:
+            raise ValueError("a static micro-batch shape (CUDA graphs) needs packed sequences")
+        pad_length, pad_docs = static_shape
+    elif uniform_shape:
         pad_length = max(natural_length([int(lengths[i]) for i in rows], packed, pad_to_multiple_of) for rows in plan)
         pad_rows = 0 if packed else max(len(rows) for rows in plan)
     out = []
@@ -92,7 +99,8 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
         ids = batch["input_ids"].index_select(0, index)
         mask = batch["attention_mask"].index_select(0, index)
         inputs = build_model_inputs(ids, mask, R, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
-                                    explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows)
+                                    explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows,
+                                    pad_docs_to=pad_docs)
         data = {k: batch[k].index_select(0, index) for k in keys}
         out.append(MicroBatch(inputs, data, index))
     return out

@@ -66,7 +66,7 @@ def natural_length(seqlens: list[int], packed: bool, pad_to_multiple_of: int = 1
 
 def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
                        packed: bool, pad_to_multiple_of: int = 1, explicit_mask: bool = True,
-                       pad_to_length: int = 0, pad_to_rows: int = 0) -> ModelInputs:
+                       pad_to_length: int = 0, pad_to_rows: int = 0, pad_docs_to: int = 0) -> ModelInputs:
     """Build the model inputs of one micro-batch from its padded rows (see the module docstring).
 
     input_ids, attention_mask: `(B, L)` with the response in the last `response_length` columns.
@@ -75,6 +75,8 @@ def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
     pad_to_length, pad_to_rows: pad the sequence dimension (`total` or `S`) and, padded, the rows to at
     least these sizes, so that every micro-batch of a pipeline schedule has the same shape (dummy tokens and
     rows; their outputs are never read).
+    pad_docs_to (packed): a static shape for CUDA graphs: `cu_seqlens` gets `pad_docs_to + 1` entries (zero-length
+    documents at the end) and `max_seqlen` is the packed length, whatever the documents are.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must "
@@ -113,6 +115,12 @@ def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
             positions = torch.cat([positions, torch.arange(pad, device=device)])
             cu = torch.cat([cu, cu[-1:] + pad])
         max_len = int(max(max(seqlens, default=1), pad, 1))
+        if pad_docs_to:
+            extra = pad_docs_to + 1 - cu.numel()
+            if extra < 0:
+                raise ValueError(f"{cu.numel() - 1} packed documents do not fit a static shape of {pad_docs_to}")
+            cu = torch.cat([cu, cu[-1:].expand(extra)])
+            max_len = int(tokens.numel())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
                                  max_seqlen_kv=max_len)
         rows = offsets[b_idx] + pred_pos  # (M,)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from rlhf_mcore.engine import checkpoint as ckpt
 from rlhf_mcore.engine.config import EngineConfig
+from rlhf_mcore.engine.cuda_graphs import DecoderGraphs, graphs_supported, static_shape
 from rlhf_mcore.engine.flops import FlopShape, forward_flops, mfu, peak_flops, train_flops
 from rlhf_mcore.engine.losses import (
     ACTOR_KEYS,
@@ -120,6 +121,20 @@ class TrainEngine:
             self.scheduler = build_scheduler(self.optimizer, optim)
         self.global_steps = 0
         self._offloader = StorageOffloader(state.device)
+        self._graphs = self._build_graphs(chunks)
+
+    def _build_graphs(self, chunks) -> list[DecoderGraphs]:
+        """CUDA graphs of the decoder (:mod:`rlhf_mcore.engine.cuda_graphs`): `cfg.cuda_graphs` None turns them
+        on where supported, True requires them, False leaves them off."""
+        if self.cfg.cuda_graphs is False:
+            return []
+        why_not = graphs_supported(self.model_config, self.state, len(chunks), self.cfg.use_remove_padding)
+        if why_not is None:
+            return [DecoderGraphs(c) for c in chunks]
+        if self.cfg.cuda_graphs:
+            raise ValueError(f"{self.cfg.graph_key}=true, but CUDA graphs cannot run here: {why_not}. Set it to "
+                             "false (or leave it unset: on where supported)")
+        return []
 
     # ------------------------------------------------------------------ views
 
@@ -177,7 +192,7 @@ class TrainEngine:
                                   multiple_of=self._multiple_of, dp_group=self.state.dp_group, keys=cfg.forward_keys)
         mbs = make_micro_batches(batch, plan, keys=(), packed=self.cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
-                                 uniform_shape=self.state.dims.pp > 1)
+                                 uniform_shape=self.state.dims.pp > 1, static_shape=self._static_shape(plan, seqlens))
         for m in self.modules:
             m.eval()
 
@@ -224,6 +239,7 @@ class TrainEngine:
             raise ValueError(f"this rank's batch of {B} sequences is not divisible by the mini-batch size {mini} "
                              "(ppo_mini_batch_size × rollout.n / DP): make the batch a multiple of it")
         lr = current_lr(self.optimizer)
+        captures = self.graph_captures
         steps, flops, tokens = [], 0.0, 0
         for epoch in range(self.cfg.ppo_epochs):
             order = self._epoch_order(B, epoch)
@@ -243,7 +259,10 @@ class TrainEngine:
         self.global_steps += 1
         self._sync_device()
         elapsed = time.perf_counter() - start
-        return self._summarise(steps, lr, elapsed, flops, tokens)
+        out = self._summarise(steps, lr, elapsed, flops, tokens)
+        if self._graphs:
+            out[f"perf/{self.cfg.role}/cuda_graph_captures"] = float(self.graph_captures - captures)
+        return out
 
     def forward_backward(self, mini_batch: dict) -> tuple[dict[str, float], list[int]]:
         """Zero the gradients, then accumulate those of the loss of `mini_batch` (this rank's share) over its
@@ -265,7 +284,7 @@ class TrainEngine:
                                   dp_group=state.dp_group, keys=cfg.update_keys)
         mbs = make_micro_batches(sub, plan, keys=keys, packed=cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
-                                 uniform_shape=self.state.dims.pp > 1)
+                                 uniform_shape=self.state.dims.pp > 1, static_shape=self._static_shape(plan, seqlens))
         ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
                           scale=float(len(mbs) * state.dims.dp))
         for m in self.modules:
@@ -321,9 +340,22 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ the pipeline schedule
 
+    def _static_shape(self, plan: list[list[int]], seqlens: list) -> Optional[tuple[int, int]]:
+        """The one packed shape of this call's micro-batches when the decoder runs as CUDA graphs, else None."""
+        if not self._graphs:
+            return None
+        return static_shape([sum(int(seqlens[i]) for i in rows) for rows in plan], [len(rows) for rows in plan])
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (0 without graphs); a count that grows every step means shapes vary."""
+        return sum(g.captures for g in self._graphs)
+
     def _run_schedule(self, mbs: list[MicroBatch], loss_func, forward_only: bool) -> list:
         """Run micro-batches through Megatron's schedule; `loss_func(mb, output) -> (loss, dict)` runs on the
         last pipeline stage. Returns the dicts (last stage only)."""
+        from contextlib import ExitStack
+
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
@@ -335,10 +367,13 @@ class TrainEngine:
         iterators = [iter(mbs) for _ in self.modules] if len(self.modules) > 1 else iter(mbs)
         # stages exchange (seq, micro_batch, hidden) activations; all micro-batches share the shape (PP > 1)
         first = mbs[0].inputs.input_ids  # (B', S) or (1, total)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators,
-            model=self.modules if len(self.modules) > 1 else self.modules[0], num_microbatches=len(mbs),
-            seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=forward_only)
+        with ExitStack() as graphs:
+            for g in self._graphs:
+                graphs.enter_context(g.active())
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterators,
+                model=self.modules if len(self.modules) > 1 else self.modules[0], num_microbatches=len(mbs),
+                seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=forward_only)
 
     # ------------------------------------------------------------------ offload / checkpoint
 
@@ -349,6 +384,8 @@ class TrainEngine:
         Returns bytes moved per kind and `device_freed` (GPU memory released, measured; on CPU the bytes
         released from the storages)."""
         params = self.param_offload if params is None else params
+        for g in self._graphs:  # graphs read parameters in place and hold memory the rollout needs
+            g.reset()
         before = self._device_allocated()
         params_list = param_storages(self.modules)
         param_ptrs = {s.data_ptr() for s in params_list}
@@ -384,6 +421,8 @@ class TrainEngine:
     def load_checkpoint(self, path, load_optimizer: bool = True) -> dict:
         """Load a checkpoint (any TP/PP layout for the model; see :mod:`rlhf_mcore.engine.checkpoint`)."""
         self._require_onloaded()
+        for g in self._graphs:
+            g.reset()
         loaded = ckpt.load_checkpoint(path, self.modules, self.state, self.optimizer if load_optimizer else None,
                                       self.scheduler, load_optimizer=load_optimizer and self.optimizer is not None)
         if self.optimizer is not None:

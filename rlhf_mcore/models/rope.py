@@ -85,6 +85,12 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return tokens - cu[doc]
 
 
+def clear_packed_tables() -> None:
+    """Forget the cached packed cos/sin tables (a CUDA graph capture must compute them inside the graph)."""
+    global _PACKED_TABLES
+    _PACKED_TABLES = (None, -1, None, 0, None, None)
+
+
 def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, dtype: torch.dtype, mscale: float):
     """(cos, sin) of shape (total, 1, 1, rot_dim) in `dtype` for the packed tokens; cached for the last batch
     (every layer and both query and key of one forward pass share them)."""
@@ -103,15 +109,19 @@ def apply_rope_packed(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: 
                       mscale: float = 1.0, cp_group=None) -> torch.Tensor:
     """Drop-in for megatron's `apply_rotary_pos_emb` (same signature). Packed input `t` (total, heads, dim) with
     `cu_seqlens` and per-document frequencies `freqs` (max_len, 1, 1, rot_dim) takes the sync-free path; all
-    other cases (unpacked, fused RoPE, context parallelism, multi-latent attention, interleaved rotation, or
-    `freqs` spanning a packed tensor of several documents, where Megatron uses positions in the packed tensor)
-    go to Megatron's function unchanged. One document alone reads the same positions either way."""
+    other cases (unpacked, fused RoPE, context parallelism, multi-latent attention, interleaved rotation) go to
+    Megatron's function unchanged.
+
+    Positions restart at 0 in every document (how the engine packs). When `freqs` happens to be exactly as long
+    as the packed tensor (`max_seqlen` = total, as in the CUDA graphs' static shapes), Megatron's function would
+    switch to positions in the packed tensor (its mode for per-token frequency tables); this engine never builds
+    those, and shifting all of a document's positions by one offset leaves rotary attention scores unchanged, so
+    the per-document path is kept (it also never reads `cu_seqlens` on the host, which a graph capture forbids)."""
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
     total = t.size(0)
     if (cu_seqlens is None or cp_group is None or cp_group.size() != 1 or config.apply_rope_fusion
-            or config.multi_latent_attention or config.rotary_interleaved or t.dim() != 3
-            or (freqs.size(0) == total and cu_seqlens.numel() > 2)):
+            or config.multi_latent_attention or config.rotary_interleaved or t.dim() != 3):
         return _MEGATRON_APPLY(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
     rot_dim = freqs.size(-1)
     x = t.unsqueeze(1)  # (total, 1, heads, dim): the bshd layout Megatron rotates

@@ -322,7 +322,7 @@ def build_reward_model(cfg, state, policy_tokenizer) -> RewardModelScorer:
                          config_overrides=pipeline_split(cfg) or None)  # the actor's stage split, as ref and critic
     micro = rm.micro_batch_size_per_gpu or 1
     ecfg = EngineConfig(role="reward", micro_batch_size=micro, use_remove_padding=rm.model.use_remove_padding,
-                        seed=rm.megatron.seed)
+                        seed=rm.megatron.seed, cuda_graphs=rm.megatron.cuda_graphs)
     engine = RewardEngine(chunks, state, ecfg, None, hf_dir=rm.model.path, param_offload=rm.megatron.param_offload)
     blocker = streaming_blocker(state, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
                                 bool(rm.megatron.param_offload))

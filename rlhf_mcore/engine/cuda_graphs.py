@@ -1,0 +1,205 @@
+"""CUDA graphs of a model chunk's transformer layers for packed micro-batches: the host cost of small
+micro-batches, gone.
+
+Without Transformer Engine, one Megatron layer is ~100 small kernels forward and backward, each launched from
+Python (linear layers' autograd functions, norms, the fused SwiGLU/RoPE kernels, Flash Attention). At 0.5B with
+4 x 1,024-token micro-batches the host needs ~90 ms a micro-batch against ~32 ms of GPU work: the GPU waits.
+Here the whole decoder (every layer of the chunk and the final norm) of one packed micro-batch is one CUDA
+graph forward and one backward (`torch.cuda.make_graphed_callables`); embedding, LM head and loss stay eager.
+
+Static shapes: a graph replays fixed addresses and sizes, so the engine pads each micro-batch of a call to one
+shape (:func:`static_shape`): `tokens` on a coarse ladder (at most 1/8 of padding) and the document count
+(`cu_seqlens` entries) to a multiple of 8, with zero-length documents; `max_seqlen` is the token count (Flash
+Attention's blocks past a document's end return at once). Graphs are cached by shape (least recently used out
+after `max_graphs`), one pool per chunk shared by all of them: the schedule without pipelining runs each
+micro-batch's forward and backward back to back, so no two graphs' working memory is live at once.
+
+Where graphs apply (:func:`graphs_supported`): CUDA, packed sequences, one pipeline stage and no virtual
+stages, TP = CP = 1, no activation recompute, no dropout. The decoder's inputs change between replays only in
+content: hidden states, the RoPE frequency table and `cu_seqlens` are copied into the graph's static inputs.
+Parameters are read in place, so anything that moves them (offloading parameters) must :meth:`reset` the
+graphs; the engine resets them on every offload, which also returns their memory to the rollout.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+__all__ = ["DecoderGraphs", "graphs_supported", "static_shape", "token_bucket"]
+
+DOC_MULTIPLE = 8
+
+
+def token_bucket(n: int) -> int:
+    """`n` rounded up on a ladder of 8 steps an octave (multiples of 128 below 1,024): few distinct shapes, at
+    most 1/8 of padding."""
+    n = max(int(n), 1)
+    step = max(128, 1 << max(n.bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
+def static_shape(totals: list[int], docs: list[int]) -> tuple[int, int]:
+    """The (tokens, documents) every micro-batch of a call is padded to: the largest total on the ladder
+    (:func:`token_bucket`) and room for the most documents plus one dummy for the padding, rounded up to a
+    multiple of 8."""
+    tokens = token_bucket(max(totals))
+    return tokens, -(-(max(docs) + 1) // DOC_MULTIPLE) * DOC_MULTIPLE
+
+
+def graphs_supported(config, state, chunks: int, packed: bool) -> Optional[str]:
+    """Why CUDA graphs cannot run for this model and layout, or None when they can."""
+    if state.device.type != "cuda":
+        return f"the model is on {state.device.type} (CUDA graphs need a CUDA device)"
+    if not packed:
+        return "sequences are padded, not packed (model.use_remove_padding=false)"
+    if state.dims.pp > 1 or chunks > 1:
+        return (f"pipeline parallelism (PP={state.dims.pp}, {chunks} virtual stages): several micro-batches are in "
+                "flight at once, each graph holds one")
+    if state.dims.tp > 1 or getattr(config, "context_parallel_size", 1) > 1:
+        return "TP or CP > 1 (collectives inside the layers are not verified under capture)"
+    if getattr(config, "recompute_granularity", None):
+        return "activation recompute (enable_gradient_checkpointing) re-runs layers in the backward"
+    if getattr(config, "hidden_dropout", 0.0) or getattr(config, "attention_dropout", 0.0):
+        return "dropout > 0"
+    return None
+
+
+class _DecoderCall(torch.nn.Module):
+    """The decoder as a function of tensors only (what a graph capture takes). Training graphs call it through
+    `torch.func.functional_call` with aliases of the parameters (:meth:`DecoderGraphs._capture` says why)."""
+
+    def __init__(self, decoder: torch.nn.Module, eager_forward, max_seqlen: int):
+        super().__init__()
+        self.decoder = decoder
+        self._eager = eager_forward
+        self.max_seqlen = max_seqlen
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from rlhf_mcore.models.rope import clear_packed_tables
+
+        clear_packed_tables()  # the RoPE tables are computed inside the graph, from its static cu_seqlens
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=self.max_seqlen,
+                                 max_seqlen_kv=self.max_seqlen)
+        out = self._eager(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=params)
+        clear_packed_tables()
+        return out
+
+
+class DecoderGraphs:
+    """Replaces `chunk.decoder.forward` with a dispatcher: inside :meth:`active`, a packed call of a static
+    shape replays (capturing on first sight) a CUDA graph; every other call runs the decoder eagerly."""
+
+    def __init__(self, chunk: torch.nn.Module, max_graphs: int = 4, warmup_iters: int = 2):
+        self.decoder = chunk.decoder
+        self._eager = self.decoder.forward
+        self.decoder.forward = self._dispatch
+        self.max_graphs, self.warmup_iters = max_graphs, warmup_iters
+        self._graphs: OrderedDict = OrderedDict()  # (tokens, cu entries, grad) -> graphed callable
+        self._names = [n for n, _ in self.decoder.named_parameters()]
+        self._params = [p for _, p in self.decoder.named_parameters()]
+        self._ptrs: tuple = ()  # the parameters' addresses the graphs read
+        self._pool = None
+        self._active = False
+        self.captures = 0  # graphs captured so far (a metric: recaptures every step mean the shapes vary)
+
+    def active(self):
+        """Context in which packed calls of static shape go through graphs (the engine's update/scoring)."""
+        graphs = self
+
+        class _Active:
+            def __enter__(self):
+                graphs._active = True
+
+            def __exit__(self, *exc):
+                graphs._active = False
+
+        return _Active()
+
+    def reset(self) -> None:
+        """Drop every graph and its memory (parameters moved, or the rollout needs the memory)."""
+        self._graphs.clear()
+        self._pool = None
+        self._ptrs = ()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def _dispatch(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None, packed_seq_params=None,
+                  **kwargs):
+        if (not self._active or args or attention_mask is not None or packed_seq_params is None
+                or packed_seq_params.qkv_format != "thd" or rotary_pos_emb is None
+                or any(v is not None for v in kwargs.values())
+                or packed_seq_params.max_seqlen_q != hidden_states.size(0)):
+            return self._eager(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
+                               packed_seq_params=packed_seq_params, **kwargs)
+        cu = packed_seq_params.cu_seqlens_q
+        grad = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            p.requires_grad for p in self.decoder.parameters()))
+        key = (hidden_states.size(0), cu.numel(), grad)
+        if self._graphs and tuple(p.data_ptr() for p in self._params) != self._ptrs:
+            self.reset()  # parameters moved (e.g. loaded or offloaded without reset): the graphs read old addresses
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, hidden_states, rotary_pos_emb, cu)
+        self._graphs.move_to_end(key)
+        if grad:
+            return graph(hidden_states, rotary_pos_emb, cu, *self._params)
+        return graph(hidden_states, rotary_pos_emb, cu)
+
+    def _capture(self, key, hidden, rotary, cu):
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        call = _DecoderCall(self.decoder, self._eager, key[0])
+        sample = (hidden.detach().clone().requires_grad_(hidden.requires_grad), rotary.detach().clone(),
+                  cu.detach().clone())
+        if key[2]:
+            # The parameters enter the graph as explicit inputs, through aliases (same storage): Megatron's DDP
+            # created the parameters' gradient accumulators on the default stream, and autograd would make that
+            # stream wait on the capturing one ("operation would make the legacy stream depend on a capturing
+            # blocking stream"). The aliases' accumulators are made during the warm-up, on its side stream; the
+            # replay passes the real parameters, whose gradients then reach DDP's hooks as in eager mode.
+            aliases = tuple(p.detach().requires_grad_(p.requires_grad) for p in self._params)
+            names = ["decoder." + n for n in self._names]
+
+            def decoder_fn(hidden, rotary, cu, *params):
+                return torch.func.functional_call(call, dict(zip(names, params)), (hidden, rotary, cu))
+
+            graphed = torch.cuda.make_graphed_callables(decoder_fn, sample + aliases,
+                                                        num_warmup_iters=self.warmup_iters, pool=self._pool,
+                                                        allow_unused_input=True)
+        else:
+            graphed = _forward_graph(call, sample, self.warmup_iters, self._pool)
+        self._ptrs = tuple(p.data_ptr() for p in self._params)
+        self._graphs[key] = graphed
+        self.captures += 1
+        return graphed
+
+
+def _forward_graph(call: torch.nn.Module, sample: tuple, warmup_iters: int, pool):
+    """A forward-only graph (no autograd): static inputs in, the static output back (a view valid until the
+    next replay)."""
+    static_in = sample
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(warmup_iters):
+            call(*static_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+        static_out = call(*static_in)
+
+    def replay(*inputs):
+        for s, x in zip(static_in, inputs):
+            if s.data_ptr() != x.data_ptr():
+                s.copy_(x)
+        graph.replay()
+        return static_out.detach()
+
+    return replay

@@ -1,0 +1,159 @@
+"""The train engine's decoder as CUDA graphs (rlhf_mcore/engine/cuda_graphs.py).
+
+CPU: the static-shape padding the graphs need (token ladder, zero-length documents, `max_seqlen` = the packed
+length) leaves every log-prob unchanged; where graphs cannot run, an explicit `cuda_graphs=true` is refused
+with the reason. GPU: graphed log-probs and updates equal eager ones on the same shapes, a second update
+captures nothing new, and an offload drops the graphs (recaptured, same results)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from rlhf_mcore.engine.cuda_graphs import graphs_supported, static_shape, token_bucket
+from rlhf_mcore.engine.packing import build_model_inputs
+
+CUDA = torch.cuda.is_available()
+
+
+def test_token_ladder_pads_at_most_an_eighth():
+    for n in list(range(1, 3000)) + [4096, 4097, 6000, 16384, 16385, 100_000]:
+        b = token_bucket(n)
+        assert b >= n and b % 128 == 0
+        assert b <= max(128 * -(-n // 128), n * 9 // 8 + 1), n
+    assert token_bucket(4096) == 4096 and token_bucket(4097) == 4608 and token_bucket(1000) == 1024
+    assert len({token_bucket(n) for n in range(2048, 4097)}) == 8 + 1  # eight steps an octave (and 4096 itself)
+    assert static_shape([4096, 3000, 4000], [4, 3, 4]) == (4096, 8)
+    assert static_shape([100], [7]) == (128, 8) and static_shape([100], [8]) == (128, 16)
+
+
+def test_static_padding_adds_empty_documents_and_keeps_the_map():
+    ids = torch.arange(100, 121).view(3, 7)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0, 0]])
+    plain = build_model_inputs(ids, mask, 3, packed=True)
+    static = build_model_inputs(ids, mask, 3, packed=True, pad_to_length=128, pad_docs_to=8)
+    p = static.packed_seq_params
+    assert static.input_ids.shape == (1, 128)
+    assert p.cu_seqlens_q.tolist() == [0, 5, 12, 14, 128, 128, 128, 128, 128]  # a dummy, then empty documents
+    assert p.max_seqlen_q == p.max_seqlen_kv == 128
+    assert torch.equal(static.rows, plain.rows) and torch.equal(static.labels, plain.labels)
+    with pytest.raises(ValueError, match="do not fit a static shape of 2"):
+        build_model_inputs(ids, mask, 3, packed=True, pad_to_length=128, pad_docs_to=2)
+
+
+def _state(device="cuda", tp=1, pp=1):
+    return types.SimpleNamespace(device=torch.device(device), dims=types.SimpleNamespace(tp=tp, pp=pp))
+
+
+def test_where_graphs_cannot_run_the_reason_is_given():
+    cfg = types.SimpleNamespace(context_parallel_size=1, recompute_granularity=None, hidden_dropout=0.0,
+                                attention_dropout=0.0)
+    assert graphs_supported(cfg, _state(), 1, True) is None
+    assert "cpu" in graphs_supported(cfg, _state("cpu"), 1, True)
+    assert "packed" in graphs_supported(cfg, _state(), 1, False)
+    assert "pipeline" in graphs_supported(cfg, _state(pp=2), 2, True)
+    assert "TP" in graphs_supported(cfg, _state(tp=2), 1, True)
+    assert "recompute" in graphs_supported(types.SimpleNamespace(**{**vars(cfg), "recompute_granularity": "full"}),
+                                           _state(), 1, True)
+    assert "dropout" in graphs_supported(types.SimpleNamespace(**{**vars(cfg), "hidden_dropout": 0.1}),
+                                         _state(), 1, True)
+
+
+def rl_batch(n: int, vocab: int, device, seed: int = 0) -> dict:
+    """n sequences of the trainer's layout with varied prompt and response lengths (P = 12, R = 20)."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = 12, 20
+    ids = torch.randint(3, vocab, (n, P + R), generator=g)
+    plen = torch.randint(1, P + 1, (n,), generator=g)
+    rlen = torch.randint(1, R + 1, (n,), generator=g)
+    cols = torch.arange(P + R)
+    mask = ((cols[None] >= P - plen[:, None]) & (cols[None] < P + rlen[:, None])).long()
+    return {k: v.to(device) for k, v in {
+        "input_ids": ids * mask, "attention_mask": mask, "responses": ids[:, P:] * mask[:, P:],
+        "response_mask": mask[:, P:], "old_log_probs": -6.9 + 0.1 * torch.randn(n, R, generator=g),
+        "advantages": torch.randn(n, R, generator=g)}.items()}
+
+
+def _engine(model_dir, state, graphs, dtype, static_eager=False):
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.models import build_model
+
+    chunks = build_model(model_dir, state, role="actor", dtype=dtype)
+    engine = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=4, mini_batch_size=8,
+                                                     cuda_graphs=graphs), OptimConfig(lr=1e-3))
+    if static_eager:  # the graphs' padded shapes, run eagerly
+        engine._static_shape = lambda plan, seqlens: static_shape(
+            [sum(int(seqlens[i]) for i in rows) for rows in plan], [len(rows) for rows in plan])
+    return engine
+
+
+@pytest.mark.skipif(CUDA, reason="a CPU engine would hide the GPUs from this whole process; on a GPU machine "
+                    "test_graphed_decoder_equals_eager_on_the_gpu compares the padded and natural shapes")
+def test_static_padding_leaves_log_probs_and_updates_unchanged_on_cpu(tiny_model_dir):
+    """The static shapes (dummy and empty documents, max_seqlen = packed length) through the real model, fp32 on
+    CPU: log-probs equal the natural shapes' within fp32 rounding of matmuls over more rows (2e-5 on values
+    near -7; a wrong position, mask or document boundary moves them by 1e-2 or more), and so does an update."""
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
+    state = init_distributed(device="cpu")
+    try:
+        batch = rl_batch(16, 1000, "cpu")
+        plain, padded = _engine(model_dir, state, None, torch.float32), _engine(model_dir, state, None, torch.float32,
+                                                                                static_eager=True)
+        lp_plain, ent_plain = plain.compute_log_probs(batch)
+        lp_pad, ent_pad = padded.compute_log_probs(batch)
+        torch.testing.assert_close(lp_pad, lp_plain, rtol=0, atol=2e-5)
+        torch.testing.assert_close(ent_pad, ent_plain, rtol=0, atol=2e-5)
+        m_plain, m_pad = plain.update_policy(batch), padded.update_policy(batch)
+        assert abs(m_plain["actor/pg_loss"] - m_pad["actor/pg_loss"]) < 1e-5
+        assert abs(m_plain["actor/grad_norm"] - m_pad["actor/grad_norm"]) < 1e-5 * m_plain["actor/grad_norm"]
+        with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.megatron\.cuda_graphs=true.*cpu"):
+            _engine(model_dir, state, True, torch.float32)
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: CUDA graphs")
+def test_graphed_decoder_equals_eager_on_the_gpu(tiny_model_dir):
+    """bf16 on the GPU: the graphed engine against an eager engine on the same padded shapes (the same kernels:
+    log-probs within 1e-5, the update's loss and gradient norm within 1e-5 relative, parameters after it within
+    bf16 rounding), and against the natural shapes within bf16 tolerance (0.05 in log-prob). A second update
+    captures no new graph; an offload drops the graphs, the next call recaptures with the same results."""
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
+    state = init_distributed(device="cuda")
+    try:
+        batch = rl_batch(16, 1000, "cuda")
+        graphed = _engine(model_dir, state, True, torch.bfloat16)
+        eager = _engine(model_dir, state, False, torch.bfloat16, static_eager=True)
+        natural = _engine(model_dir, state, False, torch.bfloat16)
+        assert len(graphed._graphs) == 1 and not eager._graphs
+        lp_g, ent_g = graphed.compute_log_probs(batch)
+        lp_e, ent_e = eager.compute_log_probs(batch)
+        lp_n, _ = natural.compute_log_probs(batch)
+        assert graphed.graph_captures == 1  # the forward-only graph
+        torch.testing.assert_close(lp_g, lp_e, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent_g, ent_e, rtol=0, atol=1e-5)
+        assert (lp_g - lp_n).abs().max() < 0.05
+        m_g, m_e = graphed.update_policy(batch), eager.update_policy(batch)
+        assert m_g["perf/actor/cuda_graph_captures"] == 1  # the training graph, one shape for both mini-batches
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert abs(m_g[key] - m_e[key]) <= 1e-5 * max(1.0, abs(m_e[key])), key
+        for (name, p_g), p_e in zip(graphed.chunks[0].named_parameters(), eager.chunks[0].parameters()):
+            torch.testing.assert_close(p_g.float(), p_e.float(), rtol=0, atol=2e-2, msg=name)
+        m_g2 = graphed.update_policy(batch)
+        assert m_g2["perf/actor/cuda_graph_captures"] == 0
+        after_g, _ = graphed.compute_log_probs(batch)
+        graphed.offload()
+        assert len(graphed._graphs[0]) == 0
+        graphed.onload()
+        again, _ = graphed.compute_log_probs(batch)
+        assert graphed.graph_captures == 3
+        torch.testing.assert_close(again, after_g, rtol=0, atol=1e-5)
+        assert torch.isfinite(again).all() and not torch.equal(after_g, lp_g)  # the updates changed the policy
+    finally:
+        destroy_distributed()
