@@ -88,8 +88,8 @@ class EngineConfig:
     @property
     def graph_key(self) -> str:
         """The run-config key of this role's CUDA graphs switch (for error messages)."""
-        return {"critic": "critic.megatron.cuda_graphs", "ref": "actor_rollout_ref.ref.megatron.cuda_graphs",
-                "reward": "reward_model.megatron.cuda_graphs"}.get(self.role, "actor_rollout_ref.actor.megatron.cuda_graphs")
+        keys = {"critic": "critic", "ref": "actor_rollout_ref.ref", "reward": "reward_model"}
+        return f"{keys.get(self.role, 'actor_rollout_ref.actor')}.megatron.cuda_graphs"
 
     @property
     def fwd_micro_batch_size(self) -> int:
