@@ -33,9 +33,11 @@ test: $(STAMP)
 
 # The whole suite on a GPU machine whose $(PYTHON) already holds the packages (no venv built): the GPU-only tests run
 # there; the tests calibrated on CPU fp32 (the multi-process workers, the rollout parity tests) pin the CPU themselves.
+# Each result is printed with its name as it comes (-o addopts= drops pyproject's -q), so a run cut short by a
+# time limit still says which tests failed.
 test-gpu:
-	@$(PYTHON) -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
-		$(PYTEST_ARGS); rc=$$?; \
+	@$(PYTHON) -m pytest tests -o addopts= -v -rfE --timeout=900 --durations=15 \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-gpu: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo: $(STAMP)

@@ -102,8 +102,9 @@ class MegatronConfig:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
-    # the decoder as CUDA graphs for packed micro-batches (rlhf_mcore.engine.cuda_graphs): unset (null) on
-    # where supported (CUDA, TP = PP = CP = 1, no recompute), true required (an error says why not), false off
+    # the decoder as CUDA graphs for packed micro-batches (rlhf_mcore.engine.cuda_graphs): unset (null) on where
+    # supported (CUDA, TP = PP = CP = 1, no recompute) for micro-batches of <= 8,192 tokens (the host-bound ones);
+    # true: every micro-batch (an error says why where they cannot run); false: off
     cuda_graphs: Optional[bool] = None
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
 

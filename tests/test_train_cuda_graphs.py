@@ -157,3 +157,18 @@ def test_graphed_decoder_equals_eager_on_the_gpu(tiny_model_dir):
         assert torch.isfinite(again).all() and not torch.equal(after_g, lp_g)  # the updates changed the policy
     finally:
         destroy_distributed()
+
+
+def test_unset_graphs_only_take_host_bound_micro_batches():
+    """`cuda_graphs` unset: micro-batches above AUTO_MAX_TOKENS run eagerly (no capture); `true` graphs them all."""
+    from rlhf_mcore.engine import TrainEngine
+    from rlhf_mcore.engine.cuda_graphs import AUTO_MAX_TOKENS
+
+    def shape(graphs, lengths):
+        fake = types.SimpleNamespace(_graphs=[object()], cfg=types.SimpleNamespace(cuda_graphs=graphs))
+        return TrainEngine._static_shape(fake, [[i] for i in range(len(lengths))], lengths)
+
+    assert shape(None, [1024, AUTO_MAX_TOKENS]) == (AUTO_MAX_TOKENS, 8)
+    assert shape(None, [1024, AUTO_MAX_TOKENS + 1]) is None
+    assert shape(True, [1024, AUTO_MAX_TOKENS + 1]) == (token_bucket(AUTO_MAX_TOKENS + 1), 8)
+    assert TrainEngine._static_shape(types.SimpleNamespace(_graphs=[]), [[0]], [5]) is None

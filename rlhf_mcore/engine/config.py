@@ -49,7 +49,8 @@ class EngineConfig:
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs of softmax(logits / T)
     logprob_chunk_size: int = 2048  # rows of logits processed at once (bounds fp32 working memory)
     logprob_backend: str = "auto"  # auto | torch | triton (registry in rlhf_mcore.engine.logprobs)
-    # -- the decoder as CUDA graphs (rlhf_mcore.engine.cuda_graphs): None on where supported, True required
+    # -- the decoder as CUDA graphs (rlhf_mcore.engine.cuda_graphs): None where supported for micro-batches of at
+    # most AUTO_MAX_TOKENS tokens, True for all (required), False off
     cuda_graphs: Optional[bool] = None
 
     def __post_init__(self):

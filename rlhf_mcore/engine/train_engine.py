@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rlhf_mcore.engine import checkpoint as ckpt
 from rlhf_mcore.engine.config import EngineConfig
-from rlhf_mcore.engine.cuda_graphs import DecoderGraphs, graphs_supported, static_shape
+from rlhf_mcore.engine.cuda_graphs import AUTO_MAX_TOKENS, DecoderGraphs, graphs_supported, static_shape
 from rlhf_mcore.engine.flops import FlopShape, forward_flops, mfu, peak_flops, train_flops
 from rlhf_mcore.engine.losses import (
     ACTOR_KEYS,
@@ -344,7 +344,10 @@ class TrainEngine:
         """The one packed shape of this call's micro-batches when the decoder runs as CUDA graphs, else None."""
         if not self._graphs:
             return None
-        return static_shape([sum(int(seqlens[i]) for i in rows) for rows in plan], [len(rows) for rows in plan])
+        totals = [sum(int(seqlens[i]) for i in rows) for rows in plan]
+        if self.cfg.cuda_graphs is None and max(totals) > AUTO_MAX_TOKENS:
+            return None  # GPU-bound micro-batches: eager, no capture (cuda_graphs.AUTO_MAX_TOKENS)
+        return static_shape(totals, [len(rows) for rows in plan])
 
     @property
     def graph_captures(self) -> int:
