@@ -172,3 +172,78 @@ def test_unset_graphs_only_take_host_bound_micro_batches():
     assert shape(None, [1024, AUTO_MAX_TOKENS + 1]) is None
     assert shape(True, [1024, AUTO_MAX_TOKENS + 1]) == (token_bucket(AUTO_MAX_TOKENS + 1), 8)
     assert TrainEngine._static_shape(types.SimpleNamespace(_graphs=[]), [[0]], [5]) is None
+
+
+@pytest.mark.skipif(CUDA, reason="a CPU model would hide the GPUs from this whole process; on a GPU machine "
+                    "test_graphed_decoder_equals_eager_on_the_gpu runs the real graphs")
+def test_dispatcher_caches_evicts_and_recaptures_on_cpu(tiny_model_dir, monkeypatch):
+    """The dispatcher's bookkeeping with the capture replaced by the eager function (CPU has no CUDA graphs): only
+    active, packed, static-shape calls are routed; one capture per (shape, grad mode); least recently used out at
+    `max_graphs`; a parameter that moved (new storage) drops the graphs. The routed calls go through the same
+    function the capture would record (parameter aliases through `functional_call`): outputs and gradients equal
+    the eager decoder's."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from rlhf_mcore.engine import cuda_graphs
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    captured = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables",
+                        lambda fn, sample, **kw: captured.append(("train", sample[0].shape)) or fn)
+    monkeypatch.setattr(cuda_graphs, "_forward_graph",
+                        lambda call, sample, *a: captured.append(("forward", sample[0].shape)) or call)
+    state = init_distributed(device="cpu")
+    try:
+        model = build_model(tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2), state,
+                            dtype=torch.float32)[0]
+        graphs = cuda_graphs.DecoderGraphs(model, max_graphs=2)
+
+        def run(lens, total, docs, active=True, grad=True):
+            ids = torch.randint(0, 1000, (1, total), generator=torch.Generator().manual_seed(total))
+            pos = torch.cat([torch.arange(n) for n in lens] + [torch.arange(total - sum(lens))])[None]
+            cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+            cu = torch.tensor(cu + [total] * (docs + 1 - len(cu)), dtype=torch.int32)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=total,
+                                     max_seqlen_kv=total)
+            model.zero_grad(set_to_none=True)
+            with torch.set_grad_enabled(grad):
+                if active:
+                    with graphs.active():
+                        out = model(ids, pos, None, packed_seq_params=params)
+                else:
+                    out = model(ids, pos, None, packed_seq_params=params)
+                if grad:
+                    out.square().mean().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            return out.detach(), grads
+
+        eager_out, eager_grads = run([20, 30], 128, 8, active=False)
+        assert captured == [] and len(graphs) == 0
+        out, grads = run([20, 30], 128, 8)
+        assert captured == [("train", (128, 1, model.config.hidden_size))]
+        torch.testing.assert_close(out, eager_out, rtol=0, atol=1e-6)
+        assert grads.keys() == eager_grads.keys() and len(grads) > 10  # DDP-free here: .grad of every parameter
+        for n in grads:
+            torch.testing.assert_close(grads[n], eager_grads[n], rtol=0, atol=1e-6, msg=n)
+        run([20, 30], 128, 8)
+        run([20, 30], 128, 8, grad=False)
+        assert len(captured) == 2 and len(graphs) == 2  # one training and one forward-only graph
+        run([40], 256, 8, grad=False)  # a third shape: the least recently used (training) graph goes
+        assert len(captured) == 3 and len(graphs) == 2
+        run([20, 30], 128, 8, grad=False)
+        assert len(captured) == 3  # still cached
+        unpacked = len(captured)
+        with graphs.active():  # a non-static call (max_seqlen below the packed length) runs eagerly
+            cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+            model(torch.zeros(1, 50, dtype=torch.long), torch.arange(50)[None], None,
+                  packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                    max_seqlen_q=30, max_seqlen_kv=30))
+        assert len(captured) == unpacked
+        first = next(model.decoder.parameters())
+        first.data = first.data.clone()  # the parameter moved: every graph is dropped and this one recaptured
+        run([20, 30], 128, 8, grad=False)
+        assert len(captured) == 4 and len(graphs) == 1
+    finally:
+        destroy_distributed()
