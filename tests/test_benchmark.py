@@ -64,6 +64,7 @@ def test_packed_attention_json(outputs):
 def test_mfu_json(outputs):
     res = outputs["mfu"]
     assert res["shape"] == "tiny" and res["params"] > 0 and res["layout"] == "packed"
+    assert res["cuda_graphs"] is (res["device"] != "cpu")  # the decoder as CUDA graphs where they run
     for seq in ("32", "64"):
         case = res["cases"][seq]
         assert "error" not in case, case
@@ -74,6 +75,7 @@ def test_mfu_json(outputs):
         else:
             assert 0 < case["mfu"] < 1
         assert case["grad_norm"] > 0
+        assert (case["graph_captures"] > 0) is res["cuda_graphs"]
 
 
 def test_mfu_peer_json(outputs):
