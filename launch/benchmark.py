@@ -1,6 +1,7 @@
 """`make benchmark`: the project's benchmarks in one run, a table on the console and JSON on disk.
 
-    python launch/benchmark.py [--only mfu ppo_step grpo_step trl memory rollout sync attention packed_attention]
+    python launch/benchmark.py [--only mfu ppo_step grpo_step trl trl_no_gc memory rollout sync attention
+                                      packed_attention]
                                [--out-dir DIR]
     python launch/benchmark.py --tiny          # force the tiny CPU shapes (what CI runs; the default without CUDA)
 
@@ -10,17 +11,18 @@ records hardware, commit and configuration next to the results:
 - `mfu`: actor-update MFU, Qwen2.5 0.5B / 1.5B / 7B shapes, 1k and 4k tokens (launch/bench/bench_mfu.py);
 - `ppo_step`: one PPO step of the GSM8K run with its per-phase breakdown, profiled (launch/bench/bench_ppo_step.py);
 - `grpo_step`: one GRPO step of TRL's workload (launch/bench/bench_ppo_step.py --workload trl_grpo);
-- `trl`: TRL's GRPOTrainer on the same workload and model directory, when trl is importable (launch/bench/bench_trl.py);
+- `trl`, `trl_no_gc`: TRL's GRPOTrainer on the same workload and model directory, when trl is importable, with its
+  default gradient checkpointing and without it (launch/bench/bench_trl.py); the target is against the faster;
 - `memory`: colocated GRPO step memory at the 7B shape, computed plan + measured phases (launch/bench/bench_memory.py);
-- `rollout`: native engine vs Hugging Face `generate` (launch/bench/bench_rollout.py);
+- `rollout`: native engine vs Hugging Face `generate` with its dynamic and static caches, warmed (bench_rollout.py);
 - `sync`: weight-sync seconds, Megatron actor -> native rollout engine (launch/bench/bench_sync.py);
 - `attention`: local spec vs SDPA spec training throughput (launch/bench/bench_attention.py);
 - `packed_attention`: packed document-causal attention kernels (varlen Flash Attention, flex_attention, per-document
   SDPA) on RL-shaped micro-batches (launch/bench/bench_packed_attention.py).
 
 Without CUDA every script runs its tiny shape so CI exercises the code paths; those numbers mean nothing. The
-the project's performance targets are checked in the table below (`targets`); figures go in
-BENCHMARKS.md. Nothing here asserts a time.
+project's performance targets (DESIGN.md, raised in issue 23) are checked in the table at the end (`targets`), each
+against the strongest peer configuration that ran; figures go in BENCHMARKS.md. Nothing here asserts a time.
 """
 import argparse
 import importlib.metadata
@@ -36,8 +38,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("mfu", "ppo_step", "grpo_step", "trl", "memory", "rollout", "sync", "attention", "packed_attention")
-TRL_REFERENCE_STEP_S = 12.6  # TRL 1.16 GRPOTrainer on this workload, H200, median step (an earlier run)
+ORDER = ("mfu", "ppo_step", "grpo_step", "trl", "trl_no_gc", "memory", "rollout", "sync", "attention",
+         "packed_attention")
+# TRL 1.16 GRPOTrainer on this workload without gradient checkpointing (its fastest here), H200, median step, measured
+# before issue 23; stands in when neither TRL configuration ran
+TRL_REFERENCE_STEP_S = 17.62
 
 
 def _commit() -> dict:
@@ -80,6 +85,8 @@ def plan(tiny: bool, args, model_dir: Path) -> dict:
         "grpo_step": ("bench_ppo_step.py", ["--workload", "trl_grpo", *t, "--model-dir", str(model_dir),
                                             "--steps", str(max(1, rl_steps))]),
         "trl": ("bench_trl.py", [*t, "--model-dir", str(model_dir), "--steps", str(max(1, rl_steps) + 1)]),
+        "trl_no_gc": ("bench_trl.py", [*t, "--model-dir", str(model_dir), "--steps", str(max(1, rl_steps) + 1),
+                                       "--gradient-checkpointing", "off"]),
         "memory": ("bench_memory.py", [*t, *([] if args.no_measure else ["--measure"])]),
         "rollout": ("bench_rollout.py", t),
         "sync": ("bench_sync.py", t),
@@ -112,13 +119,22 @@ def _get(d, *keys):
 
 
 def targets(results: dict) -> list[dict]:
-    """The performance targets against what this run measured (None where not measured)."""
+    """The performance targets against what this run measured (None where not measured), each against the
+    strongest peer configuration that ran."""
     rows = []
 
     def row(name, measured, target, met, note=""):
         rows.append({"target": name, "measured": measured, "goal": target, "met": met, "note": note})
 
     mfu = _get(results, "mfu", "result", "results") or {}
+    peers = _get(results, "mfu", "result", "peer") or {}
+    for shape, res in mfu.items():
+        for seq, ratio in sorted((_get(peers, shape, "ratio_megatron_over_peer") or {}).items()):
+            if ratio is not None:
+                case = _get(res, "cases", seq) or {}
+                row(f"actor update vs compiled peer {shape} seq {seq}", f"{ratio:.2f}x", ">= 1.0x", ratio >= 1.0,
+                    f"{case.get('micro_batch_seqs')} x {seq} tokens a micro-batch; peer: transformers, torch.compile, "
+                    "AMP bf16, fused AdamW")
     for shape, seq, goal in (("qwen2.5-0.5b", "4096", 0.40), ("qwen2.5-7b", "4096", 0.50),
                              ("qwen2.5-7b", "1024", 0.50)):
         m = _get(mfu, shape, "cases", seq, "mfu")
@@ -127,23 +143,31 @@ def targets(results: dict) -> list[dict]:
                 "" if m >= goal else f"missed by {goal / m:.2f}x ({(goal - m) * 100:.1f} points)")
     ppo = _get(results, "ppo_step", "result", "step_s")
     if ppo is not None:
-        row("GSM8K PPO step (256 x 512+512, actor+critic+ref)", f"{ppo:.2f} s", "<= 12 s (floor), 6 s (goal)",
-            ppo <= 12, "" if ppo <= 12 else f"missed by {ppo / 12:.2f}x")
+        row("GSM8K PPO step (256 x 512+512, actor+critic+ref)", f"{ppo:.2f} s", "<= 4 s", ppo <= 4,
+            "" if ppo <= 4 else f"missed by {ppo / 4:.2f}x")
     grpo = _get(results, "grpo_step", "result", "step_s")
-    trl = _get(results, "trl", "result", "step_s")
     if grpo is not None:
-        ref, src = ((trl, "TRL measured in this run") if trl
-                    else (TRL_REFERENCE_STEP_S, "TRL 12.6 s measured in an earlier run"))
+        trl = {name: _get(results, key, "result", "step_s") for name, key in
+               (("gradient checkpointing", "trl"), ("no gradient checkpointing", "trl_no_gc"))}
+        trl = {k: v for k, v in trl.items() if v}
+        if trl:
+            best = min(trl, key=trl.get)
+            ref, src = trl[best], f"TRL measured in this run, its strongest configuration: {best}"
+        else:
+            ref, src = TRL_REFERENCE_STEP_S, f"TRL {TRL_REFERENCE_STEP_S} s (no checkpointing) from an earlier run"
         speedup = ref / grpo
-        row("GRPO step vs TRL (64 x 8 x 256)", f"{grpo:.2f} s vs {ref:.2f} s = {speedup:.1f}x", ">= 5x", speedup >= 5,
-            src + ("" if speedup >= 5 else f"; missed by {5 / speedup:.2f}x"))
+        row("GRPO step vs TRL (64 x 8 x 256)", f"{grpo:.2f} s vs {ref:.2f} s = {speedup:.1f}x", ">= 10x",
+            speedup >= 10, src + ("" if speedup >= 10 else f"; missed by {10 / speedup:.2f}x"))
     roll = _get(results, "rollout", "result", "rows")
     if roll:
         r = next((x for x in roll if x.get("batch") == 256), roll[-1])
+        step_ms = r.get("native_triton_decode_ms_per_step")
+        if step_ms is not None:
+            row(f"rollout decode step (batch {r['batch']})", f"{step_ms:.2f} ms", "<= 1.2 ms", step_ms <= 1.2)
         ratio = r.get("ratio_triton_vs_hf")
         if ratio:
-            row(f"rollout vs HF generate (batch {r['batch']})", f"{ratio:.1f}x", ">= 15x (floor), 30x (goal)",
-                ratio >= 15)
+            row(f"rollout vs HF generate at its best (batch {r['batch']})", f"{ratio:.1f}x", ">= 8x", ratio >= 8,
+                f"against HF with the {r.get('hf_best', '?')} cache, warmed")
     sync = _get(results, "sync", "result", "best_seconds")
     if sync is not None:
         row("weight sync 0.5B colocated", f"{sync:.4f} s", "<= 0.2 s", sync <= 0.2)

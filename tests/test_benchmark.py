@@ -30,7 +30,7 @@ def outputs(tmp_path_factory):
     driver = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / "launch" / "bench")!r})
-        import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_trl
+        import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_rollout, bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
@@ -42,7 +42,10 @@ def outputs(tmp_path_factory):
                              "--out", out + "/grpo_step.json"])
         bench_memory.main(["--tiny", "--measure", "--out", out + "/memory.json"])
         bench_trl.main(["--tiny", "--steps", "2", "--model-dir", model, "--out", out + "/trl.json"])
+        bench_trl.main(["--tiny", "--steps", "2", "--model-dir", model, "--gradient-checkpointing", "off",
+                        "--out", out + "/trl_no_gc.json"])
         bench_packed_attention.main(["--tiny", "--reps", "2", "--out", out + "/packed_attention.json"])
+        bench_rollout.main(["--tiny", "--batches", "4", "--out", out + "/rollout.json"])
     """)
     proc = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=600)
@@ -59,6 +62,16 @@ def test_packed_attention_json(outputs):
     assert ref["max_abs_err"] < 1e-5 and ref["forward_ms"] > 0 and ref["fwd_bwd_ms"] > 0  # fp32 against fp32
     assert flex["max_abs_err"] < 1e-4 and "fwd_bwd_ms" not in flex  # eager flex: no backward on CPU
     assert "varlen" not in case  # CUDA only
+
+
+def test_rollout_json(outputs):
+    """The rollout peer at its best: HF `generate` with its dynamic and static caches, each warmed at full length;
+    the ratio is against the faster, which the row names."""
+    row = outputs["rollout"]["rows"][0]
+    assert row["hf_dynamic_s"] > 0 and row["hf_static_s"] > 0 and row["hf_best"] in ("dynamic", "static")
+    assert row["hf_s"] == min(row["hf_dynamic_s"], row["hf_static_s"]) == row[f"hf_{row['hf_best']}_s"]
+    assert row["ratio_triton_vs_hf"] == pytest.approx(row["hf_s"] / row["native_triton_s"])
+    assert row["native_triton_decode_ms_per_step"] > 0
 
 
 def test_mfu_json(outputs):
@@ -135,9 +148,11 @@ def test_memory_json(outputs):
 
 def test_trl_json(outputs):
     """TRL's GRPOTrainer really runs its tiny form (trl is in the dev extra: `pip install -e .[dev]`)."""
-    res = outputs["trl"]
-    assert "skipped" not in res, f"{res['skipped']}: install the dev extra (pip install -e '.[dev]')"
-    assert res["step_s"] > 0 and len(res["step_times"]) == 2
+    for name, checkpointing in (("trl", True), ("trl_no_gc", False)):  # TRL's default and its faster setting
+        res = outputs[name]
+        assert "skipped" not in res, f"{res['skipped']}: install the dev extra (pip install -e '.[dev]')"
+        assert res["step_s"] > 0 and len(res["step_times"]) == 2
+        assert res["config"]["gradient_checkpointing"] is checkpointing
 
 
 def test_shapes_live_in_one_place():
@@ -166,23 +181,39 @@ def test_driver_writes_report(tmp_path):
 
 
 def test_targets_table():
+    """The raised targets (issue 23), each against the strongest peer configuration that ran."""
     sys.path.insert(0, str(ROOT / "launch"))
     import benchmark
 
     results = {
-        "mfu": {"result": {"results": {"qwen2.5-0.5b": {"cases": {"4096": {"mfu": 0.20}}},
-                                       "qwen2.5-7b": {"cases": {"4096": {"mfu": 0.55}}}}}},
-        "ppo_step": {"result": {"step_s": 24.0}},
+        "mfu": {"result": {"results": {"qwen2.5-0.5b": {"cases": {"4096": {"mfu": 0.20, "micro_batch_seqs": 2},
+                                                                  "1024": {"mfu": 0.30, "micro_batch_seqs": 4}}},
+                                       "qwen2.5-7b": {"cases": {"4096": {"mfu": 0.55}}}},
+                           "peer": {"qwen2.5-0.5b": {"ratio_megatron_over_peer": {"4096": 1.3, "1024": 0.9}}}}},
+        "ppo_step": {"result": {"step_s": 8.0}},
         "grpo_step": {"result": {"step_s": 2.0}},
-        "trl": {"result": {"skipped": "trl not importable"}},
+        "trl": {"result": {"step_s": 22.0}},  # with gradient checkpointing
+        "trl_no_gc": {"result": {"step_s": 18.0}},  # the strongest TRL configuration
+        "rollout": {"result": {"rows": [{"batch": 64, "native_triton_decode_ms_per_step": 0.8},
+                                        {"batch": 256, "native_triton_decode_ms_per_step": 1.9,
+                                         "ratio_triton_vs_hf": 9.0, "hf_best": "static"}]}},
         "sync": {"result": {"best_seconds": 0.01}},
     }
     rows = {r["target"]: r for r in benchmark.targets(results)}
+    assert rows["actor update vs compiled peer qwen2.5-0.5b seq 4096"]["met"] is True
+    assert rows["actor update vs compiled peer qwen2.5-0.5b seq 1024"]["met"] is False
     assert rows["actor MFU qwen2.5-0.5b seq 4096"]["met"] is False
     assert "missed by 2.00x" in rows["actor MFU qwen2.5-0.5b seq 4096"]["note"]
     assert rows["actor MFU qwen2.5-7b seq 4096"]["met"] is True
     ppo = next(r for k, r in rows.items() if k.startswith("GSM8K PPO step"))
-    assert ppo["met"] is False and "missed by 2.00x" in ppo["note"]
+    assert ppo["goal"] == "<= 4 s" and ppo["met"] is False and "missed by 2.00x" in ppo["note"]
     grpo = next(r for k, r in rows.items() if k.startswith("GRPO step"))
-    assert grpo["met"] is True and "earlier run" in grpo["note"]  # TRL skipped: the recorded 12.6 s stands in
+    assert "18.00 s = 9.0x" in grpo["measured"] and grpo["met"] is False  # against the faster TRL: 9x < 10x
+    assert "no gradient checkpointing" in grpo["note"]
+    results.pop("trl"), results.pop("trl_no_gc")
+    grpo = next(r for r in benchmark.targets(results) if r["target"].startswith("GRPO step"))
+    assert "earlier run" in grpo["note"] and "17.62 s" in grpo["measured"]  # the recorded TRL stands in
+    assert rows["rollout decode step (batch 256)"]["met"] is False  # 1.9 ms > 1.2 ms
+    best = rows["rollout vs HF generate at its best (batch 256)"]
+    assert best["met"] is True and "static" in best["note"]
     assert rows["weight sync 0.5B colocated"]["met"] is True

@@ -1,6 +1,7 @@
 """The peer: TRL's `GRPOTrainer` on the GRPO workload of the performance targets, timed step by step.
 
     python launch/bench/bench_trl.py [--steps 3] [--model-dir DIR] [--out FILE.json]
+    python launch/bench/bench_trl.py --gradient-checkpointing off   # TRL's faster configuration (more memory)
     python launch/bench/bench_trl.py --tiny            # CPU smoke run (skipped, with a reason, when trl is missing)
 
 Workload ("TRL 1.16 GRPOTrainer ... 64 prompts x 8 samples x up to 256 new tokens a step"): the
@@ -10,8 +11,8 @@ completion, so groups have non-zero advantages), Hugging Face `generate` (use_vl
 (beta=0, TRL's default), one optimizer step a step: `per_device_train_batch_size=64` completions a micro-step
 × `gradient_accumulation_steps=8` = 512 completions = 64 prompts × `num_generations=8`, all generated at once
 (generation_batch_size 512). Everything else is TRL's default (fp32 parameters under bf16 autocast, gradient
-checkpointing on, loss_type "dapo", temperature 1). A random-weight model practically never samples its eos
-token, so every completion has 256 tokens — the same for both trainers.
+checkpointing on unless `--gradient-checkpointing off`, loss_type "dapo", temperature 1). A random-weight model
+practically never samples its eos token, so every completion has 256 tokens — the same for both trainers.
 
 A step is one optimizer step (TRL's `on_step_begin` -> `on_step_end`, device-synchronised); the first is a
 warm-up; the median of the rest is reported.
@@ -62,6 +63,8 @@ def main(argv=None) -> dict:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro", type=int, default=64, help="completions a micro-step (per_device_train_batch_size)")
+    p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
+                   help="TRL's default is on; off is its faster configuration where memory allows (the strongest peer)")
     p.add_argument("--tiny", action="store_true", help="tiny shape and batch (CPU smoke run)")
     p.add_argument("--model-dir", default=None, help="reuse/create the model directory here")
     p.add_argument("--out", default=None)
@@ -101,7 +104,8 @@ def main(argv=None) -> dict:
         gradient_accumulation_steps=accum, num_generations=args.generations,
         max_completion_length=args.new_tokens, max_steps=args.steps, learning_rate=1e-6, use_vllm=False,
         beta=0.0, bf16=on_gpu, use_cpu=not on_gpu, logging_steps=1, report_to="none", save_strategy="no",
-        seed=0, dataloader_num_workers=0, shuffle_dataset=False)
+        seed=0, dataloader_num_workers=0, shuffle_dataset=False,
+        gradient_checkpointing=args.gradient_checkpointing == "on")
 
     times: list[float] = []
 
