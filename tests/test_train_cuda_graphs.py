@@ -84,7 +84,7 @@ def _engine(model_dir, state, graphs, dtype, static_eager=False):
     engine = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=4, mini_batch_size=8,
                                                      cuda_graphs=graphs), OptimConfig(lr=1e-3))
     if static_eager:  # the graphs' padded shapes, run eagerly
-        engine._static_shape = lambda plan, seqlens: static_shape(
+        engine._static_shape = lambda plan, seqlens, grad: static_shape(
             [sum(int(seqlens[i]) for i in rows) for rows in plan], [len(rows) for rows in plan])
     return engine
 
@@ -165,13 +165,30 @@ def test_unset_graphs_only_take_host_bound_micro_batches():
     from rlhf_mcore.engine.cuda_graphs import AUTO_MAX_TOKENS
 
     def shape(graphs, lengths):
-        fake = types.SimpleNamespace(_graphs=[object()], cfg=types.SimpleNamespace(cuda_graphs=graphs))
-        return TrainEngine._static_shape(fake, [[i] for i in range(len(lengths))], lengths)
+        fake = types.SimpleNamespace(_graphs=[types.SimpleNamespace(reuse=lambda shape, grad: shape)],
+                                     cfg=types.SimpleNamespace(cuda_graphs=graphs))
+        return TrainEngine._static_shape(fake, [[i] for i in range(len(lengths))], lengths, grad=True)
 
     assert shape(None, [1024, AUTO_MAX_TOKENS]) == (AUTO_MAX_TOKENS, 8)
     assert shape(None, [1024, AUTO_MAX_TOKENS + 1]) is None
     assert shape(True, [1024, AUTO_MAX_TOKENS + 1]) == (token_bucket(AUTO_MAX_TOKENS + 1), 8)
-    assert TrainEngine._static_shape(types.SimpleNamespace(_graphs=[]), [[0]], [5]) is None
+    assert TrainEngine._static_shape(types.SimpleNamespace(_graphs=[]), [[0]], [5], grad=True) is None
+
+
+def test_a_captured_graph_serves_slightly_smaller_shapes():
+    """A call reuses the smallest captured graph of its grad mode that holds its tokens (at most a quarter more) and
+    documents, instead of capturing another."""
+    from rlhf_mcore.engine.cuda_graphs import DecoderGraphs
+
+    graphs = DecoderGraphs(types.SimpleNamespace(decoder=torch.nn.Linear(2, 2)))
+    for key in ((1024, 9, True), (1280, 17, True), (2048, 9, True), (1024, 9, False)):
+        graphs._graphs[key] = object()  # (tokens, cu_seqlens entries, grad): what the dispatcher caches
+    assert graphs.reuse((896, 8), True) == (1024, 8)  # 1024 <= 1.25 x 896
+    assert graphs.reuse((768, 8), True) == (768, 8)  # 1024 > 1.25 x 768: its own shape
+    assert graphs.reuse((1024, 16), True) == (1280, 16)  # more documents than the 1024-token graph holds
+    assert graphs.reuse((1792, 8), True) == (2048, 8)
+    assert graphs.reuse((1152, 24), True) == (1152, 24)  # no captured graph holds 24 documents
+    assert graphs.reuse((1152, 8), False) == (1152, 8)  # the forward-only graphs are their own set
 
 
 @pytest.mark.skipif(CUDA, reason="a CPU model would hide the GPUs from this whole process; on a GPU machine "

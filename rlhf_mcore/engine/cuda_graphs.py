@@ -10,9 +10,10 @@ graph forward and one backward (`torch.cuda.make_graphed_callables`); embedding,
 Static shapes: a graph replays fixed addresses and sizes, so the engine pads each micro-batch of a call to one
 shape (:func:`static_shape`): `tokens` on a coarse ladder (at most 1/8 of padding) and the document count
 (`cu_seqlens` entries) to a multiple of 8, with zero-length documents; `max_seqlen` is the token count (Flash
-Attention's blocks past a document's end return at once). Graphs are cached by shape (least recently used out
-after `max_graphs`), one pool per chunk shared by all of them: the schedule without pipelining runs each
-micro-batch's forward and backward back to back, so no two graphs' working memory is live at once.
+Attention's blocks past a document's end return at once); a call whose shape a captured graph holds with at most
+a quarter more tokens reuses that graph. Graphs are cached by shape (least recently used out after
+`max_graphs`), one pool per chunk shared by all of them: the schedule without pipelining runs each micro-batch's
+forward and backward back to back, so no two graphs' working memory is live at once.
 
 Where graphs apply (:func:`graphs_supported`): CUDA, packed sequences, one pipeline stage and no virtual
 stages, TP = CP = 1, no activation recompute, no dropout. Left unset (`cuda_graphs: null`), the engine graphs
@@ -39,6 +40,7 @@ DOC_MULTIPLE = 8
 # the GPU is the bound, graphs gain nothing, and every new shape costs a capture (measured in TRL's GRPO step with
 # 16k-24k-token micro-batches and the graphs dropped at each offload: update 1.10-1.40 s graphed, 0.99-1.04 eager).
 AUTO_MAX_TOKENS = 8192
+REUSE_SLACK = 1.25  # a captured graph serves shapes down to 1/1.25 of its tokens (DecoderGraphs.reuse)
 
 
 def token_bucket(n: int) -> int:
@@ -136,6 +138,14 @@ class DecoderGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def reuse(self, shape: tuple[int, int], grad: bool) -> tuple[int, int]:
+        """`shape` (tokens, documents), or the smallest captured shape of this grad mode that holds it with at most
+        `REUSE_SLACK` more tokens: padding a little more costs less than another capture and its memory."""
+        tokens, docs = shape
+        fits = [(t, cu - 1) for t, cu, g in self._graphs
+                if g == grad and tokens <= t <= tokens * REUSE_SLACK and docs <= cu - 1]
+        return min(fits) if fits else shape
 
     def _dispatch(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None, packed_seq_params=None,
                   **kwargs):

@@ -192,7 +192,8 @@ class TrainEngine:
                                   multiple_of=self._multiple_of, dp_group=self.state.dp_group, keys=cfg.forward_keys)
         mbs = make_micro_batches(batch, plan, keys=(), packed=self.cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
-                                 uniform_shape=self.state.dims.pp > 1, static_shape=self._static_shape(plan, seqlens))
+                                 uniform_shape=self.state.dims.pp > 1,
+                                 static_shape=self._static_shape(plan, seqlens, grad=False))
         for m in self.modules:
             m.eval()
 
@@ -284,7 +285,8 @@ class TrainEngine:
                                   dp_group=state.dp_group, keys=cfg.update_keys)
         mbs = make_micro_batches(sub, plan, keys=keys, packed=cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
-                                 uniform_shape=self.state.dims.pp > 1, static_shape=self._static_shape(plan, seqlens))
+                                 uniform_shape=self.state.dims.pp > 1,
+                                 static_shape=self._static_shape(plan, seqlens, grad=True))
         ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
                           scale=float(len(mbs) * state.dims.dp))
         for m in self.modules:
@@ -340,14 +342,16 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ the pipeline schedule
 
-    def _static_shape(self, plan: list[list[int]], seqlens: list) -> Optional[tuple[int, int]]:
-        """The one packed shape of this call's micro-batches when the decoder runs as CUDA graphs, else None."""
+    def _static_shape(self, plan: list[list[int]], seqlens: list, grad: bool) -> Optional[tuple[int, int]]:
+        """The one packed shape of this call's micro-batches when the decoder runs as CUDA graphs, else None: a
+        graph already captured for a slightly larger shape is reused (`DecoderGraphs.reuse`)."""
         if not self._graphs:
             return None
         totals = [sum(int(seqlens[i]) for i in rows) for rows in plan]
         if self.cfg.cuda_graphs is None and max(totals) > AUTO_MAX_TOKENS:
             return None  # GPU-bound micro-batches: eager, no capture (cuda_graphs.AUTO_MAX_TOKENS)
-        return static_shape(totals, [len(rows) for rows in plan])
+        shape = static_shape(totals, [len(rows) for rows in plan])
+        return self._graphs[0].reuse(shape, grad)  # one chunk: graphs need PP = 1 without virtual stages
 
     @property
     def graph_captures(self) -> int:
