@@ -13,7 +13,9 @@ shape (:func:`static_shape`): `tokens` on a coarse ladder (at most 1/8 of paddin
 Attention's blocks past a document's end return at once); a call whose shape a captured graph holds with at most
 a quarter more tokens reuses that graph. Graphs are cached by shape (least recently used out after
 `max_graphs`), one pool per chunk shared by all of them: the schedule without pipelining runs each micro-batch's
-forward and backward back to back, so no two graphs' working memory is live at once.
+forward and backward back to back, so no two graphs' working memory is live at once. Besides the shared pool
+each training graph keeps its own output buffers, among them one for the parameters' gradients (the parameters'
+size again): at most `max_graphs` (4) of them.
 
 Where graphs apply (:func:`graphs_supported`): CUDA, packed sequences, one pipeline stage and no virtual
 stages, TP = CP = 1, no activation recompute, no dropout. Left unset (`cuda_graphs: null`), the engine graphs
