@@ -264,3 +264,48 @@ def test_dispatcher_caches_evicts_and_recaptures_on_cpu(tiny_model_dir, monkeypa
         assert len(captured) == 4 and len(graphs) == 1
     finally:
         destroy_distributed()
+
+
+@pytest.mark.skipif(CUDA, reason="a CPU model would hide the GPUs from this whole process; the capture path runs "
+                    "for real in test_graphed_decoder_equals_eager_on_the_gpu")
+def test_a_failed_capture_falls_back_to_eager_unless_graphs_are_required(tiny_model_dir, monkeypatch):
+    """`cuda_graphs` unset: a capture that fails (an op this setup cannot capture) warns once, naming the key, and
+    the run goes on eagerly with the same outputs; `true`: the failure is an error that names the key."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from rlhf_mcore.engine import cuda_graphs
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    attempts = []
+
+    def fail(*a, **k):
+        attempts.append(1)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fail)
+    state = init_distributed(device="cpu")
+    try:
+        model = build_model(tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2), state,
+                            dtype=torch.float32)[0]
+        ids = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(50), torch.arange(78)])[None]
+        cu = torch.tensor([0, 50, 128, 128, 128, 128, 128, 128, 128], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=128,
+                                 max_seqlen_kv=128)
+        eager = model(ids, pos, None, packed_seq_params=params).detach()
+        key = "actor_rollout_ref.actor.megatron.cuda_graphs"
+        graphs = cuda_graphs.DecoderGraphs(model, key=key)
+        with graphs.active(), pytest.warns(UserWarning, match=rf"{key} unset: capturing .* failed .*not permitted"):
+            out = model(ids, pos, None, packed_seq_params=params)
+        torch.testing.assert_close(out.detach(), eager, rtol=0, atol=1e-6)
+        with graphs.active():
+            model(ids, pos, None, packed_seq_params=params)
+        assert len(attempts) == 1 and graphs.failed and len(graphs) == 0  # no second attempt
+        model.decoder.forward = graphs._eager  # a fresh dispatcher that must have graphs
+        required = cuda_graphs.DecoderGraphs(model, required=True, key=key)
+        with required.active(), pytest.raises(RuntimeError, match=rf"{key}=true, but capturing .* failed"):
+            model(ids, pos, None, packed_seq_params=params)
+    finally:
+        destroy_distributed()

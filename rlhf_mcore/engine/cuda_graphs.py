@@ -29,6 +29,7 @@ rollout.
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Optional
 
@@ -106,7 +107,10 @@ class DecoderGraphs:
     """Replaces `chunk.decoder.forward` with a dispatcher: inside :meth:`active`, a packed call of a static
     shape replays (capturing on first sight) a CUDA graph; every other call runs the decoder eagerly."""
 
-    def __init__(self, chunk: torch.nn.Module, max_graphs: int = 4, warmup_iters: int = 2):
+    def __init__(self, chunk: torch.nn.Module, max_graphs: int = 4, warmup_iters: int = 2, required: bool = False,
+                 key: str = "megatron.cuda_graphs"):
+        self.required, self.key = required, key  # required: a failed capture is an error, else eager from then on
+        self.failed: Optional[str] = None
         self.decoder = chunk.decoder
         self._eager = self.decoder.forward
         self.decoder.forward = self._dispatch
@@ -151,7 +155,7 @@ class DecoderGraphs:
 
     def _dispatch(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None, packed_seq_params=None,
                   **kwargs):
-        if (not self._active or args or attention_mask is not None or packed_seq_params is None
+        if (not self._active or self.failed or args or attention_mask is not None or packed_seq_params is None
                 or packed_seq_params.qkv_format != "thd" or rotary_pos_emb is None
                 or any(v is not None for v in kwargs.values())
                 or packed_seq_params.max_seqlen_q != hidden_states.size(0)):
@@ -165,7 +169,18 @@ class DecoderGraphs:
             self.reset()  # parameters moved (e.g. loaded or offloaded without reset): the graphs read old addresses
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(key, hidden_states, rotary_pos_emb, cu)
+            try:
+                graph = self._capture(key, hidden_states, rotary_pos_emb, cu)
+            except Exception as e:  # an op that cannot be captured on this setup (a custom kernel, an allocator mode)
+                if self.required:
+                    raise RuntimeError(f"{self.key}=true, but capturing the decoder as a CUDA graph failed: {e!r}. "
+                                       f"Set {self.key}=false to train without graphs") from e
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.reset()
+                warnings.warn(f"{self.key} unset: capturing the decoder as a CUDA graph failed ({self.failed}); "
+                              f"training on without graphs. Set {self.key}=false to skip the attempt", stacklevel=2)
+                return self._eager(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
+                                   packed_seq_params=packed_seq_params, **kwargs)
         self._graphs.move_to_end(key)
         if grad:
             return graph(hidden_states, rotary_pos_emb, cu, *self._params)

@@ -130,7 +130,7 @@ class TrainEngine:
             return []
         why_not = graphs_supported(self.model_config, self.state, len(chunks), self.cfg.use_remove_padding)
         if why_not is None:
-            return [DecoderGraphs(c) for c in chunks]
+            return [DecoderGraphs(c, required=bool(self.cfg.cuda_graphs), key=self.cfg.graph_key) for c in chunks]
         if self.cfg.cuda_graphs:
             raise ValueError(f"{self.cfg.graph_key}=true, but CUDA graphs cannot run here: {why_not}. Set it to "
                              "false (or leave it unset: on where supported)")
