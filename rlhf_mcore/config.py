@@ -1007,6 +1007,31 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> None:
+    """`megatron.cuda_graphs=true` where graphs cannot run is refused here, before anything is built (the engine
+    checks again with the built model: `rlhf_mcore.engine.cuda_graphs.graphs_supported`)."""
+    arr = cfg.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor", arr.actor.megatron, arr.model.use_remove_padding,
+              arr.model.enable_gradient_checkpointing),
+             ("actor_rollout_ref.ref", arr.ref.megatron, arr.model.use_remove_padding, False)]
+    if critic_enabled(cfg):
+        c = cfg.critic
+        roles.append(("critic", c.megatron, c.model.use_remove_padding, c.model.enable_gradient_checkpointing))
+    rm = cfg.reward.reward_model
+    if rm.enable:
+        roles.append(("reward_model", rm.megatron, rm.model.use_remove_padding, False))
+    for role, megatron, packed, recompute in roles:
+        if megatron.cuda_graphs is not True:
+            continue
+        why = ("trainer.device=cpu" if cfg.trainer.device == "cpu" else
+               "TP or PP > 1 (or virtual pipeline stages)" if tp > 1 or pp > 1 or vpp else
+               "context_parallel_size > 1" if megatron.context_parallel_size > 1 else
+               "padded sequences (use_remove_padding=false)" if not packed else
+               "activation recompute (enable_gradient_checkpointing=true)" if recompute else None)
+        _require(why is None, f"{role}.megatron.cuda_graphs=true, but CUDA graphs cannot run with {why}: set it to "
+                              "false, or leave it unset (graphs where they run).")
+
+
 def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optional[int] = None) -> None:
     """Checks that relate several keys, the world size and the model. Fails on the first problem."""
     load_plugins(cfg.trainer.plugins)  # plugins may register estimators, losses and rewards used below
@@ -1034,6 +1059,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
         _require(pp > 1, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size needs "
                          "pipeline_model_parallel_size > 1.")
     _check_pipeline_split(cfg, pp, vpp)
+    _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
     d, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     _require(d.train_batch_size > 0, f"data.train_batch_size must be > 0, got {d.train_batch_size}.")

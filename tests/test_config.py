@@ -325,3 +325,23 @@ def test_pipeline_stage_split_is_checked_against_the_model(tmp_path):
                         world_size=2)
     with pytest.raises(ConfigError, match=r"unknown config key .*override_transformer_config.num_layers_in_first"):
         load_config(None, MODEL + [f"{key}.num_layers_in_first_stage=1"])
+
+
+def test_cuda_graphs_true_where_they_cannot_run_is_refused_with_the_reason():
+    """`megatron.cuda_graphs`: unset or false anywhere; true is refused up front where graphs cannot run."""
+    validate_config(layout("actor_rollout_ref.actor.megatron.cuda_graphs=true"), world_size=2)
+    validate_config(layout("actor_rollout_ref.actor.megatron.cuda_graphs=false",
+                           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"), world_size=2)
+    cases = {
+        "trainer.device=cpu": ("actor_rollout_ref.actor", "trainer.device=cpu"),
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2": ("actor_rollout_ref.actor", "TP or PP > 1"),
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true": ("actor_rollout_ref.actor", "recompute"),
+        "actor_rollout_ref.model.use_remove_padding=false": ("actor_rollout_ref.actor", "padded sequences"),
+    }
+    for override, (role, why) in cases.items():
+        with pytest.raises(ConfigError, match=rf"{role}\.megatron\.cuda_graphs=true, but CUDA graphs cannot run "
+                                              rf"with .*{why}.*set it to false"):
+            validate_config(layout(f"{role}.megatron.cuda_graphs=true", override), world_size=2)
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.ref\.megatron\.cuda_graphs=true.*TP or PP"):
+        validate_config(layout("actor_rollout_ref.ref.megatron.cuda_graphs=true",
+                               "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"), world_size=2)
