@@ -165,7 +165,7 @@ def test_unset_graphs_only_take_host_bound_micro_batches():
     from rlhf_mcore.engine.cuda_graphs import AUTO_MAX_TOKENS
 
     def shape(graphs, lengths):
-        fake = types.SimpleNamespace(_graphs=[types.SimpleNamespace(reuse=lambda shape, grad: shape)],
+        fake = types.SimpleNamespace(_graphs=[types.SimpleNamespace(reuse=lambda shape, grad: shape, failed=None)],
                                      cfg=types.SimpleNamespace(cuda_graphs=graphs))
         return TrainEngine._static_shape(fake, [[i] for i in range(len(lengths))], lengths, grad=True)
 
@@ -173,6 +173,8 @@ def test_unset_graphs_only_take_host_bound_micro_batches():
     assert shape(None, [1024, AUTO_MAX_TOKENS + 1]) is None
     assert shape(True, [1024, AUTO_MAX_TOKENS + 1]) == (token_bucket(AUTO_MAX_TOKENS + 1), 8)
     assert TrainEngine._static_shape(types.SimpleNamespace(_graphs=[]), [[0]], [5], grad=True) is None
+    failed = types.SimpleNamespace(_graphs=[types.SimpleNamespace(failed="RuntimeError: ...")])
+    assert TrainEngine._static_shape(failed, [[0]], [5], grad=True) is None  # a failed capture: eager, unpadded
 
 
 def test_a_captured_graph_serves_slightly_smaller_shapes():

@@ -345,7 +345,7 @@ class TrainEngine:
     def _static_shape(self, plan: list[list[int]], seqlens: list, grad: bool) -> Optional[tuple[int, int]]:
         """The one packed shape of this call's micro-batches when the decoder runs as CUDA graphs, else None: a
         graph already captured for a slightly larger shape is reused (`DecoderGraphs.reuse`)."""
-        if not self._graphs:
+        if not self._graphs or self._graphs[0].failed:  # no graphs, or a capture failed here: eager, unpadded
             return None
         totals = [sum(int(seqlens[i]) for i in rows) for rows in plan]
         if self.cfg.cuda_graphs is None and max(totals) > AUTO_MAX_TOKENS:
