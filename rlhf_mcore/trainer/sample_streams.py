@@ -35,7 +35,39 @@ def continuation(f: Finished) -> Request:
                    prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT))
 
 
-class SampleStream:
+class Stream:
+    """The interface the rollout worker drives; `engine` is the rollout engine the stream submits to."""
+
+    engine = None
+
+    @property
+    def load(self) -> int:
+        """How much work is unfinished (what a new group waits to have room for)."""
+        raise NotImplementedError
+
+    def drained(self) -> bool:
+        """Nothing left in the engine (the wait without partial rollout)."""
+        return self.engine.num_pending == 0
+
+    def add(self, uid: int, item: dict, budget: Optional[int]) -> None:
+        """Start the `n` samples of a granted prompt (`budget`: the row's own response cap, or None)."""
+        raise NotImplementedError
+
+    def step(self, submit: bool = True) -> list[tuple[int, Row]]:
+        """Advance; the rows finished since the last call (`submit=False`: start no new engine work)."""
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SampleStream(Stream):
     """Single-turn samples: each granted prompt is `params.n` requests (request id: the group's uid)."""
 
     def __init__(self, engine, params: SamplingParams):
@@ -50,9 +82,6 @@ class SampleStream:
     def load(self) -> int:
         """Samples in the engine (what a new group waits to have room for)."""
         return self.engine.num_pending
-
-    def drained(self) -> bool:
-        return self.engine.num_pending == 0
 
     def add(self, uid: int, item: dict, budget: Optional[int]) -> None:
         self.prompts[uid] = list(item["input_ids"])
@@ -98,7 +127,7 @@ class SampleStream:
             versions.extend([self.version] * (len(f.sample.token_ids) - len(versions)))
 
 
-class TrajectoryStream:
+class TrajectoryStream(Stream):
     """Agent-loop trajectories (:class:`rlhf_mcore.agents.AgentStream`): `params.n` per granted prompt, keyed
     `uid * n + j`; rows carry their response masks (0 on tool / environment tokens) and `agent` stats."""
 
@@ -122,9 +151,6 @@ class TrajectoryStream:
     def load(self) -> int:
         """Trajectories unfinished (in a model turn, waiting for one, or in their tool calls)."""
         return self.agents.unfinished
-
-    def drained(self) -> bool:
-        return self.engine.num_pending == 0
 
     def add(self, uid: int, item: dict, budget: Optional[int]) -> None:
         """`budget` (a row's own response cap) is not used: a trajectory's budget is data.max_response_length, as
