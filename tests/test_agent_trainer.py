@@ -1,6 +1,7 @@
 """The trainer with multi-turn rollouts on the multiply task (every trajectory calls the calculator: a model turn,
 the tool's answer, a model turn), through launch/train.py: a run resumed from its step-1 checkpoint logs exactly
-the metrics of the uninterrupted run for step 2, the agent metrics included; the one-step-off-policy trainer runs
+the metrics of the uninterrupted run for step 2, the agent metrics included (the rollout-vs-trainer log-prob gap,
+fp32 noise that depends on the decode batches, within that noise); the one-step-off-policy trainer runs
 the same agent loops on its rollout pool, trains the tool tokens masked out, and its step 1 (the initial weights'
 samples, as the synchronous trainer's) logs the synchronous run's metrics; the fully asynchronous trainer streams
 them across a weight sync, each model token's rollout log-prob that of the policy version that sampled it."""
@@ -127,7 +128,16 @@ def test_multi_turn_resume_matches_uninterrupted(tmp_path, task, uninterrupted):
     assert sorted(got) == [2]
     assert got[2]["agent/tool_calls/mean"] == 1.0 and got[2]["agent/message_tokens/mean"] > 0
     assert want[1]["actor/grad_norm"] > 0  # the weights step 2 samples from were trained: equality means something
-    assert got[2] == want[2], "step 2 differs after resume"
+    # The rollout engine's log-probs carry the rounding of the decode batches they were computed in, and which turns
+    # share a batch depends on when each calculator thread returns (wall-clock): the gap between them and the
+    # trainer's is fp32 noise in both runs, equal within that noise; everything else is exact.
+    noise = ("rollout/logprob_diff_abs", "rollout/k3_kl")
+    exact = {k: v for k, v in got[2].items() if not k.startswith(noise)}
+    assert exact == {k: v for k, v in want[2].items() if not k.startswith(noise)}, "step 2 differs after resume"
+    assert sorted(got[2]) == sorted(want[2])
+    for k in [k for k in want[2] if k.startswith(noise)]:
+        bound = 1e-5 if k == "rollout/logprob_diff_abs" else 1e-9  # the rollout log-probs are the trained policy's
+        assert got[2][k] < bound and want[2][k] < bound, (k, got[2][k], want[2][k])
 
 
 def test_one_step_off_multi_turn_masks_tool_tokens_and_matches_step_1(tmp_path, task, uninterrupted):
