@@ -1,0 +1,159 @@
+"""Where a native-engine decode step's time goes: wall time per step against the GPU kernels inside it.
+
+    python launch/bench/profile_decode.py [--batch 256] [--prompt-len 256] [--new-tokens 256] [--out FILE.json]
+    python launch/bench/profile_decode.py --tiny          # CPU smoke run (no CUDA: wall times only)
+
+Builds the Qwen2.5-0.5B-shaped random model of bench_rollout.py, warms the engine up at full length (every CUDA graph
+captured), then
+  1. times one generate at full length: decode ms per step = (wall - prefill) / decode steps;
+  2. profiles `--profile-tokens` more decode steps with torch.profiler (CUDA activity; kernels replayed inside a CUDA
+     graph are recorded one by one) and reports, per decode step: kernel count, summed kernel time, the gap between the
+     step's wall time and its kernels (host work, launch, the done-flag sync), and the kernels grouped by kind (GEMM,
+     attention, sampling, element-wise/norm, copies) and by name.
+The bound it compares with: the bytes a step must read once (weights + the average KV cache) at the ~4.3 TB/s a device
+copy reaches on an H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from bench_shapes import QWEN25_05B, TINY, git_commit, num_params, random_model_dir  # noqa: E402
+
+COPY_BW = 4.3e12  # bytes/s, a device-to-device copy on one H200 (DESIGN.md)
+
+
+def kind_of(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk")):
+        return "gemm"
+    if "attn" in n or "attention" in n or "decode_kernel" in n or "_reduce_splits" in n:
+        return "attention"
+    if "sample" in n or "gumbel" in n or "argmax" in n:
+        return "sampling"
+    if "memcpy" in n or "memset" in n or "copy" in n:
+        return "copy"
+    return "elementwise/norm/other"
+
+
+def kernel_totals(prof) -> dict[str, list[float]]:
+    """name -> [count, microseconds] of the GPU kernels (and copies) a torch.profiler run recorded."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name][0] += 1
+            totals[ev.name][1] += getattr(ev, "device_time_total", None) or ev.cuda_time_total
+    return totals
+
+
+def decode_bound_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, bytes_per: int) -> float:
+    """Seconds to read the weights and the average KV cache once."""
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_per_tok = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * bytes_per
+    avg_len = prompt_len + new_tokens / 2
+    return (num_params(shape) * bytes_per + batch * avg_len * kv_per_tok) / COPY_BW
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--profile-tokens", type=int, default=32, help="tokens generated under the profiler")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (kernel names when graph tracing fails)")
+    p.add_argument("--top", type=int, default=25, help="kernel names listed")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = TINY if args.tiny else QWEN25_05B
+    if args.tiny:
+        args.batch, args.prompt_len, args.new_tokens, args.profile_tokens = 4, 16, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, shape["vocab_size"] - 10, (args.batch, args.prompt_len), generator=gen).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = random_model_dir(shape, Path(tmp) / "model", device, dtype, seed=0)
+        engine = NativeRolloutEngine(model_dir, device=device, max_num_seqs=args.batch,
+                                     max_model_len=args.prompt_len + args.new_tokens + 8,
+                                     cuda_graphs=False if args.eager else None)
+
+        def run(n_new: int, seed: int):
+            params = SamplingParams(temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=seed)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.generate(prompts, params)
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0, dict(engine.last_stats)
+
+        run(args.new_tokens, 1)  # warm-up: every graph of the full length captured
+        wall, stats = run(args.new_tokens, 2)
+        steps = max(1, stats["decode_steps"])
+        step_ms = (wall - stats["prefill_s"]) / steps * 1e3
+        out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
+               "torch": torch.__version__, "batch": args.batch, "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens, "cuda_graphs": engine.use_graphs, "wall_s": wall,
+               "prefill_s": stats["prefill_s"],
+               "decode_steps": steps, "decode_step_ms": step_ms,
+               "bound_ms": decode_bound_s(shape, args.batch, args.prompt_len, args.new_tokens, 2 if cuda else 4) * 1e3}
+        print(f"decode step {step_ms:.3f} ms wall (bound {out['bound_ms']:.3f} ms), prefill {stats['prefill_s']:.3f} s",
+              flush=True)
+        if cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                pwall, pstats = run(args.profile_tokens, 3)
+            psteps = max(1, pstats["decode_steps"])
+            by_name = kernel_totals(prof)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof1:  # the prefill's kernels, to subtract
+                run(1, 4)
+            pre = kernel_totals(prof1)
+            per_step = {}
+            for name, (c, us) in by_name.items():
+                c0, us0 = pre.get(name, (0, 0.0))
+                dc, dus = (c - c0) / psteps, (us - us0) / psteps  # a 1-token generate has no decode step
+                if dc > 0 or dus > 0:
+                    per_step[name] = (dc, dus)
+            kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+            for name, (c, us) in per_step.items():
+                kinds[kind_of(name)][0] += c
+                kinds[kind_of(name)][1] += us
+            kernel_us = sum(us for _, us in per_step.values())
+            out.update(profiled_steps=psteps, profiled_wall_s=pwall,
+                       kernels_per_step=sum(c for c, _ in per_step.values()), kernel_ms_per_step=kernel_us / 1e3,
+                       host_gap_ms_per_step=step_ms - kernel_us / 1e3,
+                       kinds={k: {"kernels": round(c, 1), "ms": round(us / 1e3, 4)} for k, (c, us) in
+                              sorted(kinds.items(), key=lambda kv: -kv[1][1])},
+                       top=[{"name": n[:140], "per_step": round(c, 2), "us_per_step": round(us, 2)} for n, (c, us) in
+                            sorted(per_step.items(), key=lambda kv: -kv[1][1])[:args.top]])
+            print(f"kernels per step {out['kernels_per_step']:.0f}, kernel time {out['kernel_ms_per_step']:.3f} ms, "
+                  f"gap {out['host_gap_ms_per_step']:.3f} ms", flush=True)
+            for k, v in out["kinds"].items():
+                print(f"  {k:24s} {v['kernels']:7.1f} kernels {v['ms']:.4f} ms", flush=True)
+            for t in out["top"]:
+                print(f"  {t['us_per_step']:9.2f} us x{t['per_step']:6.2f}  {t['name']}", flush=True)
+        engine.shutdown()
+    path = args.out or os.path.join(os.environ.get("OUT", "."), "profile_decode.json")
+    Path(path).write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
