@@ -339,6 +339,19 @@ def _triton_interpret_checks(model_dir: str) -> None:
     t2, l2 = sample_torch(big, keys[:3], steps[:3], inv_t[:3], greedy[:3])
     assert torch.equal(t1, t2), (t1, t2)
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
+    # greedy ties go to the lowest vocabulary id, as torch.argmax, wherever the tied entries sit in the kernel's
+    # (chunk, block, lane) layout (V = 20000: 8 chunks of 3 blocks of 1024). Mutation: a kernel that keeps a
+    # best value per lane and merges the lanes by tl.argmax (the first lane at the maximum, not the lowest id)
+    # -> row 0 picks 1029 (tried with such a kernel in session 10).
+    tie = torch.zeros(3, 20000)
+    tie[0, [1029, 900]] = 50.0  # lane 5 of a chunk's second block against lane 900 of its first
+    tie[1, [2 * 3072 + 10, 3072 + 10]] = 50.0  # two chunks
+    tie[2, [1024 + 1023, 1024 + 3, 2 * 1024 + 1]] = 50.0  # one block, and a later block's lower lane
+    all_greedy, ones = torch.ones(3, dtype=torch.bool), torch.ones(3)
+    t1, l1 = tk.sample_fused(tie, keys[:3], steps[:3], ones, all_greedy)
+    t2, l2 = sample_torch(tie, keys[:3], steps[:3], ones, all_greedy)
+    assert t2.tolist() == [900, 3072 + 10, 1024 + 3] and torch.equal(t1, t2), (t1, t2)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
     # decode attention over a slot-indexed cache, several splits, lengths 1 .. L
     S, L, hkv, d, hq = 5, 70, 2, 16, 8
     kc, vc = torch.randn(S, L, hkv, d, generator=g), torch.randn(S, L, hkv, d, generator=g)
