@@ -56,6 +56,27 @@ def kernel_totals(prof) -> dict[str, list[float]]:
     return totals
 
 
+def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> float:
+    """Milliseconds per replay of the engine's captured decode graph for `batch` rows, replayed back to back with
+    no host work between (rows set to position `pos`, the generate's average, each replay advancing them)."""
+    keys = [k for k in engine.graphs.graphs if k[0] == batch]
+    graph = engine.graphs.graphs[keys[-1]]
+    engine.r_pos[:batch] = pos
+    engine.r_step[:batch] = 1
+    engine.r_limit[:batch] = 1 << 30
+    engine.r_done[:batch] = False
+    engine.r_slot[:batch] = torch.arange(batch, device=engine.device)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def decode_bound_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, bytes_per: int) -> float:
     """Seconds to read the weights and the average KV cache once."""
     hd = shape["hidden_size"] // shape["num_attention_heads"]
@@ -148,6 +169,10 @@ def main(argv=None) -> dict:
                 print(f"  {k:24s} {v['kernels']:7.1f} kernels {v['ms']:.4f} ms", flush=True)
             for t in out["top"]:
                 print(f"  {t['us_per_step']:9.2f} us x{t['per_step']:6.2f}  {t['name']}", flush=True)
+            if engine.use_graphs:
+                out["graph_replay_ms"] = graph_replay_ms(engine, args.batch, args.prompt_len + args.new_tokens // 2)
+                print(f"back-to-back replays of the batch-{args.batch} graph: {out['graph_replay_ms']:.3f} ms each "
+                      "(kernels + the graph's own gaps between them; wall - this = the host's share)", flush=True)
         engine.shutdown()
     path = args.out or os.path.join(os.environ.get("OUT", "."), "profile_decode.json")
     Path(path).write_text(json.dumps(out, indent=1))
