@@ -94,3 +94,43 @@ def test_truncated_safetensors_model(inputs, tiny_model_dir):
     weights.write_bytes(weights.read_bytes()[:-1000])
     assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:", f"model file {weights}",
                     "is truncated", "re-download the model")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # chat_template.jinja stays: the case reported
+
+
+def copy_without_tokenizer(src: Path, dst: Path) -> Path:
+    """The model directory `src` with its weights and config but none of its tokenizer files."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    assert (dst / "config.json").is_file() and not (dst / "tokenizer.json").exists()
+    return dst
+
+
+def test_model_without_tokenizer_files(inputs, tiny_model_dir):
+    """train.py: transformers builds an empty-vocabulary tokenizer from such a directory (it does not raise), and
+    the run used to die in a rank traceback ("prompt_ids is empty"). Now: one line naming the directory and the
+    missing files. Mutation: return the tokenizer unchecked in `models.tokenizer.load_tokenizer` -> fails."""
+    root, base = inputs
+    model = copy_without_tokenizer(tiny_model_dir("qwen2"), root / "no_tokenizer_model")
+    assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:",
+                    f"actor_rollout_ref.model.path='{model}'", "no usable tokenizer", "tokenizer.json",
+                    "tokenizer_config.json")
+
+
+def test_sft_model_without_tokenizer_files(tmp_path, tiny_model_dir):
+    """launch/sft.py's body (run_sft) refuses the same directory before any process group is made, with the same
+    one-line error (report_user_errors prints it). Mutation: return the tokenizer unchecked in `load_tokenizer` (the
+    old path: the run died in the loss, "empty prompt") -> fails."""
+    from rlhf_mcore.models.tokenizer import TokenizerFileError
+    from rlhf_mcore.trainer.sft import run_sft
+
+    model = copy_without_tokenizer(tiny_model_dir("qwen2"), tmp_path / "no_tokenizer_model")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i}?"}], "response": str(i)} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    with pytest.raises(TokenizerFileError, match=r"--model='.*no_tokenizer_model' has no usable tokenizer "
+                                                 r"\(missing tokenizer.json, tokenizer_config.json"):
+        run_sft(str(model), str(tmp_path / "rows.parquet"), str(tmp_path / "out"), steps=1, batch_size=2, lr=1e-5,
+                max_length=64, overrides=["trainer.device=cpu"])
+    assert not (tmp_path / "out").exists()  # refused before the run lock / output directory
