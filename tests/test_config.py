@@ -345,3 +345,12 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.ref\.megatron\.cuda_graphs=true.*TP or PP"):
         validate_config(layout("actor_rollout_ref.ref.megatron.cuda_graphs=true",
                                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"), world_size=2)
+
+
+def test_rollout_mode_async_points_at_async_training_mode():
+    """veRL's `actor_rollout_ref.rollout.mode=async` is refused with the key that does asynchronous training here
+    and its values. Mutation: drop the `_CHOICE_HINTS` lookup in `_check_choices` -> fails."""
+    with pytest.raises(ConfigError, match=r"config key 'actor_rollout_ref\.rollout\.mode' has value 'async'; choose "
+                                          r"one of sync\. .*async_training\.mode=one_step_off or fully_async \(off: "
+                                          r"synchronous\)"):
+        load_config(None, MODEL + ["actor_rollout_ref.rollout.mode=async"])
