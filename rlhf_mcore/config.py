@@ -635,7 +635,7 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
     Cross-field checks that need the world size or the model live in :func:`validate_config`.
     """
     base = OmegaConf.structured(RLConfig)
-    layers = []
+    layers, raw, coerced = [], None, []
     if config_path is not None:
         p = Path(config_path)
         if not p.is_file():
@@ -650,7 +650,8 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
         _check_keys(raw, [])
         layers.append(OmegaConf.create(_wrap_scalar_lists(raw, [])))
     if overrides:
-        layers.append(OmegaConf.from_dotlist(_coerce_overrides(list(overrides))))
+        coerced = _coerce_overrides(list(overrides))
+        layers.append(OmegaConf.from_dotlist(coerced))
     try:
         merged = OmegaConf.merge(base, *layers)
         OmegaConf.resolve(merged)
@@ -663,6 +664,9 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
         raise ConfigError(_omegaconf_message(e)) from None
     _check_choices(cfg)
     _check_values(cfg)
+    from rlhf_mcore.config_unused import given_keys, report_unused_keys
+
+    report_unused_keys(cfg, given_keys(raw, coerced))  # set, but nothing reads them here: one notice line
     return cfg
 
 
