@@ -39,7 +39,8 @@ def _reference_off(cfg) -> bool:
 
 _RULES: tuple[_Rule, ...] = (
     ("critic.", ("critic.enable",), _critic_off,
-     lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} builds no critic"),
+     lambda c: ("critic.enable=false" if c.critic.enable is False else
+                f"algorithm.adv_estimator={c.algorithm.adv_estimator}") + " builds no critic"),
     ("algorithm.kl_ctrl.", (), lambda c: not c.algorithm.use_kl_in_reward,
      lambda c: "algorithm.use_kl_in_reward=false: no KL penalty in the reward"),
     ("algorithm.kl_penalty", (), lambda c: not c.algorithm.use_kl_in_reward,
