@@ -87,14 +87,19 @@ def test_dry_run_checks_what_the_login_node_can():
             check_launch(*args)
 
 
-def test_dry_run_mistake_is_one_line_before_any_command():
+def test_dry_run_mistake_is_one_line_before_any_command(monkeypatch, capsys):
     """node.py --dry-run with a misspelt key: exit 2, one line, no command printed (it used to print the commands,
-    and the job failed after the queue). Mutation: drop the `check_launch` call in node.py's dry-run branch ->
-    fails."""
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "slurm" / "node.py"), "--dry-run", "--nnodes", "2",
-                           "--nodelist", "gpu[01-02]", "--nproc-per-node", "8", "--", "--config", CONFIG,
-                           "actor_rollout_ref.rollout.tempreature=0.7"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
+    and the job failed after the queue). In this process (runpy), no interpreter start. Mutation: drop the
+    `check_launch` call in node.py's dry-run branch -> fails."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["node.py", "--dry-run", "--nnodes", "2", "--nodelist", "gpu[01-02]",
+                                      "--nproc-per-node", "8", "--", "--config", CONFIG,
+                                      "actor_rollout_ref.rollout.tempreature=0.7"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "launch" / "slurm" / "node.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and out == "", (e.value.code, out[-2000:], err[-2000:])
     assert len(lines) == 1 and lines[0].startswith("config error: unknown config key "
-                                                   "'actor_rollout_ref.rollout.tempreature'"), proc.stderr
+                                                   "'actor_rollout_ref.rollout.tempreature'"), err
