@@ -4,6 +4,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
+DATA_PACKAGES = ["rlhf_mcore.data.raw", "rlhf_mcore.data.raw.gsm8k"]  # directories of data files, no Python
 
 setup(
     name="rlhf_mcore",
@@ -14,9 +15,11 @@ setup(
     python_requires=">=3.10",
     # `rlhf_mcore/kernels` is a symlink to the top-level `kernels/`, so the package is `rlhf_mcore.kernels` from a
     # checkout and installed alike (find_packages follows it; the bare name `kernels` is taken on PyPI).
-    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]),
-    package_data={"rlhf_mcore": ["data/raw/gsm8k/*", "py.typed"]},
-    include_package_data=True,
+    # The vendored GSM8K copy (rlhf_mcore/data/raw/gsm8k: jsonl + LICENSE) is package data of its own directory,
+    # listed as a (namespace) package: as "data/raw/gsm8k/*" of `rlhf_mcore`, setuptools warned ~40 lines on every
+    # install that Python sees the directory as a package absent from `packages`.
+    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]) + DATA_PACKAGES,
+    package_data={"rlhf_mcore.data.raw.gsm8k": ["*.jsonl", "LICENSE"]},
     install_requires=[
         # A CPU wheel of torch is enough for development; any CUDA build in range works on GPU.
         "torch>=2.6",

@@ -130,10 +130,27 @@ def main(argv=None) -> None:
     sys.exit(report_user_errors(lambda: convert(args)))
 
 
+def check_input_dirs(args) -> None:
+    """The directories read from must exist: --hf-dir (hf2mcore's input; mcore2hf's optional config source) and,
+    for mcore2hf, --mcore-dir. A FileNotFoundError naming the flag and the path otherwise, before anything else
+    looks inside them (a missing --mcore-dir used to be reported as "no config.json in <it>/hf_meta")."""
+    needed = [("--hf-dir", args.hf_dir, "the Hugging Face model directory")] if args.hf_dir else []
+    if args.direction == "mcore2hf":
+        needed.append(("--mcore-dir", args.mcore_dir, "the checkpoint to convert (a global_step_N/ directory, its "
+                                                      "actor/ or critic/, or an hf2mcore output)"))
+    for flag, value, what in needed:
+        path = Path(value)
+        if not path.exists():
+            raise FileNotFoundError(f"{flag} {value}: the directory does not exist; give {what}.")
+        if not path.is_dir():
+            raise FileNotFoundError(f"{flag} {value}: not a directory; give {what}.")
+
+
 def convert(args) -> None:
     # every rank checks its arguments (before any process group exists) so that all stop together
     if args.direction == "hf2mcore" and not args.hf_dir:
         raise ConfigError("--direction hf2mcore needs --hf-dir (the Hugging Face model directory to convert)")
+    check_input_dirs(args)
     mcore_dir = args.mcore_dir
     if args.direction == "mcore2hf":
         if not args.out_hf_dir:

@@ -176,9 +176,8 @@ def main(argv=None) -> Path:
     if not in_path.is_file():
         p.error(f"--input {in_path}: file not found.")
 
-    from transformers import AutoTokenizer
-
     from rlhf_mcore.config import model_max_positions
+    from rlhf_mcore.models.tokenizer import load_tokenizer
     from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
 
     try:
@@ -187,7 +186,7 @@ def main(argv=None) -> Path:
         rows = read_rows(in_path)
         if rows and "prompt" not in rows[0]:
             raise ValueError(f"--input {in_path}: rows have no `prompt` field (found {sorted(rows[0])}).")
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = load_tokenizer(model_dir, "--model")  # a ValueError: one line naming the directory's missing files
         runner_kw = agent_setup(args) if args.agent is not None else None
         template_kw = {"tools": runner_kw["schemas"]} if runner_kw and runner_kw["schemas"] else {}
         messages = [to_messages(r["prompt"], i) for i, r in enumerate(rows)]

@@ -486,6 +486,12 @@ _CHOICES = {  # fixed by the code; names that users extend (estimators, losses, 
     "actor_rollout_ref.actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.optim.lr_scheduler": ("constant", "cosine", "linear"),
 }
+# What a rejected value of a choice key is for here, when it names a feature that lives under another key.
+_CHOICE_HINTS = {
+    "actor_rollout_ref.rollout.mode":
+        "veRL's async server rollout is not a rollout mode here; the asynchronous trainers are "
+        "async_training.mode=one_step_off or fully_async (off: synchronous), so set that instead",
+}
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # algorithm.filter_groups.metric: acc / score, the reward function's score; seq_reward, the score after the overlong
 # penalty; seq_final_reward, the reward after KL-in-reward (the same as seq_reward when use_kl_in_reward is off)
@@ -629,7 +635,7 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
     Cross-field checks that need the world size or the model live in :func:`validate_config`.
     """
     base = OmegaConf.structured(RLConfig)
-    layers = []
+    layers, raw, coerced = [], None, []
     if config_path is not None:
         p = Path(config_path)
         if not p.is_file():
@@ -644,7 +650,8 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
         _check_keys(raw, [])
         layers.append(OmegaConf.create(_wrap_scalar_lists(raw, [])))
     if overrides:
-        layers.append(OmegaConf.from_dotlist(_coerce_overrides(list(overrides))))
+        coerced = _coerce_overrides(list(overrides))
+        layers.append(OmegaConf.from_dotlist(coerced))
     try:
         merged = OmegaConf.merge(base, *layers)
         OmegaConf.resolve(merged)
@@ -657,6 +664,9 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
         raise ConfigError(_omegaconf_message(e)) from None
     _check_choices(cfg)
     _check_values(cfg)
+    from rlhf_mcore.config_unused import given_keys, report_unused_keys
+
+    report_unused_keys(cfg, given_keys(raw, coerced))  # set, but nothing reads them here: one notice line
     return cfg
 
 
@@ -672,6 +682,8 @@ def _check_choices(cfg: RLConfig) -> None:
         if value not in choices:
             close = difflib.get_close_matches(str(value), choices, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
+            if key in _CHOICE_HINTS:
+                hint = f" {_CHOICE_HINTS[key]}."
             raise ConfigError(f"config key '{key}' has value {value!r}; choose one of {', '.join(choices)}.{hint}")
     for name in cfg.trainer.logger:
         if name not in _LOGGERS:

@@ -10,10 +10,17 @@ finds its own checkpoints and `trainer.resume_mode=auto` continues from the newe
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
+
+from rlhf_mcore.errors import UserError
+
+
+class SlurmLaunchError(UserError, ValueError):
+    """A node count, node list or GPU count that cannot make the launch asked for; the message says which."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,12 @@ def expand_nodelist(nodelist: str) -> list[str]:
         return expand_nodelist_locally(nodelist)
 
 
+_HOST_ITEM = re.compile(r"([^\[\],]+)(?:\[(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\])?")
+
+
 def expand_nodelist_locally(nodelist: str) -> list[str]:
+    """`prefix[lo-hi,k,...]` items and plain host names, comma-separated; anything else (an unclosed bracket, an
+    empty item, a range running backwards) raises SlurmLaunchError naming the list."""
     hosts, i, n = [], 0, len(nodelist)
     while i < n:
         j = i
@@ -85,17 +97,56 @@ def expand_nodelist_locally(nodelist: str) -> list[str]:
             depth -= nodelist[j] == "]"
             j += 1
         item = nodelist[i:j]
+        if not _HOST_ITEM.fullmatch(item):
+            raise SlurmLaunchError(f"node list {nodelist!r}: {item!r} is not a host name or prefix[lo-hi,...] "
+                                   f"range (e.g. 'gpu[01-02]' or 'gpu01,gpu02')")
         if "[" in item:
             prefix, ranges = item.split("[", 1)
             for part in ranges.rstrip("]").split(","):
                 lo, _, hi = part.partition("-")
+                if int(hi or lo) < int(lo):
+                    raise SlurmLaunchError(f"node list {nodelist!r}: the range {part!r} runs backwards")
                 width = len(lo)
                 for k in range(int(lo), int(hi or lo) + 1):
                     hosts.append(f"{prefix}{k:0{width}d}")
         else:
             hosts.append(item)
         i = j + 1
+    if nodelist.endswith(","):
+        raise SlurmLaunchError(f"node list {nodelist!r} ends with a comma")
     return hosts
+
+
+def check_launch(train_args: Sequence[str], nnodes: int, nodelist: str, nproc_per_node: int) -> None:
+    """Everything the login node can check before a job waits in the queue: the node list parses and has `nnodes`
+    hosts, the train arguments load through the project's config loader (the --config file exists, every key is
+    known and typed), their command-line trainer.nnodes / n_gpus_per_node do not contradict the layout node.py
+    appends, and the config passes `validate_config` at world size nnodes x nproc_per_node, as train.py will see
+    it. Raises a UserError (one line)."""
+    from rlhf_mcore.cli import parse_args
+    from rlhf_mcore.config import load_config, model_max_positions, validate_config
+
+    hosts = expand_nodelist(nodelist)
+    if nnodes < 1 or nproc_per_node < 1:
+        raise SlurmLaunchError(f"--nnodes {nnodes} and --nproc-per-node {nproc_per_node} must be >= 1")
+    if hosts and len(hosts) != nnodes:
+        raise SlurmLaunchError(f"--nnodes {nnodes} but the node list {nodelist!r} names {len(hosts)} host(s) "
+                               f"({', '.join(hosts)}): make them agree (sbatch --nodes={len(hosts)})")
+    args = parse_args(list(train_args))
+    cfg = load_config(args.config, args.overrides)
+    # node.py appends trainer.nnodes / n_gpus_per_node from the allocation: a YAML's values are replaced by design
+    # (one config runs on any allocation), but the same key written on this command line contradicting it is a
+    # mistake the appended value would silently overrule
+    given = dict(o.lstrip("+").split("=", 1) for o in args.overrides)
+    for key, launched, fix in (("nnodes", nnodes, "submit with sbatch --nodes={}"),
+                               ("n_gpus_per_node", nproc_per_node, "pass --nproc-per-node {}")):
+        value = getattr(cfg.trainer, key)
+        if f"trainer.{key}" in given and value is not None and value != launched:
+            raise SlurmLaunchError(f"trainer.{key}={value} in the train arguments contradicts the launch's {key} "
+                                   f"of {launched} (node.py sets trainer.{key}={launched} from the allocation, "
+                                   f"which would silently win): remove the key, or {fix.format(value)}")
+    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = nnodes, nproc_per_node
+    validate_config(cfg, nnodes * nproc_per_node, model_max_positions(cfg.actor_rollout_ref.model.path))
 
 
 def dry_run(train_args: Sequence[str], nnodes: int, nodelist: str, nproc_per_node: int, job_id: str = "<jobid>",

@@ -481,11 +481,12 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
     assert [s["step"] for s in steps] == [1, 2] and len(rows) == 2 * 4 * 4
     assert {(r["step"], r["rank"]) for r in rows} == {(s, k) for s in (1, 2) for k in (0, 1)}  # both DP ranks
     rm.eval()
-    rm_scores = []
+    rm_scores, rules = [], []
     for r in rows:
         with torch.no_grad():
             rm_scores.append(float(rm(torch.tensor([r["ids"]])).logits[0, 0]))
         rule = float(len(tok.decode(r["response"], skip_special_tokens=True)) % 2)  # the task's parity reward
+        rules.append(rule)
         penalty = overlong_penalty([len(r["response"])], 12, 6, 1.0)[0]
         assert r["score"] == pytest.approx(2.0 * rm_scores[-1] + 0.5 * rule + penalty, abs=1e-4), r
         assert r["rm_offloaded"]
@@ -495,4 +496,6 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         m = s["metrics"]
         assert m["reward_model/num_scored"] == m["reward_model/num_scored_after"] == 16
         assert m["reward_model/score_mean"] == pytest.approx(sum(mine) / len(mine), abs=1e-4)
+        rule_mine = [x for x, r in zip(rules, rows) if r["step"] == s["step"]]  # the rule score logged beside it
+        assert m["reward_model/rule_score_mean"] == pytest.approx(sum(rule_mine) / len(rule_mine), abs=1e-6)
         assert m["timing_s/reward_model"] > 0

@@ -94,3 +94,90 @@ def test_truncated_safetensors_model(inputs, tiny_model_dir):
     weights.write_bytes(weights.read_bytes()[:-1000])
     assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:", f"model file {weights}",
                     "is truncated", "re-download the model")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # chat_template.jinja stays: the case reported
+
+
+def copy_without_tokenizer(src: Path, dst: Path) -> Path:
+    """The model directory `src` with its weights and config but none of its tokenizer files."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    assert (dst / "config.json").is_file() and not (dst / "tokenizer.json").exists()
+    return dst
+
+
+def test_model_without_tokenizer_files(inputs, tiny_model_dir):
+    """train.py: transformers builds an empty-vocabulary tokenizer from such a directory (it does not raise), and
+    the run used to die in a rank traceback ("prompt_ids is empty"). Now: one line naming the directory and the
+    missing files. Mutation: return the tokenizer unchecked in `models.tokenizer.load_tokenizer` -> fails."""
+    root, base = inputs
+    model = copy_without_tokenizer(tiny_model_dir("qwen2"), root / "no_tokenizer_model")
+    assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:",
+                    f"actor_rollout_ref.model.path='{model}'", "no usable tokenizer", "tokenizer.json",
+                    "tokenizer_config.json")
+
+
+def test_sft_model_without_tokenizer_files(tmp_path, tiny_model_dir):
+    """launch/sft.py's body (run_sft) refuses the same directory before any process group is made, with the same
+    one-line error (report_user_errors prints it). Mutation: return the tokenizer unchecked in `load_tokenizer` (the
+    old path: the run died in the loss, "empty prompt") -> fails."""
+    from rlhf_mcore.models.tokenizer import TokenizerFileError
+    from rlhf_mcore.trainer.sft import run_sft
+
+    model = copy_without_tokenizer(tiny_model_dir("qwen2"), tmp_path / "no_tokenizer_model")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i}?"}], "response": str(i)} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    with pytest.raises(TokenizerFileError, match=r"--model='.*no_tokenizer_model' has no usable tokenizer "
+                                                 r"\(missing tokenizer.json, tokenizer_config.json"):
+        run_sft(str(model), str(tmp_path / "rows.parquet"), str(tmp_path / "out"), steps=1, batch_size=2, lr=1e-5,
+                max_length=64, overrides=["trainer.device=cpu"])
+    assert not (tmp_path / "out").exists()  # refused before the run lock / output directory
+
+
+CONVERT_CASES = r"""
+import contextlib, io, json, runpy, sys
+out = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, err = ["launch/convert_checkpoint.py", *argv], io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path("launch/convert_checkpoint.py", run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    out.append({"code": code, "err": err.getvalue(), "megatron": any(m.startswith("megatron") for m in sys.modules)})
+print(json.dumps(out))
+"""
+
+
+def test_convert_checkpoint_missing_directories(tmp_path):
+    """launch/convert_checkpoint.py with a directory that does not exist says so, naming the flag, for either
+    direction, before megatron is imported (mcore2hf used to say "no config.json in <dir>/hf_meta" after setting
+    up the process group). The cases run in one process (one torch import). Mutation: drop the
+    `check_input_dirs(args)` call in `convert` -> fails."""
+    import json
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    missing, out = tmp_path / "missing", tmp_path / "out"
+    cases = [
+        (["--direction", "mcore2hf", "--mcore-dir", str(missing), "--out-hf-dir", str(out)], f"--mcore-dir {missing}"),
+        (["--direction", "hf2mcore", "--hf-dir", str(missing), "--mcore-dir", str(out)], f"--hf-dir {missing}"),
+        (["--direction", "mcore2hf", "--mcore-dir", str(tmp_path / "ckpt"), "--hf-dir", str(missing),
+          "--out-hf-dir", str(out)], f"--hf-dir {missing}"),
+        (["--direction", "mcore2hf", "--mcore-dir", str(tmp_path / "a_file"), "--out-hf-dir", str(out)],
+         f"--mcore-dir {tmp_path / 'a_file'}: not a directory"),
+    ]
+    proc = subprocess.run([sys.executable, "-c", CONVERT_CASES, json.dumps([argv for argv, _ in cases])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (argv, fragment), got in zip(cases, json.loads(proc.stdout.strip().splitlines()[-1]), strict=True):
+        lines = got["err"].strip().splitlines()
+        assert got["code"] == 2 and len(lines) == 1 and "Traceback" not in got["err"], (argv, got)
+        assert lines[0].startswith(f"input error: {fragment}"), (fragment, lines[0])
+        if "not a directory" not in fragment:
+            assert "the directory does not exist" in lines[0], lines[0]
+    assert not got["megatron"]  # all four refused before megatron was imported
+    assert not out.exists()

@@ -345,3 +345,48 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.ref\.megatron\.cuda_graphs=true.*TP or PP"):
         validate_config(layout("actor_rollout_ref.ref.megatron.cuda_graphs=true",
                                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"), world_size=2)
+
+
+def test_rollout_mode_async_points_at_async_training_mode():
+    """veRL's `actor_rollout_ref.rollout.mode=async` is refused with the key that does asynchronous training here
+    and its values. Mutation: drop the `_CHOICE_HINTS` lookup in `_check_choices` -> fails."""
+    with pytest.raises(ConfigError, match=r"config key 'actor_rollout_ref\.rollout\.mode' has value 'async'; choose "
+                                          r"one of sync\. .*async_training\.mode=one_step_off or fully_async \(off: "
+                                          r"synchronous\)"):
+        load_config(None, MODEL + ["actor_rollout_ref.rollout.mode=async"])
+
+
+def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
+    """Keys set (command line or YAML) that the chosen setup never reads -- `critic.*` under GRPO,
+    `algorithm.kl_ctrl.kl_coef` without `use_kl_in_reward` -- are named in one notice line on rank 0, with the
+    reason; a path among them that does not exist is said to be missing. The same keys where they are read, and
+    keys left at their defaults, give no notice. Mutation: `return sorted(found.items())` -> `return []` in
+    `config_unused.unused_keys` -> fails; mutation: `if decided[i]:` -> `if not decided[i]:` -> fails."""
+    monkeypatch.delenv("RANK", raising=False)
+    habit = ["critic.model.path=/nonexistent", "critic.optim.lr=1e-5", "algorithm.kl_ctrl.kl_coef=0.001"]
+    cfg = load_config(None, MODEL + ["algorithm.adv_estimator=grpo", *habit])
+    assert cfg.critic.model.path == "/nonexistent" and not critic_enabled(cfg)  # accepted, as veRL sets them
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("notice: config keys unused in this setup"), lines
+    assert "critic.optim.lr (algorithm.adv_estimator=grpo builds no critic)" in lines[0], lines[0]
+    assert ("critic.model.path (algorithm.adv_estimator=grpo builds no critic; and critic.model.path='/nonexistent' "
+            "does not exist)") in lines[0], lines[0]
+    assert "algorithm.kl_ctrl.kl_coef (algorithm.use_kl_in_reward=false: no KL penalty in the reward)" in lines[0]
+    assert "actor_rollout_ref.model.path" not in lines[0] and "adv_estimator (" not in lines[0]
+
+    # where they are read: PPO builds the critic, use_kl_in_reward applies kl_ctrl (the path is then checked when
+    # the critic is built); and nothing set beyond the defaults
+    load_config(None, MODEL + ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", *habit])
+    load_config(None, MODEL + ["algorithm.adv_estimator=grpo"])
+    assert capsys.readouterr().err == ""
+
+    # from a YAML file (veRL's top-level reward_model section too), and never on another rank
+    p = write(tmp_path, "algorithm:\n  adv_estimator: grpo\ncritic:\n  ppo_micro_batch_size_per_gpu: 4\n"
+                        "reward_model:\n  micro_batch_size_per_gpu: 8\n")
+    load_config(p, MODEL)
+    err = capsys.readouterr().err
+    assert "critic.ppo_micro_batch_size_per_gpu (algorithm.adv_estimator=grpo builds no critic)" in err, err
+    assert "reward.reward_model.micro_batch_size_per_gpu (reward.reward_model.enable=false: no reward model)" in err
+    monkeypatch.setenv("RANK", "1")
+    load_config(p, MODEL)
+    assert capsys.readouterr().err == ""

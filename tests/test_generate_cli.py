@@ -90,6 +90,26 @@ def test_clear_errors(tiny_model_dir, tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_model_without_tokenizer_files(tiny_model_dir, tmp_path, capsys):
+    """A model directory with weights but no tokenizer files: one line naming it and the missing files (it used to
+    end in "prompt 0 is empty" from the engine). Mutation: return the tokenizer unchecked in
+    `models.tokenizer.load_tokenizer` -> fails."""
+    import shutil
+
+    model = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_model_dir("qwen2"), model,
+                    ignore=shutil.ignore_patterns("tokenizer.json", "tokenizer_config.json"))
+    write_parquet(tmp_path / "in.parquet")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(model), "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "o.jsonl"),
+              "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert f"--model='{model}' has no usable tokenizer (missing tokenizer.json, tokenizer_config.json" in line, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_over_long_prompts_are_refused_or_cut(tiny_model_dir, tmp_path, capsys):
     """A 12k-token prompt on a 4k-context model: refused with the row named, or cut from the left on request."""
     model = tiny_model_dir("qwen2")  # max_position_embeddings 4096

@@ -168,6 +168,39 @@ def test_scorer_combines_per_data_source():
     assert metrics["reward_model/num_scored"] == 1 and metrics["reward_model/num_truncated"] == 1
 
 
+@pytest.mark.parametrize("local", [False, True])
+def test_rule_score_is_logged_beside_the_model_score(local, monkeypatch):
+    """A reward-model step logs the rule score's mean over the rows the model scored (`reward_model/rule_score_mean`)
+    beside the model's (`score_mean`), so reward hacking shows while training. `local=False` is the synchronous
+    trainer's call, `local=True` the asynchronous trainers' (one_step_off and fully_async), gathered over replicas.
+    Rows the model does not cover, and rows scored while they streamed (rm_score already set), count as in
+    `score_mean`. Mutation: log `score_mean`'s value as `rule_score_mean` -> fails; mutation: drop the key -> fails."""
+    from rlhf_mcore.rewards.reward_model import RewardModelScorer
+    from rlhf_mcore.trainer.rollout_phase import Row
+
+    class FakeScorer(RewardModelScorer):  # the model's score of a sequence: its length
+        def __init__(self, cfg):
+            self.cfg, self.input_tokenizer, self.rm_tokenizer = cfg, None, SimpleNamespace(pad_token_id=0)
+            self.engine, self.state, self.offload = None, None, False
+
+        def score_ids(self, sequences):
+            return [float(len(s)) for s in sequences]
+
+    cfg = SimpleNamespace(data_sources=["a"], reward_weight=2.0, rule_weight=0.0, max_length=None)
+    rows = [Row(0, 0, [1], [2, 3], [], "stop", score=1.0), Row(0, 1, [1], [2], [], "stop", score=0.0),
+            Row(1, 0, [1], [2, 3, 4], [], "stop", score=1.0), Row(2, 0, [1], [2], [], "stop", score=0.5)]
+    rows[2].reward_extra["rm_score"] = 7.0  # scored while it streamed
+    items = [{"data_source": "a"}, {"data_source": "a"}, {"data_source": "b"}]
+    monkeypatch.setattr("rlhf_mcore.rewards.reward_model.forward_scores",  # local=True: this replica's engine
+                        lambda engine, seqs, pad, offload: [float(len(s)) for s in seqs])
+    metrics = FakeScorer(cfg).score_rows(rows, items, local=local)
+    assert [r.reward_extra["acc"] for r in rows] == [1.0, 0.0, 1.0, 0.5]  # the rule scores, kept
+    assert [r.score for r in rows] == [6.0, 4.0, 14.0, 0.5]  # 2 x the model's score; row 3 (source b): its rule
+    assert metrics["reward_model/num_scored"] == 3
+    assert metrics["reward_model/score_mean"] == pytest.approx((3 + 2 + 7) / 3)
+    assert metrics["reward_model/rule_score_mean"] == pytest.approx((1.0 + 0.0 + 1.0) / 3)
+
+
 def test_bad_reward_model_paths_are_clear_errors(tiny_model_dir, tmp_path):
     with pytest.raises(RewardModelError, match=r"reward_model.model.path='/no/such/rm' is not a Hugging Face model"):
         check_reward_model_dir("/no/such/rm")

@@ -22,8 +22,9 @@ Inputs longer than `reward_model.max_length` keep their first `max_length` token
 How the score becomes the reward (:func:`combine`): a row whose `data_source` is in `reward_model.data_sources`
 (every row when the list is empty) gets `reward_weight * rm_score + rule_weight * rule_score`; other rows keep
 the rule score. `rule_score` is what the rule reward (by data_source, or `reward.custom_reward_function`)
-returned; it stays in the row's `reward_extra["acc"]`, so dynamic sampling's `acc` metric and the logged rule
-accuracy are unchanged by the reward model.
+returned; it stays in the row's `reward_extra["acc"]`, so dynamic sampling's `acc` metric is unchanged by the
+reward model, and each step logs its mean over the rows the model scored, `reward_model/rule_score_mean`, beside
+the model's `reward_model/score_mean` (a model score that climbs while the rule score does not is reward hacking).
 
 Every rank holds all rows of a step; each data-parallel replica scores a contiguous share and the scores are
 all-gathered, so every rank ends with the same rewards. In the asynchronous trainers the reward model lives on the
@@ -180,18 +181,23 @@ class RewardModelScorer:
         for r, s in zip(covered, scores):
             r.score = combine([r.reward_extra["acc"]], [s], self.cfg.reward_weight, self.cfg.rule_weight)[0]
         truncated = sum("rm_truncated" in r.reward_extra for r in covered)
+        pairs = [(s, r.reward_extra["acc"]) for s, r in zip(scores, covered)]  # (reward model's, rule's)
         if local:
-            scores, n_todo, truncated = self.gather_replicas(scores, n_todo, truncated)
-        metrics = {"reward_model/num_scored": float(len(scores)), "reward_model/num_scored_after": float(n_todo)}
-        if scores:
-            metrics.update({"reward_model/score_mean": float(np.mean(scores)),
-                            "reward_model/score_std": float(np.std(scores)),
+            pairs, n_todo, truncated = self.gather_replicas(pairs, n_todo, truncated)
+        metrics = {"reward_model/num_scored": float(len(pairs)), "reward_model/num_scored_after": float(n_todo)}
+        if pairs:
+            scores, rules = (np.array(x) for x in zip(*pairs))
+            # the rule score of the same rows beside the model's: a model score that rises while the rule score
+            # does not is reward hacking, visible while training
+            metrics.update({"reward_model/score_mean": float(scores.mean()),
+                            "reward_model/score_std": float(scores.std()),
+                            "reward_model/rule_score_mean": float(rules.mean()),
                             "reward_model/num_truncated": float(truncated)})
         return metrics
 
-    def gather_replicas(self, scores: list[float], n_todo: int, truncated: int) -> tuple[list[float], int, int]:
+    def gather_replicas(self, scores: list, n_todo: int, truncated: int) -> tuple[list, int, int]:
         """Each data-parallel replica's (scores, rows scored now, rows truncated), gathered over all ranks (one
-        rank per replica counted) and summed."""
+        rank per replica counted) and summed; `scores` are per-row entries of any picklable kind."""
         if not dist.is_initialized() or dist.get_world_size(self.state.cpu_group) == 1:
             return scores, n_todo, truncated
         parts: list = [None] * dist.get_world_size(self.state.cpu_group)

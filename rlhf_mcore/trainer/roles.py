@@ -51,12 +51,11 @@ def run_dir(cfg: RLConfig) -> Path:
 
 
 def build_data(cfg: RLConfig):
-    from transformers import AutoTokenizer
-
     from rlhf_mcore.data import DataError, RLDataset
+    from rlhf_mcore.models.tokenizer import load_tokenizer
 
     model_dir = _require_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir, "actor_rollout_ref.model.path")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     d = cfg.data

@@ -119,13 +119,13 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
             tp: int = 1, pp: int = 1, seed: int = 1, warmup_steps: int = 0, log_every: int = 10,
             overrides: Optional[list[str]] = None, tool_config: Optional[str] = None) -> dict[str, float]:
     """`tool_config`: a tool config YAML (as multi_turn.tool_config_path) whose schemas the prompts list."""
-    from transformers import AutoTokenizer
-
     from rlhf_mcore.data import ResumableSampler
     from rlhf_mcore.engine import build_engine
+    from rlhf_mcore.models.tokenizer import load_tokenizer
 
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"--model {model!r} is not a Hugging Face model directory (no config.json)")
+    tok = load_tokenizer(model, "--model")  # before any process group: a directory without a tokenizer is refused
     cfg = load_config(None, [
         f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.actor.optim.lr={lr}",
         f"actor_rollout_ref.actor.optim.lr_warmup_steps={warmup_steps}",
@@ -141,7 +141,6 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
     try:
         if batch_size % state.dims.dp:
             raise ConfigError(f"--batch-size {batch_size} must be divisible by the data-parallel size {state.dims.dp}")
-        tok = AutoTokenizer.from_pretrained(model)
         tools = None
         if tool_config:
             from rlhf_mcore.agents import load_tool_config

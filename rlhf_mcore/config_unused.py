@@ -1,0 +1,124 @@
+"""Config keys that were set but do nothing in the chosen setup, said in one notice instead of ignored silently.
+
+A veRL command line carries keys by habit that a given setup never reads: `critic.*` under GRPO (no critic is
+built), `algorithm.kl_ctrl.kl_coef` with `algorithm.use_kl_in_reward=false`, `actor_rollout_ref.ref.*` when no KL
+term needs a reference policy. Refusing them would break the one-to-one translation of veRL command lines, so
+:func:`report_unused_keys` (called by `load_config`) prints one line on rank 0 naming them and why they are
+unused. A path among them that does not exist is named as such in the same line: it is never opened (the section
+is not built), so it cannot fail the run, but a typo in it must not pass unseen either -- it would fail the day the
+section is switched on.
+
+"Set" means given in the YAML file or on the command line (a key left at its schema default is not reported).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+# (section or key prefix, keys under it that stay meaningful, "is it unused?", why). Conditions are evaluated only
+# when a set key falls under their prefix: critic_enabled imports the estimator registry (torch).
+_Rule = tuple[str, tuple[str, ...], Callable, Callable]
+
+
+def _critic_off(cfg) -> bool:
+    from rlhf_mcore.config import ConfigError, critic_enabled
+
+    try:
+        return not critic_enabled(cfg)
+    except ConfigError:  # an estimator from trainer.plugins, registered later: validate_config decides
+        return False
+
+
+def _reference_off(cfg) -> bool:
+    from rlhf_mcore.config import reference_enabled
+
+    return not reference_enabled(cfg)
+
+
+_RULES: tuple[_Rule, ...] = (
+    ("critic.", ("critic.enable",), _critic_off,
+     lambda c: ("critic.enable=false" if c.critic.enable is False else
+                f"algorithm.adv_estimator={c.algorithm.adv_estimator}") + " builds no critic"),
+    ("algorithm.kl_ctrl.", (), lambda c: not c.algorithm.use_kl_in_reward,
+     lambda c: "algorithm.use_kl_in_reward=false: no KL penalty in the reward"),
+    ("algorithm.kl_penalty", (), lambda c: not c.algorithm.use_kl_in_reward,
+     lambda c: "algorithm.use_kl_in_reward=false: no KL penalty in the reward"),
+    ("actor_rollout_ref.actor.kl_loss_", (), lambda c: not c.actor_rollout_ref.actor.use_kl_loss,
+     lambda c: "actor_rollout_ref.actor.use_kl_loss=false: no KL loss"),
+    ("actor_rollout_ref.ref.", (), _reference_off,
+     lambda c: "no KL term or PRIME needs a reference policy, so none is built"),
+    ("reward.reward_model.", ("reward.reward_model.enable", "reward.reward_model.reward_manager",
+                              "reward.reward_model.overlong_buffer."),
+     lambda c: not c.reward.reward_model.enable, lambda c: "reward.reward_model.enable=false: no reward model"),
+    ("reward.reward_model.overlong_buffer.", ("reward.reward_model.overlong_buffer.enable",),
+     lambda c: not c.reward.reward_model.overlong_buffer.enable,
+     lambda c: "reward.reward_model.overlong_buffer.enable=false: no overlong shaping"),
+    ("reward.judge.", ("reward.judge.enable",), lambda c: not c.reward.judge.enable,
+     lambda c: "reward.judge.enable=false: no judge"),
+    ("algorithm.filter_groups.", ("algorithm.filter_groups.enable",), lambda c: not c.algorithm.filter_groups.enable,
+     lambda c: "algorithm.filter_groups.enable=false: no dynamic sampling"),
+    ("actor_rollout_ref.rollout.multi_turn.", ("actor_rollout_ref.rollout.multi_turn.enable",),
+     lambda c: not c.actor_rollout_ref.rollout.multi_turn.enable,
+     lambda c: "actor_rollout_ref.rollout.multi_turn.enable=false: single-turn rollouts"),
+    ("algorithm.reward_", (), lambda c: c.reward.reward_model.reward_manager != "prime",
+     lambda c: "reward.reward_model.reward_manager is not prime"),
+)
+# Keys holding a file or directory path: one that does not exist is named in the notice.
+_PATH_KEYS = ("critic.model.path", "reward.reward_model.model.path", "reward.reward_model.model.input_tokenizer",
+              "reward.judge.model_path", "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+
+
+def given_keys(tree: dict | None, overrides: Iterable[str] = ()) -> set[str]:
+    """The dotted leaf keys of a (veRL-unaliased) YAML mapping, plus the keys of normalised `key=value` overrides."""
+    out: set[str] = set()
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif prefix:
+            out.add(prefix[:-1])
+
+    walk(tree or {}, "")
+    out.update(ov.split("=", 1)[0] for ov in overrides)
+    return out
+
+
+def unused_keys(cfg, given: Iterable[str]) -> list[tuple[str, str]]:
+    """(key, why it is unused) for each key in `given` that the setup `cfg` never reads, in key order."""
+    from rlhf_mcore.config import _get
+
+    found: dict[str, str] = {}
+    decided: dict[int, bool] = {}
+    for key in sorted(set(given)):
+        for i, (prefix, kept, is_unused, why) in enumerate(_RULES):
+            if not key.startswith(prefix) or any(key == k or (k.endswith(".") and key.startswith(k)) for k in kept):
+                continue
+            if i not in decided:
+                decided[i] = bool(is_unused(cfg))
+            if decided[i]:
+                reason = why(cfg)
+                if key in _PATH_KEYS:
+                    value = _get(cfg, key)
+                    if value and not Path(value).exists():
+                        reason += f"; and {key}={value!r} does not exist"
+                found[key] = reason
+                break
+    return sorted(found.items())
+
+
+def report_unused_keys(cfg, given: Iterable[str]) -> list[tuple[str, str]]:
+    """Print the unused keys in one notice line on stderr (rank 0 only; nothing when there are none); returns
+    them. Grouped by reason: `notice: unused in this setup (accepted as veRL sets them, but nothing reads them):
+    critic.optim.lr, critic.model.path (algorithm.adv_estimator=grpo builds no critic); ...`."""
+    unused = unused_keys(cfg, given)
+    if unused and int(os.environ.get("RANK", "0")) == 0:
+        by_reason: dict[str, list[str]] = {}
+        for key, reason in unused:
+            by_reason.setdefault(reason, []).append(key)
+        parts = "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items())
+        print(f"notice: config keys unused in this setup (accepted, as veRL command lines set them, but nothing "
+              f"reads them; remove them to silence this): {parts}.", file=sys.stderr, flush=True)
+    return unused
