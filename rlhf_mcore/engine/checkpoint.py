@@ -218,7 +218,8 @@ def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_steps(optimizer)
     if scheduler is not None and "scheduler" in loaded:  # the config's schedule at the checkpoint's step
-        changes = resume_schedule(optimizer if config_groups else None, scheduler, loaded["scheduler"], config_groups)
+        changes = resume_schedule(optimizer if config_groups is not None else None, scheduler, loaded["scheduler"],
+                                  config_groups)
         if state.is_coordinator:
             lr = optimizer.param_groups[0]["lr"] if optimizer is not None else scheduler.get_lr({})
             print(f"{path}: optimizer resumed at scheduler step {scheduler.num_steps}, LR in effect {lr:.6g}; "

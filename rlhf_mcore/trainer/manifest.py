@@ -12,8 +12,9 @@ seconds to minutes of disk reads at save and again at resume. Sizes are compared
 truncated file is found without reading it.
 
 The manifest detects corruption (truncated or partly written files) and files added or changed after the save.
-It is not a signature: whoever can rewrite both a file and the manifest and marker can forge it; loading without unpickling anything but tensors and plain data (:mod:`rlhf_mcore.engine.safe_load`, the trainer
-state being JSON) is what keeps such a forgery from running code: it fails to load, with one line naming the file.
+It is not a signature: whoever can rewrite both a file and the manifest and marker can forge it; loading without
+unpickling anything but tensors and plain data (:mod:`rlhf_mcore.engine.safe_load`, the trainer state being JSON)
+is what keeps such a forgery from running code: it fails to load, with one line naming the file.
 
 Assumes the checkpoint directory is on a filesystem every rank sees (the one the trainer's rename into place
 already needs): rank 0 hashes the files all ranks wrote, after a barrier.
