@@ -192,7 +192,10 @@ def resume_schedule(optimizer, scheduler, saved_schedule: Optional[dict], config
     changes = []
     fresh = scheduler.state_dict()
     saved = saved_schedule or {}
+    constant = fresh["lr_decay_style"] == saved.get("lr_decay_style") == "constant"
     for key, name in _SCHEDULE_NAMES.items():
+        if key == "lr_decay_steps" and constant:  # no decay: its length (total_training_steps) changes nothing
+            continue
         if key in saved and not _same(saved[key], fresh[key]):
             changes.append(f"{name}: {_show(saved[key])} -> {_show(fresh[key])}")
     if optimizer is not None and config_groups is not None:
