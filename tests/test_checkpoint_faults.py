@@ -317,6 +317,41 @@ def test_resume_with_changed_algorithm_is_refused_unless_forced(tmp_path):
         "actor_rollout_ref.rollout.n: 1 -> 4", "data.train_batch_size: 1024 -> 8"]
 
 
+def test_resume_puts_the_configs_optimizer_settings_in_effect_at_the_checkpoints_step():
+    """The checkpoint's scheduler (constant 1e-6, 4 steps done) and param groups (as torch's load_state_dict leaves
+    them) under a new config (lr 0.1 with 10 warm-up steps then linear decay, weight decay 0.1, other betas): the
+    config's settings are in effect at step 4, each change named; an unchanged config changes nothing.
+    Mutation: drop `group[key] = value` in resume_schedule -> the groups keep max_lr 1e-6 and the old betas (fails)."""
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine.optim import build_scheduler, group_settings, resume_schedule
+
+    def engine(optim):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=optim.lr, betas=tuple(optim.betas),
+                                eps=optim.eps)
+        opt.param_groups[0].update(max_lr=optim.lr, min_lr=optim.lr * optim.min_lr_ratio)  # as Megatron's groups
+        return opt, build_scheduler(opt, optim)
+
+    old = OptimConfig(lr=1e-6, total_training_steps=20)
+    saved_opt, saved_sched = engine(old)
+    saved_sched.step(4)
+    saved_schedule, saved_group = saved_sched.state_dict(), dict(saved_opt.param_groups[0])
+    new = OptimConfig(lr=0.1, lr_warmup_steps=10, lr_scheduler="linear", weight_decay=0.1, betas=[0.8, 0.99],
+                      total_training_steps=20)
+    for optim, want_changes, want_lr in ((new, 5, 0.1 * 4 / 10), (old, 0, 1e-6)):
+        opt, sched = engine(optim)
+        config_groups = group_settings(opt)
+        opt.param_groups[0].update({k: v for k, v in saved_group.items() if k != "params"})  # the load
+        changes = resume_schedule(opt, sched, saved_schedule, config_groups)
+        group = opt.param_groups[0]
+        assert sched.num_steps == 4 and group["lr"] == pytest.approx(want_lr) and len(changes) == want_changes, changes
+        assert group["betas"] == tuple(optim.betas) and group["weight_decay"] == pytest.approx(optim.weight_decay)
+    assert changes == []
+    opt, sched = engine(new)
+    changes = resume_schedule(opt, sched, saved_schedule, group_settings(opt))
+    assert "lr: 1e-06 -> 0.1" in changes and "warmup steps: 0 -> 10" in changes
+    assert "lr_scheduler: 'constant' -> 'linear'" in changes and "weight_decay: 0.01 -> 0.1" in changes
+
+
 def test_metrics_jsonl_is_cut_back_to_the_resumed_step(tmp_path):
     log = MetricLogger(["jsonl"], tmp_path, total_steps=5)
     log.log(0, {"val/acc": 0.1}, kind="val")

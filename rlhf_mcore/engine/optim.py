@@ -165,7 +165,7 @@ def current_lr(optimizer) -> float:
 # What the config sets, by the names users know: the scheduler's state-dict keys and a param group's keys.
 _SCHEDULE_NAMES = {"max_lr": "lr", "min_lr": "min_lr (lr * min_lr_ratio)", "lr_warmup_steps": "warmup steps",
                    "lr_decay_style": "lr_scheduler", "lr_decay_steps": "decay steps (total_training_steps)",
-                   "start_wd": "weight_decay", "end_wd": "weight_decay (end)"}
+                   "start_wd": "weight_decay"}  # end_wd: the same (a constant weight decay)
 _GROUP_KEYS = {"max_lr": None, "min_lr": None, "betas": "betas", "eps": "eps"}  # None: reported with the schedule
 
 
