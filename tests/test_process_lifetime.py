@@ -8,10 +8,12 @@
   directory is refused before building anything (exit 2, one line naming the holder); `kill -9` of the torchrun
   agent takes its ranks and every helper they started
   (reward workers, dist_checkpointing's Manager and resource tracker) down within seconds; a following run takes
-  the stale lock over with a message and completes.
+  the stale lock over with a message and dies loading a truncated model, leaving no lock; the run after it starts
+  without a takeover and completes.
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -383,9 +385,21 @@ def test_killed_torchrun_takes_its_ranks_and_helpers_down_and_its_lock_is_taken_
     assert not left, f"processes outlived the killed torchrun: {left}"
     assert json.loads(lock_file.read_text()) == holder  # the stale lock stays behind
 
-    # the next run takes the stale lock over, says so, and completes (fresh: resume off)
+    # the next run takes the stale lock over, says so, then dies loading a truncated model: it leaves no lock
+    # (mutation: drop the release in RLTrainer.__init__'s except -> the lock stays and run C takes it over: fails)
+    model = Path(next(a for a in tiny_run(out, 1, 1) if a.startswith("actor_rollout_ref.model.path=")).split("=")[1])
+    broken = tmp_path / "truncated_model"
+    shutil.copytree(model, broken)
+    (broken / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:-1000])
+    d = _train(*tiny_run(out, 1, 1, "trainer.resume_mode=disable", f"actor_rollout_ref.model.path={broken}"))
+    d_err = d.communicate(timeout=300)[1]
+    assert d.returncode == 2 and "is truncated" in d_err, (d.returncode, d_err[-3000:])
+    assert f"run lock: took over {lock_file} from PID {holder['pid']} on host {holder['host']}" in d_err, d_err[-3000:]
+    assert not lock_file.exists(), "a run that died loading its model left its RUN_LOCK"
+
+    # so the run after it starts without a takeover, and completes (fresh: resume off)
     c = _train(*tiny_run(out, 1, 1, "trainer.resume_mode=disable"))
     c_err = c.communicate(timeout=300)[1]
     assert c.returncode == 0, c_err[-4000:]
-    assert f"run lock: took over {lock_file} from PID {holder['pid']} on host {holder['host']}" in c_err, c_err[-3000:]
+    assert "run lock: took over" not in c_err, c_err[-3000:]
     assert (out / "hf_final" / "config.json").is_file() and not lock_file.exists()  # released at clean exit

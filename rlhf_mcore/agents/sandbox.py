@@ -6,9 +6,11 @@ so no inherited secrets). Before the code runs, the interpreter sets `resource` 
 address space (memory), file size (which also caps stdout/stderr, written to files), open files, core dumps;
 and installs an audit hook that refuses writes outside the working directory, reads under /proc other than
 its own, starting processes (fork, exec, subprocess, os.system), sockets and loading native libraries through
-ctypes. Run as root with an interpreter that `nobody` can execute, the child also drops to the `nobody` user, so
-the operating system enforces the same (and a process-count limit applies). The parent kills the whole process
-group at the wall-clock timeout.
+ctypes. Run as root, the child also drops to the `nobody` user, so the operating system enforces the same (and a
+process-count limit applies); that needs an interpreter `nobody` can execute. Where it cannot (a venv under /root
+or in a 0700 directory), the tool refuses to run code rather than run it as root (:class:`SandboxRefused`: an error
+message to the model, counted in `agent/tool_exceptions`; one warning line when the tool is built), unless its
+config sets `allow_root: true`. The parent kills the whole process group at the wall-clock timeout.
 The result is stdout, then stderr, each truncated, and the exit status when it is not 0.
 
 This contains the mistakes and simple escapes of model-written code (loops, huge allocations, fork bombs,
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from rlhf_mcore.agents.tools import Tool, register_tool
 
-__all__ = ["PythonSandbox", "run_python"]
+__all__ = ["PythonSandbox", "SandboxRefused", "run_python", "privilege_problem"]
 
 # Runs inside the child before the model's code: limits, then the audit hook, then the code (from code.py).
 _PREAMBLE = r'''
@@ -84,6 +86,10 @@ _NOBODY = 65534
 _DROP_OK: dict[str, bool] = {}
 
 
+class SandboxRefused(RuntimeError):
+    """Run as root, the sandbox cannot drop to `nobody` and was not allowed to run code as root."""
+
+
 def _can_drop_to_nobody(python: str) -> bool:
     """Run as root and `python` usable by `nobody` (an interpreter under /root is not): checked once."""
     if os.geteuid() != 0:
@@ -96,6 +102,17 @@ def _can_drop_to_nobody(python: str) -> bool:
         except (OSError, subprocess.SubprocessError):
             _DROP_OK[python] = False
     return _DROP_OK[python]
+
+
+def privilege_problem(python: str) -> str | None:
+    """Why model code would run as root with `python` (root, and `nobody` cannot execute it), with the fixes;
+    None when it would not (not root, or the drop to `nobody` works)."""
+    if os.geteuid() != 0 or _can_drop_to_nobody(python):
+        return None
+    return (f"the python sandbox runs as root and cannot drop to user nobody: nobody cannot execute the interpreter "
+            f"{python} (realpath {os.path.realpath(python)}; e.g. under /root or a 0700 directory). Run the trainer "
+            f"as a non-root user, set the python tool's config `python:` to an interpreter nobody can execute (e.g. "
+            f"/usr/bin/python3), or set `allow_root: true` there to run model-written code as root")
 
 
 def _truncate(text: str, limit: int) -> str:
@@ -115,25 +132,29 @@ def _read(path: Path, limit: int) -> str:
 
 def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024,
                max_output_chars: int = 4000, max_output_bytes: int = 1 << 20, max_code_chars: int = 20000,
-               python: str = sys.executable) -> dict:
-    """Run `code` in the sandbox (module docstring). Returns {stdout, stderr, exit_code, timed_out, seconds}."""
+               python: str = sys.executable, allow_root: bool = False) -> dict:
+    """Run `code` in the sandbox (module docstring). Returns {stdout, stderr, exit_code, timed_out, seconds}.
+    Raises SandboxRefused when run as root, the drop to `nobody` is impossible and not `allow_root`."""
     if not isinstance(code, str):
         raise TypeError(f"code must be a string, got {type(code).__name__}")
     if len(code) > max_code_chars:
         raise ValueError(f"the code is {len(code)} characters; at most {max_code_chars}")
+    problem = privilege_problem(python)
+    if problem is not None and not allow_root:
+        raise SandboxRefused(f"refused to run the code: {problem}")
+    drop = _can_drop_to_nobody(python)  # root, and the child can become nobody
     workdir = Path(tempfile.mkdtemp(prefix="rlhf_py_"))
-    as_root = _can_drop_to_nobody(python)
     try:
         (workdir / "code.py").write_text(code)
         out_path, err_path = workdir / ".stdout", workdir / ".stderr"
         extra = {}
-        if as_root:  # the OS then enforces what the audit hook does, and the process-count limit applies
+        if drop:  # the OS then enforces what the audit hook does, and the process-count limit applies
             for p in (workdir, workdir / "code.py"):
                 os.chown(p, _NOBODY, _NOBODY)
             extra = dict(user=_NOBODY, group=_NOBODY, extra_groups=[])
         env = dict(_CLEAN_ENV, HOME=str(workdir), TMPDIR=str(workdir))
         argv = [python, "-I", "-c", _PREAMBLE, str(int(cpu_s)), str(memory_mb << 20), str(max_output_bytes),
-                "64" if as_root else "0"]
+                "64" if drop else "0"]
         t0 = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -174,10 +195,25 @@ class PythonSandbox(Tool):
                   "required": ["code"]}
 
     def __init__(self, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024,
-                 max_output_chars: int = 4000):
+                 max_output_chars: int = 4000, python: str | None = None, allow_root: bool = False):
+        """The tool's config (`config:` of its entry in the tool YAML): the limits of :func:`run_python`;
+        `python`: the interpreter running the code (default: the trainer's; only its standard library is needed);
+        `allow_root`: run the code as root where, run as root, the drop to `nobody` is impossible (default false:
+        the tool then refuses every call)."""
+        if not isinstance(allow_root, bool):
+            raise ValueError(f"allow_root={allow_root!r}: give true or false (true runs model-written code as root "
+                             "when the sandbox cannot drop to nobody)")
+        python = sys.executable if python is None else str(python)
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise ValueError(f"python={python!r} is not an executable file; give the path of a Python 3 interpreter")
         self.limits = dict(timeout_s=float(timeout_s), cpu_s=int(cpu_s), memory_mb=int(memory_mb),
-                           max_output_chars=int(max_output_chars))
+                           max_output_chars=int(max_output_chars), python=python, allow_root=allow_root)
         self.timeout_s = float(timeout_s) + 5.0  # the caller's deadline: after the sandbox's own
+        problem = privilege_problem(python)
+        if problem is not None:
+            what = "it runs model-written code as root (allow_root: true)" if allow_root else \
+                "it refuses every call"
+            print(f"warning: {problem}; {what}", file=sys.stderr, flush=True)
 
     def __call__(self, code: str = None, **unexpected) -> str:
         if unexpected:

@@ -16,6 +16,9 @@ Resharding:
   starts from the seeded generators, as Megatron-LM does);
 - scheduler: plain values, layout-independent.
 
+Loading executes nothing from the files (:mod:`rlhf_mcore.engine.safe_load`): tensors and plain data only, so the
+RNG states are stored as tensors and numbers (checkpoints that hold them as numpy arrays still load).
+
 Every entry script that saves must have an `if __name__ == "__main__":` guard: the writer starts helper
 processes, and without the guard the save hangs inside `multiprocessing.Manager()`.
 """
@@ -29,6 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore.engine.optim import group_settings, resume_schedule
+from rlhf_mcore.engine.safe_load import load_common, load_distributed, tensor_keys
+
 __all__ = ["save_checkpoint", "load_checkpoint", "OPTIMIZER_SHARDING"]
 
 OPTIMIZER_SHARDING = "fully_reshardable"
@@ -36,10 +42,14 @@ _LAYOUT_KEY = "layout"
 
 
 def _rng_state() -> dict:
+    """This rank's RNG states as tensors, numbers and strings (what `weights_only` loading reads)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+             "numpy_mt": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -48,8 +58,14 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy_mt"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    else:  # written before the states were stored as tensors: Python's tuple and numpy's array as they were
+        random.setstate(state["random"])
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -172,16 +188,17 @@ def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
                     load_optimizer: bool = True, load_rng: bool = True) -> dict:
     """Load what `save_checkpoint` wrote into the given modules/optimizer/scheduler (in place).
 
+    The optimizer's state (moments, step counts) and the scheduler's step count come from the checkpoint; its
+    settings (lr, schedule, warmup, min_lr, weight decay, betas, eps) stay those `optimizer` and `scheduler` were
+    built with (the run's config): rank 0 prints the LR in effect and each setting that differs from the saved one.
     Returns the checkpoint's plain entries (`layout`, `extra`). The RNG is restored only when the
     checkpoint was written under the same TP/PP/DP layout.
     """
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint (no metadata.json); pass the "
                                 "directory given to save_checkpoint")
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    common = load_common(path)
     saved_layout = common.get(_LAYOUT_KEY, {})
     same_layout = {k: saved_layout.get(k) for k in ("tp", "pp", "dp")} == \
         {k: v for k, v in _layout(state).items() if k != "vpp"}
@@ -190,26 +207,28 @@ def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
     sd = _sharded_state_dict(modules, optimizer if load_optimizer else None,
                              scheduler if "scheduler" in common else None, state, is_loading=True,
                              with_rng=load_rng and same_layout)
-    loaded = dist_checkpointing.load(sd, str(path))
+    loaded = load_distributed(sd, path)
     for i, m in enumerate(modules):
         inner = getattr(m, "module", m)
         inner.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=True)
+    config_groups = None
     if load_optimizer and optimizer is not None:
+        config_groups = group_settings(optimizer)  # the loaded param groups replace these: put back below
         _keep_step_on_load(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_steps(optimizer)
-    if scheduler is not None and "scheduler" in loaded:
-        scheduler.load_state_dict(loaded["scheduler"])
+    if scheduler is not None and "scheduler" in loaded:  # the config's schedule at the checkpoint's step
+        changes = resume_schedule(optimizer if config_groups is not None else None, scheduler, loaded["scheduler"],
+                                  config_groups)
+        if state.is_coordinator:
+            lr = optimizer.param_groups[0]["lr"] if optimizer is not None else scheduler.get_lr({})
+            print(f"{path}: optimizer resumed at scheduler step {scheduler.num_steps}, LR in effect {lr:.6g}; "
+                  + (f"the config's settings replace the checkpoint's: {'; '.join(changes)}" if changes else
+                     "settings as saved"), flush=True)
     if load_rng and same_layout and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     return {k: loaded.get(k) for k in (_LAYOUT_KEY, "extra")}
 
 
 def _has_optimizer(path: Path) -> bool:
-    from megatron.core import dist_checkpointing
-
-    try:
-        meta = dist_checkpointing.load_tensors_metadata(str(path))
-    except Exception:  # metadata unreadable: let the load itself report the problem
-        return True
-    return any(k.startswith("optimizer.") for k in meta)
+    return any(k.startswith("optimizer.") for k in tensor_keys(path))

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["wrap_ddp", "build_optimizer", "use_fused_adam", "build_scheduler", "current_lr", "ensure_tp_attributes"]
+__all__ = ["wrap_ddp", "build_optimizer", "use_fused_adam", "build_scheduler", "current_lr", "ensure_tp_attributes",
+           "group_settings", "resume_schedule"]
 
 
 def ensure_tp_attributes(chunks: list[torch.nn.Module]) -> int:
@@ -159,3 +160,54 @@ def build_scheduler(optimizer, optim):
 def current_lr(optimizer) -> float:
     """The learning rate of the first parameter group (what the scheduler set last)."""
     return float(optimizer.param_groups[0]["lr"])
+
+
+# What the config sets, by the names users know: the scheduler's state-dict keys and a param group's keys.
+_SCHEDULE_NAMES = {"max_lr": "lr", "min_lr": "min_lr (lr * min_lr_ratio)", "lr_warmup_steps": "warmup steps",
+                   "lr_decay_style": "lr_scheduler", "lr_decay_steps": "decay steps (total_training_steps)",
+                   "start_wd": "weight_decay"}  # end_wd: the same (a constant weight decay)
+_GROUP_KEYS = {"max_lr": None, "min_lr": None, "betas": "betas", "eps": "eps"}  # None: reported with the schedule
+
+
+def group_settings(optimizer) -> list[dict]:
+    """The config's hyperparameters in each param group (before a checkpoint's replace them on load)."""
+    return [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def _show(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else repr(list(v) if isinstance(v, tuple) else v)
+
+
+def _same(a, b) -> bool:
+    return tuple(a) == tuple(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
+def resume_schedule(optimizer, scheduler, saved_schedule: Optional[dict], config_groups: Optional[list[dict]]
+                    ) -> list[str]:
+    """After a checkpoint's optimizer and scheduler state were loaded: put the config's settings back in effect
+    (its lr, warmup, schedule, min_lr, weight decay, betas, eps: Megatron-LM's `override_opt_param_scheduler`) at the
+    checkpoint's step count, and set the param groups' lr for it. `scheduler` is the one built from the config (not
+    loaded); `config_groups` what :func:`group_settings` gave before the load (None: the optimizer was not loaded).
+    Returns ``"name: old -> new"`` for each setting the checkpoint had otherwise."""
+    changes = []
+    fresh = scheduler.state_dict()
+    saved = saved_schedule or {}
+    constant = fresh["lr_decay_style"] == saved.get("lr_decay_style") == "constant"
+    for key, name in _SCHEDULE_NAMES.items():
+        if key == "lr_decay_steps" and constant:  # no decay: its length (total_training_steps) changes nothing
+            continue
+        if key in saved and not _same(saved[key], fresh[key]):
+            changes.append(f"{name}: {_show(saved[key])} -> {_show(fresh[key])}")
+    if optimizer is not None and config_groups is not None:
+        groups = optimizer.param_groups
+        if len(groups) != len(config_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this model's "
+                             f"{len(config_groups)}")
+        for i, (group, wanted) in enumerate(zip(groups, config_groups)):
+            for key, value in wanted.items():
+                if i == 0 and _GROUP_KEYS[key] and key in group and not _same(group[key], value):
+                    changes.append(f"{_GROUP_KEYS[key]}: {_show(group[key])} -> {_show(value)}")
+                group[key] = value
+    scheduler.num_steps = 0
+    scheduler.step(increment=int(saved.get("num_steps", 0)))  # sets every group's lr and weight decay
+    return changes

@@ -66,14 +66,15 @@ def saved_role(mcore_dir) -> str:
 
 
 def load_mcore_checkpoint(model_chunks, mcore_dir) -> None:
-    """Load a checkpoint written by `save_mcore_checkpoint` (any layout) into the chunks (a collective)."""
-    from megatron.core import dist_checkpointing
+    """Load a checkpoint written by `save_mcore_checkpoint` (any layout) into the chunks (a collective), executing
+    nothing from its files (`rlhf_mcore.engine.safe_load`)."""
+    from rlhf_mcore.engine.safe_load import load_distributed
 
     path = Path(mcore_dir)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint (no metadata.json); "
                                 "write one with launch/convert_checkpoint.py --direction hf2mcore.")
-    loaded = dist_checkpointing.load(_sharded_state_dict(model_chunks), str(path))
+    loaded = load_distributed(_sharded_state_dict(model_chunks), path)  # tensors and plain data only
     chunks = [unwrap_model(c) for c in model_chunks]
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys):

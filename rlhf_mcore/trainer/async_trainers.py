@@ -51,6 +51,9 @@ class AsyncTrainerBase(RLTrainer):
 
     def __init__(self, cfg: RLConfig, pools: Pools, hooks=None):
         super().__init__(cfg, hooks=hooks, pools=pools)
+
+    def build_components(self, cfg: RLConfig, pools: Pools) -> None:  # under the run lock: see RLTrainer
+        super().build_components(cfg, pools)
         self.layout = pools.layout
         self.coord_box = pools.mailbox("coord") if self.state.is_coordinator else None
         self.ledger = Ledger()

@@ -14,7 +14,8 @@ Layout under ``trainer.default_local_dir``::
 
 A checkpoint is written into a ``.tmp`` directory and renamed into place once every rank has finished, so a
 run killed mid-save leaves the previous checkpoint as the newest complete one. Nothing in a checkpoint is
-unpickled before its manifest has been checked, and the trainer's own state is plain JSON.
+unpickled before its manifest has been checked, and nothing in it is unpickled beyond tensors and plain data
+(:mod:`rlhf_mcore.engine.safe_load`); the trainer's own state (step, sampler, KL controller, host RNG) is JSON.
 
 Resuming (``trainer.resume_mode=auto``) takes the newest checkpoint that passes
 :func:`rlhf_mcore.trainer.manifest.verify_checkpoint`; each newer one that fails is reported on one line. A
@@ -96,6 +97,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(_byte_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(_byte_tensor(state["cuda"]))
+
+
+def read_json(file: Path) -> dict:
+    """A checkpoint's JSON object (trainer state, config); CheckpointError naming the file if it is anything else."""
+    try:
+        value = json.loads(file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not JSON ({type(e).__name__}: {e}); it is forged or damaged: resume from "
+                              f"another checkpoint") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object; it is forged or damaged: "
+                              f"resume from another checkpoint")
+    return value
 
 
 # ------------------------------------------------------------------------------------------------ finding one
@@ -186,7 +200,7 @@ def check_resume_config(path: Path, config: dict, ignore_changes: bool,
     if not file.is_file():
         return
     current = json.loads(json.dumps(config, default=str))  # compared as saved: tuples are lists, keys strings
-    changes = algorithm_changes(json.loads(file.read_text()), current)
+    changes = algorithm_changes(read_json(file), current)
     if not changes:
         return
     if ignore_changes:
@@ -289,8 +303,12 @@ class CheckpointManager:
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: was the checkpoint written with a different world size? "
                                   "Resume with the saving run's number of processes.")
-        state = json.loads(file.read_text())
-        set_rng_state(state.pop("rng"))
+        state = read_json(file)
+        try:
+            set_rng_state(state.pop("rng"))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{file}: its host RNG states cannot be restored ({type(e).__name__}: {e}); it is "
+                                  f"forged or damaged: resume from another checkpoint") from None
         return state
 
 

@@ -12,8 +12,9 @@ seconds to minutes of disk reads at save and again at resume. Sizes are compared
 truncated file is found without reading it.
 
 The manifest detects corruption (truncated or partly written files) and files added or changed after the save.
-It is not a signature: whoever can rewrite both a file and the manifest and marker can forge it; the
-``.metadata`` check (and the trainer state being JSON) is what keeps such a forgery from running code.
+It is not a signature: whoever can rewrite both a file and the manifest and marker can forge it; loading without
+unpickling anything but tensors and plain data (:mod:`rlhf_mcore.engine.safe_load`, the trainer state being JSON)
+is what keeps such a forgery from running code: it fails to load, with one line naming the file.
 
 Assumes the checkpoint directory is on a filesystem every rank sees (the one the trainer's rename into place
 already needs): rank 0 hashes the files all ranks wrote, after a barrier.
@@ -130,15 +131,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refers to {module}.{name}, which a checkpoint's metadata never holds")
 
 
+def read_metadata(path: Path):
+    """A torch distributed-checkpoint ``.metadata`` unpickled allowing only the metadata classes (and torch dtypes,
+    sizes, layouts): nothing outside that list is imported or called. Raises on anything else (UnpicklingError)
+    and when the file does not hold a ``Metadata``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    meta = _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
+    if not isinstance(meta, Metadata):
+        raise pickle.UnpicklingError(f"holds a {type(meta).__name__}, not a checkpoint Metadata")
+    return meta
+
+
 def check_metadata_pickle(path: Path) -> Optional[str]:
-    """Unpickle a torch distributed-checkpoint ``.metadata`` allowing only the metadata classes (and torch
-    dtypes, sizes, layouts): None when it holds nothing else, else why not. Nothing outside that list is
-    imported or called."""
+    """None when :func:`read_metadata` reads `path`, else why not."""
     try:
-        _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        read_metadata(path)
     except Exception as e:  # any failure means torch's own unrestricted unpickling must not see the file
         return f"not a plain checkpoint-metadata pickle ({type(e).__name__}: {e})"
     return None
 
 
-__all__ = ["MANIFEST", "COMPLETE", "write_manifest", "verify_checkpoint", "check_metadata_pickle", "sha256_file"]
+__all__ = ["MANIFEST", "COMPLETE", "write_manifest", "verify_checkpoint", "check_metadata_pickle", "read_metadata",
+           "sha256_file"]

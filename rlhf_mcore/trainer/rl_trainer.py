@@ -77,6 +77,15 @@ class RLTrainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed)
         self.run_lock = take_run_lock(self.out_dir, self.state)  # one live run per directory, before any model
+        try:
+            self.build_components(cfg, pools)
+        except BaseException:  # e.g. a model that fails to load: the next run must not find this run's lock
+            self.run_lock.release()
+            raise
+
+    def build_components(self, cfg: RLConfig, pools) -> None:
+        """The models, the rollout and the bookkeeping, under the run lock (released by __init__ if this raises;
+        a subclass that builds more extends this)."""
         self.sampler = roles.build_sampler(cfg, len(self.train_set))
         steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -422,13 +431,15 @@ class RLTrainer:
             self.logger.text(f"final actor (Hugging Face format): {out}")
 
     def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
-        self.scorer.close()
-        if dist.is_initialized():
-            dist.barrier(group=self.state.cpu_group)
-        destroy_distributed()
-        self.run_lock.release()
+        try:
+            if self.logger is not None:
+                self.logger.close()
+            self.scorer.close()
+            if dist.is_initialized():
+                dist.barrier(group=self.state.cpu_group)
+            destroy_distributed()
+        finally:  # a failed barrier (another rank died) too
+            self.run_lock.release()
 
 
 def train(cfg: RLConfig) -> dict[str, float]:
