@@ -1,12 +1,12 @@
 """Config loading, overrides and every class of error message (content asserted), plus the CLI contract:
 a bad config ends with the message (no traceback) and a non-zero exit; --print-config prints and exits 0."""
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from subprocess_env import child_env
 
 from rlhf_mcore.config import ConfigError, critic_enabled, load_config, reference_enabled, validate_config
 
@@ -184,7 +184,7 @@ def test_grpo_needs_no_critic_and_kl_loss_needs_reference():
 
 
 def run_cli(*args, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    env = child_env(**(env_extra or {}))
     return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], capture_output=True,
                           text=True, env=env, timeout=120)
 

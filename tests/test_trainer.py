@@ -14,7 +14,6 @@ the strict GSM8K reward rejects -> launch/sft.py), built once per session.
 - Bad inputs end with a clear message before any compute.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200;
@@ -37,8 +37,8 @@ NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "
 
 def _env():
     # CUDA_VISIBLE_DEVICES="": CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
+                     CUDA_VISIBLE_DEVICES="")
 
 
 def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout: int = 900):
