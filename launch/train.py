@@ -1,6 +1,7 @@
 """Train with PPO/GRPO:  torchrun --nproc_per_node=N launch/train.py --config configs/X.yaml [key=value ...]
 
-`python launch/train.py ...` runs as a single process. `--print-config` prints the resolved config and exits.
+`python launch/train.py ...` runs as a single process. `--print-config` prints the resolved config and exits
+(checked against the layout it names: no process launched, no model or data file read).
 """
 import sys
 

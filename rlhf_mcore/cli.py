@@ -7,12 +7,13 @@ without a traceback; config mistakes before any process group or model is create
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from typing import Callable, Optional
 
-from rlhf_mcore.config import RLConfig, load_config, model_max_positions, to_yaml, validate_config
+from rlhf_mcore.config import RLConfig, load_config, model_max_positions, parallel_layout, to_yaml, validate_config
 from rlhf_mcore.errors import UserError
 from rlhf_mcore.lifetime import bind_rank_to_launcher
 from rlhf_mcore.quiet import silence_known_warnings
@@ -26,7 +27,9 @@ def parse_args(argv: Optional[list[str]] = None, description: str = "") -> argpa
     ap = argparse.ArgumentParser(description=description,
                                  epilog="Overrides use the config's dotted keys, e.g. data.train_batch_size=256.")
     ap.add_argument("--config", help="YAML run config (configs/*.yaml); omitted: the schema defaults")
-    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config and exit: checked against the process layout it names, with no "
+                         "process launched and no model or data file read")
     ap.add_argument("overrides", nargs="*", help="key=value overrides")
     return ap.parse_args(argv)
 
@@ -35,10 +38,33 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def config_world_size(cfg: RLConfig) -> int:
+    """The process count the config's own layout names, to check it without a launch (`--print-config`):
+    trainer.nnodes x trainer.n_gpus_per_node, plus rollout.nnodes x rollout.n_gpus_per_node under async_training.
+    A training world the config leaves to the launch counts the fewest processes its layout fits: a multiple of
+    trainer.nnodes and of TP x PP (and of the colocated rollout's TP)."""
+    t, rp = cfg.trainer, cfg.rollout
+    colocated = cfg.async_training.mode == "off"
+    if t.n_gpus_per_node is not None:
+        train = (t.nnodes or 1) * t.n_gpus_per_node
+    else:
+        tp, pp, _ = parallel_layout(cfg)
+        sizes = [t.nnodes or 1, tp * pp]
+        if colocated:
+            sizes.append(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        train = math.lcm(*(max(s, 1) for s in sizes))  # a bad size (< 1) is validate_config's to report
+    rollout = 0 if colocated or rp.n_gpus_per_node is None else (rp.nnodes or 1) * rp.n_gpus_per_node
+    return train + rollout
+
+
 def load_and_validate(args: argparse.Namespace) -> RLConfig:
+    """The config of `args`, validated against the launched processes and the model (a launch) or, with
+    `--print-config`, against the layout it names, reading no model file (printing needs neither)."""
     cfg = load_config(args.config, args.overrides)
-    path = cfg.actor_rollout_ref.model.path
-    validate_config(cfg, world_size_from_env(), model_max_positions(path))
+    if args.print_config:
+        validate_config(cfg, config_world_size(cfg), read_model=False)
+    else:
+        validate_config(cfg, world_size_from_env(), model_max_positions(cfg.actor_rollout_ref.model.path))
     return cfg
 
 

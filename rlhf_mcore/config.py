@@ -1044,8 +1044,13 @@ def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> N
                               "false, or leave it unset (graphs where they run).")
 
 
-def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optional[int] = None) -> None:
-    """Checks that relate several keys, the world size and the model. Fails on the first problem."""
+def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optional[int] = None,
+                    read_model: bool = True) -> None:
+    """Checks that relate several keys, the world size and the model. Fails on the first problem.
+
+    `world_size`: the launched processes (the launch-layout keys must name them). `read_model=False` skips the
+    checks that read the models' config.json (the pipeline split against the layer count): `--print-config`
+    reads no model file."""
     load_plugins(cfg.trainer.plugins)  # plugins may register estimators, losses and rewards used below
     t = cfg.trainer
     if cfg.async_training.mode != "off":
@@ -1070,7 +1075,8 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     if vpp is not None:
         _require(pp > 1, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size needs "
                          "pipeline_model_parallel_size > 1.")
-    _check_pipeline_split(cfg, pp, vpp)
+    if read_model:
+        _check_pipeline_split(cfg, pp, vpp)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
     d, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout

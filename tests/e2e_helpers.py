@@ -1,10 +1,11 @@
 """What the end-to-end tests of launch/train.py share: a tiny task whose groups disagree, the torchrun call and the
 metrics a run logged."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def parity_task(tmp_path: Path, model_dir: Path, max_response_length: int = 8) -
 
 
 def torchrun_train(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)

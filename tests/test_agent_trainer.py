@@ -6,7 +6,6 @@ the same agent loops on its rollout pool, trains the tool tokens masked out, and
 samples, as the synchronous trainer's) logs the synchronous run's metrics; the fully asynchronous trainer streams
 them across a weight sync, each model token's rollout log-prob that of the policy version that sampled it."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import sys
 import pytest
 import torch
 from e2e_helpers import ROOT, torchrun_train
+from subprocess_env import child_env
 from test_trainer import NONDETERMINISTIC, launch
 
 from rlhf_mcore.agents.tasks import multiply_rows
@@ -184,8 +184,7 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
         "actor_rollout_ref.rollout.max_num_seqs=2"]  # n=2: one group in flight at a time
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "workers" / "async_agent_rows.py"), *run_args, "--out", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     rows = [x for x in lines if "response_ids" in x]

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from e2e_helpers import parity_task, records
+from subprocess_env import child_env
 
 from rlhf_mcore.config import ConfigError, load_config, validate_config
 from rlhf_mcore.parallel.pools import Mailbox, PoolLayout
@@ -348,7 +349,7 @@ def _setup(tmp_path, tiny_model_dir):
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return child_env(OMP_NUM_THREADS="1")
 
 
 def _torchrun(nproc, args):

@@ -1,6 +1,5 @@
 """Every bad input a user can hand `launch/train.py` ends in one line naming the input, the problem and the fix,
 exit code 2, no traceback, before any model is built (each case here takes a few seconds: imports only)."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,13 +7,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("config error:", "input error:", "reward error:", "error:")
 
 
 def train(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], capture_output=True,
                           text=True, env=env, timeout=300, cwd=cwd)
 

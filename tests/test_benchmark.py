@@ -6,22 +6,20 @@ the 2-core CI machines instead of ~2 min for one process each); the driver itsel
 benchmark (the computed memory plan).
 """
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
 
 def _env():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the checkout first
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false")
+    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 from rlhf_mcore.config import ConfigError, load_config, to_dict
 from rlhf_mcore.trainer.checkpoint import (
@@ -377,8 +378,7 @@ def test_metrics_jsonl_is_cut_back_to_the_resumed_step(tmp_path):
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false")
+    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 
 
 def _train(args, check=True):

@@ -1,14 +1,15 @@
 """Config loading, overrides and every class of error message (content asserted), plus the CLI contract:
 a bad config ends with the message (no traceback) and a non-zero exit; --print-config prints and exits 0."""
-import os
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from subprocess_env import child_env
 
-from rlhf_mcore.config import ConfigError, critic_enabled, load_config, reference_enabled, validate_config
+from rlhf_mcore.config import ConfigError, critic_enabled, load_config, reference_enabled, to_dict, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["actor_rollout_ref.model.path=/models/m"]
@@ -184,7 +185,7 @@ def test_grpo_needs_no_critic_and_kl_loss_needs_reference():
 
 
 def run_cli(*args, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    env = child_env(**(env_extra or {}))
     return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
@@ -216,6 +217,127 @@ def test_cli_print_config_and_clean_errors(tmp_path):
                         env_extra={"WORLD_SIZE": "3"})
     assert world_bad.returncode == 2 and "Traceback" not in world_bad.stderr
     assert "3 were launched" in world_bad.stderr and "torchrun --nnodes=1 --nproc_per_node=1" in world_bad.stderr
+
+
+# One plain `python` process runs launch/train.py --print-config on every config (one interpreter start for all of
+# them), recording each run's exit code, output and the files it opened (the audit hook's `open` events, raised
+# before the open: a missing file counts).
+PRINT_ALL = r"""
+import contextlib, io, json, os, runpy, sys
+train, out_path, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
+opened = []
+sys.addaudithook(lambda event, args: opened.append(os.path.abspath(os.fsdecode(args[0])))
+                 if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) else None)
+results = {}
+for path in configs:
+    out, err, code = io.StringIO(), io.StringIO(), None
+    opened.clear()
+    sys.argv = [train, "--config", path, "--print-config"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(train, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    results[path] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "opened": list(opened)}
+with open(out_path, "w") as f:
+    json.dump(results, f)
+"""
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
+ALIASES = {"reward_model": "reward.reward_model", "custom_reward_function": "reward.custom_reward_function"}
+
+
+@pytest.fixture(scope="module")
+def printed_configs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("print_config") / "printed.json"
+    env = child_env(OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # a plain `python`, not torchrun
+    proc = subprocess.run([sys.executable, "-c", PRINT_ALL, str(ROOT / "launch" / "train.py"), str(out),
+                           *map(str, SHIPPED)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _leaves(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_prints_in_one_plain_process(printed_configs, path):
+    """`python launch/train.py --config X --print-config` exits 0 for every file in configs/, without torchrun
+    (configs that name 2 or 8 processes included), prints YAML holding the file's every key with its value
+    (veRL's top-level aliases under `reward.`), and opens no model or data file (the paths need not exist).
+
+    Mutation: validate_config(cfg, world_size_from_env(), ...) under --print-config -> fails (demo_cpu and 3 more:
+    "2 processes, but 1 were launched"); read_model=True there -> fails (<model>/config.json opened)."""
+    from omegaconf import OmegaConf
+
+    r = printed_configs[str(path)]
+    assert r["code"] == 0, r["stderr"]
+    printed = OmegaConf.to_container(OmegaConf.create(r["stdout"]))
+    assert printed == to_dict(load_config(path, []))
+    for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(path))):
+        head, _, rest = key.partition(".")
+        node = printed
+        for part in f"{ALIASES.get(head, head)}.{rest}".split("."):
+            node = node[part]
+        assert node == value or node == [value], (key, value, node)
+    models = [Path(ROOT, v).resolve() for k, v in _leaves(printed) if k.endswith("model.path") and v]
+    data = {Path(ROOT, f).resolve() for f in printed["data"]["train_files"] + printed["data"]["val_files"]}
+    assert models and data
+    for f in map(Path, r["opened"]):
+        assert f not in data and not any(f == m or m in f.parents for m in models), f
+
+
+def test_print_config_needs_no_launch_but_launching_checks_the_world(tmp_path, monkeypatch):
+    """The launch-layout check belongs to launching: demo_cpu.yaml (2 processes) prints under one process and is
+    refused when launched as one; the model's config.json is read at launch only (its context is too short here).
+
+    Mutation: drop the `nodes * per_node == world_size` check in validate_config -> fails."""
+    from rlhf_mcore.cli import load_and_validate, parse_args
+
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    demo = str(ROOT / "configs" / "demo_cpu.yaml")
+    assert load_and_validate(parse_args(["--config", demo, "--print-config"])).trainer.n_gpus_per_node == 2
+    with pytest.raises(ConfigError, match=r"trainer.nnodes=1 x trainer.n_gpus_per_node=2 = 2 processes, but 1 were "
+                                          r"launched: launch with `torchrun --nnodes=1 --nproc_per_node=2"):
+        load_and_validate(parse_args(["--config", demo]))
+    model = tmp_path / "short_model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 16, "num_hidden_layers": 2}))
+    args = ["--config", demo, f"actor_rollout_ref.model.path={model}"]
+    load_and_validate(parse_args([*args, "--print-config"]))  # the model is not read
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"exceeds the model's context of 16 tokens"):
+        load_and_validate(parse_args(args))
+
+
+@pytest.mark.parametrize("config, overrides, world", [
+    ("demo_cpu.yaml", [], 2),  # trainer.nnodes x trainer.n_gpus_per_node
+    ("demo_async_cpu.yaml", [], 3),  # a training pool of 2 and a rollout pool of 1
+    ("gsm8k_grpo_qwen2.5_7b_8gpu.yaml", [], 8),
+    (None, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], 2),  # no layout keys: TP x PP
+    (None, ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], 4),  # ... and the colocated rollout's TP
+    (None, ["trainer.nnodes=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], 4),
+])
+def test_print_config_checks_the_layout_the_config_names(config, overrides, world):
+    """--print-config validates at the world the config names, or the fewest processes its layout fits.
+
+    Mutation: config_world_size returns 1 where the config names no layout -> fails (and --print-config then
+    refuses the TP=2 config: world size 1 is not divisible by TP x PP)."""
+    from rlhf_mcore.cli import config_world_size, load_and_validate, parse_args
+
+    argv = (["--config", str(ROOT / "configs" / config)] if config else
+            MODEL + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]) + overrides
+    args = parse_args([*argv, "--print-config"])
+    assert config_world_size(load_config(args.config, args.overrides)) == world
+    load_and_validate(args)  # validated at that world
 
 
 def test_verl_top_level_reward_sections_are_aliases(tmp_path):

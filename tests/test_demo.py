@@ -2,16 +2,17 @@
 own numbers. Short settings (2 SFT steps, 1 GRPO step, one process); the demo's learning is checked by
 tests/test_trainer.py with the demo's real settings."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def demo(out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     return subprocess.run([sys.executable, str(ROOT / "launch" / "demo.py"), "--nproc", "1", "--out", str(out),
                            "--sft-steps", "2", "--grpo-steps", "1"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

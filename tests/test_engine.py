@@ -15,13 +15,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 from rlhf_mcore.engine.balance import (
     greedy_partition,
@@ -395,7 +395,7 @@ def test_offload_host_memory_is_exact_size_and_reused():
 
 def _launch(nproc: int, cases: str, model_dir: Path, out: Path) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(WORKER), "--model", str(model_dir), "--out", str(out), "--cases", cases]

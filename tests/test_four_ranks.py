@@ -16,13 +16,13 @@ for values near zero, e.g. GRPO's pg_loss on its first epoch) between layouts, w
 order; the sampled tokens and so the scores and lengths agree exactly.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 REL, ABS = 1e-4, 1e-6
@@ -35,8 +35,8 @@ TP_PP = ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size={}",
 
 def _env():
     # CUDA_VISIBLE_DEVICES="": CPU fp32 whatever the machine has
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
+                     CUDA_VISIBLE_DEVICES="")
 
 
 def _cmd(nproc: int, args: list[str]) -> list[str]:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from subprocess_env import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ("rlhf_mcore.kernels.logprob_reference", "rlhf_mcore.kernels.fused_logprob",
                   "rlhf_mcore.kernels.fused_layer")
@@ -37,13 +39,13 @@ def test_kernel_sources_import_nothing_from_rlhf_mcore():
 
 
 def test_kernels_import_from_the_checkout_alone(tmp_path):
-    """A fresh interpreter with only the checkout on PYTHONPATH (run from elsewhere, so the working directory
+    """A fresh interpreter with the checkout first on PYTHONPATH (run from elsewhere, so the working directory
     adds nothing) imports the kernel modules from the checkout, and no rlhf_mcore module outside the kernels."""
     code = (f"import importlib, json, sys\n"
             f"files = [importlib.import_module(m).__file__ for m in {KERNEL_MODULES!r}]\n"
             f"print(json.dumps({{'files': files, 'modules': sorted(m for m in sys.modules "
             f"if m.split('.')[0] == 'rlhf_mcore')}}))\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -258,6 +258,62 @@ def test_gspo_matches_sequence_level_reference(seed):
     assert metrics["pg_clipfrac"].item() == pytest.approx(n_clip_tokens / mask.sum().item())
 
 
+def naive_gspo_token(old_i, new_i, t, a, w, low, high):
+    """GSPO's loss at token t of one sequence (its valid tokens' log-probs `old_i`, `new_i`), from scalars:
+    s_i = exp(mean_t(new - old)) (capped at exp(10)), the token's ratio s_i,t = sg(s_i) * exp(new_t - sg(new_t)),
+    PPO clipping of s_i,t against the token's advantage `a`, times its IS weight `w`. Returns (loss, clipped)."""
+    log_s = sum(n - o for n, o in zip(new_i, old_i)) / len(new_i)
+    token_log_ratio = new_i[t] - new_i[t].detach() + log_s.detach()
+    s_t = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    unclipped, clipped = -a * s_t, -a * torch.clamp(s_t, 1 - low, 1 + high)
+    return torch.maximum(unclipped, clipped) * w, bool(clipped > unclipped)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gspo_matches_naive_per_token_loop(seed, weighted):
+    """GSPO with per-token advantages (GAE's) and per-token rollout IS weights: the loss and the gradient of every
+    token's log-prob equal a loop over tokens of `naive_gspo_token`, aggregated seq-mean-token-mean. One row's
+    sequence log-ratio is past the exp(10) cap (no gradient through it).
+
+    Mutation: in compute_policy_loss_gspo, `ratio = masked_mean(ratio, response_mask, dim=-1).unsqueeze(-1)
+    .expand_as(ratio)` (the per-token ratios replaced by their mean: same values, other gradients) -> fails, as
+    does `pg_losses * masked_mean(rollout_is_weights, response_mask)` (weighted); today's other GSPO tests pass
+    both."""
+    old, new, adv, mask, lengths = make_batch(seed)
+    new = old + 0.3 * (new - old)  # sequence ratios ~0.85 to ~1.15: tokens on both sides of the clip range
+    new[3] += 12.0  # mean log-ratio > 10: the cap
+    B, T = mask.shape
+    w = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 20), dtype=F64) + 0.5 if weighted else None
+    low, high = 0.05, 0.08
+    new_a = new.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss("gspo")(old, new_a, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
+                                            loss_agg_mode="token-mean", rollout_is_weights=w)
+    loss.backward()
+
+    new_b = new.clone().requires_grad_(True)
+    seq_losses, n_clip = [], 0
+    for i in range(B):
+        n = lengths[i]
+        if n == 0:
+            continue
+        old_i, new_i = [old[i, t] for t in range(n)], [new_b[i, t] for t in range(n)]
+        terms = []
+        for t in range(n):
+            term, clipped = naive_gspo_token(old_i, new_i, t, adv[i, t], 1.0 if w is None else w[i, t], low, high)
+            terms.append(term)
+            n_clip += clipped
+        seq_losses.append(sum(terms) / n)
+    expected = sum(seq_losses) / len(seq_losses)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(new_a.grad, new_b.grad)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(n_clip / mask.sum().item())
+    assert 0 < n_clip < mask.sum().item()  # both branches occur
+    assert lengths[3] > 1 and (new_b.grad[3] == 0).all()  # the cap stops the gradient
+    assert (new_b.grad.abs().sum(1) > 0).sum() >= 2  # rows with tokens inside the clip range
+
+
 def test_policy_loss_registry():
     assert {"vanilla", "gspo"} <= set(list_policy_losses())
     with pytest.raises(ValueError, match="known: .*vanilla"):

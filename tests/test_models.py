@@ -9,13 +9,13 @@ references.
 """
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError, load_hf_config
 
@@ -67,7 +67,7 @@ def model_dirs(tiny_model_dir, tmp_path_factory):
 
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)

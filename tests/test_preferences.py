@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from subprocess_env import python_path
+
 from rlhf_mcore.data.preferences import make_synthetic_preferences, read_preference_rows
 from rlhf_mcore.rewards import default_compute_score
 
@@ -30,7 +32,7 @@ def test_chosen_passes_the_rule_and_rejected_fails_it():
 def test_preprocess_writes_disjoint_splits(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "preprocess_data.py"), "synthetic-preferences",
                            "--n", "200", "--n-test", "20", "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True, env={"PYTHONPATH": python_path(), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["train"]["rows"] == 200 and summary["test"]["rows"] == 20

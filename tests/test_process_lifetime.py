@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from subprocess_env import child_env
 
 from rlhf_mcore.trainer.run_lock import LOCK_NAME, RunLock, RunLockError, _boot_id, _start_ticks
 
@@ -30,8 +31,7 @@ PY = sys.executable
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false")
+    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 
 
 def _alive(pid: int, ticks: int) -> bool:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from subprocess_env import child_env
 
 from rlhf_mcore.config import ConfigError, load_config, validate_config
 from rlhf_mcore.rewards import (
@@ -241,7 +242,7 @@ STUCK_SCRIPT = textwrap.dedent(
 def test_inline_call_that_cannot_be_interrupted_ends_the_process(tmp_path, behaviour, expected):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     start = time.monotonic()
     proc = subprocess.run([sys.executable, str(script), behaviour], capture_output=True, text=True, timeout=60,
                           env=env)

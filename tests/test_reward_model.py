@@ -10,7 +10,6 @@
   preference file missing a column: each a clear error naming the key or file.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 from rlhf_mcore.rewards.reward_model import RewardModelError, check_reward_model_dir, combine, rm_token_ids
 
@@ -75,9 +75,8 @@ def parity(reward_models, tmp_path_factory):
     spec = {"models": {a: str(d) for a, d in reward_models.items()}, "sequences": seqs, "pairs": pairs,
             "layouts": list(LAYOUTS)}
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="")  # fp32 on the CPU, what the 1e-4 against transformers is calibrated for
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
+                    CUDA_VISIBLE_DEVICES="")  # fp32 on the CPU, what the 1e-4 against transformers is calibrated for
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(WORKER), "--spec", str(tmp / "spec.json"), "--out", str(tmp / "out.json")],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -130,6 +130,52 @@ def test_token_veto_rejects_whole_sequences_with_one_bad_token():
         assert rows(keep[b]) == [0.0 if bad or t not in valid else 1.0 for t in range(mask.shape[1])]
 
 
+@pytest.mark.parametrize("threshold", [1e-30, 1e-10, 1e-8, 0.6])
+def test_token_veto_matches_a_naive_loop_past_the_clamp(threshold):
+    """Log-ratios up to +40 with one low token per row at -75, -32.2, -20.5 (most past the +-20 clamp), padding
+    at -100; thresholds on both sides of e^-20 (log 1e-30 = -69.1, log 1e-10 = -23.0, log 1e-8 = -18.4).
+
+    Mutation: compare `exp(log_ratio.clamp(-20, 20)) < threshold` again -> fails for 1e-30 and 1e-10."""
+    _, _, mask = grid(B=5, T=7)  # lengths 7, 3, 1, 5, 0
+    g = torch.Generator().manual_seed(8)
+    lr = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 40  # (B, T)
+    for b, (t, low) in enumerate([(4, -75.0), (1, -32.2), (0, -20.5)]):  # row 3: all >= 0; row 4: empty
+        lr[b, t] = low
+    lr = torch.where(mask.bool(), lr, torch.full_like(lr, -100.0))  # padding never vetoes
+    keep = token_veto_mask(lr, mask, threshold)
+    vetoed_rows = 0
+    for b in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[b, t]]
+        bad = any(math.exp(float(lr[b, t])) < threshold for t in valid)  # float64: exp(-75) = 2.7e-33 > 0
+        vetoed_rows += bad
+        assert rows(keep[b]) == [0.0 if bad or t not in valid else 1.0 for t in range(mask.shape[1])], b
+    assert vetoed_rows == {1e-30: 1, 1e-10: 2, 1e-8: 3, 0.6: 3}[threshold]
+
+
+@pytest.mark.parametrize("log_ratio, threshold, vetoed", [
+    (-32.2, 1e-10, True),   # ratio 1.0e-14 < 1e-10: veRL vetoes; the clamp made it e^-20 = 2.1e-9 and kept it
+    (-23.5, 1e-10, True),   # 6.2e-11 < 1e-10, just past the clamp
+    (-20.5, 1e-10, False),  # 1.25e-9 > 1e-10: past the clamp, still above the threshold
+    (-20.5, 1e-8, True),    # threshold above e^-20
+    (-18.0, 1e-8, False),   # 1.5e-8 > 1e-8
+    (-float("inf"), 1e-30, True),  # pi_old(y) = 0
+    (32.2, 1e-10, False),   # a huge ratio is never vetoed
+    (float("nan"), 1e-10, False),  # veRL's `<` on NaN: no veto
+])
+def test_token_veto_in_log_space_on_both_sides_of_the_clamp(log_ratio, threshold, vetoed):
+    """One bad token in row 0; row 1 has the same value on a padded position and must be kept.
+
+    Mutation: compare `exp(log_ratio.clamp(-20, 20)) < threshold` again -> fails on -32.2, -23.5 and -inf."""
+    old = torch.tensor([[-1.0, -1.0 + log_ratio, -2.0], [-1.0, -1.5, -1.0 + log_ratio]])  # (2, 3) fp32
+    roll = torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -1.5, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    keep = token_veto_mask(old - roll, mask, threshold)
+    assert rows(keep) == [[0.0] * 3 if vetoed else [1.0] * 3, [1.0, 1.0, 0.0]]
+    c = compute_rollout_correction(old, roll, mask, rollout_token_veto_threshold=threshold)
+    assert torch.equal(c.response_mask, keep)
+    assert c.metrics["rollout_corr/rollout_is_veto_fraction"] == (0.5 if vetoed else 0.0)
+
+
 def test_compute_rollout_correction_combines_weights_masks_and_metrics():
     old, roll, mask = grid(seed=4)
     c = compute_rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold=1.2,

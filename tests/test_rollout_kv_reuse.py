@@ -9,7 +9,6 @@ agent scheduler's use of it is checked end to end on the native engine. CPU, fp3
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import child_env
 from test_rollout_native import _single_thread, make_prompts  # noqa: F401 (_single_thread: an autouse fixture)
 
 from rlhf_mcore.rollout import Request, SamplingParams
@@ -315,7 +315,7 @@ def test_triton_path_in_interpreter(tiny_model_dir):
     """The GPU path (cached-prefix prefill through the decode kernel, fused kernels, Triton sampler) run by
     Triton's CPU interpreter in fp32: with sessions it equals the torch path without them."""
     # CPU tensors (the interpreter's), also on a GPU machine
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env = child_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import weakref
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
@@ -308,7 +308,7 @@ def test_triton_kernels_match_torch_references_in_interpreter(tiny_model_dir):
     """The GPU kernels (attention, sampling, fused element-wise ops) and the engine using all of them, run
     by Triton's CPU interpreter in fp32 against the torch paths. (The interpreter cannot do bf16 dot
     products, so bf16 numerics are checked on GPU by tests/test_rollout_native_gpu.py.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from subprocess_env import child_env
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
@@ -285,7 +286,7 @@ def test_one_engine_per_tp_group(tiny_model_dir, tmp_path):
            str(ROOT / "tests" / "workers" / "sglang_tp_cases.py"), "--model", str(tiny_model_dir("qwen2")),
            "--out", str(tmp_path)]
     # CPU ranks (gloo), also on a GPU machine: 4 ranks on fewer GPUs would share one, which the layout check refuses
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads((tmp_path / "results.json").read_text())

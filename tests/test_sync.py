@@ -13,13 +13,13 @@ Multi-process:
   to a fresh engine built from `save_hf_checkpoint`), and the broadcast transport.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 from rlhf_mcore.sync import (
     BucketPacker,
@@ -356,7 +356,7 @@ def test_verify_rejects_an_engine_it_cannot_read():
 # ------------------------------------------------------------------------------------------ other processes
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
     return env
 

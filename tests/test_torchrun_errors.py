@@ -1,7 +1,6 @@
 """A bad input under `torchrun --nproc_per_node=2` ends in ONE line of ours (rank 0's `<kind>: <message>`), a
 non-zero exit, and no traceback from our code: torchrun's own failure summary (its ChildFailedError traceback)
 is the only traceback in the output. Each case is one torchrun launch (about ten seconds on CPU)."""
-import os
 import re
 import shutil
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("config error:", "input error:", "reward error:", "error:")
@@ -18,7 +18,7 @@ OUR_FRAME = re.compile(r'File "[^"]*(/rlhf_mcore/|/launch/)')
 
 
 def torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)

@@ -14,7 +14,6 @@ the strict GSM8K reward rejects -> launch/sft.py), built once per session.
 - Bad inputs end with a clear message before any compute.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200;
@@ -37,8 +37,8 @@ NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "
 
 def _env():
     # CUDA_VISIBLE_DEVICES="": CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
+                     CUDA_VISIBLE_DEVICES="")
 
 
 def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout: int = 900):
@@ -207,11 +207,20 @@ def deterministic(m: dict) -> dict:
 @pytest.mark.slow
 def test_validation_matches_standalone_eval(assets, tmp_path):
     """Two GRPO steps, validating after the last: the logged accuracy equals a greedy evaluation of the exported
-    final model by launch/generate.py and the reward registry."""
+    final model by launch/generate.py and the reward registry. With the KL penalty in the reward, the step logs
+    veRL's actor/reward_kl_penalty (k3 >= 0: 0 at step 1, where the actor is the reference; > 0 after an update)
+    and its coefficient (tests/test_reward_kl_metrics.py checks the values against a naive loop).
+
+    Mutation: drop `**batch.get("kl_metrics", {})` from RLTrainer.finish_step -> fails (KeyError)."""
     out = tmp_path / "grpo"
-    launch("train.py", *base_args(assets, out, 2, "trainer.test_freq=2"))
+    launch("train.py", *base_args(assets, out, 2, "trainer.test_freq=2", "algorithm.use_kl_in_reward=true",
+                                  "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.kl_coef=0.05"))
     m = train_metrics(out)
     assert sorted(m) == [1, 2] and (out / "hf_final" / "config.json").is_file()
+    assert [m[s]["actor/reward_kl_penalty_coeff"] for s in (1, 2)] == [0.05, 0.05]
+    assert m[1]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert m[2]["actor/reward_kl_penalty"] > 1e-5
+    assert m[2]["critic/rewards/mean"] < m[2]["critic/score/mean"]  # the penalty lowered the rewards
     val = val_metrics(out)[-1]
     assert val["step"] == 2 and "val/openai/gsm8k/acc" in val and "val/synthetic/arithmetic/acc" in val
     evaluated = standalone_accuracy(out / "hf_final", [assets / "syn" / "test.parquet", assets / "gsm8k_val.parquet"],

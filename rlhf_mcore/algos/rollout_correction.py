@@ -15,11 +15,13 @@ Per token the ratio is `rho_t = pi_old(y_t) / pi_rollout(y_t) = exp(old_log_prob
 - Veto (`rollout_token_veto_threshold`): a sequence with any token whose `rho_t` is below the threshold is
   removed whole (one catastrophic token poisons the sequence's gradient).
 
-Log-ratios are clamped to [-20, 20] before `exp` so weights stay finite. The semantics and key names are
-veRL 0.7's `algorithm.rollout_correction`; every weight and mask is zero outside `response_mask`.
+Log-ratios are clamped to [-20, 20] before `exp` so weights stay finite; the veto compares the unclamped
+log-ratio instead. The semantics and key names are veRL 0.7's `algorithm.rollout_correction`; every weight and
+mask is zero outside `response_mask`.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -116,9 +118,16 @@ def rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: 
 
 
 def token_veto_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Keep-mask (B, T): 0 on every token of a sequence with a valid token whose ratio is below `threshold`."""
+    """Keep-mask (B, T): 0 on every token of a sequence with a valid token whose ratio is below `threshold`.
+
+    Compared in log space on the unclamped log-ratio, `log_ratio < log(threshold)` (veRL's test), so a threshold
+    below exp(-SAFETY_BOUND) still catches the tokens past the clamp; a log-ratio of -inf vetoes, NaN does not.
+    """
+    if not threshold > 0:
+        raise ValueError(f"algorithm.rollout_correction.rollout_token_veto_threshold must be > 0, got {threshold}")
     valid = response_mask.bool()  # (B, T)
-    vetoed = ((log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() < threshold) & valid).any(-1, keepdim=True)  # (B, 1)
+    bad = log_ratio.double() < math.log(threshold)  # (B, T) in float64: exact for any fp32 / bf16 log-ratio
+    vetoed = (bad & valid).any(-1, keepdim=True)  # (B, 1)
     return (valid & ~vetoed).to(response_mask.dtype)  # (B, T)
 
 

@@ -276,12 +276,15 @@ class RLTrainer:
         alg = self.cfg.algorithm
         batch["token_level_rewards"] = batch["token_level_scores"]
         if alg.use_kl_in_reward:
+            coef = self.kl_ctrl.value  # this step's (an adaptive controller updates it below)
             batch["token_level_rewards"], kl_metrics = algos.apply_kl_penalty(
                 batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
-                kl_coef=self.kl_ctrl.value, kl_penalty_type=alg.kl_penalty)
+                kl_coef=coef, kl_penalty_type=alg.kl_penalty)
             current = reduce_metrics({"kl": float(kl_metrics["reward_kl_penalty"])}, self.state.dp_group)["kl"]
             self.kl_ctrl.update(current, n_steps=self.cfg.data.train_batch_size)
-            batch["kl_metrics"] = kl_metrics
+            batch["kl_metrics"] = {  # veRL's names; this rank's, reduced with the step's metrics (finish_step)
+                "actor/reward_kl_penalty": float(kl_metrics["reward_kl_penalty"]),
+                "actor/reward_kl_penalty_coeff": coef}
         batch["advantages"], batch["returns"] = self.estimator.fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"].float(),
             values=batch.get("values"), index=batch["index"], gamma=alg.gamma, lam=alg.lam,
@@ -336,7 +339,8 @@ class RLTrainer:
                                        free_cache=r.free_cache_engine, sync_at_wake=at_wake)
 
     def finish_step(self, batch, step_metrics: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
-        local = {**batch_metrics(batch), **step_metrics, **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
+        local = {**batch_metrics(batch), **batch.get("kl_metrics", {}), **step_metrics,
+                 **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
                  "perf/max_memory_allocated_gb/max": peak_memory_gb(),  # this step's (reset below)
                  "actor/kl_coef": float(self.kl_ctrl.value)}
         reset_peak_memory()
