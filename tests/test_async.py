@@ -449,12 +449,14 @@ def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, t
     """staleness_threshold=0 and partial_rollout=false (single-turn): the grant limit hands out one step's prompts at
     a time, after the weights of the step before were pushed, so every trained row is staleness 0 (checked row by
     row, from the rows' own versions, by tests/workers/async_stream_rows.py's observer) and nothing is dropped; its
-    first 3 steps log the metrics of tests/workers/fully_async_reference.py, one process built from the synchronous
+    first 2 steps log the metrics of tests/workers/fully_async_reference.py, one process built from the synchronous
     trainer's parts. What each side of the data bus saw agrees (every trained group published, sent once, whole).
+    At threshold 0 no group can become stale (each is granted after the weights it will be trained against were
+    pushed), so the drop itself is exercised at threshold 1 (test_reward_model_scores_every_trained_row[fully_async]).
     Mutations: `groups_to_batch`'s `r.prompt_pos = pos` -> `= 0` (every row in one GRPO group) -> fails; the
     grant limit `(staleness_threshold + version + 1) * g` -> `+ 2` (groups sampled a version early, dropped, their
     prompts lost) -> fails."""
-    steps = 3
+    steps = 2
     args = _setup(tmp_path, tiny_model_dir) + [f"trainer.total_training_steps={steps}",
                                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
     ref = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "fully_async_reference.py"), *args,
@@ -475,7 +477,7 @@ def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, t
     assert run.returncode == 0, run.stderr[-4000:]
     assert ref.returncode == 0, ref_out[-4000:]
     want, got = records(tmp_path / "ref"), records(tmp_path / "fa")
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1))
     for w, g in zip(want, got):
         assert [k for k in g if k.startswith("fully_async/staleness/")] == ["fully_async/staleness/0"], g
         assert g["fully_async/staleness/0"] == 4 and g["fully_async/count/dropped_samples_total"] == 0
@@ -507,10 +509,10 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
 
     with capsys.disabled():
         print(f"\nfully_async kill and resume: SIGKILL at the end of step {kill_after}")
-    out, runs = tmp_path / "fa", [tmp_path / "bus1", tmp_path / "bus2"]
+    out, runs, steps = tmp_path / "fa", [tmp_path / "bus1", tmp_path / "bus2"], 6
     args = _setup(tmp_path, tiny_model_dir) + [
         f"trainer.default_local_dir={out}", "async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
-        "trainer.total_training_steps=8", "trainer.save_freq=2", "async_training.staleness_threshold=1",
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "async_training.staleness_threshold=1",
         "data.max_response_length=24", "actor_rollout_ref.rollout.max_num_seqs=8"]
     for d in runs:
         d.mkdir()
@@ -525,22 +527,22 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
     at = kill_after // 2 * 2  # the last checkpoint at or before the kill
     assert f"resumed from {out / 'checkpoints' / f'global_step_{at}'}" in resumed.stdout + resumed.stderr
     logged = records(out)
-    assert [r["step"] for r in logged] == list(range(1, 9))
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
     for r in logged:
         assert all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/")), r
         assert r["fully_async/count/trained_samples"] == r["step"] * 4 * 4
     by_step = {}
-    for d, steps in zip(runs, (range(1, at + 1), range(at + 1, 9))):  # what each run trained that the end kept
-        trained = [r for r in _jsonl(d, "trained") if r["step"] in steps]
+    for d, kept in zip(runs, (range(1, at + 1), range(at + 1, steps + 1))):  # what each run trained that stayed
+        trained = [r for r in _jsonl(d, "trained") if r["step"] in kept]
         uids = _check_trained_rows(trained, _jsonl(d, "bus"), threshold=1)
-        assert sorted(uids) == list(steps)
+        assert sorted(uids) == list(kept)
         for r in trained:
             by_step.setdefault(r["step"], set()).add(r["prompt"])
     final = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
     state = json.loads((final / "trainer_state_rank0.json").read_text())  # the coordinator's
     trained, regrant, dropped = state["trained_prompts"], state["regrant"], state["dropped_prompts"]
-    assert [set(trained[4 * k:4 * k + 4]) for k in range(8)] == [by_step[s] for s in range(1, 9)]  # rows trained
-    assert len(trained) == 8 * 4 and len(set(trained)) == len(trained), trained  # each prompt trained once
+    assert [set(trained[4 * k:4 * k + 4]) for k in range(steps)] == [by_step[s] for s in range(1, steps + 1)]
+    assert len(trained) == steps * 4 and len(set(trained)) == len(trained), trained  # each prompt trained once
     drawn = ResumableSampler(64, shuffle=True, seed=1).next_batch(len(trained) + len(regrant) + len(dropped))
     assert sorted(trained + regrant + dropped) == sorted(drawn)  # none lost: trained, dropped (counted) or pending
 
