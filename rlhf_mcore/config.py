@@ -1193,6 +1193,11 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
         _require(a.require_batches >= 1 and a.trigger_parameter_sync_step >= 1 and a.staleness_threshold >= 0,
                  "async_training.require_batches and .trigger_parameter_sync_step must be >= 1, "
                  ".staleness_threshold >= 0 (policy versions).")
+        _require(a.staleness_threshold >= a.trigger_parameter_sync_step - 1,
+                 f"async_training.staleness_threshold={a.staleness_threshold} is below "
+                 f"trigger_parameter_sync_step - 1 = {a.trigger_parameter_sync_step - 1}: the rollout pool's weights "
+                 f"lag the trainer by up to that many versions between syncs, so every sample would be dropped as "
+                 f"stale and the run would never finish a step: raise the threshold or sync more often.")
         _require(cfg.data.train_batch_size == need,
                  f"async_training.mode=fully_async trains require_batches x actor.ppo_mini_batch_size = "
                  f"{a.require_batches} x {cfg.actor_rollout_ref.actor.ppo_mini_batch_size} = {need} prompts a step: "

@@ -40,12 +40,22 @@ class Sleepy(Tool):
     parameters = {"type": "object", "properties": {"ms": {"type": "integer"}}}
     active = 0
     peak = 0
+    calls = 0
     lock = threading.Lock()
+    barrier = None  # a threading.Barrier the first calls wait at (test_64_trajectories_with_slow_tools), or None
+    broken = False  # ... it timed out: fewer calls than its parties ever ran at once
 
     def __call__(self, ms: int) -> str:
         with Sleepy.lock:
             Sleepy.active += 1
             Sleepy.peak = max(Sleepy.peak, Sleepy.active)
+            first = Sleepy.barrier is not None and Sleepy.calls < Sleepy.barrier.parties
+            Sleepy.calls += 1
+        if first:
+            try:
+                Sleepy.barrier.wait()
+            except threading.BrokenBarrierError:
+                Sleepy.broken = True
         if ms < 0:
             threading.Event().wait()  # never returns
         time.sleep(ms / 1000)
@@ -76,23 +86,27 @@ def _rows(tok, n):
 
 @pytest.mark.parametrize("streaming", [True, False])
 def test_64_trajectories_with_slow_tools(tiny_model_dir, streaming):
+    """Tool calls overlap, shown without a clock: the first 9 calls wait at a barrier of 9 parties, which opens only
+    once 9 calls run at the same time (the other trajectories' first turns end meanwhile and make theirs); with calls
+    run one after the other the barrier's 20 s timeout breaks it, a wait no machine's slowness needs. Mutation: the
+    runner's tool pool of `tool_workers` threads -> 1 thread -> fails."""
     tok, end = fixture_tokenizer(tiny_model_dir("qwen2"), "qwen2")
     engine = ScriptedEngine(tok, end, _latency_policy, step_s=0.002, streaming=streaming)
     runner = AgentRunner(engine, tok, MultiTurnSettings(max_assistant_turns=4, tool_workers=64),
                          {"test_sleepy": Sleepy()})
     prompts, rows = _rows(tok, 32)
-    Sleepy.peak = 0
-    t0 = time.perf_counter()
-    trajs = runner.run(prompts, rows, SamplingParams(n=2, max_new_tokens=600, seed=1))
-    wall = time.perf_counter() - t0
+    Sleepy.peak, Sleepy.calls, Sleepy.broken = 0, 0, False
+    Sleepy.barrier = threading.Barrier(9, timeout=20)
+    try:
+        trajs = runner.run(prompts, rows, SamplingParams(n=2, max_new_tokens=600, seed=1))
+    finally:
+        Sleepy.barrier = None
     flat = [t for per in trajs for t in per]
     assert len(flat) == 64
     for k, t in enumerate(flat):
         assert t.finish_reason == "stop" and t.stats["tool_calls"] == 2 and t.stats["tool_errors"] == 0
         assert tok.decode(t.response_ids).endswith(f"#### {k}<|im_end|>")
-    assert Sleepy.peak > 8  # tool calls overlap
-    total_tool = sum(t.stats["tool_seconds"] for t in flat)
-    assert wall < total_tool / 4  # not one after the other
+    assert not Sleepy.broken and Sleepy.peak > 8  # 9 calls ran at once: the barrier opened
     m = agent_metrics([trajectory_info(t) for t in flat], runner.last_stats)
     assert m["agent/turns/mean"] == 3 and m["agent/tool_calls/max"] == 2
     assert 0 < m["agent/engine_busy_fraction"] <= 1
@@ -195,9 +209,15 @@ def test_tool_errors_become_messages_and_metrics(tiny_model_dir):
     tools = {"test_sleepy": Sleepy(), "test_raises": get_tool("test_raises")}
     runner = AgentRunner(engine, tok, MultiTurnSettings(tool_timeout_s=0.5, max_parallel_calls=2), tools)
     prompts, rows = _rows(tok, 5)
-    t0 = time.perf_counter()
-    trajs = [per[0] for per in runner.run(prompts, rows, SamplingParams(n=1, max_new_tokens=300, seed=0))]
-    assert time.perf_counter() - t0 < 5  # the hung call did not hold the rollout
+    # The hung call never returns, so a rollout that waited for it would never end (no wall-clock bound to pass or
+    # miss): the run is in a thread whose 120 s join only turns such a hang into a failure.
+    out = []
+    th = threading.Thread(target=lambda: out.append(runner.run(prompts, rows, SamplingParams(n=1, max_new_tokens=300,
+                                                                                            seed=0))), daemon=True)
+    th.start()
+    th.join(timeout=120)
+    assert out, "the rollout did not end: it waited for the hung tool call"
+    trajs = [per[0] for per in out[0]]
     tool_text = [tok.decode(t.response_ids[t.turns[1]["start"]:t.turns[1]["end"]]) for t in trajs]
     assert "not valid JSON" in tool_text[0] and trajs[0].stats["tool_malformed"] == 1
     assert "unknown tool 'no_such_tool'" in tool_text[1] and trajs[1].stats["tool_unknown"] == 1

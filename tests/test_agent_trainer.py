@@ -55,7 +55,8 @@ _calls, _lock = [0], threading.Lock()
 
 @register_tool(override=True)
 class GatedCalculator(Calculator):
-    """The calculator, whose calls after the first `free` wait (up to 60 s) for the file `gate`."""
+    """The calculator, whose calls after the first `free` wait for the file `gate`, however long it takes (no clock
+    decides the order; a gate that never comes ends in the rollout's tool timeout, an error the test fails on)."""
 
     def __init__(self, gate: str, free: int):
         self.gate, self.free = Path(gate), free
@@ -64,8 +65,7 @@ class GatedCalculator(Calculator):
         with _lock:
             _calls[0] += 1
             gated = _calls[0] > self.free
-        t0 = time.monotonic()
-        while gated and not self.gate.exists() and time.monotonic() - t0 < 60:
+        while gated and not self.gate.exists():
             time.sleep(0.02)
         return super().__call__(**arguments)
 '''

@@ -1,6 +1,8 @@
 """The asynchronous trainers (one-step-off-policy and fully asynchronous) on CPU with gloo: the data bus's
-bookkeeping, partial rollout's versions and log-probs, one-step-off against its synchronous reference, the
-fully asynchronous trainer's staleness bound and sample accounting, and a SIGKILL + resume."""
+bookkeeping, partial rollout's versions and log-probs, one-step-off against its synchronous reference, fully async
+at staleness threshold 0 against its own, the fully asynchronous trainer's stale-sample drop (a group held back by
+its rollout worker until it must be dropped), each trained row's staleness from the row itself, both sides of the
+data bus compared (tests/workers/async_observers.py), a reward model in both modes, and a SIGKILL + resume."""
 import json
 import os
 import shutil
@@ -98,6 +100,10 @@ BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rol
     (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1"], 2, ["data.train_batch_size=4"]),
     (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
       "actor_rollout_ref.rollout.name=hf"], 2, ["does not stream"]),
+    # at step k the rollout holds the weights of the last sync, up to trigger - 1 versions behind: all stale
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=4",
+      "async_training.trigger_parameter_sync_step=3", "async_training.staleness_threshold=1"], 2,
+     ["async_training.staleness_threshold=1", "trigger_parameter_sync_step - 1 = 2", "never finish"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"], 2,
      ["filter_groups"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "reward.judge.enable=true",
@@ -123,6 +129,9 @@ def test_async_config_accepted_layouts():
                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2
     validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
                                               "async_training.require_batches=2"]), 2)
+    validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
+                                              "data.train_batch_size=4", "async_training.trigger_parameter_sync_step=2",
+                                              "async_training.staleness_threshold=1"]), 2)  # the lag, at most
     for mode in ("one_step_off", "fully_async", "fully_async partial_rollout=false"):  # agent loops
         mode, *more = mode.split()
         validate_config(load_config(None, base + [f"async_training.mode={mode}", "rollout.n_gpus_per_node=1",
@@ -157,7 +166,10 @@ def _teacher_forced(model, prompt: list[int], response: list[int], temperature: 
 
 def test_partial_rollout_versions_and_logprobs_match_the_weights_that_sampled_them(tiny_model_dir):
     """A sample paused after 5 tokens under weights A and continued under weights B carries versions
-    [0]*5 + [1]*rest, and each token's log-prob equals a teacher-forced pass of the weights that sampled it."""
+    [0]*5 + [1]*rest, and each token's log-prob equals a teacher-forced pass of the weights that sampled it and
+    differs from the other version's (so the equality is not vacuous: the two weight versions score the tokens
+    measurably apart). Mutation: `_perturbed`'s noise 0.05 * k -> 0 (both versions the same weights: the equality
+    would hold whichever weights sampled) -> fails the guard."""
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
     from rlhf_mcore.trainer.sample_streams import SampleStream
@@ -185,10 +197,12 @@ def test_partial_rollout_versions_and_logprobs_match_the_weights_that_sampled_th
     assert len(done) == 2 and not stream.prompts  # the group's bookkeeping is gone with its last sample
     for uid, row in done:
         assert uid == 7 and row.versions == [0] * 5 + [1] * 15
-        for model, lo, hi in ((hf_a, 0, 5), (hf_b, 5, 20)):
+        got = torch.tensor(row.logprobs)
+        for model, other, lo, hi in ((hf_a, hf_b, 0, 5), (hf_b, hf_a, 5, 20)):
             want = _teacher_forced(model, item["input_ids"], row.response_ids)
-            got = torch.tensor(row.logprobs)
             assert torch.allclose(got[lo:hi], want[lo:hi], atol=1e-4), (model is hf_a, got[lo:hi], want[lo:hi])
+            theirs = _teacher_forced(other, item["input_ids"], row.response_ids)
+            assert (got[lo:hi] - theirs[lo:hi]).abs().max() > 1e-2, (model is hf_a, got[lo:hi], theirs[lo:hi])
 
 
 class _GatedAgents:
@@ -329,11 +343,11 @@ def test_trajectories_without_partial_rollout_finish_their_turn_before_a_sync(ti
     run.gate.set()  # the calculator answers at once: a second turn could start while the engine drains
     assert run.engine.num_pending == 2
     run.pump_until(lambda: run.engine.num_pending == 0, submit=False)  # a sync waits: the first turns end (v0)
-    t0 = time.time()
-    while len(run.arrived) < 2 or time.time() - t0 < 0.5:  # the calls run and answer; the scheduler takes them
-        run.stream.pump(submit=False)
-        time.sleep(0.01)
-    assert run.engine.num_pending == 0 and run.stream.unfinished == 2  # ... and no second turn has started
+    # the calls run and answer, and the scheduler takes their answers: both second turns wait to be submitted (no
+    # clock: the scheduler's own state says when; 60 s only bounds a hang)
+    run.pump_until(lambda: len(run.arrived) == 2 and run.stream._tool_waiting == 0 and len(run.stream._queue) == 2,
+                   submit=False)
+    assert run.engine.num_pending == 0 and run.stream.unfinished == 2  # ... and none has started
     assert run.sync(1) == 0
     for t in run.finish().values():
         a0, a1, b0, b1 = run.check(t)
@@ -357,18 +371,62 @@ def _torchrun(nproc, args):
             str(ROOT / "launch" / "train.py"), *args]
 
 
+def _worker(cmd, name):
+    """`cmd` (a _torchrun line) running tests/workers/`name` instead of launch/train.py."""
+    cmd[cmd.index(str(ROOT / "launch" / "train.py"))] = str(ROOT / "tests" / "workers" / name)
+    return cmd
+
+
+def _with_reference(reference: str, ref_args: list[str], cmd: list[str]) -> None:
+    """tests/workers/`reference` (one process) and the asynchronous run `cmd` side by side (the asynchronous run's
+    pools wait for each other in turn, so the two share the cores well); both must succeed."""
+    ref = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / reference), *ref_args], cwd=ROOT,
+                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        ref_out = ref.communicate(timeout=600)[0]
+    finally:
+        ref.kill()
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert ref.returncode == 0, ref_out[-4000:]
+
+
+def _jsonl(out: Path, stem: str) -> list[dict]:
+    """tests/workers/async_observers.py's records of every rank (`bus`: the rollout side, `trained`: the trainer's)."""
+    return [json.loads(x) for f in sorted(out.glob(f"{stem}.rank*.jsonl")) for x in f.read_text().splitlines()]
+
+
+def _check_trained_rows(trained: list[dict], bus: list[dict], threshold: int, n: int = 4) -> dict[int, set]:
+    """What both sides of the data bus saw agrees, row by row: every trained row is of a group a rollout worker
+    published (the same prompt, the same per-token versions), each group trained once and whole (n rows) and never
+    also dropped, and no row staler than `threshold`: the trainer's policy version when its step took it less the
+    row's oldest token's version (from the row itself, not from the coordinator's metadata). Returns the trained
+    uids by step."""
+    published = {e["uid"]: e for e in bus if e["event"] == "published"}
+    dropped = {e["uid"] for e in bus if e["event"] == "dropped"}
+    by_uid: dict[int, list] = {}
+    for r in trained:
+        assert r["uid"] in published, r
+        pub = published[r["uid"]]
+        assert r["prompt"] == pub["prompt"] and r["versions"] == pub["versions"][r["sample"]], (r, pub)
+        assert r["trainer_version"] - min(r["versions"]) <= threshold, r
+        by_uid.setdefault(r["uid"], []).append(r)
+    for rows in by_uid.values():
+        assert sorted(r["sample"] for r in rows) == list(range(n)) and len({r["step"] for r in rows}) == 1, rows
+    assert not dropped & set(by_uid), dropped & set(by_uid)  # a dropped group is never trained
+    steps: dict[int, set] = {}
+    for uid, rows in by_uid.items():
+        steps.setdefault(rows[0]["step"], set()).add(uid)
+    return steps
+
+
 def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir):
     """1 rollout + 1 training process against one process whose step k is generated by the weights of step k-1's
     start (built from the synchronous trainer's parts): the same metrics, step by step."""
     args = _setup(tmp_path, tiny_model_dir) + ["trainer.total_training_steps=4", "trainer.save_freq=2"]
-    ref = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "one_step_off_reference.py"), *args,
-                          f"trainer.default_local_dir={tmp_path / 'ref'}"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    run = subprocess.run(_torchrun(2, args + [f"trainer.default_local_dir={tmp_path / 'osp'}",
-                                              "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]),
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    _with_reference("one_step_off_reference.py", args + [f"trainer.default_local_dir={tmp_path / 'ref'}"],
+                    _torchrun(2, args + [f"trainer.default_local_dir={tmp_path / 'osp'}",
+                                         "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]))
     want, got = records(tmp_path / "ref"), records(tmp_path / "osp")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     keys = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
@@ -397,46 +455,95 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     assert trained(resumed) == trained(tmp_path / "osp") and len(set(trained(resumed))) == 16
 
 
-def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_dir):
-    """Fully async (1 rollout + 1 training process, partial rollout): no trained sample staler than the threshold,
-    produced = trained + dropped + queued at every step; killed (SIGKILL to the whole job) after a checkpoint and
-    resumed, every prompt's samples are trained once and none is lost."""
+def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, tiny_model_dir):
+    """staleness_threshold=0 and partial_rollout=false (single-turn): the grant limit hands out one step's prompts at
+    a time, after the weights of the step before were pushed, so every trained row is staleness 0 (checked row by
+    row, from the rows' own versions, by tests/workers/async_stream_rows.py's observer) and nothing is dropped; its
+    first 2 steps log the metrics of tests/workers/fully_async_reference.py, one process built from the synchronous
+    trainer's parts. What each side of the data bus saw agrees (every trained group published, sent once, whole).
+    At threshold 0 no group can become stale (each is granted after the weights it will be trained against were
+    pushed), so the drop itself is exercised at threshold 1 (test_reward_model_scores_every_trained_row[fully_async]).
+    Mutations: `groups_to_batch`'s `r.prompt_pos = pos` -> `= 0` (every row in one GRPO group) -> fails; the
+    grant limit `(staleness_threshold + version + 1) * g` -> `+ 2` (groups sampled a version early, dropped, their
+    prompts lost) -> fails."""
+    steps = 2
+    args = _setup(tmp_path, tiny_model_dir) + [f"trainer.total_training_steps={steps}",
+                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
+    bus = tmp_path / "bus"
+    bus.mkdir()
+    cmd = _torchrun(2, args + [f"trainer.default_local_dir={tmp_path / 'fa'}", "async_training.mode=fully_async",
+                               "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=0",
+                               "async_training.partial_rollout=false", "actor_rollout_ref.rollout.max_num_seqs=8",
+                               "--bus", str(bus)])
+    _with_reference("fully_async_reference.py", args + [f"trainer.default_local_dir={tmp_path / 'ref'}"],
+                    _worker(cmd, "async_stream_rows.py"))
+    want, got = records(tmp_path / "ref"), records(tmp_path / "fa")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1))
+    for w, g in zip(want, got):
+        assert [k for k in g if k.startswith("fully_async/staleness/")] == ["fully_async/staleness/0"], g
+        assert g["fully_async/staleness/0"] == 4 and g["fully_async/count/dropped_samples_total"] == 0
+        for k in ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss",
+                  "actor/entropy", "actor/grad_norm", "actor/ppo_kl"]:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (g["step"], k, g[k], w[k])
+    assert want[1]["actor/grad_norm"] > 0 and want[0]["critic/score/std"] > 0  # the updates moved the weights
+    events = _jsonl(bus, "bus")
+    trained = _jsonl(bus, "trained")
+    by_step = _check_trained_rows(trained, events, threshold=0)
+    assert {r["trainer_version"] for r in trained} == set(range(steps))
+    assert all(set(r["versions"]) == {r["trainer_version"]} for r in trained)  # every token of the training policy
+    assert by_step == {s: set(range((s - 1) * 4, s * 4)) for s in range(1, steps + 1)}  # uids granted in order
+    sent = [e["uid"] for e in events if e["event"] == "sent"]
+    assert sorted(sent) == list(range(steps * 4)) and not [e for e in events if e["event"] == "dropped"]
+
+
+@pytest.mark.parametrize("kill_after", [3])
+def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_dir, kill_after, capsys):
+    """Fully async (1 rollout + 1 training process, partial rollout, staleness_threshold=1), killed (SIGKILL to the
+    whole job) at the end of step `kill_after` (a parameter, printed: tests/workers/async_stream_rows.py's hook kills
+    the process group itself, so the moment is a step boundary whatever the machine's speed; groups are then in
+    flight on the rollout pool and queued on the bus), resumed from the last checkpoint before it (save_freq=2):
+    every trained row within the threshold by its own versions and the trainer's version, each row of a group its
+    rollout worker published, the prompts the checkpoint says were trained are the rows that were trained (the
+    trainer's observer, both runs), every prompt's samples trained once and none lost. Mutation: the resume
+    forgetting the groups in flight (`FullyAsyncTrainer.load_trainer_state` not restoring `regrant`) -> fails."""
     from rlhf_mcore.data import ResumableSampler
 
-    out = tmp_path / "fa"
+    with capsys.disabled():
+        print(f"\nfully_async kill and resume: SIGKILL at the end of step {kill_after}")
+    out, runs, steps = tmp_path / "fa", [tmp_path / "bus1", tmp_path / "bus2"], 6
     args = _setup(tmp_path, tiny_model_dir) + [
         f"trainer.default_local_dir={out}", "async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
-        "trainer.total_training_steps=8", "trainer.save_freq=2", "async_training.staleness_threshold=1",
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "async_training.staleness_threshold=1",
         "data.max_response_length=24", "actor_rollout_ref.rollout.max_num_seqs=8"]
-    job = subprocess.Popen(_torchrun(2, args), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    kill_after = 3 + int(time.time()) % 3  # steps 3..5: after the step-2 checkpoint, at a varying moment
-    try:
-        t0 = time.time()
-        while time.time() - t0 < 300:
-            if (out / "metrics.jsonl").exists() and len(records(out)) >= kill_after:
-                break
-            assert job.poll() is None, "the job ended before it was killed"
-            time.sleep(0.2)
-        os.killpg(job.pid, signal.SIGKILL)
-    finally:
-        job.wait()
-    assert (out / "checkpoints").exists()
-    resumed = subprocess.run(_torchrun(2, args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    for d in runs:
+        d.mkdir()
+    killed = subprocess.run(_worker(_torchrun(2, args + ["--bus", str(runs[0]), "--kill-after", str(kill_after)]),
+                                    "async_stream_rows.py"), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-4000:])
+    assert [r["step"] for r in records(out)] == list(range(1, kill_after + 1))
+    resumed = subprocess.run(_worker(_torchrun(2, args + ["--bus", str(runs[1])]), "async_stream_rows.py"), cwd=ROOT,
+                             env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    at = kill_after // 2 * 2  # the last checkpoint at or before the kill
+    assert f"resumed from {out / 'checkpoints' / f'global_step_{at}'}" in resumed.stdout + resumed.stderr
     logged = records(out)
-    assert [r["step"] for r in logged] == list(range(1, 9))
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
     for r in logged:
-        thr_ok = all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/"))
-        assert thr_ok, r
-        c = {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("fully_async/count/")}
-        assert c["produced_samples"] == c["trained_samples"] + c["dropped_samples_total"] + c["queued_samples"]
-        assert c["trained_samples"] == r["step"] * 4 * 4
+        assert all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/")), r
+        assert r["fully_async/count/trained_samples"] == r["step"] * 4 * 4
+    by_step = {}
+    for d, kept in zip(runs, (range(1, at + 1), range(at + 1, steps + 1))):  # what each run trained that stayed
+        trained = [r for r in _jsonl(d, "trained") if r["step"] in kept]
+        uids = _check_trained_rows(trained, _jsonl(d, "bus"), threshold=1)
+        assert sorted(uids) == list(kept)
+        for r in trained:
+            by_step.setdefault(r["step"], set()).add(r["prompt"])
     final = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
     state = json.loads((final / "trainer_state_rank0.json").read_text())  # the coordinator's
     trained, regrant, dropped = state["trained_prompts"], state["regrant"], state["dropped_prompts"]
-    assert len(trained) == 8 * 4 and len(set(trained)) == len(trained), trained  # each prompt trained once
+    assert [set(trained[4 * k:4 * k + 4]) for k in range(steps)] == [by_step[s] for s in range(1, steps + 1)]
+    assert len(trained) == steps * 4 and len(set(trained)) == len(trained), trained  # each prompt trained once
     drawn = ResumableSampler(64, shuffle=True, seed=1).next_batch(len(trained) + len(regrant) + len(dropped))
     assert sorted(trained + regrant + dropped) == sorted(drawn)  # none lost: trained, dropped (counted) or pending
 
@@ -446,14 +553,25 @@ def _rm_rows(path: Path) -> tuple[list[dict], list[dict]]:
     return [x for x in lines if "ids" in x], [x for x in lines if "metrics" in x]
 
 
-# "fully_async" passes as well (the same rows, the same checks); its own launch is more than the suite's time budget
-@pytest.mark.parametrize("mode", ["one_step_off"])
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
 def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
     """A reward model on the training pool (1 rollout + 2 training processes: each DP rank scores the rows it
     pulled; its weights offloaded between scorings): every trained row's reward equals reward_weight x the
     transformers sequence classifier's score of that row + rule_weight x the rule score + the overlong penalty,
     each computed offline from the row's tokens; the step's `reward_model/*` metrics describe all ranks' rows;
-    the weights are off the device after each step. tests/workers/async_reward_rows.py records the rows."""
+    the weights are off the device after each step. tests/workers/async_reward_rows.py records the rows.
+
+    fully_async (staleness_threshold=1, partial_rollout=false, 4 steps) also checks the stale-sample drop, with the
+    rollout side of the data bus observed (tests/workers/async_observers.py): the first granted group (uid 0,
+    sampled by version 0) is held back by its rollout worker until it has the weights of version 2, so when the
+    coordinator reads it (at step 3 or 4: it must read past it by step 4, the groups published before it being at
+    most the 15 others the grant limit allowed) it is 2 or more versions stale and must be dropped. Asserted: the
+    drop is counted, the producer was told (its drop events, rollout side, are what the trainer counts), no dropped
+    group is ever trained, every trained row is within the threshold by its own versions and the trainer's
+    version, and the trained / dropped counts equal the groups the rollout worker sent / dropped (not the ledger's
+    own sum, which `Ledger.check` already enforces). Mutations: the coordinator's stale drop a no-op
+    (`stale = []` in `FullyAsyncTrainer.next_batch`'s `ready`) -> fails; the drop not told to the producer
+    (`self.command(("drop", ...))` removed: the rows kept forever) -> fails."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_mcore.rewards.overlong import overlong_penalty
@@ -464,23 +582,28 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
     rm.save_pretrained(tmp_path / "rm")
     tok = AutoTokenizer.from_pretrained(policy)
     tok.save_pretrained(tmp_path / "rm")
+    bus = tmp_path / "bus"
+    bus.mkdir()
+    steps = 2 if mode == "one_step_off" else 4
     mode_args = (["async_training.mode=one_step_off"] if mode == "one_step_off" else
                  ["async_training.mode=fully_async", "async_training.staleness_threshold=1",
-                  "actor_rollout_ref.rollout.max_num_seqs=8"])
+                  "async_training.partial_rollout=false", "actor_rollout_ref.rollout.max_num_seqs=8",
+                  "--bus", str(bus), "--hold", "0:2"])
     args = _setup(tmp_path, tiny_model_dir) + mode_args + [
-        "rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
+        "rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=2", f"trainer.total_training_steps={steps}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}", "reward_model.reward_weight=2.0",
         "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
         "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0"]
-    cmd = _torchrun(3, args + ["--rows", str(tmp_path / "rows.jsonl")])
-    cmd[cmd.index(str(ROOT / "launch" / "train.py"))] = str(ROOT / "tests" / "workers" / "async_reward_rows.py")
+    cmd = _worker(_torchrun(3, args + ["--rows", str(tmp_path / "rows.jsonl")]), "async_reward_rows.py")
     run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    rows, steps = _rm_rows(tmp_path / "rows.jsonl")
-    assert [s["step"] for s in steps] == [1, 2] and len(rows) == 2 * 4 * 4
-    assert {(r["step"], r["rank"]) for r in rows} == {(s, k) for s in (1, 2) for k in (0, 1)}  # both DP ranks
+    if mode == "fully_async":
+        _check_stale_drop(tmp_path / "run", bus, steps)
+    rows, step_lines = _rm_rows(tmp_path / "rows.jsonl")
+    assert [s["step"] for s in step_lines] == list(range(1, steps + 1)) and len(rows) == steps * 4 * 4
+    assert {(r["step"], r["rank"]) for r in rows} == {(s, k) for s in range(1, steps + 1) for k in (0, 1)}  # both DP
     rm.eval()
     rm_scores, rules = [], []
     for r in rows:
@@ -492,7 +615,7 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         assert r["score"] == pytest.approx(2.0 * rm_scores[-1] + 0.5 * rule + penalty, abs=1e-4), r
         assert r["rm_offloaded"]
     assert len({round(s, 4) for s in rm_scores}) > len(rows) // 2  # distinct scores: a row scored as another shows
-    for s in steps:
+    for s in step_lines:
         mine = [x for x, r in zip(rm_scores, rows) if r["step"] == s["step"]]
         m = s["metrics"]
         assert m["reward_model/num_scored"] == m["reward_model/num_scored_after"] == 16
@@ -500,3 +623,26 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         rule_mine = [x for x, r in zip(rules, rows) if r["step"] == s["step"]]  # the rule score logged beside it
         assert m["reward_model/rule_score_mean"] == pytest.approx(sum(rule_mine) / len(rule_mine), abs=1e-6)
         assert m["timing_s/reward_model"] > 0
+
+
+def _check_stale_drop(out: Path, bus: Path, steps: int) -> None:
+    """The fully asynchronous reward-model run's drop (test_reward_model_scores_every_trained_row's docstring)."""
+    events, trained = _jsonl(bus, "bus"), _jsonl(bus, "trained")
+    assert [e["uid"] for e in events if e["event"] == "held"] == [0]
+    late = [e for e in events if e["event"] == "published" and e["uid"] == 0]
+    assert len(late) == 1 and late[0]["rollout_version"] >= 2 and {v for vs in late[0]["versions"] for v in vs} == {0}
+    by_step = _check_trained_rows(trained, events, threshold=1)
+    assert sorted(by_step) == list(range(1, steps + 1)) and all(len(u) == 4 for u in by_step.values())
+    sent = [e["uid"] for e in events if e["event"] == "sent"]
+    dropped = [e["uid"] for e in events if e["event"] == "dropped"]
+    assert 0 in dropped and len(set(dropped)) == len(dropped)  # the held group dropped, each drop told once
+    assert sorted(sent) == sorted(u for uids in by_step.values() for u in uids)  # what was sent is what trained
+    logged = records(out)
+    last = logged[-1]
+    assert last["fully_async/count/dropped_samples_total"] == 4 * len(dropped)
+    assert last["fully_async/count/trained_samples"] == 4 * len(sent) == steps * 16
+    assert sum(r["fully_async/count/dropped_stale_samples"] for r in logged) == 4 * len(dropped)
+    published = {e["uid"] for e in events if e["event"] == "published"}
+    assert 4 * (len(sent) + len(dropped)) <= last["fully_async/count/produced_samples"] <= 4 * len(published)
+    for r in logged:  # the coordinator's histogram agrees with the rows' own versions
+        assert all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/")), r

@@ -5,10 +5,12 @@ Usage: torchrun --nproc_per_node=N tests/workers/async_reward_rows.py --rows OUT
 
 One line per trained row: {"step", "rank", "ids" (prompt + response, unpadded), "response" (the response ids),
 "score" (the sum of the row's `token_level_scores`), "rm_offloaded" (whether the reward model's parameters are off
-the device at the step's end)}; one line per step from the coordinator: {"step", "metrics"}.
+the device at the step's end)}; one line per step from the coordinator: {"step", "metrics"}. With `--bus DIR [--hold
+UID:VERSION]` (fully_async) both sides of the data bus are observed as tests/workers/async_stream_rows.py does.
 """
 import json
 
+from async_observers import Observers, TrainedRows, observe_from_command_line
 from worker_common import run_async_trainer
 
 from rlhf_mcore.trainer.rl_trainer import StepHooks
@@ -39,4 +41,6 @@ class RowWriter(StepHooks):
 
 
 if __name__ == "__main__":
-    run_async_trainer("--rows", RowWriter)
+    bus = observe_from_command_line()
+    run_async_trainer("--rows", lambda path: RowWriter(path) if bus is None else Observers(RowWriter(path),
+                                                                                           TrainedRows(bus)))

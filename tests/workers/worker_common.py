@@ -16,6 +16,16 @@ def write_results(results: Any, path: str, indent: int | None = None) -> None:
             json.dump(results, f, indent=indent)
 
 
+def pop_flag(flag: str) -> str | None:
+    """Take `flag VALUE` out of the command line (sys.argv); returns VALUE, or None when the flag is absent."""
+    if flag not in sys.argv:
+        return None
+    at = sys.argv.index(flag)
+    value = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
+    return value
+
+
 def run_async_trainer(flag: str, make_hooks: Callable[[str], Any]) -> None:
     """launch/train.py's asynchronous run with step hooks: `flag VALUE` is taken out of the command line and
     `make_hooks(VALUE)` observes the training pool; the rest are train.py's arguments. Exits with its code."""
