@@ -1,4 +1,7 @@
-"""PRIME's math (rlhf_mcore.algos.prime) against plain Python loops written from the formulas."""
+"""PRIME's math (rlhf_mcore.algos.prime) against plain Python loops written from the formulas; then PRIME inside the
+training loop (rlhf_mcore.trainer.prime, DP=2 under torchrun): each step's advantages, metrics and PRM update
+recomputed by the same loops from what a step hook recorded, DP=2 against DP=1 on the same rows, the resume; and
+the label range and the config rules, in-process."""
 import math
 import random
 
@@ -58,6 +61,12 @@ def test_process_rewards_match_a_loop(granularity):
             assert float(q[b, t]) == pytest.approx(want)
 
 
+def naive_batch_norm(rows):
+    """The scores over the largest |return-to-go| of all rows (+1e-6)."""
+    biggest = max(abs(sum(row[t:])) for row in rows for t in range(len(row)))
+    return [[x / (biggest + 1e-6) for x in row] for row in rows]
+
+
 def test_batch_norm_matches_a_loop():
     prm, ref, mask, lengths, _, _ = batch(1)
     scores, _ = implicit_process_rewards(prm, ref, mask, beta=0.05)
@@ -98,12 +107,6 @@ def test_rloo_matches_a_loop_and_is_leave_one_out_for_outcomes():
         assert float(rl[b, lengths[b] - 1]) == pytest.approx(float(acc[b]) - sum(others) / len(others))
     with pytest.raises(ValueError, match="RLOO needs rollout.n >= 2"):
         masked_rloo(scores, mask, torch.arange(B))
-
-
-def naive_batch_norm(rows):
-    """The scores over the largest |return-to-go| of all rows (+1e-6)."""
-    biggest = max(abs(sum(row[t:])) for row in rows for t in range(len(row)))
-    return [[x / (biggest + 1e-6) for x in row] for row in rows]
 
 
 def naive_advantages(scores, acc, lengths, groups, dpo_coef, gt_coef):
