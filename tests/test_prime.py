@@ -287,9 +287,10 @@ def test_prime_advantages_and_prm_update_in_the_loop(prime_runs):
     the whitening over all ranks), `prime/dpo_acc` and `prime/process_reward_mean` equal theirs, and the PRM's
     cross-entropy on the step's batch falls through its update.
 
-    Mutations: `prime_advantages(scores * 0, ...)` in ImplicitPRM.compute_advantages (the process rewards left out)
-    -> fails; the batch-norm max taken on this rank only (no `_dp(..., MAX)`) -> fails; `batch_sums` not passed
-    (whitening per rank) -> fails; `update=after` run as `before` -> fails; `whole` scored as `token` -> fails."""
+    Mutations, each in ImplicitPRM.compute_advantages: `prime_advantages(scores * 0, ...)` (the process rewards
+    left out) -> fails; the batch-norm max taken on this rank only (`self._dp(..., MAX)` dropped) -> fails;
+    `batch_sums=None` (whitening per rank) -> fails; `update == "before"` / `== "after"` negated (the two orders
+    swapped) -> fails; `"token"` passed for `self.rm.prime_granularity` -> fails."""
     _, runs, _ = prime_runs
     for name, granularity, update in (("before", "token", "before"), ("after_whole", "whole", "after")):
         assert sorted(runs[name]) == [1, 2]
