@@ -6,10 +6,11 @@ Usage: torchrun --nproc_per_node=2 tests/workers/prime_runs.py --spec spec.json 
 
 spec.json: {"base": [train.py overrides], "runs": [{"name", "overrides", "resume_from": name or absent}]}; a run
 with `resume_from` starts from a copy of that run's directory less its last checkpoint (so it resumes from the one
-before). Each rank writes DIR/<name>.rank<r>.json: per step {"step", "rows": [...], "calls", "metrics"}, a row being
-{"ids" (prompt + response, unpadded), "index", "mask", "ref", "prm" (the PRM's log-probs the process rewards were
-computed from), "prm_end" (the PRM's log-probs at the step's end, after its update), "acc" (the label: the summed
-token_level_scores), "adv", "ret"}; "calls": the order of the PRM's update and log-prob passes within the step.
+before). Each rank writes DIR/<name>.rank<r>.json: per step {"step", "rows": [...], "calls", "metrics"}, a row
+being {"ids" (prompt + response, unpadded), "index", "mask", "length" (its response tokens), "ref", "prm" (the
+PRM's log-probs the process rewards were computed from), "prm_end" (the PRM's log-probs at the step's end, after
+its update), "acc" (the label: the summed token_level_scores), "adv", "ret"}; "calls": the order of the PRM's
+update and log-prob passes within the step.
 """
 import argparse
 import json
