@@ -3,7 +3,8 @@
 - Scores from the Megatron engine equal transformers' `AutoModelForSequenceClassification` logits (1e-4) for tiny
   Qwen2, Llama and Qwen3 reward models at TP=1 (DP=2), TP=2 and PP=2, packed and padded; one Bradley-Terry update
   gives the same loss (equal to the loss computed from transformers' scores) and the same new scores at every
-  layout, and lowers the loss on the same pairs (recomputed from those scores). One torchrun launch of tests/workers/reward_model_cases.py on 2 CPU processes.
+  layout, and lowers the loss on the same pairs (recomputed from those scores). One torchrun launch of
+  tests/workers/reward_model_cases.py on 2 CPU processes.
 - Re-templating for a reward model with another chat template gives the token ids a user builds by hand.
 - How the reward-model score and the rule score combine, per data_source and by weights.
 - Bad inputs: a reward-model path that does not exist, a causal LM given as reward model, a tokenizer mismatch, a
