@@ -3,13 +3,15 @@
 - Scores from the Megatron engine equal transformers' `AutoModelForSequenceClassification` logits (1e-4) for tiny
   Qwen2, Llama and Qwen3 reward models at TP=1 (DP=2), TP=2 and PP=2, packed and padded; one Bradley-Terry update
   gives the same loss (equal to the loss computed from transformers' scores) and the same new scores at every
-  layout. One torchrun launch of tests/workers/reward_model_cases.py on 2 CPU processes.
+  layout, and lowers the loss on the same pairs (recomputed from those scores). One torchrun launch of
+  tests/workers/reward_model_cases.py on 2 CPU processes.
 - Re-templating for a reward model with another chat template gives the token ids a user builds by hand.
 - How the reward-model score and the rule score combine, per data_source and by weights.
 - Bad inputs: a reward-model path that does not exist, a causal LM given as reward model, a tokenizer mismatch, a
   preference file missing a column: each a clear error naming the key or file.
 """
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -96,18 +98,32 @@ def test_scores_match_transformers(parity, arch, layout):
         assert r[key] == pytest.approx(want[arch], abs=1e-4), key
 
 
+def naive_bt_loss(scores: list[float], index: dict, pairs) -> float:
+    """Mean over pairs of -log sigmoid(r_chosen - r_rejected), one pair at a time."""
+    total = 0.0
+    for c, r in pairs:
+        margin = scores[index[tuple(c)]] - scores[index[tuple(r)]]
+        total += -math.log(1 / (1 + math.exp(-margin)))
+    return total / len(pairs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bradley_terry_update_is_layout_independent(parity, arch):
+    """The engine's Bradley-Terry loss equals -log sigmoid(r_chosen - r_rejected) on transformers' scores, and one
+    update lowers it on the same pairs (recomputed from the scores after it); every layout agrees.
+
+    Mutation: `bradley_terry_loss` returning `-loss * ctx.scale` for the backward (gradient ascent, the logged
+    loss kept) -> fails: the scores still move, but the loss rises."""
     got, want, seqs, pairs = parity
     index = {tuple(s): i for i, s in enumerate(seqs)}
     margins = torch.tensor([want[arch][index[tuple(c)]] - want[arch][index[tuple(r)]] for c, r in pairs])
-    naive = float(-torch.nn.functional.logsigmoid(margins).mean())
+    naive = naive_bt_loss(want[arch], index, pairs)
     ref = got[f"{arch}@1x1"]
     assert ref["bt_loss"] == pytest.approx(naive, abs=1e-5)
     assert ref["accuracy"] == pytest.approx(float((margins > 0).float().mean()))
-    moved = max(abs(a - b) for a, b in zip(ref["after"], ref["packed"]))
-    assert moved > 1e-3  # the update changed the scores
+    after = naive_bt_loss(ref["after"], index, pairs)  # the same pairs, scored by the updated model
+    assert after < naive - 1e-3, (naive, after)
     for layout in LAYOUTS[1:]:
         other = got[f"{arch}@{layout}"]
         assert other["bt_loss"] == pytest.approx(ref["bt_loss"], abs=1e-5)
