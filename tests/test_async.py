@@ -4,7 +4,6 @@ at staleness threshold 0 against its own, the fully asynchronous trainer's stale
 its rollout worker until it must be dropped), each trained row's staleness from the row itself, both sides of the
 data bus compared (tests/workers/async_observers.py), a reward model in both modes, and a SIGKILL + resume."""
 import json
-import os
 import shutil
 import signal
 import subprocess
