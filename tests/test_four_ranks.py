@@ -195,10 +195,14 @@ def test_async_trainers_with_two_rollout_and_two_training_processes(setup, base_
     assert sorted(recs) == [1, 2, 3]
     for step, r in recs.items():
         c = {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("fully_async/count/")}
-        assert c["produced_samples"] == c["trained_samples"] + c["dropped_samples_total"] + c["queued_samples"], r
+        # (produced = trained + dropped + queued is the ledger's own check, run every step; the counts are compared
+        # with what the rollout workers published in tests/test_async.py)
         assert c["trained_samples"] == step * 4 * 4
         assert 1 <= c["producers"] <= 2
         assert all(int(k.rsplit("/", 1)[1]) <= 1 for k in r if k.startswith("fully_async/staleness/")), r
+    # Not a race: the coordinator grants prompts to the replicas in turn and each replica holds at most its grant (one
+    # group, max_num_seqs=4), so one replica making every group would need the other to deliver nothing for three
+    # whole training steps (each a forward, backward and weight push on two ranks).
     assert max(r["fully_async/count/producers"] for r in recs.values()) == 2, "one replica made every group"
 
     recs, sync = _records(osp), _records(base_run)
