@@ -9,8 +9,15 @@ TORCH_SPEC ?= torch==2.13.0
 # megatron-core 0.17+ needs Python >= 3.12; older Pythons get the pinned 0.16.1 (what CI runs).
 MCORE_SPEC ?= $(shell $(PYTHON) -c 'import sys; print("megatron-core==0.16.1" if sys.version_info < (3, 12) else "megatron-core>=0.16.1")')
 PYTEST_ARGS ?=
-# two workers on CI's two cores, whole files per worker (module fixtures build once); TEST_WORKERS=0: one process
+# two workers on CI's two cores, whole files per worker (module fixtures build once); TEST_WORKERS=0: one process.
+# --no-loadscope-reorder keeps conftest's order (the files that take minutes first): xdist's default reorders whole
+# files by their number of tests, which put the few-test multi-process files last and left one worker running them
+# alone at the end.
+# (pytest-xdist >= 3.8 has the flag; test-gpu asks the machine's xdist whether it does.)
 TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+XDIST_GPU = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile $(shell $(PYTHON) -c \
+	'import xdist; print("--no-loadscope-reorder" * (tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 8)))'))
 NPROC ?= 2
 
 .PHONY: install test test-gpu demo demo-agent benchmark learn-gpu lint clean
@@ -27,8 +34,7 @@ $(STAMP): setup.py
 
 # pytest exits 5 when it collected no test: that is a failure here, never a silent green.
 test: $(STAMP)
-	@$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
-		$(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest tests $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The whole suite on a GPU machine whose $(PYTHON) already holds the packages (no venv built): the GPU-only tests run
@@ -36,8 +42,7 @@ test: $(STAMP)
 # Each result is printed with its name as it comes (-o addopts= drops pyproject's -q), so a run cut short by a
 # time limit still says which tests failed.
 test-gpu:
-	@$(PYTHON) -m pytest tests -o addopts= -v -rfE --timeout=900 --durations=15 \
-		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); rc=$$?; \
+	@$(PYTHON) -m pytest tests -o addopts= -v -rfE --timeout=900 --durations=15 $(XDIST_GPU) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-gpu: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo: $(STAMP)

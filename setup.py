@@ -42,7 +42,7 @@ setup(
         "triton": ["triton>=3.2"],
         "wandb": ["wandb>=0.18"],
         # trl: the TRL peer benchmark's tiny form runs in the tests (pure Python; accelerate is its one extra need)
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6", "triton>=3.2", "trl>=1.16",
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.8", "ruff>=0.6", "triton>=3.2", "trl>=1.16",
                 "accelerate>=1.10.1"],
     },
     entry_points={},

@@ -28,13 +28,15 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-# `make test` runs two pytest-xdist workers, one test file per worker at a time (--dist loadfile). The files that
-# take minutes go first, so that the last files to start are short ones and both workers end together.
+# `make test` runs two pytest-xdist workers, one test file per worker at a time (--dist loadfile, and
+# --no-loadscope-reorder so that xdist keeps this order). The files that take minutes go first, so that the last files
+# to start are short ones and both workers end together.
 _HEAVY_FIRST = ("test_trainer.py", "test_async.py", "test_agent_learning.py", "test_models.py", "test_engine.py",
                 "test_four_ranks.py", "test_train_rm.py", "test_checkpoint_faults.py", "test_agent_trainer.py",
                 "test_sync.py", "test_process_lifetime.py", "test_demo.py", "test_parallel.py", "test_prime.py",
                 "test_reward_stream.py", "test_reward_model.py", "test_benchmark.py", "test_torchrun_errors.py",
-                "test_reward_faults.py", "test_rollout_sglang.py", "test_sglang_contract.py")
+                "test_reward_faults.py", "test_rollout_sglang.py", "test_sglang_contract.py", "test_bad_inputs.py",
+                "test_config.py", "test_slurm.py", "test_agent_tools.py")
 
 
 def pytest_collection_modifyitems(config, items):
