@@ -8,11 +8,10 @@ trainer's forward passes, advantages, update and weight sync.
 
 Usage: python fully_async_reference.py key=value ...   (the synchronous run's arguments)
 """
-import sys
+from worker_common import run_reference
 
-from rlhf_mcore.config import load_config
 from rlhf_mcore.trainer import roles
-from rlhf_mcore.trainer.rl_trainer import PhaseTimer, RLTrainer
+from rlhf_mcore.trainer.rl_trainer import RLTrainer
 from rlhf_mcore.trainer.rollout_phase import add_overlong_penalty, response_budgets
 from rlhf_mcore.trainer.rollout_worker import stream_seed
 from rlhf_mcore.trainer.sample_streams import SampleStream
@@ -37,34 +36,23 @@ def generate(tr: RLTrainer, prompts: list[int], first_uid: int) -> list:
     return rows
 
 
-def main() -> None:
-    cfg = load_config(None, sys.argv[1:])
-    tr = RLTrainer(cfg)
-    g = cfg.data.train_batch_size
-    try:
-        tr.open_logger()
-        tr.sync_weights()  # w0
-        while tr.step < tr.total_steps:
-            tr.step += 1
-            t = PhaseTimer()
-            with t("step"):
-                prompts = [tr.sampler.next_batch(1)[0] for _ in range(g)]  # granted one at a time
-                rows = generate(tr, prompts, first_uid=(tr.step - 1) * g)
-                items = [tr.train_set[prompts[r.prompt_pos]] for r in rows]
-                responses = [tr.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rows]
-                scores, _ = tr.scorer.score([it["data_source"] for it in items], responses,
-                                            [it["ground_truth"] for it in items],
-                                            [it.get("extra_info") for it in items])
-                for r, s in zip(rows, scores):
-                    r.score = float(s)
-                add_overlong_penalty(rows, cfg)
-                batch = tr.rows_to_batch(sorted(rows, key=lambda r: (r.prompt_pos, r.sample)), prompts)
-                metrics = tr.train_on(batch, t)
-                tr.sync_weights()  # w_k: what step k+1 samples with
-            tr.finish_step(batch, metrics, t)
-    finally:
-        tr.close()
+def step(tr: RLTrainer, t) -> tuple[dict, dict]:
+    g = tr.cfg.data.train_batch_size
+    prompts = [tr.sampler.next_batch(1)[0] for _ in range(g)]  # granted one at a time
+    rows = generate(tr, prompts, first_uid=(tr.step - 1) * g)
+    items = [tr.train_set[prompts[r.prompt_pos]] for r in rows]
+    responses = [tr.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rows]
+    scores, _ = tr.scorer.score([it["data_source"] for it in items], responses,
+                                [it["ground_truth"] for it in items],
+                                [it.get("extra_info") for it in items])
+    for r, s in zip(rows, scores):
+        r.score = float(s)
+    add_overlong_penalty(rows, tr.cfg)
+    batch = tr.rows_to_batch(sorted(rows, key=lambda r: (r.prompt_pos, r.sample)), prompts)
+    metrics = tr.train_on(batch, t)
+    tr.sync_weights()  # w_k: what step k+1 samples with
+    return batch, metrics
 
 
 if __name__ == "__main__":
-    main()
+    run_reference(step)

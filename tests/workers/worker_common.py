@@ -42,3 +42,25 @@ def run_async_trainer(flag: str, make_hooks: Callable[[str], Any]) -> None:
         train_async(cfg, hooks=make_hooks(value))
 
     sys.exit(main(run, argv))
+
+
+def run_reference(step: Callable[[Any, Any], tuple[dict, dict]]) -> None:
+    """A synchronous reference run built from the synchronous trainer's parts, in one process: the config from the
+    command line, the rollout given the actor's initial weights (w0), then per step `step(trainer, timer)` -- run
+    inside the step's "step" timer, returning (batch, metrics) -- and finish_step. The one-step-off and fully
+    asynchronous references differ only in their step bodies."""
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.trainer.rl_trainer import PhaseTimer, RLTrainer
+
+    tr = RLTrainer(load_config(None, sys.argv[1:]))
+    try:
+        tr.open_logger()
+        tr.sync_weights()  # w0
+        while tr.step < tr.total_steps:
+            tr.step += 1
+            t = PhaseTimer()
+            with t("step"):
+                batch, metrics = step(tr, t)
+            tr.finish_step(batch, metrics, t)
+    finally:
+        tr.close()
