@@ -35,6 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from rlhf_mcore.agents import loops  # noqa: F401 - the built-in loops (the default, single_turn_agent) registered
 from rlhf_mcore.agents.agent_loop import MultiTurnSettings, get_agent
 from rlhf_mcore.agents.hermes import CallError
 from rlhf_mcore.agents.tools import Tool
