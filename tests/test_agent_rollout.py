@@ -246,8 +246,8 @@ class Retry(Environment):
 def test_native_engine_logprobs_match_teacher_forcing(tiny_model_dir, arch):
     from transformers import AutoModelForCausalLM
 
+    from rlhf_mcore.data.batch import build_batch, last_response_token
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
-    from rlhf_mcore.trainer.batch import build_batch, last_response_token
 
     model_dir = tiny_model_dir(arch)
     tok, end = fixture_tokenizer(model_dir, "qwen2")  # the fixture's ChatML tokens

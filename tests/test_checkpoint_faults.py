@@ -134,7 +134,7 @@ def forge_item(path: Path, key: str, payload: bytes, as_bytes: bool = False) -> 
     checkpoint-metadata classes only, as a forger would, so it passes the `.metadata` check); returns the shard."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from rlhf_mcore.trainer.manifest import read_metadata
+    from rlhf_mcore.engine.safe_load import read_metadata
 
     meta = read_metadata(path / ".metadata")
     index = next(i for i in meta.storage_data if i.fqn == key)
@@ -152,7 +152,7 @@ def forge_item(path: Path, key: str, payload: bytes, as_bytes: bool = False) -> 
 
 
 def tensor_keys_and_objects(path: Path) -> list[str]:
-    from rlhf_mcore.trainer.manifest import read_metadata
+    from rlhf_mcore.engine.safe_load import read_metadata
 
     return list(read_metadata(path / ".metadata").state_dict_metadata)
 

@@ -22,6 +22,7 @@ from rlhf_mcore.data import (
     write_synthetic_parquet,
 )
 from rlhf_mcore.data.preprocess import GSM8K_INSTRUCTION, MATH_INSTRUCTION, VENDORED_GSM8K_DIR, RecordError
+from rlhf_mcore.data.seeds import step_seed
 from rlhf_mcore.data.synthetic import DATA_SOURCE as SYNTHETIC_SOURCE
 from rlhf_mcore.rewards import default_compute_score
 from rlhf_mcore.rewards.gsm8k import compute_score as gsm8k_score
@@ -319,6 +320,17 @@ def test_sampler_resumes_mid_epoch_with_the_same_order():
         ResumableSampler(11, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="train_batch_size"):
         ResumableSampler(4).next_batch(5)
+
+
+def test_step_seed_keeps_the_seeds_of_earlier_runs_and_never_collides():
+    """The rollout seed of (run seed, step, generation batch): the values runs drew before it became one function
+    (so a run resumed across the change samples the same), and distinct over every (seed, step, gen_batch) a run
+    reaches, so no two steps or generation batches share random streams.
+    Mutation: drop the `1_000_003 * gen_batch` term -> fails; mutation: `seed * 100_003` -> `seed` -> fails."""
+    assert [step_seed(0, 0), step_seed(1, 0), step_seed(1, 5), step_seed(2, 5, 3), step_seed(42, 7)] == \
+        [0, 100_003, 100_008, 3_200_020, 4_200_133]
+    seen = {step_seed(seed, step, gen) for seed in range(4) for step in range(1000) for gen in range(5)}
+    assert len(seen) == 4 * 1000 * 5
 
 
 def test_dataloader_with_sampler_and_collator(gsm8k_dir, tokenizer):

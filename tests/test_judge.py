@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlhf_mcore.data.rows import Row
 from rlhf_mcore.rewards.judge import (
     JudgeScorer,
     check_template,
@@ -11,7 +12,6 @@ from rlhf_mcore.rewards.judge import (
     register_judge_parser,
     render_judge_prompt,
 )
-from rlhf_mcore.trainer.rollout_phase import Row
 
 
 @pytest.mark.parametrize("parser, text, want", [
@@ -109,7 +109,7 @@ def test_native_judge_with_garbage_verdicts(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from rlhf_mcore.config import load_config
-    from rlhf_mcore.rewards.judge import build_judge
+    from rlhf_mcore.trainer.roles import build_judge
 
     model = tiny_model_dir("qwen2")
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", "reward.judge.enable=true",
@@ -127,8 +127,8 @@ def test_native_judge_with_garbage_verdicts(tiny_model_dir):
 
 def test_missing_judge_model_is_a_clear_error(tmp_path):
     from rlhf_mcore.config import load_config
-    from rlhf_mcore.rewards.judge import build_judge
     from rlhf_mcore.rewards.reward_model import RewardModelError
+    from rlhf_mcore.trainer.roles import build_judge
 
     cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "reward.judge.enable=true",
                              f"reward.judge.model_path={tmp_path / 'none'}"])

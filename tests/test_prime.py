@@ -288,7 +288,7 @@ def test_prime_advantages_and_prm_update_in_the_loop(prime_runs):
     cross-entropy on the step's batch falls through its update.
 
     Mutations, each in ImplicitPRM.compute_advantages: `prime_advantages(scores * 0, ...)` (the process rewards
-    left out) -> fails; the batch-norm max taken on this rank only (`self._dp(..., MAX)` dropped) -> fails;
+    left out) -> fails; the batch-norm max taken on this rank only (`group_all_reduce(..., MAX)` dropped) -> fails;
     `batch_sums=None` (whitening per rank) -> fails; `update == "before"` / `== "after"` negated (the two orders
     swapped) -> fails; `"token"` passed for `self.rm.prime_granularity` -> fails."""
     _, runs, _ = prime_runs
@@ -321,7 +321,7 @@ def test_dp2_equals_dp1_on_the_same_batch(prime_runs):
     all-reduced batch-norm max and whitening sums, and the same `prime/*` metrics. (Two launches at DP=1 and DP=2
     sample different responses: the rollout keys each request by its position in the DP plan's prompt order.)
 
-    Mutation: the batch-norm max taken on this rank only (no `_dp(..., MAX)`) -> fails; whitening without
+    Mutation: the batch-norm max taken on this rank only (no `group_all_reduce(..., MAX)`) -> fails; whitening without
     `batch_sums` -> fails."""
     from rlhf_mcore.config import load_config
     from rlhf_mcore.trainer.prime import ImplicitPRM

@@ -163,8 +163,8 @@ def test_combine_rule():
 
 def test_scorer_combines_per_data_source():
     """Rows outside reward_model.data_sources keep their rule score; `acc` keeps the rule score for all."""
+    from rlhf_mcore.data.rows import Row
     from rlhf_mcore.rewards.reward_model import RewardModelScorer
-    from rlhf_mcore.trainer.rollout_phase import Row
 
     class FakeScorer(RewardModelScorer):
         def __init__(self, cfg):
@@ -190,8 +190,8 @@ def test_rule_score_is_logged_beside_the_model_score(local, monkeypatch):
     trainer's call, `local=True` the asynchronous trainers' (one_step_off and fully_async), gathered over replicas.
     Rows the model does not cover, and rows scored while they streamed (rm_score already set), count as in
     `score_mean`. Mutation: log `score_mean`'s value as `rule_score_mean` -> fails; mutation: drop the key -> fails."""
+    from rlhf_mcore.data.rows import Row
     from rlhf_mcore.rewards.reward_model import RewardModelScorer
-    from rlhf_mcore.trainer.rollout_phase import Row
 
     class FakeScorer(RewardModelScorer):  # the model's score of a sequence: its length
         def __init__(self, cfg):
@@ -275,11 +275,11 @@ def test_tokenizer_mismatch_asks_for_input_tokenizer(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from rlhf_mcore.config import load_config
-    from rlhf_mcore.rewards.reward_model import build_reward_model
+    from rlhf_mcore.trainer.roles import build_rm_scorer
 
     policy = tiny_model_dir("qwen2")
     rm = make_reward_model(tiny_model_dir("qwen2", vocab=512), tmp_path / "rm_other_vocab")
     cfg = load_config(None, [f"actor_rollout_ref.model.path={policy}", "reward_model.enable=true",
                              f"reward_model.model.path={rm}"])
     with pytest.raises(RewardModelError, match=rf"set reward_model.model.input_tokenizer={policy} to re-template"):
-        build_reward_model(cfg, None, AutoTokenizer.from_pretrained(policy))
+        build_rm_scorer(cfg, None, AutoTokenizer.from_pretrained(policy))

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from rlhf_mcore.data.boxed import last_boxed_content
 from rlhf_mcore.rewards import (
     RewardFileError,
     RewardScorer,
@@ -23,7 +24,6 @@ from rlhf_mcore.rewards import (
     score_batch,
 )
 from rlhf_mcore.rewards.math_reward import compute_score as math_score
-from rlhf_mcore.rewards.math_reward import last_boxed_content
 
 # (response, ground_truth, method, expected score) with default format_score=0.0, score=1.0
 GSM8K_CASES = [

@@ -461,6 +461,18 @@ def test_broadcast_transport_over_gloo(distributed):
                 assert (c["missing"], c["extra"], c["differ"]) == ([], [], []) and c["count"] == 7
 
 
+@pytest.mark.slow
+def test_collectives_over_gloo(distributed):
+    """rlhf_mcore.parallel.collectives at world size 4 (the trainer's DP sums, PRIME's DP max, the coordinator's
+    plans): a sum over the world, a max over a subgroup (ranks {1, 3} only), rank 2's object on every rank.
+    Mutation: `group_all_reduce` ignores `op` (always a sum) -> fails; mutation: `broadcast_object` returns its own
+    `obj` -> fails."""
+    for rank, r in enumerate(distributed["collectives"]):
+        assert r["sum"] == [10.0, -6.0] and r["alone"], f"rank {rank}: {r}"
+        assert r["object"] == {"from": 2, "items": [2, 2]}, f"rank {rank}: {r}"
+        assert r.get("max_sub") == ([4.0, -1.0] if rank in (1, 3) else None), f"rank {rank}: {r}"
+
+
 def test_sync_memory_measurement_keeps_the_step_peak(monkeypatch):
     """A sync resets the allocator's peak to measure its own; the trainer's per-step peak must still see what the
     step reached before (it logged only the post-sync peak: 7 GiB for a 30 GiB GRPO step). Fake allocator."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_mcore.trainer.batch import build_batch
+from rlhf_mcore.data.batch import build_batch
 from rlhf_mcore.trainer.checkpoint import COMPLETE, CheckpointError, CheckpointManager, list_complete, resolve_resume
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import plan_step

@@ -18,60 +18,13 @@ or its tools, the others run.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
-
+from rlhf_mcore.agents.agent_loop import AgentLoop, register_agent
 from rlhf_mcore.agents.environments import make_environment
 from rlhf_mcore.agents.hermes import parse_tool_calls
-from rlhf_mcore.agents.trajectory import TrajectoryBuilder
-from rlhf_mcore.registry import Registry
 
-if TYPE_CHECKING:
-    from rlhf_mcore.agents.runner import AgentContext
-
-__all__ = ["AgentLoop", "register_agent", "get_agent", "list_agents", "SingleTurnAgent", "ToolAgent", "EnvAgent"]
+__all__ = ["SingleTurnAgent", "ToolAgent", "EnvAgent"]
 
 FINISH_TURNS = "turns"
-
-
-class AgentLoop:
-    """Base of agent loops: `run` fills the trajectory; `generate` and `call_tools` are the engine and the tools."""
-
-    def __init__(self, ctx: "AgentContext"):
-        self.ctx = ctx
-        self.settings = ctx.settings
-
-    async def run(self, row: dict[str, Any], traj: TrajectoryBuilder) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    async def generate(self, traj: TrajectoryBuilder) -> Optional[str]:
-        """One model turn from the trajectory's context, appended; its text, or None when no budget is left."""
-        return await self.ctx.generate(traj)
-
-    async def call_tools(self, traj: TrajectoryBuilder, calls: list) -> list[dict]:
-        """Run a turn's parsed calls concurrently; one `tool` message per call (errors included)."""
-        return await self.ctx.call_tools(traj, calls)
-
-
-_AGENTS: Registry[type] = Registry(
-    "agent loop", "Register one with @rlhf_mcore.agents.register_agent(name) in a trainer.plugins file.")
-
-
-def register_agent(name: str, *, override: bool = False):
-    def decorator(cls):
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-            raise TypeError(f"@register_agent({name!r}): {cls!r} must subclass rlhf_mcore.agents.AgentLoop")
-        _AGENTS.add(name, cls, override=override)
-        return cls
-
-    return decorator
-
-
-def get_agent(name: str) -> type:
-    return _AGENTS.get(name, key="agent_name")
-
-
-def list_agents() -> list[str]:
-    return _AGENTS.names()
 
 
 @register_agent("single_turn_agent")

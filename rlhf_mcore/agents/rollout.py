@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from rlhf_mcore.agents.runner import AgentRunner, MultiTurnSettings
+from rlhf_mcore.agents.agent_loop import MultiTurnSettings
+from rlhf_mcore.agents.runner import AgentRunner
 from rlhf_mcore.agents.tools import load_tool_config
 
 __all__ = ["settings_from_config", "tools_from_config", "build_agent_runner", "trajectory_info", "agent_metrics",
@@ -36,7 +37,7 @@ def build_agent_runner(cfg, engine, tokenizer) -> Optional[AgentRunner]:
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None
-    from rlhf_mcore.agents.loops import get_agent
+    from rlhf_mcore.agents.agent_loop import get_agent
 
     get_agent(mt.default_agent)  # an unknown name fails at start, with the known ones
     return AgentRunner(engine, tokenizer, settings_from_config(mt), tools_from_config(mt))

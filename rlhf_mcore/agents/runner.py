@@ -35,33 +35,20 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from rlhf_mcore.agents import loops  # noqa: F401 - the built-in loops (the default, single_turn_agent) registered
+from rlhf_mcore.agents.agent_loop import MultiTurnSettings, get_agent
 from rlhf_mcore.agents.hermes import CallError
-from rlhf_mcore.agents.loops import get_agent
 from rlhf_mcore.agents.tools import Tool
 from rlhf_mcore.agents.trajectory import Trajectory, TrajectoryBuilder
 from rlhf_mcore.rollout.base import FINISH_ABORT, Request, Sample, SamplingParams
 
-__all__ = ["MultiTurnSettings", "AgentContext", "AgentRunner", "AgentStream", "AgentError", "TURN_KEY"]
+__all__ = ["AgentRunner", "AgentStream", "AgentError", "TURN_KEY"]
 
 TURN_KEY = 256  # request id = trajectory key * TURN_KEY + turn: at most TURN_KEY - 1 model turns
 
 
 class AgentError(RuntimeError):
     """An agent loop failed (a bug in the loop, not a tool error); the message names the row and the agent."""
-
-
-@dataclass
-class MultiTurnSettings:
-    """`actor_rollout_ref.rollout.multi_turn.*` as the runner needs it."""
-
-    max_assistant_turns: int = 5
-    max_user_turns: int = 5
-    max_tokens_per_turn: Optional[int] = None  # None: whatever is left of the response budget
-    tool_timeout_s: float = 30.0
-    max_parallel_calls: int = 4  # per model turn; further calls get an error message
-    tool_workers: int = 16
-    default_agent: str = "single_turn_agent"
-    check_drift: bool = True
 
 
 class _ToolPool:
@@ -106,8 +93,8 @@ class _Turn:
     sample: Optional[Sample] = None  # the finished turn
 
 
-class AgentContext:
-    """What agent loops reach through `self.ctx`: the tokenizer, the tools, the settings and the two waits."""
+class StreamContext:
+    """The scheduler's :class:`~rlhf_mcore.agents.agent_loop.AgentContext`: the two waits go through the stream."""
 
     def __init__(self, stream: "AgentStream"):
         self._s = stream
@@ -213,7 +200,7 @@ class AgentStream:
         self._gen_waiting = self._tool_waiting = 0
         self._wake = asyncio.Event()
         self._pool = _ToolPool(self.settings.tool_workers)
-        self._ctx = AgentContext(self)
+        self._ctx = StreamContext(self)
 
     # ------------------------------------------------------------------------------------------------ api
     def add(self, prompt_ids: list[int], row: dict[str, Any], key: int) -> None:

@@ -12,6 +12,9 @@ Its schema (`{"type": "function", "function": {"name", "description", "parameter
 `tools` argument receives. A class works too: subclass :class:`Tool`, give `name`, `description`, `parameters`
 and `__call__`, decorate the class with `@register_tool()` (constructed with the config's keyword arguments).
 
+This module knows no concrete tool: the built-ins (:mod:`.calculator`, :mod:`.sandbox`) register themselves when
+the package `rlhf_mcore.agents` is imported, which every import of this module does first.
+
 `actor_rollout_ref.rollout.multi_turn.tool_config_path` points at a YAML file choosing the tools of a run::
 
     tools:
@@ -103,18 +106,12 @@ def register_tool(name: Optional[str] = None, description: Optional[str] = None,
     return decorator
 
 
-def _builtins() -> None:
-    from rlhf_mcore.agents import calculator, sandbox  # noqa: F401 - registration on import
-
-
 def get_tool(name: str, **config: Any) -> Tool:
     """A new instance of the registered tool `name`."""
-    _builtins()
     return _TOOLS.get(name, key="tool name")(**config)
 
 
 def list_tools() -> list[str]:
-    _builtins()
     return _TOOLS.names()
 
 
@@ -129,7 +126,6 @@ def _import_object(path: str, where: str):
 
 def build_tools(entries: list[dict], where: str = "tool config") -> dict[str, Tool]:
     """Tools by name from config entries (`name` or `class_name`, optional `config` and `tool_schema`)."""
-    _builtins()
     tools: dict[str, Tool] = {}
     for k, entry in enumerate(entries):
         here = f"{where}: tools[{k}]"

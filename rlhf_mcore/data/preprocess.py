@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlhf_mcore.data.boxed import last_boxed_content
 from rlhf_mcore.data.schema import DataError, make_row
-from rlhf_mcore.rewards.math_reward import last_boxed_content
 
 __all__ = [
     "VENDORED_GSM8K_DIR",

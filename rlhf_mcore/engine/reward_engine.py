@@ -22,7 +22,7 @@ from rlhf_mcore.engine.micro_batches import MicroBatch, batch_size_of
 from rlhf_mcore.engine.packing import ModelInputs
 from rlhf_mcore.engine.train_engine import TrainEngine
 
-__all__ = ["RewardEngine", "last_token_scores", "bradley_terry_loss", "sequence_batch"]
+__all__ = ["RewardEngine", "last_token_scores", "bradley_terry_loss"]
 
 
 def last_token_scores(output: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
@@ -34,19 +34,6 @@ def last_token_scores(output: torch.Tensor, inputs: ModelInputs) -> torch.Tensor
         seq = inputs.input_ids.shape[1]
         rows = torch.arange(len(inputs.seqlens), device=output.device) * seq + lengths - 1  # (B,)
     return output.reshape(-1).index_select(0, rows).float()  # (B,)
-
-
-def sequence_batch(sequences: list[list[int]], pad_token_id: int) -> dict:
-    """The engine's batch layout for whole token sequences (each needs >= 2 tokens): all but the last token as the
-    "prompt", the last as a one-token "response"; the score is read at that last token either way."""
-    from rlhf_mcore.trainer.batch import build_batch
-
-    short = [i for i, s in enumerate(sequences) if len(s) < 2]
-    if short:
-        raise ValueError(f"sequence {short[0]} has {len(sequences[short[0]])} token(s); a reward model needs >= 2")
-    n = len(sequences)
-    return build_batch([s[:-1] for s in sequences], [s[-1:] for s in sequences], [[0.0]] * n, ["stop"] * n,
-                       list(range(n)), {}, pad_token_id=pad_token_id)
 
 
 def bradley_terry_loss(output: torch.Tensor, mb: MicroBatch, ctx: LossContext) -> tuple[torch.Tensor, dict]:

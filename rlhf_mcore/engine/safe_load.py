@@ -6,7 +6,7 @@ megatron-core's `torch_dist` loader reads four kinds of file, and two of them wi
 ShardedObjects (the RNG states), it unpickles with `torch.load(weights_only=False)`: a pickle planted there runs.
 :func:`load_distributed` instead
 
-- unpickles `.metadata` allowing only the index's own classes (:func:`rlhf_mcore.trainer.manifest.read_metadata`)
+- unpickles `.metadata` allowing only the index's own classes (:func:`read_metadata`)
   and refuses a bytes item at a key that is not a ShardedObject's, so no requested tensor is read as bytes;
 - loads `common.pt` with `weights_only=True` (stated, whatever torch's default);
 - leaves the ShardedObjects out of what Megatron loads and reads each itself, from the byte range of the shard file
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ import torch
 
 from rlhf_mcore.errors import UserError
 
-__all__ = ["CheckpointLoadError", "load_distributed", "load_common", "tensor_keys", "read_object", "load_plain"]
+__all__ = ["CheckpointLoadError", "load_distributed", "load_common", "tensor_keys", "read_object", "load_plain",
+           "read_metadata"]
 
 _OBJECT_KEY = re.compile(r"/shard_[0-9.]*_[0-9.]*$")  # ShardedObject.unique_key: '<key>/shard_<offset>_<shape>'
 
@@ -84,9 +86,42 @@ def _check_json(file: Path) -> None:
         raise _refuse(file, e) from None
 
 
-def _index(path: Path):
-    from rlhf_mcore.trainer.manifest import read_metadata
+# The classes torch's distributed checkpoint (as Megatron's torch_dist backend writes it) puts into `.metadata`.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_DCP_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+              ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}
 
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch" and name != "Size":
+            import torch
+
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        elif (module, name) in _DCP_NAMES or (module in _DCP_MODULES and not name.startswith("__")):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) or (module, name) == ("torch.serialization", "_get_layout"):
+                return obj
+        raise pickle.UnpicklingError(f"refers to {module}.{name}, which a checkpoint's metadata never holds")
+
+
+def read_metadata(path: Path):
+    """A torch distributed-checkpoint ``.metadata`` unpickled allowing only the metadata classes (and torch dtypes,
+    sizes, layouts): nothing outside that list is imported or called. Raises on anything else (UnpicklingError)
+    and when the file does not hold a ``Metadata``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    meta = _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
+    if not isinstance(meta, Metadata):
+        raise pickle.UnpicklingError(f"holds a {type(meta).__name__}, not a checkpoint Metadata")
+    return meta
+
+
+def _index(path: Path):
     _check_json(path / "metadata.json")  # Megatron reads it first (the backend's name)
     file = path / ".metadata"
     try:

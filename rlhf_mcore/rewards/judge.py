@@ -35,9 +35,9 @@ from typing import Any, Optional
 import numpy as np
 
 from rlhf_mcore.registry import Registry
-from rlhf_mcore.rewards.reward_model import RewardModelError, combine
+from rlhf_mcore.rewards.reward_model import combine
 
-__all__ = ["register_judge_parser", "get_judge_parser", "list_judge_parsers", "JudgeScorer", "build_judge",
+__all__ = ["register_judge_parser", "get_judge_parser", "list_judge_parsers", "JudgeScorer",
            "render_judge_prompt", "check_template", "TEMPLATE_FIELDS"]
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class JudgeScorer:
     """A judge engine, its tokenizer, the template and the parser; see the module docstring."""
 
     def __init__(self, engine, judge_tokenizer, policy_tokenizer, cfg, state=None):
-        from rlhf_mcore.rollout import SamplingParams
+        from rlhf_mcore.rollout.base import SamplingParams
 
         check_template(cfg.prompt_template)
         self.engine, self.tok, self.policy_tok, self.cfg, self.state = engine, judge_tokenizer, policy_tokenizer, \
@@ -179,23 +179,3 @@ class JudgeScorer:
         return {"judge/num_scored": float(len(covered)), "judge/num_unparseable": float(len(bad)),
                 "judge/unparseable_fraction": len(bad) / n,
                 "judge/score_mean": float(np.mean(scores)) if scores else 0.0}
-
-
-def build_judge(cfg, state, policy_tokenizer) -> JudgeScorer:
-    """The judge of `cfg.reward.judge` (enabled): a native engine on this rank's device."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from rlhf_mcore.rollout import build_rollout_engine
-
-    j = cfg.reward.judge
-    if not j.model_path or not (Path(j.model_path) / "config.json").is_file():
-        raise RewardModelError(f"reward.judge.model_path={j.model_path!r} is not a Hugging Face model directory "
-                               "(no config.json there): point it at the judge's causal LM directory.")
-    tok = AutoTokenizer.from_pretrained(j.model_path)
-    if tok.chat_template is None:
-        raise RewardModelError(f"the judge's tokenizer in {j.model_path} has no chat template; add one")
-    engine = build_rollout_engine("native", j.model_path, max_num_seqs=j.max_num_seqs, device=state.device,
-                                  max_model_len=j.max_model_len)
-    return JudgeScorer(engine, tok, policy_tokenizer, j, state)

@@ -51,13 +51,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from rlhf_mcore.rewards.errors import RewardError
 
-__all__ = ["RewardModelError", "RewardModelScorer", "StreamingBatches", "build_reward_model", "combine",
-           "rm_token_ids", "check_reward_model_dir", "score_sequences", "streaming_blocker"]
+__all__ = ["RewardModelError", "RewardModelScorer", "StreamingBatches", "combine", "rm_token_ids",
+           "check_reward_model_dir", "score_sequences", "streaming_blocker"]
 
 
 class RewardModelError(RewardError):
@@ -112,7 +111,8 @@ def combine(rule_scores: Sequence[float], rm_scores: Sequence[float | None], rew
 
 
 class RewardModelScorer:
-    """A frozen reward model on the train engine and the rules above. Build with :func:`build_reward_model`.
+    """A frozen reward model on the train engine and the rules above. Built by
+    :func:`rlhf_mcore.trainer.roles.build_rm_scorer`.
     `streaming_blocker`: why it cannot score during generation (:func:`streaming_blocker`), None when it can."""
 
     def __init__(self, engine, state, rm_cfg, rm_tokenizer, input_tokenizer=None, streaming_blocker: str | None = None):
@@ -261,7 +261,7 @@ def streaming_blocker(state, rollout_tp: int, offload: bool) -> str | None:
 def forward_scores(engine, sequences: list[list[int]], pad_token_id: int, *, offload: bool = False) -> list[float]:
     """Scores of `sequences` by one model replica (its ranks all call this with the same list), padded to whole
     micro-batches (the extra rows dropped). `offload`: the parameters come to the device for this call only."""
-    from rlhf_mcore.engine.reward_engine import sequence_batch
+    from rlhf_mcore.data.batch import sequence_batch
 
     if not sequences:
         return []
@@ -291,45 +291,3 @@ def score_sequences(engine, state, sequences: list[list[int]], pad_token_id: int
     dist.all_gather_object(parts, (state.dp_rank, mine), group=state.cpu_group)
     by_dp = dict(parts)
     return [s for d in range(dims.dp) for s in by_dp[d]]
-
-
-def build_reward_model(cfg, state, policy_tokenizer) -> RewardModelScorer:
-    """The scorer for `cfg.reward.reward_model` (enabled), on the actor's process layout."""
-    from transformers import AutoTokenizer
-
-    from rlhf_mcore.config import pipeline_split
-    from rlhf_mcore.engine.config import EngineConfig
-    from rlhf_mcore.engine.reward_engine import RewardEngine
-    from rlhf_mcore.models import build_model
-
-    rm = cfg.reward.reward_model
-    check_reward_model_dir(rm.model.path)
-    rm_tok = AutoTokenizer.from_pretrained(rm.model.path)
-    input_tok = None
-    if rm.model.input_tokenizer:
-        src = Path(rm.model.input_tokenizer)
-        if not src.is_dir():
-            raise RewardModelError(f"reward_model.model.input_tokenizer={rm.model.input_tokenizer!r} is not a "
-                                   "directory: give the policy's tokenizer (usually actor_rollout_ref.model.path).")
-        input_tok = AutoTokenizer.from_pretrained(src)
-        if rm_tok.chat_template is None:
-            raise RewardModelError(f"the reward model's tokenizer in {rm.model.path} has no chat template, so "
-                                   "conversations cannot be re-templated for it: add one to its tokenizer_config.json")
-    elif rm_tok.get_vocab() != policy_tokenizer.get_vocab():
-        raise RewardModelError(
-            f"the reward model's tokenizer ({rm.model.path}) differs from the policy's "
-            f"({cfg.actor_rollout_ref.model.path}), so it cannot read the policy's token ids: set "
-            f"reward_model.model.input_tokenizer={cfg.actor_rollout_ref.model.path} to re-template each "
-            f"conversation for the reward model.")
-    if rm_tok.pad_token_id is None:
-        rm_tok.pad_token = rm_tok.eos_token
-    dtype = None if rm.model.dtype == "auto" else getattr(torch, rm.model.dtype)
-    chunks = build_model(rm.model.path, state, role="reward", dtype=dtype,
-                         config_overrides=pipeline_split(cfg) or None)  # the actor's stage split, as ref and critic
-    micro = rm.micro_batch_size_per_gpu or 1
-    ecfg = EngineConfig(role="reward", micro_batch_size=micro, use_remove_padding=rm.model.use_remove_padding,
-                        seed=rm.megatron.seed, cuda_graphs=rm.megatron.cuda_graphs)
-    engine = RewardEngine(chunks, state, ecfg, None, hf_dir=rm.model.path, param_offload=rm.megatron.param_offload)
-    blocker = streaming_blocker(state, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
-                                bool(rm.megatron.param_offload))
-    return RewardModelScorer(engine, state, rm, rm_tok, input_tok, streaming_blocker=blocker)

@@ -170,6 +170,11 @@ class HFRolloutEngine(RolloutEngine):
                                      f"{tuple(params[name].shape)}.")
                 params[name].copy_(tensor)
 
+    def hf_weight_shards(self) -> list:
+        """The model's parameters, full tensors: (name, tensor, None, 0, 1) each (the sync verifier's readback)."""
+        # named_parameters() lists a tied lm_head once, under the embedding's name, as the export does
+        return [(name, p.detach(), None, 0, 1) for name, p in self.model.named_parameters()]
+
     def sleep(self, level: int = 1) -> int:
         """Level 1 frees nothing (transformers builds its KV cache per call); level 2 moves weights to CPU."""
         validate_sleep_level(level)

@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mcore.config import RLConfig
+from rlhf_mcore.data.seeds import step_seed
 from rlhf_mcore.engine.balance import partition_balanced
 from rlhf_mcore.parallel import pick_device
+from rlhf_mcore.parallel.collectives import broadcast_object
 from rlhf_mcore.parallel.pools import PoolLayout, Pools, init_pools
 from rlhf_mcore.sync import broadcast_weights
 from rlhf_mcore.trainer.databus import GroupMeta, Ledger, pull, pull_orders, send_orders, staleness_metrics
-from rlhf_mcore.trainer.plan import broadcast_object
 from rlhf_mcore.trainer.rl_trainer import PhaseTimer, RLTrainer
 from rlhf_mcore.trainer.stats import rollout_gap_metrics
 
@@ -283,7 +284,7 @@ class OneStepOffTrainer(AsyncTrainerBase):
         self.plans[k] = plan
         prompts = [i for part in plan for i in part]
         dsts = [self.dp_ranks[d] for d, part in enumerate(plan) for _ in part]
-        seed = self.cfg.trainer.seed * 100_003 + k  # the synchronous trainer's seed for step k
+        seed = step_seed(self.cfg.trainer.seed, k)  # the synchronous trainer's seed for step k
         self.command(("generate", k, prompts, seed, dsts))
 
     def receive_step(self) -> tuple[list[list], list[int], dict]:

@@ -22,10 +22,8 @@ already needs): rank 0 hashes the files all ranks wrote, after a barrier.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import pickle
 from pathlib import Path
 from typing import Optional
 
@@ -108,43 +106,10 @@ def verify_checkpoint(root: str | os.PathLike) -> Optional[str]:
     return None
 
 
-# The classes torch's distributed checkpoint (as Megatron's torch_dist backend writes it) puts into `.metadata`.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-_DCP_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
-              ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == "torch" and name != "Size":
-            import torch
-
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        elif (module, name) in _DCP_NAMES or (module in _DCP_MODULES and not name.startswith("__")):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or (module, name) == ("torch.serialization", "_get_layout"):
-                return obj
-        raise pickle.UnpicklingError(f"refers to {module}.{name}, which a checkpoint's metadata never holds")
-
-
-def read_metadata(path: Path):
-    """A torch distributed-checkpoint ``.metadata`` unpickled allowing only the metadata classes (and torch dtypes,
-    sizes, layouts): nothing outside that list is imported or called. Raises on anything else (UnpicklingError)
-    and when the file does not hold a ``Metadata``."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    meta = _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
-    if not isinstance(meta, Metadata):
-        raise pickle.UnpicklingError(f"holds a {type(meta).__name__}, not a checkpoint Metadata")
-    return meta
-
-
 def check_metadata_pickle(path: Path) -> Optional[str]:
-    """None when :func:`read_metadata` reads `path`, else why not."""
+    """None when :func:`rlhf_mcore.engine.safe_load.read_metadata` reads `path`, else why not."""
+    from rlhf_mcore.engine.safe_load import read_metadata
+
     try:
         read_metadata(path)
     except Exception as e:  # any failure means torch's own unrestricted unpickling must not see the file
@@ -152,5 +117,4 @@ def check_metadata_pickle(path: Path) -> Optional[str]:
     return None
 
 
-__all__ = ["MANIFEST", "COMPLETE", "write_manifest", "verify_checkpoint", "check_metadata_pickle", "read_metadata",
-           "sha256_file"]
+__all__ = ["MANIFEST", "COMPLETE", "write_manifest", "verify_checkpoint", "check_metadata_pickle", "sha256_file"]

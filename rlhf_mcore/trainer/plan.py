@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch.distributed as dist
-
 from rlhf_mcore.engine.balance import partition_balanced
 
 
@@ -18,12 +16,3 @@ def plan_step(prompt_ids: Sequence[int], prompt_lengths: Sequence[int], dp_size:
     """Dataset indices per DP rank, balancing prompt tokens (responses are unknown before rollout)."""
     parts = partition_balanced(list(prompt_lengths), dp_size, equal_size=True)
     return [[prompt_ids[i] for i in part] for part in parts]
-
-
-def broadcast_object(obj, group=None, src: int = 0):
-    """Rank ``src``'s object on every rank (small control messages only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]

@@ -40,6 +40,7 @@ from rlhf_mcore.algos.prime import (
 from rlhf_mcore.engine.losses import LossContext, score_tokens
 from rlhf_mcore.engine.micro_batches import MicroBatch
 from rlhf_mcore.engine.train_engine import TrainEngine
+from rlhf_mcore.parallel.collectives import group_all_reduce
 
 __all__ = ["ImplicitPRMEngine", "ImplicitPRM", "build_prime", "prm_ce_loss"]
 
@@ -71,16 +72,6 @@ class ImplicitPRM:
     def __init__(self, engine: ImplicitPRMEngine, rm_cfg, alg_cfg, dp_group=None):
         self.engine, self.rm, self.alg, self.dp_group = engine, rm_cfg, alg_cfg, dp_group
 
-    def _dp(self, t: torch.Tensor, op) -> torch.Tensor:
-        g = self.dp_group
-        if g is None or not dist.is_initialized() or dist.get_world_size(g) == 1:
-            return t
-        from rlhf_mcore.parallel import collective_device
-
-        out = t.to(collective_device(g))
-        dist.all_reduce(out, op=op, group=g)
-        return out.to(t.device)
-
     def compute_advantages(self, batch: dict[str, Any]) -> dict[str, float]:
         mask = batch["response_mask"].float()
         acc = batch["token_level_scores"].sum(-1).float()  # (B,) the outcome label
@@ -96,7 +87,8 @@ class ImplicitPRM:
         scores, q = implicit_process_rewards(prm_lp, batch["ref_log_prob"], mask, self.rm.model.beta_train,
                                              self.rm.prime_granularity)
         if self.rm.prime_norm == "batch_norm":  # the largest |return-to-go| over all DP ranks
-            biggest = self._dp(scores.flip(-1).cumsum(-1).flip(-1).abs().max().reshape(1), dist.ReduceOp.MAX)
+            biggest = group_all_reduce(scores.flip(-1).cumsum(-1).flip(-1).abs().max().reshape(1), self.dp_group,
+                                       dist.ReduceOp.MAX)
             scores = scores / (biggest + 1e-6)
         else:
             scores = prime_norm(scores, "none")
@@ -104,7 +96,7 @@ class ImplicitPRM:
             metrics.update(self._update(train))
 
         def batch_sums(stats: torch.Tensor) -> torch.Tensor:
-            return self._dp(stats, dist.ReduceOp.SUM)
+            return group_all_reduce(stats, self.dp_group, dist.ReduceOp.SUM)
 
         batch["advantages"], batch["returns"] = prime_advantages(
             scores, acc, mask, batch["index"], reward_dpo_coef=self.alg.reward_dpo_coef,

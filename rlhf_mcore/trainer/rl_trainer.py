@@ -20,16 +20,19 @@ import torch.distributed as dist
 from rlhf_mcore import algos
 from rlhf_mcore.algos.dynamic_sampling import GroupPool
 from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
-from rlhf_mcore.parallel import collective_device, destroy_distributed, init_distributed
+from rlhf_mcore.data.batch import build_batch, last_response_token
+from rlhf_mcore.data.rows import Row
+from rlhf_mcore.data.seeds import step_seed
+from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.parallel.collectives import broadcast_object, group_all_reduce
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.overlong import overlong_metrics
 from rlhf_mcore.trainer import roles
-from rlhf_mcore.trainer.batch import build_batch, last_response_token
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
-from rlhf_mcore.trainer.plan import broadcast_object, plan_step
-from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score
+from rlhf_mcore.trainer.plan import plan_step
+from rlhf_mcore.trainer.rollout_phase import add_overlong_penalty, generate_and_score
 from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
 from rlhf_mcore.trainer.validation import validate
@@ -192,7 +195,7 @@ class RLTrainer:
         reward function's score, `rm_score` and `overlong_penalty`)."""
         cfg = self.cfg
         items = [self.train_set[i] for i in prompt_ids]
-        params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step + 1_000_003 * gen_batch)
+        params = roles.train_sampling_params(cfg, seed=step_seed(cfg.trainer.seed, self.step, gen_batch))
         rows, stats = generate_and_score(
             self.rollout, self.scorer, [it["input_ids"] for it in items], items, params, self.tokenizer,
             rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, group=self.state.cpu_group,
@@ -299,16 +302,9 @@ class RLTrainer:
         if rc.rollout_is is None and rc.rollout_rs is None and rc.rollout_token_veto_threshold is None:
             return {}
 
-        def dp_sum(t: torch.Tensor) -> torch.Tensor:  # the batch is split over DP ranks
-            g = self.state.dp_group
-            if g is None or not dist.is_initialized() or dist.get_world_size(g) == 1:
-                return t
-            out = t.to(collective_device(g))
-            dist.all_reduce(out, group=g)
-            return out.to(t.device)
-
         corr = algos.compute_rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"],
-                                                batch["response_mask"], **vars(rc), batch_sum=dp_sum)
+                                                batch["response_mask"], **vars(rc),
+                                                batch_sum=lambda t: group_all_reduce(t, self.state.dp_group))
         if corr.rollout_is_weights is not None:
             batch["rollout_is_weights"] = corr.rollout_is_weights
         batch["loss_mask"] = corr.response_mask

@@ -28,7 +28,7 @@ __all__ = ["pair_batch", "encode_pairs", "run_train_rm", "pairwise_accuracy"]
 
 def pair_batch(chosen: list[list[int]], rejected: list[list[int]], pad_token_id: int) -> dict:
     """Pairs as adjacent rows (chosen at 2k, rejected at 2k + 1) of the engine's batch layout."""
-    from rlhf_mcore.engine.reward_engine import sequence_batch
+    from rlhf_mcore.data.batch import sequence_batch
 
     seqs = [s for pair in zip(chosen, rejected, strict=True) for s in pair]
     return sequence_batch(seqs, pad_token_id)

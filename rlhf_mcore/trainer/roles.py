@@ -229,14 +229,79 @@ def build_reward_model(cfg: RLConfig, state: ParallelState, policy_tokenizer):
     """The learned reward's scorer, or None: a discriminative reward model (`reward_model.enable`) or a judge
     (`reward.judge.enable`; the config refuses both at once). Either has `score_rows(rows, items) -> metrics`."""
     if cfg.reward.judge.enable:
-        from rlhf_mcore.rewards.judge import build_judge
-
         return build_judge(cfg, state, policy_tokenizer)
     if not cfg.reward.reward_model.enable or cfg.reward.reward_model.reward_manager == "prime":
         return None  # PRIME's implicit PRM: build_prime
-    from rlhf_mcore.rewards.reward_model import build_reward_model as build
+    return build_rm_scorer(cfg, state, policy_tokenizer)
 
-    return build(cfg, state, policy_tokenizer)
+
+def build_rm_scorer(cfg: RLConfig, state: ParallelState, policy_tokenizer):
+    """The discriminative reward model's scorer for `cfg.reward.reward_model` (enabled), on the actor's process
+    layout (:class:`rlhf_mcore.rewards.reward_model.RewardModelScorer`)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.config import pipeline_split
+    from rlhf_mcore.engine.config import EngineConfig
+    from rlhf_mcore.engine.reward_engine import RewardEngine
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.rewards.reward_model import (
+        RewardModelError,
+        RewardModelScorer,
+        check_reward_model_dir,
+        streaming_blocker,
+    )
+
+    rm = cfg.reward.reward_model
+    check_reward_model_dir(rm.model.path)
+    rm_tok = AutoTokenizer.from_pretrained(rm.model.path)
+    input_tok = None
+    if rm.model.input_tokenizer:
+        src = Path(rm.model.input_tokenizer)
+        if not src.is_dir():
+            raise RewardModelError(f"reward_model.model.input_tokenizer={rm.model.input_tokenizer!r} is not a "
+                                   "directory: give the policy's tokenizer (usually actor_rollout_ref.model.path).")
+        input_tok = AutoTokenizer.from_pretrained(src)
+        if rm_tok.chat_template is None:
+            raise RewardModelError(f"the reward model's tokenizer in {rm.model.path} has no chat template, so "
+                                   "conversations cannot be re-templated for it: add one to its tokenizer_config.json")
+    elif rm_tok.get_vocab() != policy_tokenizer.get_vocab():
+        raise RewardModelError(
+            f"the reward model's tokenizer ({rm.model.path}) differs from the policy's "
+            f"({cfg.actor_rollout_ref.model.path}), so it cannot read the policy's token ids: set "
+            f"reward_model.model.input_tokenizer={cfg.actor_rollout_ref.model.path} to re-template each "
+            f"conversation for the reward model.")
+    if rm_tok.pad_token_id is None:
+        rm_tok.pad_token = rm_tok.eos_token
+    dtype = None if rm.model.dtype == "auto" else getattr(torch, rm.model.dtype)
+    chunks = build_model(rm.model.path, state, role="reward", dtype=dtype,
+                         config_overrides=pipeline_split(cfg) or None)  # the actor's stage split, as ref and critic
+    micro = rm.micro_batch_size_per_gpu or 1
+    ecfg = EngineConfig(role="reward", micro_batch_size=micro, use_remove_padding=rm.model.use_remove_padding,
+                        seed=rm.megatron.seed, cuda_graphs=rm.megatron.cuda_graphs)
+    engine = RewardEngine(chunks, state, ecfg, None, hf_dir=rm.model.path, param_offload=rm.megatron.param_offload)
+    blocker = streaming_blocker(state, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                                bool(rm.megatron.param_offload))
+    return RewardModelScorer(engine, state, rm, rm_tok, input_tok, streaming_blocker=blocker)
+
+
+def build_judge(cfg: RLConfig, state: ParallelState, policy_tokenizer):
+    """The judge of `cfg.reward.judge` (enabled): a native engine on this rank's device
+    (:class:`rlhf_mcore.rewards.judge.JudgeScorer`)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_mcore.rewards.judge import JudgeScorer
+    from rlhf_mcore.rewards.reward_model import RewardModelError
+
+    j = cfg.reward.judge
+    if not j.model_path or not (Path(j.model_path) / "config.json").is_file():
+        raise RewardModelError(f"reward.judge.model_path={j.model_path!r} is not a Hugging Face model directory "
+                               "(no config.json there): point it at the judge's causal LM directory.")
+    tok = AutoTokenizer.from_pretrained(j.model_path)
+    if tok.chat_template is None:
+        raise RewardModelError(f"the judge's tokenizer in {j.model_path} has no chat template; add one")
+    engine = build_rollout_engine("native", j.model_path, max_num_seqs=j.max_num_seqs, device=state.device,
+                                  max_model_len=j.max_model_len)
+    return JudgeScorer(engine, tok, policy_tokenizer, j, state)
 
 
 def build_prime(cfg: RLConfig, state: ParallelState, total_steps: int):

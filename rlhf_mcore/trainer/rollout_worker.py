@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mcore.config import RLConfig, load_plugins
+from rlhf_mcore.data.rows import Row
+from rlhf_mcore.data.seeds import step_seed
 from rlhf_mcore.parallel import pick_device
 from rlhf_mcore.parallel.pools import Pools
 from rlhf_mcore.rewards import reward_metrics
@@ -37,14 +39,14 @@ from rlhf_mcore.rewards.stream import ScoringStream
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
-from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score, response_budgets
+from rlhf_mcore.trainer.rollout_phase import add_overlong_penalty, generate_and_score, response_budgets
 from rlhf_mcore.trainer.sample_streams import SampleStream, TrajectoryStream
 from rlhf_mcore.trainer.validation import validate
 
 
 def stream_seed(cfg: RLConfig) -> int:
     """The fully asynchronous rollout's sampling seed (each group's uid keys its own random streams)."""
-    return cfg.trainer.seed * 100_003 + 7
+    return step_seed(cfg.trainer.seed, 7)
 
 
 class RolloutWorker:

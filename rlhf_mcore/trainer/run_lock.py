@@ -182,7 +182,7 @@ def take_run_lock(run_dir: str | os.PathLike, state, key: str = "trainer.default
     refusal every rank tears the process groups down (the caller has built nothing else yet) and raises the same
     RunLockError; rank 0 alone holds the returned lock (`held`)."""
     from rlhf_mcore.parallel import destroy_distributed
-    from rlhf_mcore.trainer.plan import broadcast_object
+    from rlhf_mcore.parallel.collectives import broadcast_object
 
     lock, error = RunLock(Path(run_dir) / LOCK_NAME), None
     if state.is_coordinator:

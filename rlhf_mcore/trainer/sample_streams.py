@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from rlhf_mcore.data.rows import Row
 from rlhf_mcore.rollout.base import FINISH_ABORT, Finished, Request, Sample, SamplingParams
-from rlhf_mcore.trainer.rollout_phase import Row
 
 
 def continuation(f: Finished) -> Request:

@@ -20,8 +20,8 @@ import torch
 
 from rlhf_mcore.config import ConfigError, load_config
 from rlhf_mcore.data import DataError
+from rlhf_mcore.data.batch import build_batch
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
-from rlhf_mcore.trainer.batch import build_batch
 from rlhf_mcore.trainer.logging import reduce_metrics
 from rlhf_mcore.trainer.run_lock import take_run_lock
 

@@ -16,6 +16,8 @@ rank's report (lists indexed by rank):
   (bitwise, verified; generations vs a fresh engine).
 - broadcast: synthetic mixed-dtype tensors from rank 0 to all ranks and from rank 3 to ranks {1, 3}, with
   checksums; every receiver compares what it got with the regenerated tensors (bitwise).
+- collectives: `rlhf_mcore.parallel.collectives` — a sum over the world, a max over ranks {1, 3}, an object from
+  rank 2, and the no-group call returning its tensor untouched.
 """
 import argparse
 import json
@@ -214,6 +216,20 @@ def case_broadcast(state) -> dict:
     return out
 
 
+def case_collectives() -> dict:
+    from rlhf_mcore.parallel.collectives import broadcast_object, group_all_reduce
+
+    rank = dist.get_rank()
+    sub = dist.new_group([1, 3])
+    mine = torch.tensor([rank + 1.0, -float(rank)])
+    out = {"sum": group_all_reduce(mine.clone(), dist.group.WORLD).tolist(),
+           "alone": group_all_reduce(mine, None) is mine and mine.tolist() == [rank + 1.0, -float(rank)],
+           "object": broadcast_object({"from": rank, "items": [rank] * rank}, src=2)}
+    if rank in (1, 3):
+        out["max_sub"] = group_all_reduce(mine.clone(), sub, dist.ReduceOp.MAX).tolist()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -235,6 +251,7 @@ def main():
     del chunks
     report["broadcast"] = case_broadcast(state)
     clock["broadcast"], t0 = time.perf_counter() - t0, time.perf_counter()
+    report["collectives"] = case_collectives()
     state = init_distributed(tp=4, pp=1, seed=3)
     report["export@4x1"] = case_export_4x1(args.model, engines["rollout_tp2"], state)
     clock["export@4x1"], t0 = time.perf_counter() - t0, time.perf_counter()

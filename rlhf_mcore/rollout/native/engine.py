@@ -281,6 +281,12 @@ class NativeRolloutEngine(RolloutEngine):
         if self.cache is None:
             self._allocate_cache()
 
+    def hf_weight_shards(self) -> list:
+        """The weights in HF layout, (name, tensor, dim, rank, size) per tensor (:mod:`.hf_shards`)."""
+        from .hf_shards import hf_weight_shards
+
+        return hf_weight_shards(self.weights)
+
     @property
     def weights_tp_rank(self) -> int:
         return dist.get_rank(self.tp_group) if self.tp_group is not None else 0

@@ -10,12 +10,16 @@
     index           (B,)      group id: rows sampled from the same prompt share it
 
 Non-tensor fields (``data_source``, ``ground_truth``, ``extra_info``, ``uid``) are lists of length ``B``.
+
+:func:`sequence_batch` lays whole token sequences out the same way, for a reward model's forward.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import torch
+
+__all__ = ["build_batch", "last_response_token", "sequence_batch"]
 
 
 def _pad_to(n: int, multiple: int) -> int:
@@ -64,3 +68,14 @@ def last_response_token(response_mask: torch.Tensor) -> torch.Tensor:
     row without one)."""
     positions = torch.arange(response_mask.shape[1], device=response_mask.device)  # (R,)
     return (positions * response_mask.bool()).max(dim=1).values  # (B,)
+
+
+def sequence_batch(sequences: list[list[int]], pad_token_id: int) -> dict:
+    """The engine's batch layout for whole token sequences (each needs >= 2 tokens): all but the last token as the
+    "prompt", the last as a one-token "response"; the score is read at that last token either way."""
+    short = [i for i, s in enumerate(sequences) if len(s) < 2]
+    if short:
+        raise ValueError(f"sequence {short[0]} has {len(sequences[short[0]])} token(s); a reward model needs >= 2")
+    n = len(sequences)
+    return build_batch([s[:-1] for s in sequences], [s[-1:] for s in sequences], [[0.0]] * n, ["stop"] * n,
+                       list(range(n)), {}, pad_token_id=pad_token_id)
