@@ -53,8 +53,8 @@ def test_decode_attention_kernel_matches_fp64(dtype, hq, hkv, d, tol):
 def test_decode_gemm_kernels_bf16_match_fp32(rows):
     """The decode step's Triton GEMMs at the Qwen2.5-0.5B shapes, with their configs' K splits and tiles, in bf16
     against fp32 torch: o/down as K-split partials summed by add_rms_norm, gate_up with silu*mul, and the QKV GEMM
-    with bias, RoPE and the cache write. Mutation: `linear` launching one K split fewer than it allocates
-    (grid axis 2 = split - 1) -> the down/o residual check fails at 64 and 256 rows."""
+    with bias, RoPE and the cache write. Mutation: the split loop of _add_rms_norm_kernel starting at 2 (one K
+    partial dropped) -> the residual check fails at every row count (o and down run split at all three)."""
     from rlhf_mcore.models.rope import default_inv_freq
     from rlhf_mcore.rollout.native.model import rms_norm
     from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
