@@ -305,9 +305,9 @@ def test_tensor_parallel_2_equals_1(tiny_model_dir, tmp_path):
     "test_rollout_native_gpu.py); the interpreter of older triton releases (the one torch 2.11 ships) cannot "
     "run the sampler kernel")
 def test_triton_kernels_match_torch_references_in_interpreter(tiny_model_dir):
-    """The GPU kernels (attention, sampling, fused element-wise ops) and the engine using all of them, run
-    by Triton's CPU interpreter in fp32 against the torch paths. (The interpreter cannot do bf16 dot
-    products, so bf16 numerics are checked on GPU by tests/test_rollout_native_gpu.py.)"""
+    """The GPU kernels (attention, sampling, the decode GEMMs and their fused epilogues, element-wise ops) and the
+    engine using all of them, run by Triton's CPU interpreter in fp32 against the torch paths. (The interpreter
+    cannot do bf16 dot products, so bf16 numerics are checked on GPU by tests/test_rollout_native_gpu.py.)"""
     env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret", str(tiny_model_dir("qwen3"))], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -369,21 +369,41 @@ def _triton_interpret_checks(model_dir: str) -> None:
     torch.testing.assert_close(h, rms_norm(x_ref, w, 1e-6), atol=1e-5, rtol=1e-5)
     gu = torch.randn(3, 2 * 1100, generator=g)
     torch.testing.assert_close(tk.silu_mul(gu), torch.nn.functional.silu(gu[:, :1100]) * gu[:, 1100:])
-    # rope + optional per-head q/k norm + cache write
-    cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
-    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
-    pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
-    for norm_w in (None, (torch.randn(d, generator=g), torch.randn(d, generator=g))):
-        kc2, vc2 = torch.zeros(S, 64, hkv, d), torch.zeros(S, 64, hkv, d)
-        q_out = tk.rope_and_cache(qkv, pos, slot, cos, sin, kc2, vc2, hq, hkv,
-                                  *(norm_w if norm_w else (None, None)))
-        q_ref = qkv[:, :hq * d].view(3, hq, d)
-        k_ref = qkv[:, hq * d:(hq + hkv) * d].view(3, hkv, d)
-        if norm_w:
-            q_ref, k_ref = rms_norm(q_ref, norm_w[0], 1e-6), rms_norm(k_ref, norm_w[1], 1e-6)
-        torch.testing.assert_close(q_out, apply_rope(q_ref, cos[pos], sin[pos]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kc2[slot, pos], apply_rope(k_ref, cos[pos], sin[pos]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(vc2[slot, pos], qkv[:, (hq + hkv) * d:].view(3, hkv, d))
+    # the decode GEMMs: plain, with bias, with silu*mul in the epilogue, and K-split partials that add_rms_norm sums
+    # (uneven splits, M not a multiple of the row tile). Mutation: the split-K loop of _add_rms_norm_kernel starting
+    # at 2 (one partial dropped) -> the partials check fails.
+    xa, wa, ba = torch.randn(5, 96, generator=g), torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    torch.testing.assert_close(tk.linear(xa, wa, ba), torch.nn.functional.linear(xa, wa, ba), atol=1e-4, rtol=1e-4)
+    ref = torch.nn.functional.silu(xa @ wa[:20].T) * (xa @ wa[20:].T)
+    torch.testing.assert_close(tk.linear(xa, wa, silu_mul=True), ref, atol=1e-4, rtol=1e-4)
+    xd, wd = torch.randn(20, 200, generator=g), torch.randn(96, 200, generator=g)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
+    part = tk.linear(xd, wd, allow_split=True, config=cfg)
+    assert part.shape == (3, 20, 96) and part.dtype == torch.float32
+    res = torch.randn(20, 96, generator=g)
+    r1, h1 = tk.add_rms_norm(res.clone(), part, w, 1e-6)
+    torch.testing.assert_close(r1, res + xd @ wd.T, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(h1, rms_norm(r1, w, 1e-6), atol=1e-5, rtol=1e-5)
+    # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32) + cache write (head_dim 16: padded halves; 32).
+    # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
+    for d in (16, 32):
+        cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
+        h_in = torch.randn(3, 48, generator=g)
+        wqkv, bqkv = torch.randn((hq + 2 * hkv) * d, 48, generator=g), torch.randn((hq + 2 * hkv) * d, generator=g)
+        qkv = torch.nn.functional.linear(h_in, wqkv, bqkv)
+        pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
+        for norm_w in ((None,) if d == 32 else ()) + ((torch.randn(d, generator=g), torch.randn(d, generator=g)),):
+            kc2, vc2 = torch.zeros(S, 64, hkv, d), torch.zeros(S, 64, hkv, d)
+            q_out = tk.qkv_rope_cache(h_in, wqkv, bqkv, pos, slot, cos, sin, kc2, vc2, hq, hkv,
+                                      *(norm_w if norm_w else (None, None)))
+            q_ref = qkv[:, :hq * d].view(3, hq, d)
+            k_ref = qkv[:, hq * d:(hq + hkv) * d].view(3, hkv, d)
+            if norm_w:
+                q_ref, k_ref = rms_norm(q_ref, norm_w[0], 1e-6), rms_norm(k_ref, norm_w[1], 1e-6)
+            torch.testing.assert_close(q_out, apply_rope(q_ref, cos[pos], sin[pos]), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(kc2[slot, pos], apply_rope(k_ref, cos[pos], sin[pos]), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(vc2[slot, pos], qkv[:, (hq + hkv) * d:].view(3, hkv, d), atol=1e-4, rtol=1e-4)
+            assert int((kc2.abs().sum(-1) != 0).sum()) == 3 * hkv, "only the (slot, position) rows are written"
     # the whole engine on the kernels (qwen3: QK-norm) equals the torch paths
     prompts = make_prompts(2, seed=13, lengths=(3, 12))
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=3, seed=1, stop_token_ids=())

@@ -1,10 +1,11 @@
 """The native rollout engine on a GPU: what only runs there, against references.
 
 The CPU tests (test_rollout_native.py) cover the engine's logic in fp32 on the torch paths, and the Triton
-kernels under the interpreter in fp32. Here, compiled: the decode-attention kernel and packed prefill attention
-in bf16 against higher precision, the fused sampler against the torch sampler on a full-size vocabulary, and the
-whole engine (CUDA graphs or eager, Triton or torch attention, fused or unfused element-wise ops) against
-transformers' greedy decoding, teacher-forced log-probs, batch-invariant seeded sampling and sleep/wake.
+kernels under the interpreter in fp32. Here, compiled: the decode-attention kernel, the decode GEMMs and packed
+prefill attention in bf16 against higher precision, the fused sampler against the torch sampler on a full-size
+vocabulary, and the whole engine (CUDA graphs or eager, Triton or torch attention, fused or unfused element-wise
+ops) against transformers' greedy decoding, teacher-forced log-probs, batch-invariant seeded sampling and
+sleep/wake.
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -46,6 +47,46 @@ def test_decode_attention_kernel_matches_fp64(dtype, hq, hkv, d, tol):
         assert out.dtype == dtype and out.shape == q.shape
         err = rel_err(out, ref)
         assert err <= tol, f"{splits} split(s): relative error {err:.3g} > {tol:g}"
+
+
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_decode_gemm_kernels_bf16_match_fp32(rows):
+    """The decode step's Triton GEMMs at the Qwen2.5-0.5B shapes, with their configs' K splits and tiles, in bf16
+    against fp32 torch: o/down as K-split partials summed by add_rms_norm, gate_up with silu*mul, and the QKV GEMM
+    with bias, RoPE and the cache write. Mutation: the split loop of _add_rms_norm_kernel starting at 2 (one K
+    partial dropped) -> the residual check fails at every row count (o and down run split at all three)."""
+    from rlhf_mcore.models.rope import default_inv_freq
+    from rlhf_mcore.rollout.native.model import rms_norm
+    from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
+    from rlhf_mcore.rollout.native.triton_kernels import add_rms_norm, linear, qkv_rope_cache
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bf = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).to(bf)
+
+    d, inter, hq, hkv, hd = 896, 4864, 14, 2, 64
+    for k, scale in ((d, 0.03), (inter, 0.015)):  # o_proj, down_proj: partials + residual add + norm
+        x, w, res, nw = rnd(rows, k), rnd(d, k, scale=scale), rnd(rows, d), rnd(d)
+        ref_res = res.float() + (x.float() @ w.float().T)
+        new_res, h = add_rms_norm(res.clone(), linear(x, w, allow_split=True), nw, 1e-6)
+        assert rel_err(new_res, ref_res) <= 1e-2, f"K={k}: residual {rel_err(new_res, ref_res):.3g}"
+        assert rel_err(h, rms_norm(ref_res, nw.float(), 1e-6)) <= 1e-2
+    x, wgu = rnd(rows, d), rnd(2 * inter, d, scale=0.03)
+    ref = torch.nn.functional.silu(x.float() @ wgu[:inter].float().T) * (x.float() @ wgu[inter:].float().T)
+    assert rel_err(linear(x, wgu, silu_mul=True), ref) <= 1e-2
+    cos, sin = rope_tables(default_inv_freq(hd, 1e6), 600, "cuda", bf)
+    wqkv, bqkv = rnd((hq + 2 * hkv) * hd, d, scale=0.03), rnd((hq + 2 * hkv) * hd, scale=0.1)
+    pos = torch.randint(0, 600, (rows,), device="cuda", generator=g)
+    slot = torch.randperm(rows + 3, device="cuda", generator=g)[:rows]
+    kc, vc = (torch.zeros(rows + 3, 600, hkv, hd, device="cuda", dtype=bf) for _ in range(2))
+    q = qkv_rope_cache(x, wqkv, bqkv, pos, slot, cos, sin, kc, vc, hq, hkv)
+    qkv = x.float() @ wqkv.float().T + bqkv.float()
+    cf, sf = cos.float()[pos], sin.float()[pos]
+    assert rel_err(q, apply_rope(qkv[:, :hq * hd].view(rows, hq, hd), cf, sf)) <= 1e-2
+    assert rel_err(kc[slot, pos], apply_rope(qkv[:, hq * hd:(hq + hkv) * hd].view(rows, hkv, hd), cf, sf)) <= 1e-2
+    assert rel_err(vc[slot, pos], qkv[:, (hq + hkv) * hd:].view(rows, hkv, hd)) <= 1e-2
 
 
 def test_prefill_attention_bf16_matches_fp32():

@@ -35,7 +35,8 @@ COPY_BW = 4.3e12  # bytes/s, a device-to-device copy on one H200 (DESIGN.md)
 
 def kind_of(name: str) -> str:
     n = name.lower()
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk")):
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk", "_linear_kernel",
+                            "_qkv_rope_cache")):
         return "gemm"
     if "attn" in n or "attention" in n or "decode_kernel" in n or "_reduce_splits" in n:
         return "attention"

@@ -11,9 +11,12 @@ Two entry points share the per-layer code:
 Layer structure: the residual add is fused with the next RMSNorm (`add_norm`), so a layer is
   qkv GEMM -> rope + cache write -> attention -> o GEMM -> add+norm -> gate_up GEMM -> silu*mul -> down GEMM
   -> add+norm (with the next layer's input norm, or the final norm).
-With `fused=True` (GPU) the element-wise steps are Triton kernels (triton_kernels.py) — about 10 kernels a
-layer instead of ~25, which is what bounds a CUDA-graph decode step; with `fused=False` they are torch ops
-(CPU, and the reference). Both round like transformers does.
+With `fused=True` (GPU) the element-wise steps are Triton kernels (triton_kernels.py), which is what bounds a
+CUDA-graph decode step; with `fused=False` they are torch ops (CPU, and the reference). Both round like
+transformers does. A fused decode step also runs its layer GEMMs as Triton kernels (cuBLAS stays for prefill and
+the LM head): the QKV GEMM does rope and the cache write in its epilogue, o_proj and down_proj split K over more
+programs and leave fp32 partials that the next add+norm sums (no separate reduce), and at small batches the
+gate_up GEMM applies silu*mul itself — 7 kernels a layer (8 above 64 rows), against 10 with cuBLAS.
 
 Tensor parallelism: each rank holds its heads / MLP columns (see weights.py) and the outputs of o_proj and
 down_proj are summed over `tp_group` with one all-reduce each.
@@ -33,6 +36,10 @@ from rlhf_mcore.models.rope import rope_inv_freq
 from .attention import PackedLayout, decode_attention_torch, prefill_attention
 from .rope import apply_rope, rope_tables
 from .weights import LayerWeights, ModelWeights
+
+# Decode batches up to this many rows run gate_up with silu*mul in the GEMM's epilogue (Triton); larger ones use
+# cuBLAS and a separate silu*mul kernel, which measured faster at 256 rows (launch/bench/profile_decode.py).
+FUSED_SILU_MAX_ROWS = 64
 
 
 @dataclass
@@ -87,13 +94,28 @@ class NativeModel:
             residual = residual + delta
         return residual, rms_norm(residual, weight, self.spec.rms_norm_eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _mlp_act(self, h: torch.Tensor, gate_up: torch.Tensor, triton_gemms: bool) -> torch.Tensor:
+        """silu(h @ gate.T) * (h @ up.T) (N, I / tp) for gate_up = [gate; up]."""
+        if triton_gemms and h.shape[0] <= FUSED_SILU_MAX_ROWS:
+            from .triton_kernels import linear
+
+            return linear(h, gate_up, silu_mul=True)
+        gu = F.linear(h, gate_up)
         if self.fused:
             from .triton_kernels import silu_mul
 
-            return silu_mul(gate_up)
-        inter = gate_up.shape[-1] // 2
-        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            return silu_mul(gu)
+        inter = gu.shape[-1] // 2
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+    def _out_proj(self, x: torch.Tensor, w: torch.Tensor, triton_gemms: bool) -> torch.Tensor:
+        """x @ w.T for o_proj / down_proj, summed over TP ranks; the Triton GEMM may return K-split fp32
+        partials (S, N, D) for the following add+norm to sum (only without TP: the all-reduce wants the sum)."""
+        if not triton_gemms:
+            return self._all_reduce(F.linear(x, w))
+        from .triton_kernels import linear
+
+        return self._all_reduce(linear(x, w, allow_split=self.tp_size == 1))
 
     def _split_rope(self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights):
         """Torch path: split qkv (N, ...) into rotated q (N, Hq, hd), rotated k and v (N, Hkv, hd)."""
@@ -109,18 +131,18 @@ class NativeModel:
         return qk[:, :self.heads], qk[:, self.heads:], v
 
     # ------------------------------------------------------------------------------------------- layers
-    def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
-        """Run all decoder layers on embeddings x (N, D); `attend(layer_index, qkv)` does rope, the cache
-        write and attention, returning (N, Hq * hd). Returns the final-normed hidden states (N, D)."""
+    def _layers(self, x: torch.Tensor, attend, triton_gemms: bool = False) -> torch.Tensor:
+        """Run all decoder layers on embeddings x (N, D); `attend(layer_index, h)` projects the normed hidden
+        states h (N, D) to q, k, v and does rope, the cache write and attention, returning (N, Hq * hd).
+        triton_gemms: o, gate_up and down as Triton GEMMs (decode). Returns the final-normed hidden states (N, D)."""
         layers = self.w.layers
         residual, h = self._add_norm(x, None, layers[0].input_norm)
         for i, lw in enumerate(layers):
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
-            attn = attend(i, qkv)  # (N, Hq hd)
-            o = self._all_reduce(F.linear(attn, lw.o_proj))
+            attn = attend(i, h)  # (N, Hq hd)
+            o = self._out_proj(attn, lw.o_proj, triton_gemms)
             residual, h = self._add_norm(residual, o, lw.post_norm)
-            act = self._silu_mul(F.linear(h, lw.gate_up))  # (N, I / tp)
-            down = self._all_reduce(F.linear(act, lw.down))
+            act = self._mlp_act(h, lw.gate_up, triton_gemms)  # (N, I / tp)
+            down = self._out_proj(act, lw.down, triton_gemms)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             residual, h = self._add_norm(residual, down, next_norm)
         return h
@@ -135,8 +157,10 @@ class NativeModel:
         sequence's last token."""
         positions = layout.positions
 
-        def attend(i, qkv):
-            q, k, v = self._split_rope(qkv, positions, self.w.layers[i])
+        def attend(i, h):
+            lw = self.w.layers[i]
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
+            q, k, v = self._split_rope(qkv, positions, lw)
             cache.k[i].index_put_((write_slot, write_pos), k.index_select(0, write_token))
             cache.v[i].index_put_((write_slot, write_pos), v.index_select(0, write_token))
             return prefill_attention(q, k, v, layout, self.sm_scale, cache.k[i], cache.v[i], attention).reshape(
@@ -155,15 +179,15 @@ class NativeModel:
         seq_lens = positions + 1
         b = tokens.shape[0]
 
-        def attend(i, qkv):
+        def attend(i, h):
             lw = self.w.layers[i]
             if self.fused:
-                from .triton_kernels import rope_and_cache
+                from .triton_kernels import qkv_rope_cache
 
-                q = rope_and_cache(qkv, positions, slots, self.cos, self.sin, cache.k[i], cache.v[i], self.heads,
-                                   self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
+                q = qkv_rope_cache(h, lw.qkv, lw.qkv_bias, positions, slots, self.cos, self.sin, cache.k[i],
+                                   cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
             else:
-                q, k, v = self._split_rope(qkv, positions, lw)
+                q, k, v = self._split_rope(F.linear(h, lw.qkv, lw.qkv_bias), positions, lw)
                 cache.k[i].index_put_((slots, positions), k)
                 cache.v[i].index_put_((slots, positions), v)
             if attention == "triton":
@@ -174,5 +198,5 @@ class NativeModel:
                 out = decode_attention_torch(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, attn_len)
             return out.reshape(b, self.q_size)
 
-        h = self._layers(F.embedding(tokens, self.w.embed), attend)
+        h = self._layers(F.embedding(tokens, self.w.embed), attend, triton_gemms=self.fused)
         return F.linear(h, self.w.lm_head)

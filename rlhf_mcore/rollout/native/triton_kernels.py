@@ -6,21 +6,30 @@
   the splits with their log-sum-exp weights. Reading the cache once is the memory floor of decoding.
 - `sample_fused`: one pass over a row of logits (in the model's dtype) that scales by 1/T, keeps an online
   log-sum-exp, adds counter-hash Gumbel noise and tracks the arg-max — no fp32 (B, V) tensor, no sort.
-  Bit-for-bit the same hash as `sampling.gumbel_noise`, so it matches `sampling.sample_torch`.
+  Bit-for-bit the same hash as `sampling.gumbel_noise`, so it matches `sampling.sample_torch` (up to the last
+  bits of the logs, which can flip a near-tie).
+- `qkv_rope_cache`, `linear`: the decode step's layer GEMMs (small M), with what follows the QKV projection
+  (RoPE, the cache write) and gate_up (silu*mul) in their epilogues; o_proj / down_proj split K and leave fp32
+  partials for `add_rms_norm` to sum.
 
 Reference implementations: `attention.decode_attention_torch`, `sampling.sample_torch`.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .sampling import HASH_M1, HASH_M2, STEP_MUL
 
 # The kernels spell these constants as literals (Triton jit code cannot read module globals); keep in sync.
 assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
+# Triton's CPU interpreter (tests) has no libdevice: there the sampler's fast log is the plain one.
+_FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 @triton.jit
@@ -36,7 +45,7 @@ def _mix32(x):
 
 @triton.jit
 def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, keys_ptr, steps_ptr, inv_temp_ptr, noisy_ptr, part_ptr,
-                         NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                         NCHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     """Stage 1, one program per (row, vocabulary chunk): online log-sum-exp of x = logits / T and the
     arg-max of x + Gumbel noise. Writes (max, sum-exp, best y, best x, best index) to part[row, chunk]."""
     row = tl.program_id(0)
@@ -63,7 +72,11 @@ def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, keys_ptr, steps_ptr, 
         m = m_new
         h = _mix32(row_key ^ _mix32(cols.to(tl.uint32)))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        g = -tl.log(-tl.log(u))
+        e = -tl.log(u)  # accurate: the winners have u near 1, where an approximate log's absolute error is large
+        if FAST_LOG:  # e in (6e-8, 17): the approximate log's error is ~1e-7 absolute, like fp32 rounding of g
+            g = -libdevice.fast_logf(e)
+        else:
+            g = -tl.log(e)
         y = tl.where(cmask, x + g * noisy, float("-inf"))
         by = tl.max(y, 0)
         bi = tl.argmax(y, 0)
@@ -102,17 +115,18 @@ def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
                  greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `sampling.sample_torch` without top-k/top-p. logits (B, V), row stride arbitrary.
 
-    The vocabulary is split into chunks processed in parallel (a 152k vocabulary is ~75 serial blocks for
-    one program), then merged per row."""
+    The vocabulary is split into chunks processed in parallel (a 152k vocabulary is ~75 serial blocks of 2048
+    for one program), then merged per row. Blocks of 2048 for large vocabularies (1024 below 64k) measured ~9%
+    faster at 152k on an H200 (fewer loop iterations and cross-lane reductions)."""
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    block = 1024 if V >= 1024 else triton.next_power_of_2(V)
+    block = 2048 if V >= 65536 else 1024 if V >= 1024 else triton.next_power_of_2(V)
     nchunk = max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 4 * block))))
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
     part = torch.empty(B, nchunk, 5, dtype=torch.float32, device=logits.device)
     noisy = (~greedy).to(torch.float32)
     _sample_chunk_kernel[(B, nchunk)](logits, logits.stride(0), V, chunk, keys, steps, inv_temp.to(torch.float32),
-                                      noisy, part, NCHUNK=nchunk, BLOCK=block)
+                                      noisy, part, NCHUNK=nchunk, BLOCK=block, FAST_LOG=_FAST_LOG)
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     _sample_reduce_kernel[(B,)](part, tokens, logprobs, NCHUNK=nchunk)
@@ -224,8 +238,10 @@ def _attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, 
              out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
-def _block_n(head_dim: int) -> int:
-    return 128 if head_dim <= 64 else 64
+def _block_n(head_dim: int, rows: int = 0) -> int:
+    """Keys a block: 128 for head_dim <= 64 — but 64 above 128 rows a step, where many programs share each SM
+    and the shorter tiles pipeline better (measured at the 0.5B shape, BENCHMARKS.md round 5) — and 64 above."""
+    return 128 if head_dim <= 64 and rows <= 128 else 64
 
 
 def num_splits_for(batch: int, kv_heads: int, max_len: int, head_dim: int = 64) -> int:
@@ -234,7 +250,7 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int, head_dim: int = 64) 
     cost more than the parallelism gains (at rollout batch sizes a short context runs as one split)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
     want = max(1, (4 * sms) // max(1, batch * kv_heads))
-    cap = max(1, max_len // (4 * _block_n(head_dim)))
+    cap = max(1, max_len // (4 * _block_n(head_dim, batch)))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 16)
 
 
@@ -252,7 +268,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert D == triton.next_power_of_2(D) and D >= 16, f"head_dim={D} must be a power of two >= 16"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1
     block_g = max(16, triton.next_power_of_2(G))
-    block_n = _block_n(D)
+    block_n = _block_n(D, B)
     nsplit = num_splits
     if out is None:
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
@@ -273,19 +289,131 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
+                   HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
+
+    SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
+    SPLIT_K > 1: program (n, m, s) sums k in split s and writes fp32 partials out[s, m, n] (the consumer,
+    `add_rms_norm`, adds the splits in order: deterministic, no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = w_ptrs + N * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=mmask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = (k0 + offs_k) < k_hi
+            a = tl.load(a_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        if SILU_MUL:
+            if EVEN_K:
+                u = tl.load(u_ptrs + k0, mask=nmask[:, None], other=0.0)
+            else:
+                u = tl.load(u_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(a, tl.trans(u), acc_u)
+    omask = mmask[:, None] & nmask[None, :]
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K > 1:
+        tl.store(o_ptrs + pid_k * stride_os, acc, mask=omask)
+    else:
+        DT = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:  # the GEMM's outputs rounded, then silu(gate) rounded, times up (as the unfused ops round)
+            g = acc.to(DT).to(tl.float32)
+            up = acc_u.to(DT).to(tl.float32)
+            acc = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * up
+        tl.store(o_ptrs, acc.to(DT), mask=omask)
+
+
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
+
+
+def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile sizes, K splits, warps and stages of `linear` for an (m x k) @ (k x n) product (n: output columns).
+
+    Chosen on one H200 at the Qwen2.5-0.5B shapes, 64 and 256 rows (launch/bench/profile_decode.py and BENCHMARKS.md,
+    round 5): such products are latency-bound, so narrow tiles and K splits (up to ~2 programs an SM, each
+    split >= 4 K blocks) put more loads in flight; gate_up with silu*mul takes 128-wide K blocks."""
+    bm = 64 if m > 32 else max(16, triton.next_power_of_2(m))
+    bk = 32 if dtype == torch.float32 else (128 if silu_mul else 64)
+    bn = 32 if k < 2048 and not silu_mul else 64
+    split = 1
+    if allow_split:
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        while split < 8 and tiles * split * 2 <= 2 * _num_sms() and k // (split * 2) >= 4 * bk:
+            split *= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3 if silu_mul else 4)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+           allow_split: bool = False, config: dict | None = None) -> torch.Tensor:
+    """x (M, K) @ w.T for w (N, K) in transformers' orientation, + bias; a decode-sized (small M) GEMM.
+
+    silu_mul: w is [gate; up] (2I, K) and the result is silu(x @ gate.T) * (x @ up.T), (M, I).
+    allow_split: the consumer (`add_rms_norm`) takes K-split partials: the result may be (S, M, N) fp32
+    (S = the config's SPLIT_K), which `add_rms_norm` sums. Otherwise (M, N) in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if silu_mul else w.shape[0]
+    assert x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
+    cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, x.dtype))
+    split = cfg.pop("SPLIT_K")
+    if split > 1:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    _linear_kernel[grid](x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
+                         out.stride(-2), out.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None,
+                         SILU_MUL=silu_mul, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
+                         IEEE=x.dtype == torch.float32, **cfg)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
 # Element-wise fusions of the decoder layer. Each reproduces transformers' rounding steps in the model dtype
 # (products and sums rounded to bf16 where transformers computes in bf16), so a bf16 run stays as close to
 # the Hugging Face model as the unfused torch ops are; in fp32 the extra casts are no-ops.
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, D, eps, stride_ds, HAS_DELTA: tl.constexpr,
+                         NSPLIT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)  # residual add, rounded
+        d = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        for s in range(1, NSPLIT):  # K-split partials of a GEMM (fp32), summed in order, rounded like its output
+            d += tl.load(delta_ptr + s * stride_ds + row * D + cols, mask=mask, other=0.0)
+        d = d.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)  # residual add, rounded
         tl.store(x_ptr + row * D + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
@@ -296,12 +424,14 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, D, eps, HAS_DELTA: tl.c
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x += delta (in place, if given); returns (x, rms_norm(x) * weight). x, delta (N, D) contiguous."""
+    """x += delta (in place, if given); returns (x, rms_norm(x) * weight). x, delta (N, D) contiguous; delta
+    may also be (S, N, D) fp32 K-split partials of a GEMM (`linear(allow_split=True)`), summed first."""
     n, d = x.shape
     assert x.is_contiguous() and (delta is None or delta.is_contiguous())
+    nsplit = delta.shape[0] if delta is not None and delta.dim() == 3 else 1
     h = torch.empty_like(x)
-    _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, weight, h, d, eps, HAS_DELTA=delta is not None,
-                               BLOCK=triton.next_power_of_2(d))
+    _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, weight, h, d, eps, n * d,
+                               HAS_DELTA=delta is not None, NSPLIT=nsplit, BLOCK=triton.next_power_of_2(d))
     return x, h
 
 
@@ -328,76 +458,118 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr, DT: tl.constexpr):
-    """Per-head RMSNorm (Qwen3 q_norm / k_norm) on the two halves of one head, HF rounding."""
-    ms = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
-    inv = 1.0 / tl.sqrt(ms + eps)
-    i = tl.arange(0, HALF)
-    w1 = tl.load(w_ptr + i).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
+def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr):
+    """Per-head RMSNorm (Qwen3 q_norm / k_norm) of rows of one head given as its two halves (R, BLOCK_H; columns
+    from HALF on are zero padding), HF rounding."""
+    ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+    inv = (1.0 / tl.sqrt(ms + eps))[:, None]
+    i = tl.arange(0, BLOCK_H)
+    w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     y1 = (w1 * (x1 * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     y2 = (w2 * (x2 * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     return y1, y2
 
 
 @triton.jit
-def _rope_cache_kernel(qkv_ptr, stride_qkv, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                       stride_cs, stride_cl, qn_ptr, kn_ptr, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                       HALF: tl.constexpr, QK_NORM: tl.constexpr):
-    row = tl.program_id(0)
-    head = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ + HKV): k heads, then v heads
+def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
+                           v_cache_ptr, M, K, stride_am, stride_wn, stride_cs, stride_cl, qn_ptr, kn_ptr, eps,
+                           HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                           HAS_BIAS: tl.constexpr,
+                           QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
+    tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
+    store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
+    accumulators, so rotate_half needs no data movement (each padded to BLOCK_H >= 16 columns for tl.dot)."""
+    head = tl.program_id(0)
+    pid_m = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
     DT = q_out_ptr.dtype.element_ty
-    i = tl.arange(0, HALF)
-    base = qkv_ptr + row * stride_qkv + head * D
-    x1 = tl.load(base + i).to(tl.float32)
-    x2 = tl.load(base + HALF + i).to(tl.float32)
-    pos = tl.load(pos_ptr + row)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    cache_off = slot * stride_cs + pos * stride_cl
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_H)
+    hmask = i < HALF
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w1_ptrs = w_ptr + (head * D + i)[:, None] * stride_wn + offs_k[None, :]
+    w2_ptrs = w1_ptrs + HALF * stride_wn
+    acc1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=mmask[:, None], other=0.0)
+            w1 = tl.load(w1_ptrs + k0, mask=hmask[:, None], other=0.0)
+            w2 = tl.load(w2_ptrs + k0, mask=hmask[:, None], other=0.0)
+        else:
+            kmask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w1 = tl.load(w1_ptrs + k0, mask=hmask[:, None] & kmask[None, :], other=0.0)
+            w2 = tl.load(w2_ptrs + k0, mask=hmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE:
+            acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision="ieee")
+            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision="ieee")
+        else:
+            acc1 = tl.dot(a, tl.trans(w1), acc1)
+            acc2 = tl.dot(a, tl.trans(w2), acc2)
+    if HAS_BIAS:
+        acc1 += tl.load(bias_ptr + head * D + i, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(bias_ptr + head * D + HALF + i, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    x1 = acc1.to(DT).to(tl.float32)  # the projection's output, rounded as F.linear rounds it
+    x2 = acc2.to(DT).to(tl.float32)
+    pos = tl.load(pos_ptr + offs_m, mask=mmask, other=0)
+    slot = tl.load(slot_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+    cache_off = (slot * stride_cs + pos * stride_cl)[:, None]
+    omask = mmask[:, None] & hmask[None, :]
     if head < HQ + HKV:
         if QK_NORM:
             if head < HQ:
-                x1, x2 = _head_norm(x1, x2, qn_ptr, eps, HALF, DT)
+                x1, x2 = _head_norm(x1, x2, qn_ptr, eps, HALF, BLOCK_H, DT)
             else:
-                x1, x2 = _head_norm(x1, x2, kn_ptr, eps, HALF, DT)
-        c1 = tl.load(cos_ptr + pos * D + i).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * D + HALF + i).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * D + i).to(tl.float32)  # signed table: -sin in the first half
-        s2 = tl.load(sin_ptr + pos * D + HALF + i).to(tl.float32)
+                x1, x2 = _head_norm(x1, x2, kn_ptr, eps, HALF, BLOCK_H, DT)
+        t = pos[:, None] * D + i[None, :]
+        c1 = tl.load(cos_ptr + t, mask=omask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t + HALF, mask=omask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t, mask=omask, other=0.0).to(tl.float32)  # signed table: -sin in the first half
+        s2 = tl.load(sin_ptr + t + HALF, mask=omask, other=0.0).to(tl.float32)
         # cos is repeated over both halves; the signed sin table already holds -sin in the first half.
         y1 = ((x1 * c1).to(DT).to(tl.float32) + (x2 * s1).to(DT).to(tl.float32)).to(DT)
         y2 = ((x2 * c2).to(DT).to(tl.float32) + (x1 * s2).to(DT).to(tl.float32)).to(DT)
         if head < HQ:
-            out = q_out_ptr + (row * HQ + head) * D
-            tl.store(out + i, y1)
-            tl.store(out + HALF + i, y2)
+            out = q_out_ptr + (offs_m[:, None].to(tl.int64) * HQ + head) * D + i[None, :]
         else:
-            out = k_cache_ptr + cache_off + (head - HQ) * D
-            tl.store(out + i, y1)
-            tl.store(out + HALF + i, y2)
+            out = k_cache_ptr + cache_off + (head - HQ) * D + i[None, :]
+        tl.store(out, y1, mask=omask)
+        tl.store(out + HALF, y2, mask=omask)
     else:
-        out = v_cache_ptr + cache_off + (head - HQ - HKV) * D
-        tl.store(out + i, x1.to(DT))
-        tl.store(out + HALF + i, x2.to(DT))
+        out = v_cache_ptr + cache_off + (head - HQ - HKV) * D + i[None, :]
+        tl.store(out, x1.to(DT), mask=omask)
+        tl.store(out + HALF, x2.to(DT), mask=omask)
 
 
-def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6
-                   ) -> torch.Tensor:
-    """Decode-step fusion: (optional per-head q/k RMSNorm), rotary embedding, and the KV-cache write.
+def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                   slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None = None,
+                   k_norm: torch.Tensor | None = None, eps: float = 1e-6, block_m: int | None = None,
+                   block_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """Decode-step fusion of the QKV projection with what follows it: qkv = x @ w.T + bias (w (Hq + 2 Hkv) D x K),
+    (optional per-head q/k RMSNorm), rotary embedding, and the KV-cache write.
 
-    qkv (B, (Hq + 2 Hkv) D) rows; positions, slots (B,); cos, sin (max_len, D) tables from `rope.rope_tables`;
-    caches (S, L, Hkv, D) of one layer. Writes k, v at cache[slot, position]; returns rotated q (B, Hq, D).
-    """
-    B = qkv.shape[0]
+    x (B, K) rows; positions, slots (B,); cos, sin (max_len, D) tables from `rope.rope_tables`; caches
+    (S, L, Hkv, D) of one layer. Writes k, v at cache[slot, position]; returns rotated q (B, Hq, D)."""
+    m, k = x.shape
     D = cos.shape[1]
-    assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    q_out = torch.empty(B, heads, D, dtype=qkv.dtype, device=qkv.device)
+    assert x.stride(1) == 1 and w.is_contiguous() and w.shape == ((heads + 2 * kv_heads) * D, k)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and D == triton.next_power_of_2(D) and D >= 2
+    fp32 = x.dtype == torch.float32
+    bm = block_m or (64 if m > 32 else max(16, triton.next_power_of_2(m)))
+    bk = block_k or (32 if fp32 else 128)
+    q_out = torch.empty(m, heads, D, dtype=x.dtype, device=x.device)
     qk_norm = q_norm is not None
-    _rope_cache_kernel[(B, heads + 2 * kv_heads)](
-        qkv, qkv.stride(0), positions, slots, cos, sin, q_out, k_cache, v_cache, k_cache.stride(0),
-        k_cache.stride(1), q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps,
-        HQ=heads, HKV=kv_heads, HALF=D // 2, QK_NORM=qk_norm)
+    _qkv_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(m, bm))](
+        x, w, bias if bias is not None else w, positions, slots, cos, sin, q_out, k_cache, v_cache, m, k,
+        x.stride(0), w.stride(0), k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos,
+        k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2),
+        HAS_BIAS=bias is not None, QK_NORM=qk_norm, BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
+        num_warps=num_warps, num_stages=num_stages)
     return q_out
