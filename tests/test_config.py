@@ -1,6 +1,9 @@
 """Config loading, overrides and every class of error message (content asserted), plus the CLI contract:
 a bad config ends with the message (no traceback) and a non-zero exit; --print-config prints and exits 0."""
+import copy
+import functools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -512,3 +515,60 @@ def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     load_config(p, MODEL)
     assert capsys.readouterr().err == ""
+
+
+
+# Every path a repeated section is nested under, with what it takes to build that role (veRL's top-level
+# `reward_model` alias for PRIME's PRM).
+OPTIM_PATHS = {
+    "actor_rollout_ref.actor.optim": [],
+    "critic.optim": [],
+    "reward.reward_model.model.optim": ["reward.reward_model.enable=true", "reward.reward_model.model.path=/rm"],
+    "reward_model.model.optim": ["reward_model.enable=true", "reward_model.reward_manager=prime",
+                                 "algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=2"],
+}
+# (key under the section, its value on the command line and in Python, what the refusal says)
+BAD_VALUES = {
+    "optim": [("lr_scheduler", "cosinee", "cosinee",
+               r"'cosinee'; choose one of constant, cosine, linear\. Did you mean 'cosine'\?"),
+              ("betas", "[0.9,1.5]", [0.9, 1.5], r"\[0.9, 1.5\]; it must be two numbers in \[0, 1\)"),
+              ("weight_decay", "-0.1", -0.1, r"-0.1; it must be >= 0")],
+    "grad_clip": [("grad_clip", "0", 0.0, r"0.0; it must be > 0 \(the max global gradient norm\)")],
+    "sampling": [("temperature", "-1", -1.0, r"-1.0; it must be >= 0 \(0 is greedy\)")],
+    "dtype": [("dtype", "bf16", "bf16", r"'bf16'; choose one of auto, bfloat16, float16, float32\. Did you mean")],
+}
+NESTED = [(path, extra, bad) for path, extra in OPTIM_PATHS.items() for bad in BAD_VALUES["optim"]] + [
+    (path, [], bad) for path in ("actor_rollout_ref.actor", "critic") for bad in BAD_VALUES["grad_clip"]] + [
+    (path, [], bad) for path in ("actor_rollout_ref.rollout", "actor_rollout_ref.rollout.val_kwargs", "reward.judge")
+    for bad in BAD_VALUES["sampling"]] + [
+    (path, extra, bad) for path, extra in (("actor_rollout_ref.model", []), ("actor_rollout_ref.rollout", []),
+                                           ("critic.model", []), ("reward.reward_model.model", OPTIM_PATHS[
+                                               "reward.reward_model.model.optim"])) for bad in BAD_VALUES["dtype"]]
+
+
+@functools.cache
+def _loaded(extra: tuple) -> object:
+    return load_config(None, MODEL + list(extra))
+
+
+@pytest.mark.parametrize("path, extra, bad", NESTED, ids=[f"{p}.{b[0]}={b[1]}" for p, _, b in NESTED])
+def test_a_section_rule_holds_wherever_the_section_is_nested(path, extra, bad):
+    """A rule is written once on its section (OptimConfig's scheduler, betas, weight decay; grad_clip; the sampling
+    temperature; the dtype choices) and refuses the same bad value under every path the section appears: the
+    actor, the critic, the reward model and PRIME's PRM; at load, and at validate_config for a config changed in
+    code, naming the full key.
+
+    Mutation: `check_sections` skips nested dataclasses (`continue` instead of recursing) -> fails (the Literal
+    cases at load still pass, OmegaConf refuses them through the same message, but not at validate_config)."""
+    leaf, text, value, message = bad
+    full = f"reward.{path}" if path.startswith("reward_model.") else path
+    expected = rf"config key '{re.escape(full)}\.{leaf}' has value {message}"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, MODEL + extra + [f"{path}.{leaf}={text}"])
+    cfg = copy.deepcopy(_loaded(tuple(extra)))
+    section = cfg
+    for part in full.split("."):
+        section = getattr(section, part)
+    setattr(section, leaf, value)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg, world_size=1, read_model=False)
