@@ -242,6 +242,8 @@ for path in configs:
         except SystemExit as e:
             code = e.code
     results[path] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "opened": list(opened)}
+heavy = ("torch", "megatron", "transformers", "rlhf_mcore.engine", "rlhf_mcore.rollout", "rlhf_mcore.trainer")
+results["imported"] = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy))
 with open(out_path, "w") as f:
     json.dump(results, f)
 """
@@ -294,6 +296,12 @@ def test_every_shipped_config_prints_in_one_plain_process(printed_configs, path)
     assert models and data
     for f in map(Path, r["opened"]):
         assert f not in data and not any(f == m or m in f.parents for m in models), f
+
+
+def test_print_config_imports_no_torch_or_engine(printed_configs):
+    """`launch/train.py --print-config` on every shipped config, in one process, imports neither torch nor megatron,
+    transformers, an engine or the trainer. Mutation: `import torch` at the top of rlhf_mcore/cli.py -> fails."""
+    assert printed_configs["imported"] == []
 
 
 def test_print_config_needs_no_launch_but_launching_checks_the_world(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Every rule that relates several keys, the world size, the model or a registry: the one module of the config
 package that asks the registries (algos, rewards, models.pipeline_layout), each lazily inside the function that
-needs it, so that loading a config imports no component.
+needs it and through their torch-free parts (`rlhf_mcore.algos.names`, `rlhf_mcore.rewards.judge_template`), so
+that loading and validating a config imports neither torch nor any component.
 
 - :func:`check_relations` runs in ``load_config``, after the single-key rules (:mod:`.checks`): what a config
   says about itself (a reward model needs a path, PRIME needs RLOO, DAPO's sizes, off-policy correction's keys).
@@ -51,16 +52,19 @@ def critic_enabled(cfg: RLConfig) -> bool:
 
 
 def _estimator(cfg: RLConfig):
-    from rlhf_mcore.algos import adv_estimator_info, list_adv_estimators
+    """What the configured advantage estimator needs (the registry's facts, read without torch)."""
+    from rlhf_mcore.algos.names import adv_estimator_names, adv_estimator_needs
 
     name = cfg.algorithm.adv_estimator
-    if name not in list_adv_estimators():
-        close = difflib.get_close_matches(name, list_adv_estimators(), n=1)
+    needs = adv_estimator_needs(name)
+    if needs is None:
+        names = adv_estimator_names()
+        close = difflib.get_close_matches(name, names, n=1)
         raise ConfigError(f"algorithm.adv_estimator={name!r} is not registered; choose one of "
-                          f"{', '.join(list_adv_estimators())} or register your own with "
+                          f"{', '.join(names)} or register your own with "
                           f"rlhf_mcore.algos.register_adv_estimator in a trainer.plugins file."
                           + (f" Did you mean '{close[0]}'?" if close else ""))
-    return adv_estimator_info(name)
+    return needs
 
 
 def reference_enabled(cfg: RLConfig) -> bool:
@@ -472,17 +476,17 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
 
 def _check_algorithm_names(cfg: RLConfig) -> None:
     """Names users can extend are checked against the registries (after trainer.plugins were imported)."""
-    from rlhf_mcore.algos import list_kl_estimators, list_loss_agg_modes, list_policy_losses
+    from rlhf_mcore.algos.names import kl_estimator_names, loss_agg_mode_names, policy_loss_names
 
     actor = cfg.actor_rollout_ref.actor
     for key, value, names, how in (
-            ("actor_rollout_ref.actor.policy_loss", actor.policy_loss, list_policy_losses(),
+            ("actor_rollout_ref.actor.policy_loss", actor.policy_loss, policy_loss_names(),
              " or register your own with rlhf_mcore.algos.register_policy_loss in a trainer.plugins file"),
-            ("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, list_loss_agg_modes(), ""),
-            ("critic.loss_agg_mode", cfg.critic.loss_agg_mode, list_loss_agg_modes(), ""),
-            ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), list_kl_estimators(),
+            ("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, loss_agg_mode_names(), ""),
+            ("critic.loss_agg_mode", cfg.critic.loss_agg_mode, loss_agg_mode_names(), ""),
+            ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), kl_estimator_names(),
              " (a '+' suffix takes k2's gradient)"),
-            ("algorithm.kl_penalty", cfg.algorithm.kl_penalty.rstrip("+"), list_kl_estimators(),
+            ("algorithm.kl_penalty", cfg.algorithm.kl_penalty.rstrip("+"), kl_estimator_names(),
              " (a '+' suffix takes k2's gradient)")):
         if value not in names:
             close = difflib.get_close_matches(str(value), names, n=1)
