@@ -482,7 +482,7 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_with_the_reason():
 
 def test_rollout_mode_async_points_at_async_training_mode():
     """veRL's `actor_rollout_ref.rollout.mode=async` is refused with the key that does asynchronous training here
-    and its values. Mutation: drop the `_CHOICE_HINTS` lookup in `_check_choices` -> fails."""
+    and its values. Mutation: `choice_error` (rlhf_mcore/config/checks.py) ignores `hint` -> fails."""
     with pytest.raises(ConfigError, match=r"config key 'actor_rollout_ref\.rollout\.mode' has value 'async'; choose "
                                           r"one of sync\. .*async_training\.mode=one_step_off or fully_async \(off: "
                                           r"synchronous\)"):
@@ -494,7 +494,7 @@ def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
     `algorithm.kl_ctrl.kl_coef` without `use_kl_in_reward` -- are named in one notice line on rank 0, with the
     reason; a path among them that does not exist is said to be missing. The same keys where they are read, and
     keys left at their defaults, give no notice. Mutation: `return sorted(found.items())` -> `return []` in
-    `config_unused.unused_keys` -> fails; mutation: `if decided[i]:` -> `if not decided[i]:` -> fails."""
+    `rlhf_mcore/config/unused.py: unused_keys` -> fails; mutation: `if decided[i]:` -> `if not decided[i]:` -> fails."""
     monkeypatch.delenv("RANK", raising=False)
     habit = ["critic.model.path=/nonexistent", "critic.optim.lr=1e-5", "algorithm.kl_ctrl.kl_coef=0.001"]
     cfg = load_config(None, MODEL + ["algorithm.adv_estimator=grpo", *habit])
