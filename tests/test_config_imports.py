@@ -23,7 +23,7 @@ from rlhf_mcore.config import load_config, validate_config
 for path in configs:
     cfg = load_config(path, [])
     validate_config(cfg, config_world_size(cfg), read_model=False)
-    cfg = load_config(path, [f"actor_rollout_ref.model.path={model}"])
+    cfg.actor_rollout_ref.model.path = model
     validate_config(cfg, config_world_size(cfg), model_max_positions=4096, read_model=True)
 heavy = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
 print(json.dumps(heavy))
