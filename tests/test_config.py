@@ -1,6 +1,9 @@
 """Config loading, overrides and every class of error message (content asserted), plus the CLI contract:
 a bad config ends with the message (no traceback) and a non-zero exit; --print-config prints and exits 0."""
+import copy
+import functools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -239,6 +242,8 @@ for path in configs:
         except SystemExit as e:
             code = e.code
     results[path] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "opened": list(opened)}
+heavy = ("torch", "megatron", "transformers", "rlhf_mcore.engine", "rlhf_mcore.rollout", "rlhf_mcore.trainer")
+results["imported"] = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy))
 with open(out_path, "w") as f:
     json.dump(results, f)
 """
@@ -291,6 +296,12 @@ def test_every_shipped_config_prints_in_one_plain_process(printed_configs, path)
     assert models and data
     for f in map(Path, r["opened"]):
         assert f not in data and not any(f == m or m in f.parents for m in models), f
+
+
+def test_print_config_imports_no_torch_or_engine(printed_configs):
+    """`launch/train.py --print-config` on every shipped config, in one process, imports neither torch nor megatron,
+    transformers, an engine or the trainer. Mutation: `import torch` at the top of rlhf_mcore/cli.py -> fails."""
+    assert printed_configs["imported"] == []
 
 
 def test_print_config_needs_no_launch_but_launching_checks_the_world(tmp_path, monkeypatch):
@@ -471,7 +482,7 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_with_the_reason():
 
 def test_rollout_mode_async_points_at_async_training_mode():
     """veRL's `actor_rollout_ref.rollout.mode=async` is refused with the key that does asynchronous training here
-    and its values. Mutation: drop the `_CHOICE_HINTS` lookup in `_check_choices` -> fails."""
+    and its values. Mutation: `choice_error` (rlhf_mcore/config/checks.py) ignores `hint` -> fails."""
     with pytest.raises(ConfigError, match=r"config key 'actor_rollout_ref\.rollout\.mode' has value 'async'; choose "
                                           r"one of sync\. .*async_training\.mode=one_step_off or fully_async \(off: "
                                           r"synchronous\)"):
@@ -483,7 +494,7 @@ def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
     `algorithm.kl_ctrl.kl_coef` without `use_kl_in_reward` -- are named in one notice line on rank 0, with the
     reason; a path among them that does not exist is said to be missing. The same keys where they are read, and
     keys left at their defaults, give no notice. Mutation: `return sorted(found.items())` -> `return []` in
-    `config_unused.unused_keys` -> fails; mutation: `if decided[i]:` -> `if not decided[i]:` -> fails."""
+    `rlhf_mcore/config/unused.py: unused_keys` -> fails; mutation: `if decided[i]:` -> `if not decided[i]:` -> fails."""
     monkeypatch.delenv("RANK", raising=False)
     habit = ["critic.model.path=/nonexistent", "critic.optim.lr=1e-5", "algorithm.kl_ctrl.kl_coef=0.001"]
     cfg = load_config(None, MODEL + ["algorithm.adv_estimator=grpo", *habit])
@@ -512,3 +523,60 @@ def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     load_config(p, MODEL)
     assert capsys.readouterr().err == ""
+
+
+
+# Every path a repeated section is nested under, with what it takes to build that role (veRL's top-level
+# `reward_model` alias for PRIME's PRM).
+OPTIM_PATHS = {
+    "actor_rollout_ref.actor.optim": [],
+    "critic.optim": [],
+    "reward.reward_model.model.optim": ["reward.reward_model.enable=true", "reward.reward_model.model.path=/rm"],
+    "reward_model.model.optim": ["reward_model.enable=true", "reward_model.reward_manager=prime",
+                                 "algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=2"],
+}
+# (key under the section, its value on the command line and in Python, what the refusal says)
+BAD_VALUES = {
+    "optim": [("lr_scheduler", "cosinee", "cosinee",
+               r"'cosinee'; choose one of constant, cosine, linear\. Did you mean 'cosine'\?"),
+              ("betas", "[0.9,1.5]", [0.9, 1.5], r"\[0.9, 1.5\]; it must be two numbers in \[0, 1\)"),
+              ("weight_decay", "-0.1", -0.1, r"-0.1; it must be >= 0")],
+    "grad_clip": [("grad_clip", "0", 0.0, r"0.0; it must be > 0 \(the max global gradient norm\)")],
+    "sampling": [("temperature", "-1", -1.0, r"-1.0; it must be >= 0 \(0 is greedy\)")],
+    "dtype": [("dtype", "bf16", "bf16", r"'bf16'; choose one of auto, bfloat16, float16, float32\. Did you mean")],
+}
+NESTED = [(path, extra, bad) for path, extra in OPTIM_PATHS.items() for bad in BAD_VALUES["optim"]] + [
+    (path, [], bad) for path in ("actor_rollout_ref.actor", "critic") for bad in BAD_VALUES["grad_clip"]] + [
+    (path, [], bad) for path in ("actor_rollout_ref.rollout", "actor_rollout_ref.rollout.val_kwargs", "reward.judge")
+    for bad in BAD_VALUES["sampling"]] + [
+    (path, extra, bad) for path, extra in (("actor_rollout_ref.model", []), ("actor_rollout_ref.rollout", []),
+                                           ("critic.model", []), ("reward.reward_model.model", OPTIM_PATHS[
+                                               "reward.reward_model.model.optim"])) for bad in BAD_VALUES["dtype"]]
+
+
+@functools.cache
+def _loaded(extra: tuple) -> object:
+    return load_config(None, MODEL + list(extra))
+
+
+@pytest.mark.parametrize("path, extra, bad", NESTED, ids=[f"{p}.{b[0]}={b[1]}" for p, _, b in NESTED])
+def test_a_section_rule_holds_wherever_the_section_is_nested(path, extra, bad):
+    """A rule is written once on its section (OptimConfig's scheduler, betas, weight decay; grad_clip; the sampling
+    temperature; the dtype choices) and refuses the same bad value under every path the section appears: the
+    actor, the critic, the reward model and PRIME's PRM; at load, and at validate_config for a config changed in
+    code, naming the full key.
+
+    Mutation: `check_sections` skips nested dataclasses (`continue` instead of recursing) -> fails (the Literal
+    cases at load still pass, OmegaConf refuses them through the same message, but not at validate_config)."""
+    leaf, text, value, message = bad
+    full = f"reward.{path}" if path.startswith("reward_model.") else path
+    expected = rf"config key '{re.escape(full)}\.{leaf}' has value {message}"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, MODEL + extra + [f"{path}.{leaf}={text}"])
+    cfg = copy.deepcopy(_loaded(tuple(extra)))
+    section = cfg
+    for part in full.split("."):
+        section = getattr(section, part)
+    setattr(section, leaf, value)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg, world_size=1, read_model=False)

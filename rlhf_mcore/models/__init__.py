@@ -14,11 +14,20 @@
     mcore_checkpoint  Megatron distributed checkpoints of the model chunks
     tiny          tiny random HF models for tests and demos
 
-Heavy imports (megatron, transformers) happen inside the functions, so `import rlhf_mcore.models` is cheap.
+Heavy imports (torch, megatron, transformers) happen on first use, so `import rlhf_mcore.models` (and its
+torch-free `pipeline_layout`, which the config checks with) is cheap.
 """
-from rlhf_mcore.models.hf_config import ModelShape, UnsupportedModelError, load_hf_config
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf_mcore.models.hf_config import ModelShape
 
 _LAZY = {
+    "ModelShape": "rlhf_mcore.models.hf_config",
+    "UnsupportedModelError": "rlhf_mcore.models.hf_config",
+    "load_hf_config": "rlhf_mcore.models.hf_config",
     "build_model": "rlhf_mcore.models.builder",
     "load_hf_weights": "rlhf_mcore.models.hf_loader",
     "ReadLog": "rlhf_mcore.models.hf_loader",
@@ -29,7 +38,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):  # PEP 562: import megatron-dependent modules on first use
+def __getattr__(name):  # PEP 562: import torch- and megatron-dependent modules on first use
     if name in _LAZY:
         import importlib
 
@@ -39,7 +48,9 @@ def __getattr__(name):  # PEP 562: import megatron-dependent modules on first us
 
 def model_spec(hf_dir) -> ModelShape:
     """What the FLOP model needs (layers, hidden, heads, kv heads, head_dim, ffn, vocab): `ModelShape`."""
+    from rlhf_mcore.models.hf_config import ModelShape
+
     return ModelShape.from_hf_dir(hf_dir)
 
 
-__all__ = ["ModelShape", "UnsupportedModelError", "load_hf_config", "model_spec", *_LAZY]
+__all__ = ["model_spec", *_LAZY]

@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 import math
 import re
-import string
 from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
 
 from rlhf_mcore.registry import Registry
+from rlhf_mcore.rewards.judge_template import TEMPLATE_FIELDS, check_template
 from rlhf_mcore.rewards.reward_model import combine
 
 __all__ = ["register_judge_parser", "get_judge_parser", "list_judge_parsers", "JudgeScorer",
@@ -42,7 +42,6 @@ __all__ = ["register_judge_parser", "get_judge_parser", "list_judge_parsers", "J
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 _PARSERS: Registry[Callable[[str], Optional[float]]] = Registry(
     "judge parser", "Register one with @rlhf_mcore.rewards.judge.register_judge_parser(...) in a trainer.plugins file")
 
@@ -82,21 +81,6 @@ def _rating(text: str) -> Optional[float]:
 def _yes_no(text: str) -> Optional[float]:
     words = re.findall(r"[a-z]+", text.lower())
     return {"yes": 1.0, "no": 0.0}.get(words[0]) if words else None
-
-
-def check_template(template: str) -> None:
-    """Raise ValueError unless `template` uses only {prompt}, {response}, {ground_truth} (and {{ }} escapes)."""
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as e:
-        raise ValueError(f"reward.judge.prompt_template is not a valid format string ({e}); write literal braces "
-                         "as {{ and }}") from None
-    unknown = sorted(names - set(TEMPLATE_FIELDS))
-    if unknown:
-        raise ValueError(f"reward.judge.prompt_template uses {unknown}; the fields are {list(TEMPLATE_FIELDS)} "
-                         "(write literal braces as {{ and }})")
-    if "response" not in names:
-        raise ValueError("reward.judge.prompt_template has no {response}: the judge would not see what it scores")
 
 
 def render_judge_prompt(template: str, messages: Any, response: str, ground_truth: Any) -> str:

@@ -17,14 +17,16 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
+from rlhf_mcore.config.checks import value_at
+from rlhf_mcore.config.cross import critic_enabled, reference_enabled
+from rlhf_mcore.config.errors import ConfigError
+
 # (section or key prefix, keys under it that stay meaningful, "is it unused?", why). Conditions are evaluated only
 # when a set key falls under their prefix: critic_enabled imports the estimator registry (torch).
 _Rule = tuple[str, tuple[str, ...], Callable, Callable]
 
 
 def _critic_off(cfg) -> bool:
-    from rlhf_mcore.config import ConfigError, critic_enabled
-
     try:
         return not critic_enabled(cfg)
     except ConfigError:  # an estimator from trainer.plugins, registered later: validate_config decides
@@ -32,8 +34,6 @@ def _critic_off(cfg) -> bool:
 
 
 def _reference_off(cfg) -> bool:
-    from rlhf_mcore.config import reference_enabled
-
     return not reference_enabled(cfg)
 
 
@@ -88,8 +88,6 @@ def given_keys(tree: dict | None, overrides: Iterable[str] = ()) -> set[str]:
 
 def unused_keys(cfg, given: Iterable[str]) -> list[tuple[str, str]]:
     """(key, why it is unused) for each key in `given` that the setup `cfg` never reads, in key order."""
-    from rlhf_mcore.config import _get
-
     found: dict[str, str] = {}
     decided: dict[int, bool] = {}
     for key in sorted(set(given)):
@@ -101,7 +99,7 @@ def unused_keys(cfg, given: Iterable[str]) -> list[tuple[str, str]]:
             if decided[i]:
                 reason = why(cfg)
                 if key in _PATH_KEYS:
-                    value = _get(cfg, key)
+                    value = value_at(cfg, key)
                     if value and not Path(value).exists():
                         reason += f"; and {key}={value!r} does not exist"
                 found[key] = reason

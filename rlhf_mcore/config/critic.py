@@ -1,0 +1,36 @@
+"""The `critic` section: the value model of GAE-based PPO (built only when the estimator needs it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rlhf_mcore.config.checks import above, checked
+from rlhf_mcore.config.shared import GRAD_CLIP, Dtype, MegatronConfig, OptimConfig, Strategy
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # None: the actor's model
+    dtype: Dtype = "auto"
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None: on exactly when algorithm.adv_estimator needs values (gae)
+    strategy: Strategy = "megatron"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: Optional[int] = None  # None: the actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    # the value pass (forward-only, no activations kept) may take larger micro-batches than the update
+    forward_micro_batch_size_per_gpu: Optional[int] = None  # None: ppo_micro_batch_size_per_gpu
+    forward_max_token_len_per_gpu: Optional[int] = None  # None: ppo_max_token_len_per_gpu (use_dynamic_bsz)
+    ppo_epochs: Optional[int] = None  # None: the actor's
+    grad_clip: float = checked(1.0, **GRAD_CLIP)
+    cliprange_value: float = checked(0.5, ok=above(0), what="> 0")
+    loss_agg_mode: str = "token-mean"
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -1,0 +1,23 @@
+"""Facts read from a Hugging Face model directory's config.json (no model code, no torch)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+
+def _read(model_path: str, key: str) -> Optional[int]:
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())[key])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def model_max_positions(model_path: str) -> Optional[int]:
+    """max_position_embeddings from an HF config.json, or None where it cannot be read."""
+    return _read(model_path, "max_position_embeddings")
+
+
+def model_num_layers(model_path: str) -> Optional[int]:
+    """num_hidden_layers from an HF config.json, or None where it cannot be read."""
+    return _read(model_path, "num_hidden_layers")

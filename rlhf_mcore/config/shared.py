@@ -1,0 +1,68 @@
+"""Sections that appear under several roles: the optimizer, the Megatron layout, dtypes and sampling rules.
+
+Each rule here is written once and holds wherever the section is nested (:mod:`.checks`): `OptimConfig` under
+`actor_rollout_ref.actor`, `critic` and `reward.reward_model.model` (PRIME's implicit PRM) alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from rlhf_mcore.config.checks import above, at_least, checked, finite, within
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # auto: bf16 on GPU, fp32 on CPU
+Strategy = Literal["megatron"]
+
+# Sampling rules shared by the rollout, its validation kwargs and the judge.
+TEMPERATURE = dict(ok=at_least(0), what=">= 0 (0 is greedy)")
+TOP_P = dict(ok=lambda v: 0 < v <= 1, what="in (0, 1]")
+TOP_K = dict(ok=lambda v: v == -1 or v > 0, what="-1 (off) or > 0")
+AT_LEAST_ONE = dict(ok=at_least(1), what=">= 1")
+GRAD_CLIP = dict(ok=above(0), what="> 0 (the max global gradient norm)")
+FINITE = dict(ok=finite, what="a finite number")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = checked(1e-6, ok=lambda v: finite(v) and v >= 0, what=">= 0 (e.g. 1e-6)")
+    min_lr_ratio: float = checked(0.0, ok=within(0, 1), what="in [0, 1]")
+    lr_warmup_steps: int = -1  # < 0: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = checked(0.0, ok=within(0, 1), what="in [0, 1]")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"  # after warmup
+    weight_decay: float = checked(0.01, ok=at_least(0), what=">= 0")
+    betas: list[float] = checked(factory=lambda: [0.9, 0.999], ok=lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
+                                 what="two numbers in [0, 1)")
+    eps: float = checked(1e-8, ok=above(0), what="> 0")
+    total_training_steps: int = -1  # filled in by the trainer
+
+
+@dataclass
+class OverrideTransformerConfig:
+    """veRL's `megatron.override_transformer_config`: here only the uneven pipeline split (layers on the first /
+    last PP stage; the stages between share the rest evenly). Unset and PP not dividing the layers: a split is
+    chosen (rlhf_mcore.models.pipeline_layout)."""
+
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+
+
+@dataclass
+class MegatronConfig:
+    """The parallel layout of a Megatron model. The actor's layout is the process layout; ref and critic
+    inherit it (a different one would need a second set of process groups, not supported yet)."""
+
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    seed: int = 42
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    # the decoder as CUDA graphs for packed micro-batches (rlhf_mcore.engine.cuda_graphs): unset (null) on where
+    # supported (CUDA, TP = PP = CP = 1, no recompute) for micro-batches of <= 8,192 tokens (the host-bound ones);
+    # true: every micro-batch (an error says why where they cannot run); false: off
+    cuda_graphs: Optional[bool] = None
+    override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
