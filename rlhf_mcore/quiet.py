@@ -5,6 +5,8 @@ Each filter names the exact message and the module that emits it, so any other w
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 # (category, message regex, emitting module regex, why it is harmless)
@@ -24,9 +26,12 @@ KNOWN_HARMLESS = (
 def silence_known_warnings() -> None:
     for category, message, module, _why in KNOWN_HARMLESS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    try:  # `datasets` draws a progress bar for every file it converts ("Generating train split ...")
+    # `datasets` draws a progress bar for every file it converts ("Generating train split ..."). It reads this
+    # variable when it is first imported (a user's explicit value wins, as it would over disable_progress_bar());
+    # importing it here would cost ~1 s in commands that never read a dataset (--print-config).
+    if "datasets" in sys.modules:
         from datasets.utils.logging import disable_progress_bar
 
         disable_progress_bar()
-    except ImportError:
-        pass
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
