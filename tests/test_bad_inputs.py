@@ -9,6 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(40)
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("config error:", "input error:", "reward error:", "error:")
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(30)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
 

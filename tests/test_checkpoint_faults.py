@@ -29,6 +29,8 @@ from rlhf_mcore.trainer.checkpoint import (
 from rlhf_mcore.trainer.logging import MetricLogger
 from rlhf_mcore.trainer.manifest import MANIFEST, verify_checkpoint, write_manifest
 
+pytestmark = pytest.mark.cost(50)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,6 +11,8 @@ from subprocess_env import child_env
 
 from rlhf_mcore.config import ConfigError, critic_enabled, load_config, reference_enabled, to_dict, validate_config
 
+pytestmark = pytest.mark.cost(25)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["actor_rollout_ref.model.path=/models/m"]
 

@@ -15,6 +15,8 @@ from rlhf_mcore.data.sampler import ResumableSampler
 from rlhf_mcore.rewards.overlong import overlong_metrics, overlong_penalty
 from rlhf_mcore.trainer.rl_trainer import RLTrainer
 
+pytestmark = pytest.mark.cost(15)
+
 MODEL = ["actor_rollout_ref.model.path=/models/m"]
 
 

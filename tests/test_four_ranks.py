@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(170)
+
 ROOT = Path(__file__).resolve().parents[1]
 REL, ABS = 1e-4, 1e-6
 # metrics of the computation (not of wall-clock time) that must agree across layouts

@@ -19,6 +19,8 @@ from subprocess_env import child_env
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError, load_hf_config
 
+pytestmark = pytest.mark.cost(65)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "models_check.py"
 ATOL = 1e-4

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(50)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "gpt_step.py"
 

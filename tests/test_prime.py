@@ -17,6 +17,8 @@ from rlhf_mcore.algos.prime import (
     prime_norm,
 )
 
+pytestmark = pytest.mark.cost(30)
+
 B, R, N = 8, 6, 4  # two groups of four samples
 
 

@@ -26,6 +26,8 @@ from subprocess_env import child_env
 
 from rlhf_mcore.trainer.run_lock import LOCK_NAME, RunLock, RunLockError, _boot_id, _start_ticks
 
+pytestmark = pytest.mark.cost(70)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 

@@ -24,6 +24,8 @@ from subprocess_env import child_env
 
 from rlhf_mcore.rewards.reward_model import RewardModelError, check_reward_model_dir, combine, rm_token_ids
 
+pytestmark = pytest.mark.cost(20)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "reward_model_cases.py"
 ARCHS = ("qwen2", "llama", "qwen3")

@@ -8,6 +8,8 @@ import torch
 from rlhf_mcore.rewards import RewardScorer
 from rlhf_mcore.rewards.stream import ScoringStream
 
+pytestmark = pytest.mark.cost(55)
+
 
 def slow_fn(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(0.05)

@@ -23,6 +23,8 @@ import pytest
 import torch
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(8)
+
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 import fake_sglang  # noqa: E402

@@ -37,6 +37,8 @@ from rlhf_mcore.sync import (
 from rlhf_mcore.sync.buckets import ALIGN, plan_layout
 from rlhf_mcore.sync.verify import CHECKSUM_MOD, CHECKSUM_ROW, ChecksumTap, fingerprint
 
+pytestmark = pytest.mark.cost(30)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(arch="qwen2", vocab=1000, heads=8, kv_heads=4)  # shared with tests/test_models.py's qwen2
 

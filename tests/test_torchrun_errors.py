@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(30)
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("config error:", "input error:", "reward error:", "error:")
 OUR_FRAME = re.compile(r'File "[^"]*(/rlhf_mcore/|/launch/)')

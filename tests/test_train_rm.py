@@ -22,6 +22,8 @@ import pytest
 import torch
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(85)
+
 ROOT = Path(__file__).resolve().parents[1]
 GRPO_STEPS = 3
 

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.cost(600)
+
 ROOT = Path(__file__).resolve().parents[1]
 # 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200;
 # it copies the number right in ~80% of greedy answers on held-out problems, but ends them with the data's
