@@ -14,6 +14,7 @@ output. `--standalone` gives every launch its own rendezvous on a free port, so 
 """
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,13 @@ def command(script: str | Path, *args: str, nproc: int | None = None) -> list[st
         return [sys.executable, path, *map(str, args)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path,
             *map(str, args)]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous that `--standalone` does not pick (several "nodes")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env(**extra: str) -> dict[str, str]:
