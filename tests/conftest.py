@@ -1,7 +1,8 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the order of the run.
 
 `tiny_model_dir` builds tiny random Hugging Face model directories (see `rlhf_mcore.models.tiny`) once per
-test session and argument set, so many tests can share one model without rebuilding it.
+test session and argument set, so many tests can share one model without rebuilding it. Tests start the project's
+scripts (plain or under torchrun) through tests/launcher.py; the `cost` mark orders the files (below).
 """
 
 from __future__ import annotations
