@@ -353,8 +353,8 @@ def test_nan_loss_skips_update_and_keeps_weights(assets, tmp_path):
     update at step 1, so Adam's moments are non-zero: a step taken on zeroed gradients would still move them),
     and step 3 updates again.
 
-    Mutation: `self.optimizer.step()` also for a non-finite loss in TrainEngine.update -> fails (call 3's
-    weights differ from call 2's)."""
+    Mutation: `self.optimizer.step()` also for a non-finite loss in TrainEngine.update -> fails (the NaN update
+    reaches the weights: step 3's rollout log-probs are NaN and the run stops there)."""
     plugin = tmp_path / "nan_plugin.py"
     plugin.write_text(NAN_PLUGIN)
     params = tmp_path / "params"
