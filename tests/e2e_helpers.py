@@ -3,8 +3,6 @@ logged (tests/launcher.py starts the runs)."""
 import json
 from pathlib import Path
 
-from subprocess_env import ROOT  # noqa: F401  (re-exported: tests import the repository root from here)
-
 
 def parity_task(tmp_path: Path, model_dir: Path, max_response_length: int = 8) -> list[str]:
     """Synthetic prompts and a reward that scores a random model's responses 0 or 1 by length (so a group's rewards
