@@ -16,7 +16,7 @@ from test_trainer import NONDETERMINISTIC, launch
 from rlhf_mcore.agents.tasks import multiply_rows
 from rlhf_mcore.data.preprocess import write_parquet
 
-pytestmark = pytest.mark.cost(70)
+pytestmark = pytest.mark.cost(80)
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

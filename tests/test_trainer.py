@@ -27,7 +27,7 @@ from launcher import CPU, QUIET, free_port, start, wait_all
 from launcher import run as run_script
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.cost(600)
+pytestmark = pytest.mark.cost(500)
 
 ROOT = Path(__file__).resolve().parents[1]
 # 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200;
