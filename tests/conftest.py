@@ -1,7 +1,8 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the order of the run.
 
 `tiny_model_dir` builds tiny random Hugging Face model directories (see `rlhf_mcore.models.tiny`) once per
-test session and argument set, so many tests can share one model without rebuilding it.
+test session and argument set, so many tests can share one model without rebuilding it. Tests start the project's
+scripts (plain or under torchrun) through tests/launcher.py; the `cost` mark orders the files (below).
 """
 
 from __future__ import annotations
@@ -29,19 +30,29 @@ torch.set_num_threads(1)
 
 
 # `make test` runs two pytest-xdist workers, one test file per worker at a time (--dist loadfile, and
-# --no-loadscope-reorder so that xdist keeps this order). The files that take minutes go first, so that the last files
-# to start are short ones and both workers end together.
-_HEAVY_FIRST = ("test_trainer.py", "test_async.py", "test_agent_learning.py", "test_models.py", "test_engine.py",
-                "test_four_ranks.py", "test_train_rm.py", "test_checkpoint_faults.py", "test_agent_trainer.py",
-                "test_sync.py", "test_process_lifetime.py", "test_demo.py", "test_parallel.py", "test_prime.py",
-                "test_reward_stream.py", "test_reward_model.py", "test_benchmark.py", "test_torchrun_errors.py",
-                "test_reward_faults.py", "test_rollout_sglang.py", "test_sglang_contract.py", "test_bad_inputs.py",
-                "test_config.py", "test_slurm.py", "test_agent_tools.py")
+# --no-loadscope-reorder so that xdist keeps this order). The files that take minutes carry a module-level
+# `pytestmark = pytest.mark.cost(seconds)` (pyproject.toml registers it): about what the whole file takes on CI's two
+# cores while the other worker runs too. They go first, the costliest first, so that the last files to start are
+# short ones and both workers end together; unmarked files (seconds each) keep their order after them.
+
+
+def file_cost(item) -> float:
+    """The `cost` mark's seconds of the file `item` belongs to (0 without one)."""
+    mark = item.get_closest_marker("cost")
+    if mark is None:
+        return 0.0
+    if len(mark.args) != 1 or not isinstance(mark.args[0], (int, float)) or mark.kwargs:
+        raise pytest.UsageError(f"{item.nodeid}: pytest.mark.cost takes one number, the file's seconds on CI "
+                                f"(got args={mark.args} kwargs={mark.kwargs})")
+    return float(mark.args[0])
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: file order kept
+    cost: dict[str, float] = {}
+    for item in items:
+        path = str(item.fspath)
+        cost[path] = max(cost.get(path, 0.0), file_cost(item))
+    items.sort(key=lambda item: -cost[str(item.fspath)])  # stable: whole files stay together, in file order
 
 
 @pytest.fixture(scope="session")

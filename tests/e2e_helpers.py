@@ -1,13 +1,7 @@
-"""What the end-to-end tests of launch/train.py share: a tiny task whose groups disagree, the torchrun call and the
-metrics a run logged."""
+"""What the end-to-end tests of launch/train.py share: a tiny task whose groups disagree and the metrics a run
+logged (tests/launcher.py starts the runs)."""
 import json
-import subprocess
-import sys
 from pathlib import Path
-
-from subprocess_env import child_env
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parity_task(tmp_path: Path, model_dir: Path, max_response_length: int = 8) -> list[str]:
@@ -24,13 +18,6 @@ def parity_task(tmp_path: Path, model_dir: Path, max_response_length: int = 8) -
             "data.max_prompt_length=128", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
             "trainer.device=cpu", "trainer.logger=[jsonl]", f"custom_reward_function.path={reward}"]
-
-
-def torchrun_train(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = child_env(OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def records(out: Path) -> list[dict]:

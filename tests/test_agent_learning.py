@@ -10,22 +10,18 @@ each side, so each rate has a standard error of at most 0.016 (0.023 on a differ
 0.42 to 0.71; the margins below are 0.1.
 """
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-from subprocess_env import child_env
+import pytest
+from launcher import run
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.cost(75)
 MARGIN = 0.1  # > 4 standard errors of a difference; under half of the smallest gain measured at 10 seeds
 
 
 def test_grpo_raises_reward_and_correct_tool_use(tmp_path):
-    env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "demo_agent.py"), "--out", str(tmp_path),
-                           "--seed", "1", "trainer.test_freq=-1"],  # held-out numbers come from the demo's own eval
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run("launch/demo_agent.py", "--out", str(tmp_path), "--seed", "1",
+        "trainer.test_freq=-1",  # held-out numbers come from the demo's own eval
+        env_extra={"MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     summary = json.loads((tmp_path / "summary.json").read_text())
     sft, grpo = summary["after_sft"], summary["after_grpo"]
     assert sft["n"] == grpo["n"] == 1024

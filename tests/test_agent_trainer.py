@@ -7,17 +7,16 @@ samples, as the synchronous trainer's) logs the synchronous run's metrics; the f
 them across a weight sync, each model token's rollout log-prob that of the policy version that sampled it."""
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from e2e_helpers import ROOT, torchrun_train
-from subprocess_env import child_env
+from launcher import run
 from test_trainer import NONDETERMINISTIC, launch
 
 from rlhf_mcore.agents.tasks import multiply_rows
 from rlhf_mcore.data.preprocess import write_parquet
+
+pytestmark = pytest.mark.cost(80)
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -147,9 +146,8 @@ def test_one_step_off_multi_turn_masks_tool_tokens_and_matches_step_1(tmp_path, 
     synchronous trainer's metrics."""
     args, _ = task
     _, sync = uninterrupted
-    run = torchrun_train(2, args(tmp_path, 2) + ["trainer.save_freq=-1", "async_training.mode=one_step_off",
-                                                 "rollout.n_gpus_per_node=1"])
-    assert run.returncode == 0, run.stderr[-4000:]
+    launch("train.py", *args(tmp_path, 2), "trainer.save_freq=-1", "async_training.mode=one_step_off",
+           "rollout.n_gpus_per_node=1", nproc=2)
     got = _metrics(tmp_path / "metrics.jsonl")
     assert sorted(got) == [1, 2]
     for step, g in got.items():
@@ -182,10 +180,7 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
         "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=120", "async_training.mode=fully_async",
         "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=1",
         "actor_rollout_ref.rollout.max_num_seqs=2"]  # n=2: one group in flight at a time
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "workers" / "async_agent_rows.py"), *run_args, "--out", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run("tests/workers/async_agent_rows.py", *run_args, "--out", str(tmp_path), nproc=2)
     lines = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     rows = [x for x in lines if "response_ids" in x]
     steps = {x["step"]: x["metrics"] for x in lines if "metrics" in x}
@@ -243,18 +238,35 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
 def test_fully_async_multi_turn_validates_mid_stream(tmp_path, task):
     """fully_async with agent loops and validation every step: the rollout pool pauses its trajectories, runs the
     validation's agent loops on the same engine, and resumes them; both steps train, each validation reports the
-    held-out reward, and the trajectories validated call the calculator as the trained ones do."""
+    held-out reward of the weights of its step, and the trajectories validated call the calculator as the trained
+    ones do. The step-2 validation (mid-stream, after the last weight sync) equals the synchronous trainer's
+    validation of the exported final weights (its val_before_train, the path that
+    test_trainer.py::test_validation_matches_standalone_eval checks against a standalone greedy evaluation).
+
+    Mutation: the rollout worker validating with the training sampling params
+    (`roles.train_sampling_params(self.cfg, 0)` for `roles.val_sampling_params(self.cfg)` in RolloutWorker.validate)
+    -> fails (val/acc differs from the greedy evaluation's)."""
     args, tmp = task
-    run = torchrun_train(2, args(tmp_path, 2) + [
-        "trainer.save_freq=-1", "async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
-        f"data.val_files=[{tmp / 'train.parquet'}]", "data.max_val_samples=4", "trainer.test_freq=1"])
-    assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = [f"data.val_files=[{tmp / 'train.parquet'}]", "data.max_val_samples=4"]
+    out = tmp_path / "fully_async"
+    launch("train.py", *args(out, 2), "trainer.save_freq=-1", "async_training.mode=fully_async",
+           "rollout.n_gpus_per_node=1", *val, "trainer.test_freq=1", "trainer.export_hf_final=true", nproc=2)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = {r["step"]: r for r in rows if r["kind"] == "train"}
     vals = [r for r in rows if r["kind"] == "val"]
     assert sorted(train) == [1, 2] and [v["step"] for v in vals] == [1, 2], [(r["kind"], r["step"]) for r in rows]
     for v in vals:
-        assert 0.0 <= v["val/acc"] <= 1.0, v
+        assert v["val/policy_version"] == v["step"], v  # validated with the weights of its step
         assert v["val/agent/tool_calls/mean"] == 1.0 and v["val/agent/tool_errors"] == 0.0, v  # agent loops ran
     for m in train.values():
         assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_errors"] == 0.0
+
+    # the same validation set, greedy, on the exported step-2 weights, by the synchronous trainer before its step 1
+    ref = tmp_path / "reference"
+    launch("train.py", *args(ref, 1), f"actor_rollout_ref.model.path={out / 'hf_final'}", "trainer.save_freq=-1",
+           *val, "trainer.val_before_train=true")
+    want = [r for r in (json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "val"]
+    assert [w["step"] for w in want] == [0]
+    for k in ("val/acc", "val/agent/tool_calls/mean", "val/agent/model_tokens/mean", "val/agent/message_tokens/mean"):
+        assert vals[-1][k] == pytest.approx(want[0][k], abs=1e-9), (k, vals[-1][k], want[0][k])

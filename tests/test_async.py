@@ -7,7 +7,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,11 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from e2e_helpers import parity_task, records
-from subprocess_env import child_env
+from launcher import run as run_script
+from launcher import start, wait_all
 
 from rlhf_mcore.config import ConfigError, load_config, validate_config
 from rlhf_mcore.parallel.pools import Mailbox, PoolLayout
 from rlhf_mcore.trainer.databus import GroupMeta, Ledger, pull_orders, send_orders, staleness_metrics
+
+pytestmark = pytest.mark.cost(165)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -361,33 +363,16 @@ def _setup(tmp_path, tiny_model_dir):
         "trainer.max_rollout_logprob_gap=null"]
 
 
-def _env():
-    return child_env(OMP_NUM_THREADS="1")
-
-
-def _torchrun(nproc, args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(ROOT / "launch" / "train.py"), *args]
-
-
-def _worker(cmd, name):
-    """`cmd` (a _torchrun line) running tests/workers/`name` instead of launch/train.py."""
-    cmd[cmd.index(str(ROOT / "launch" / "train.py"))] = str(ROOT / "tests" / "workers" / name)
-    return cmd
-
-
-def _with_reference(reference: str, ref_args: list[str], cmd: list[str]) -> None:
-    """tests/workers/`reference` (one process) and the asynchronous run `cmd` side by side (the asynchronous run's
-    pools wait for each other in turn, so the two share the cores well); both must succeed."""
-    ref = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / reference), *ref_args], cwd=ROOT,
-                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _with_reference(reference: str, ref_args: list[str], script: str, args: list[str]) -> None:
+    """tests/workers/`reference` (one process) and the asynchronous run (`script` under a 2-process torchrun) side by
+    side (the asynchronous run's pools wait for each other in turn, so the two share the cores well); both must
+    succeed."""
+    ref = start(f"tests/workers/{reference}", *ref_args, stderr=subprocess.STDOUT)
     try:
-        run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-        ref_out = ref.communicate(timeout=600)[0]
+        run_script(script, *args, nproc=2)
+        wait_all({reference: ref}, timeout=600)
     finally:
         ref.kill()
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert ref.returncode == 0, ref_out[-4000:]
 
 
 def _jsonl(out: Path, stem: str) -> list[dict]:
@@ -424,8 +409,8 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     start (built from the synchronous trainer's parts): the same metrics, step by step."""
     args = _setup(tmp_path, tiny_model_dir) + ["trainer.total_training_steps=4", "trainer.save_freq=2"]
     _with_reference("one_step_off_reference.py", args + [f"trainer.default_local_dir={tmp_path / 'ref'}"],
-                    _torchrun(2, args + [f"trainer.default_local_dir={tmp_path / 'osp'}",
-                                         "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]))
+                    "launch/train.py", args + [f"trainer.default_local_dir={tmp_path / 'osp'}",
+                                               "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"])
     want, got = records(tmp_path / "ref"), records(tmp_path / "osp")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     keys = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
@@ -441,10 +426,8 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     shutil.copytree(tmp_path / "osp", resumed)
     shutil.rmtree(resumed / "checkpoints" / "global_step_4")
     osp_args = ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]
-    run = subprocess.run(_torchrun(2, args + [f"trainer.default_local_dir={resumed}", *osp_args]),
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "resumed from" in run.stdout + run.stderr
+    proc = run_script("launch/train.py", *args, f"trainer.default_local_dir={resumed}", *osp_args, nproc=2)
+    assert "resumed from" in proc.stdout + proc.stderr
     assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4]
 
     def trained(out):
@@ -470,12 +453,11 @@ def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, t
                                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
     bus = tmp_path / "bus"
     bus.mkdir()
-    cmd = _torchrun(2, args + [f"trainer.default_local_dir={tmp_path / 'fa'}", "async_training.mode=fully_async",
-                               "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=0",
-                               "async_training.partial_rollout=false", "actor_rollout_ref.rollout.max_num_seqs=8",
-                               "--bus", str(bus)])
+    fa = args + [f"trainer.default_local_dir={tmp_path / 'fa'}", "async_training.mode=fully_async",
+                 "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=0",
+                 "async_training.partial_rollout=false", "actor_rollout_ref.rollout.max_num_seqs=8", "--bus", str(bus)]
     _with_reference("fully_async_reference.py", args + [f"trainer.default_local_dir={tmp_path / 'ref'}"],
-                    _worker(cmd, "async_stream_rows.py"))
+                    "tests/workers/async_stream_rows.py", fa)
     want, got = records(tmp_path / "ref"), records(tmp_path / "fa")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1))
     for w, g in zip(want, got):
@@ -516,14 +498,11 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
         "data.max_response_length=24", "actor_rollout_ref.rollout.max_num_seqs=8"]
     for d in runs:
         d.mkdir()
-    killed = subprocess.run(_worker(_torchrun(2, args + ["--bus", str(runs[0]), "--kill-after", str(kill_after)]),
-                                    "async_stream_rows.py"), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=600)
+    killed = run_script("tests/workers/async_stream_rows.py", *args, "--bus", str(runs[0]), "--kill-after",
+                        str(kill_after), nproc=2, check=False)
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-4000:])
     assert [r["step"] for r in records(out)] == list(range(1, kill_after + 1))
-    resumed = subprocess.run(_worker(_torchrun(2, args + ["--bus", str(runs[1])]), "async_stream_rows.py"), cwd=ROOT,
-                             env=_env(), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed = run_script("tests/workers/async_stream_rows.py", *args, "--bus", str(runs[1]), nproc=2)
     at = kill_after // 2 * 2  # the last checkpoint at or before the kill
     assert f"resumed from {out / 'checkpoints' / f'global_step_{at}'}" in resumed.stdout + resumed.stderr
     logged = records(out)
@@ -595,9 +574,7 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
         "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0"]
-    cmd = _worker(_torchrun(3, args + ["--rows", str(tmp_path / "rows.jsonl")]), "async_reward_rows.py")
-    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_script("tests/workers/async_reward_rows.py", *args, "--rows", str(tmp_path / "rows.jsonl"), nproc=3)
     if mode == "fully_async":
         _check_stale_drop(tmp_path / "run", bus, steps)
     rows, step_lines = _rm_rows(tmp_path / "rows.jsonl")

@@ -7,16 +7,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from subprocess_env import child_env
+from launcher import run
+
+pytestmark = pytest.mark.cost(40)
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("config error:", "input error:", "reward error:", "error:")
 
 
 def train(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    env = child_env(OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=cwd)
+    return run("launch/train.py", *args, check=False, timeout=300, cwd=cwd)
 
 
 def assert_one_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:

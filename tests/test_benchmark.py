@@ -12,14 +12,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from subprocess_env import child_env
+from launcher import QUIET, run
+from launcher import env as child_env
+
+pytestmark = pytest.mark.cost(30)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
 
 def _env():
-    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    return child_env(**QUIET)
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +169,8 @@ def test_shapes_live_in_one_place():
 
 
 def test_driver_writes_report(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "benchmark.py"), "--only", "memory", "--no-measure",
-                           "--tiny", "--out-dir", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run("launch/benchmark.py", "--only", "memory", "--no-measure", "--tiny", "--out-dir", str(tmp_path),
+               timeout=300, env_extra=QUIET)
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert {"hardware", "commit", "config", "results", "targets"} <= set(report)
     assert report["hardware"]["torch"] and report["commit"]["head"]

@@ -9,13 +9,11 @@ import json
 import math
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import child_env
+from launcher import QUIET, run
 
 from rlhf_mcore.config import ConfigError, load_config, to_dict
 from rlhf_mcore.trainer.checkpoint import (
@@ -28,6 +26,8 @@ from rlhf_mcore.trainer.checkpoint import (
 )
 from rlhf_mcore.trainer.logging import MetricLogger
 from rlhf_mcore.trainer.manifest import MANIFEST, verify_checkpoint, write_manifest
+
+pytestmark = pytest.mark.cost(50)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -377,16 +377,8 @@ def test_metrics_jsonl_is_cut_back_to_the_resumed_step(tmp_path):
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def _env():
-    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-
-
 def _train(args, check=True):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=900)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-6000:]
-    return proc
+    return run("launch/train.py", *args, check=check, timeout=900, env_extra=QUIET)
 
 
 @pytest.mark.slow
@@ -465,9 +457,8 @@ def test_resume_through_train_py_skips_planted_and_damaged_checkpoints(tmp_path)
     assert "algorithm.adv_estimator: 'grpo' -> 'rloo'" in refused.stderr
 
     hf = tmp_path / "hf_step_3"  # the model converts: the forged RNG item is not read
-    conv = subprocess.run([sys.executable, str(ROOT / "launch" / "convert_checkpoint.py"), "--direction", "mcore2hf",
-                           "--mcore-dir", str(ckpts / "global_step_3"), "--out-hf-dir", str(hf), "--device", "cpu"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    conv = run("launch/convert_checkpoint.py", "--direction", "mcore2hf", "--mcore-dir", str(ckpts / "global_step_3"),
+               "--out-hf-dir", str(hf), "--device", "cpu", check=False, env_extra=QUIET)
     assert conv.returncode == 0, conv.stderr[-4000:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

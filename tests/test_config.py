@@ -10,9 +10,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from subprocess_env import child_env
+from launcher import env as child_env
+from launcher import run
 
 from rlhf_mcore.config import ConfigError, critic_enabled, load_config, reference_enabled, to_dict, validate_config
+
+pytestmark = pytest.mark.cost(25)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["actor_rollout_ref.model.path=/models/m"]
@@ -188,9 +191,7 @@ def test_grpo_needs_no_critic_and_kl_loss_needs_reference():
 
 
 def run_cli(*args, env_extra=None):
-    env = child_env(**(env_extra or {}))
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return run("launch/train.py", *args, check=False, timeout=120, env_extra=env_extra)
 
 
 def test_cli_print_config_and_clean_errors(tmp_path):
@@ -254,9 +255,7 @@ ALIASES = {"reward_model": "reward.reward_model", "custom_reward_function": "rew
 @pytest.fixture(scope="module")
 def printed_configs(tmp_path_factory):
     out = tmp_path_factory.mktemp("print_config") / "printed.json"
-    env = child_env(OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a plain `python`, not torchrun
+    env = child_env()  # a plain `python`, not torchrun: no distributed variables
     proc = subprocess.run([sys.executable, "-c", PRINT_ALL, str(ROOT / "launch" / "train.py"), str(out),
                            *map(str, SHIPPED)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,6 +15,8 @@ from rlhf_mcore.data.sampler import ResumableSampler
 from rlhf_mcore.rewards.overlong import overlong_metrics, overlong_penalty
 from rlhf_mcore.trainer.rl_trainer import RLTrainer
 
+pytestmark = pytest.mark.cost(15)
+
 MODEL = ["actor_rollout_ref.model.path=/models/m"]
 
 
@@ -304,7 +306,8 @@ def test_gen_batch_size_equal_to_train_batch_size_is_accepted_without_filtering(
 def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_model_dir):
     """End to end under torchrun (2 ranks, DP=2): dynamic sampling refills from the sampler, overlong shaping and
     token-level IS weights with batch normalisation run through the real engines; the metrics say so."""
-    from e2e_helpers import parity_task, records, torchrun_train
+    from e2e_helpers import parity_task, records
+    from launcher import run
 
     out = tmp_path / "run"
     args = parity_task(tmp_path, tiny_model_dir("qwen2")) + [
@@ -314,8 +317,7 @@ def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_mode
         "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=1.0",
         "reward_model.overlong_buffer.log=true", "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_is_batch_normalize=true"]
-    proc = torchrun_train(2, args)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run("launch/train.py", *args, nproc=2)
     logged = records(out)
     assert [r["step"] for r in logged] == [1, 2]
     for r in logged:

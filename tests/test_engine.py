@@ -16,12 +16,11 @@ import itertools
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
-from subprocess_env import child_env
 
 from rlhf_mcore.engine.balance import (
     greedy_partition,
@@ -45,6 +44,8 @@ from rlhf_mcore.engine.micro_batches import plan_micro_batches
 from rlhf_mcore.engine.offload import StorageOffloader
 from rlhf_mcore.engine.packing import build_model_inputs
 from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs
+
+pytestmark = pytest.mark.cost(55)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "engine_cases.py"
@@ -395,11 +396,9 @@ def test_offload_host_memory_is_exact_size_and_reused():
 
 def _launch(nproc: int, cases: str, model_dir: Path, out: Path) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(WORKER), "--model", str(model_dir), "--out", str(out), "--cases", cases]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
+    return launcher.start(WORKER, "--model", str(model_dir), "--out", str(out), "--cases", cases, nproc=nproc,
+                          env_extra={**launcher.CPU, "PYTHONWARNINGS": "ignore"}, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="module")
@@ -412,15 +411,12 @@ def runs(tiny_model_dir, tmp_path_factory):
         "w4": (4, "layout@2x2"),
     }
     procs = {name: _launch(n, cases, model_dir, tmp / name) for name, (n, cases) in launches.items()}
-    results = {}
-    for name, proc in procs.items():
-        try:
-            log, _ = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
+    try:
+        launcher.wait_all(procs, timeout=900)
+    finally:
+        for proc in procs.values():
             proc.kill()
-            log, _ = proc.communicate()
-        assert proc.returncode == 0, f"{name} failed:\n{log[-8000:]}"
-        results[name] = json.loads((tmp / name / "results.json").read_text())
+    results = {name: json.loads((tmp / name / "results.json").read_text()) for name in procs}
     weights = {f"{name}/{case}": torch.load(tmp / name / f"{case.replace('@', '_')}.pt")["weights"]
                for name, r in results.items() for case in r if case.startswith("layout@")}
     return results, weights

@@ -1,11 +1,12 @@
 """Four processes on CPU (gloo, fp32): what the four-GPU layouts check, through `launch/train.py` under torchrun.
 
-- GRPO with the actor at TP=2 x PP=2 and the rollout at TP=1 (4 replicas) or TP=2 (2 replicas), weight sync
-  verified by checksums: the first two steps' metrics equal a one-process TP=1 run's. The rollouts are the same
-  samples whatever the layout: every replica generates a contiguous share of the step's prompts, each request
-  keyed by its global position, and the native engine's sampling stream is keyed by (seed, request id, sample).
-- PPO with a critic (GAE) at TP=2 x PP=2 (the critic on the actor's layout): the first two steps' losses, values,
-  advantages, returns and grad norms equal a one-process run's (launched with the GRPO comparison's runs).
+- The actor at TP=2 x PP=2 with the rollout at TP=1 (4 replicas: GRPO) or TP=2 (2 replicas: PPO), weight sync
+  verified by checksums: the first two steps' metrics equal a one-process TP=1 run's of the same algorithm. The
+  rollouts are the same samples whatever the layout: every replica generates a contiguous share of the step's
+  prompts, each request keyed by its global position, and the native engine's sampling stream is keyed by (seed,
+  request id, sample).
+- PPO with a critic (GAE) at TP=2 x PP=2 (the critic on the actor's layout, the rollout at TP=2): the first two
+  steps' losses, values, advantages, returns and grad norms equal a one-process run's.
 - A checkpoint saved at TP=2 x PP=2 resumes at TP=1 x PP=4 and at TP=4 x PP=1 (the parallel layout is not an
   algorithm key): the next two steps (the second one after an update by the resharded optimizer state) equal the
   uninterrupted TP=2 x PP=2 run's.
@@ -19,12 +20,12 @@ order; the sampled tokens and so the scores and lengths agree exactly.
 """
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from subprocess_env import child_env
+from launcher import CPU, QUIET, start, wait_all
+
+pytestmark = pytest.mark.cost(170)
 
 ROOT = Path(__file__).resolve().parents[1]
 REL, ABS = 1e-4, 1e-6
@@ -35,31 +36,11 @@ TP_PP = ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size={}",
          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={}")
 
 
-def _env():
-    # CUDA_VISIBLE_DEVICES="": CPU fp32 whatever the machine has
-    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
-                     CUDA_VISIBLE_DEVICES="")
-
-
-def _cmd(nproc: int, args: list[str]) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(ROOT / "launch" / "train.py"), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(ROOT / "launch" / "train.py"), *args]
-
-
 def _run_together(jobs: dict[str, tuple[int, list[str]]]) -> dict[str, str]:
-    """Launch the jobs side by side; every one must succeed. Returns each job's stdout."""
-    procs = {name: subprocess.Popen(_cmd(nproc, args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, (nproc, args) in jobs.items()}
-    outs, failed = {}, []
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        outs[name] = out
-        if proc.returncode != 0:
-            failed.append(f"{name} exited {proc.returncode}:\n{out[-2000:]}\n{err[-6000:]}")
-    assert not failed, "\n\n".join(failed)
-    return outs
+    """Launch the jobs ({name: (processes, train.py arguments)}) side by side, on CPU fp32 whatever the machine has;
+    every one must succeed. Returns each job's stdout."""
+    return wait_all({name: start("launch/train.py", *args, nproc=None if nproc == 1 else nproc,
+                                 env_extra={**CPU, **QUIET}) for name, (nproc, args) in jobs.items()}, timeout=600)
 
 
 def _records(out: Path) -> dict[int, dict]:
@@ -110,13 +91,12 @@ PPO_KEYS = KEYS + ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "
 
 @pytest.fixture(scope="module")
 def two_step_runs(setup):
-    """Side by side, 2 steps each: GRPO at TP=2 x PP=2 with rollout TP=2, GRPO in one process, PPO at TP=2 x PP=2
-    (rollout TP=1) and PPO in one process. Returns {name: out dir}."""
+    """Side by side, 2 steps each: GRPO in one process, PPO at TP=2 x PP=2 with rollout TP=2 (one launch for both
+    the rollout-TP=2 and the critic comparison) and PPO in one process. Returns {name: out dir}."""
     tmp, args = setup
     two_steps = ["trainer.total_training_steps=2", "trainer.save_freq=-1"]
-    tp2pp2 = [TP_PP[0].format(2), TP_PP[1].format(2)]
-    jobs = {"rollout_tp2": (4, args + tp2pp2 + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
-            "one_process": (1, args), "ppo_tp2pp2": (4, args + PPO + tp2pp2), "ppo_one_process": (1, args + PPO)}
+    tp2pp2 = [TP_PP[0].format(2), TP_PP[1].format(2), "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    jobs = {"one_process": (1, args), "ppo_tp2pp2": (4, args + PPO + tp2pp2), "ppo_one_process": (1, args + PPO)}
     dirs = {name: tmp / name for name in jobs}
     _run_together({name: (n, a + two_steps + [f"trainer.default_local_dir={dirs[name]}"])
                    for name, (n, a) in jobs.items()})
@@ -125,23 +105,26 @@ def two_step_runs(setup):
 
 @pytest.mark.slow
 def test_tp2_pp2_with_rollout_tp1_and_tp2_matches_one_process(two_step_runs, base_run):
-    want, tp1, tp2 = _records(two_step_runs["one_process"]), _records(base_run), _records(two_step_runs["rollout_tp2"])
+    """Rollout TP=1 (GRPO, 4 replicas) and TP=2 (PPO, 2 replicas) behind an actor at TP=2 x PP=2: each run's
+    first two steps equal its algorithm's one-process run."""
+    want, tp1 = _records(two_step_runs["one_process"]), _records(base_run)
+    want2, tp2 = _records(two_step_runs["ppo_one_process"]), _records(two_step_runs["ppo_tp2pp2"])
     assert sorted(want) == [1, 2] and sorted(tp2) == [1, 2]
     for step in (1, 2):  # step 2: generated by the weights synced after one update, to 4 or 2 replicas
         _assert_same(tp1[step], want[step], f"TP=2xPP=2, rollout TP=1, step {step}")
-        _assert_same(tp2[step], want[step], f"TP=2xPP=2, rollout TP=2, step {step}")
+        _assert_same(tp2[step], want2[step], f"TP=2xPP=2, rollout TP=2, step {step}")
         for got in (tp1[step], tp2[step]):
             assert got["sync/verify_seconds"] > 0  # the checksums were compared on every rank
             assert got["rollout/k3_kl"] < 1e-8  # the rollout's log-probs are the actor's: the weights arrived
-    assert want[1]["critic/score/std"] > 0  # the groups vary: the advantages and the update are not zero
+    assert want[1]["critic/score/std"] > 0 and want2[1]["critic/score/std"] > 0  # the groups vary: updates not 0
 
 
 @pytest.mark.slow
 def test_ppo_with_critic_at_tp2_pp2_matches_one_process(two_step_runs):
-    """PPO (GAE) with the critic at TP=2 x PP=2: steps 1 and 2 (step 2 generated by the updated actor and valued by
-    the updated critic) give the one-process run's actor and critic losses, grad norms, values, returns and
-    advantages within the module's rel 1e-4 / abs 1e-6 (fp32 reductions in another order; the samples, scores and
-    lengths agree exactly).
+    """PPO (GAE) with the critic at TP=2 x PP=2 (rollout TP=2): steps 1 and 2 (step 2 generated by the updated actor
+    and valued by the updated critic) give the one-process run's actor and critic losses, grad norms, values,
+    returns and advantages within the module's rel 1e-4 / abs 1e-6 (fp32 reductions in another order; the samples,
+    scores and lengths agree exactly).
 
     Mutation: the critic's values not broadcast from the last pipeline stage (`TrainEngine._forward_only` skipping
     `_broadcast_from_last_stage` when role="critic": the first stage's ranks keep zero values, so their GAE

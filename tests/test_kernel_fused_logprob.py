@@ -15,6 +15,8 @@ import pytest
 import torch
 from triton_kernels import import_kernel_module
 
+pytestmark = pytest.mark.cost(5)
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 

@@ -9,15 +9,15 @@ references.
 """
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import child_env
+from launcher import CPU, run
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError, load_hf_config
+
+pytestmark = pytest.mark.cost(65)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "models_check.py"
@@ -66,22 +66,15 @@ def model_dirs(tiny_model_dir, tmp_path_factory):
     return dirs
 
 
-def _env():
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    return env
+ENV = {**CPU, "PYTHONWARNINGS": "ignore"}  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
 
 
 @pytest.fixture(scope="module")
 def mcore_checkpoint(model_dirs, tmp_path_factory):
     """qwen2 converted to a Megatron distributed checkpoint by the CLI as a plain single process (TP=PP=1)."""
     out = tmp_path_factory.mktemp("mcore") / "qwen2_mcore"
-    cmd = [sys.executable, str(ROOT / "launch" / "convert_checkpoint.py"), "--direction", "hf2mcore",
-           "--hf-dir", str(model_dirs["qwen2"]), "--mcore-dir", str(out), "--tp", "1", "--pp", "1"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run("launch/convert_checkpoint.py", "--direction", "hf2mcore", "--hf-dir", str(model_dirs["qwen2"]),
+        "--mcore-dir", str(out), "--tp", "1", "--pp", "1", env_extra=ENV)
     return out
 
 
@@ -92,11 +85,7 @@ def worker(model_dirs, mcore_checkpoint, tmp_path_factory):
     spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": LAYOUTS, "seed": 11,
             "doc_lens": DOC_LENS, "max_token": 900, "mcore": {"qwen2": str(mcore_checkpoint)}}
     (out / "spec.json").write_text(json.dumps(spec))
-    env = _env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone", str(WORKER),
-           "--spec", str(out / "spec.json"), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=4, timeout=900, env_extra=ENV)
     return json.loads((out / "results.json").read_text()), out
 
 

@@ -5,24 +5,20 @@ ranks and equal (1e-5) to a TP=1, PP=1 run of the same data and initial weights,
 Each torchrun launch runs several layouts inside one process group (start-up dominates on 2 cores).
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from subprocess_env import child_env
+from launcher import CPU, run
+
+pytestmark = pytest.mark.cost(50)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "gpt_step.py"
 
 
 def torchrun(nproc: int, layouts: str, out: Path) -> dict:
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(WORKER), "--out", str(out), "--layouts", layouts]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
+    run(WORKER, "--out", str(out), "--layouts", layouts, nproc=nproc, env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
     return json.loads(out.read_text())
 
 

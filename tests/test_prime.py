@@ -17,6 +17,8 @@ from rlhf_mcore.algos.prime import (
     prime_norm,
 )
 
+pytestmark = pytest.mark.cost(30)
+
 B, R, N = 8, 6, 4  # two groups of four samples
 
 
@@ -220,22 +222,17 @@ def prime_runs(tmp_path_factory, tiny_model_dir):
     e2e_helpers: 4 prompts x 4 samples a step, rewards 0/1). Returns (out dir, {name: {step: (rows of both ranks,
     each with its "rank", metrics, calls)}}, {name: the run's overrides})."""
     import json
-    import subprocess
-    import sys
 
-    from e2e_helpers import ROOT, parity_task
-    from subprocess_env import child_env
+    import launcher
+    from e2e_helpers import parity_task
 
     tmp = tmp_path_factory.mktemp("prime")
     base = parity_task(tmp, tiny_model_dir("qwen2")) + PRIME
     (tmp / "spec.json").write_text(json.dumps({"base": base, "runs": RUNS}))
     out = tmp / "out"
     out.mkdir()
-    env = child_env(OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "workers" / "prime_runs.py"), "--spec", str(tmp / "spec.json"),
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launcher.run("tests/workers/prime_runs.py", "--spec", str(tmp / "spec.json"), "--out", str(out), nproc=2,
+                 timeout=900)
     runs = {}
     for run in RUNS:
         ranks = [json.loads((out / f"{run['name']}.rank{r}.json").read_text()) for r in (0, 1)]

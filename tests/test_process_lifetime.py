@@ -22,16 +22,19 @@ import time
 from pathlib import Path
 
 import pytest
-from subprocess_env import child_env
+from launcher import QUIET, free_port, start
+from launcher import env as child_env
 
 from rlhf_mcore.trainer.run_lock import LOCK_NAME, RunLock, RunLockError, _boot_id, _start_ticks
+
+pytestmark = pytest.mark.cost(70)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
 def _env():
-    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    return child_env(**QUIET)
 
 
 def _alive(pid: int, ticks: int) -> bool:
@@ -274,9 +277,7 @@ except RunLockError as e:
 
 
 def test_every_rank_gets_rank0s_refusal(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     holder = _holder(tmp_path)
     try:
         ranks = [subprocess.Popen([PY, "-c", COLLECTIVE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
@@ -317,10 +318,8 @@ def tiny_run(tmp_path_factory):
 def _train(*args: str, nproc: int = 1, log=None) -> subprocess.Popen:
     """launch/train.py (under torchrun when nproc > 1); output to pipes, or to the open file `log`: a pipe would
     tie the rank's fate to our reading of it."""
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    out = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if log is None else {"stdout": log, "stderr": log}
-    return subprocess.Popen([PY, *launcher, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=_env(),
-                            text=True, **out)
+    out = {} if log is None else {"stdout": log, "stderr": log}
+    return start("launch/train.py", *args, nproc=None if nproc == 1 else nproc, env_extra=QUIET, **out)
 
 
 def _wait_for(root: Path, pattern: str, proc: subprocess.Popen, log: Path, seconds: float,

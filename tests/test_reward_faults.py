@@ -23,6 +23,8 @@ from rlhf_mcore.rewards import (
     reward_metrics,
 )
 
+pytestmark = pytest.mark.cost(15)
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 0.5
 

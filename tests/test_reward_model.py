@@ -13,16 +13,16 @@
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from subprocess_env import child_env
+from launcher import CPU, QUIET, run
 
 from rlhf_mcore.rewards.reward_model import RewardModelError, check_reward_model_dir, combine, rm_token_ids
+
+pytestmark = pytest.mark.cost(20)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "reward_model_cases.py"
@@ -77,12 +77,8 @@ def parity(reward_models, tmp_path_factory):
     spec = {"models": {a: str(d) for a, d in reward_models.items()}, "sequences": seqs, "pairs": pairs,
             "layouts": list(LAYOUTS)}
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
-                    CUDA_VISIBLE_DEVICES="")  # fp32 on the CPU, what the 1e-4 against transformers is calibrated for
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(WORKER), "--spec", str(tmp / "spec.json"), "--out", str(tmp / "out.json")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # fp32 on the CPU, what the 1e-4 against transformers is calibrated for
+    run(WORKER, "--spec", str(tmp / "spec.json"), "--out", str(tmp / "out.json"), nproc=2, env_extra={**CPU, **QUIET})
     want = {a: hf_scores(d, seqs) for a, d in reward_models.items()}
     return json.loads((tmp / "out.json").read_text()), want, seqs, pairs
 

@@ -8,6 +8,8 @@ import torch
 from rlhf_mcore.rewards import RewardScorer
 from rlhf_mcore.rewards.stream import ScoringStream
 
+pytestmark = pytest.mark.cost(55)
+
 
 def slow_fn(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(0.05)
@@ -99,26 +101,17 @@ def test_reward_model_batches_are_scored_as_they_fill_up(tiny_model_dir, tmp_pat
     the rollout still had requests pending. With reward-model TP 2 across two rollout replicas it cannot stream:
     the reason is given and it scores after generation (no hang). tests/workers/reward_stream_cases.py."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from subprocess_env import child_env
+    from launcher import CPU, QUIET, run
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    root = Path(__file__).resolve().parents[1]
     policy = tiny_model_dir("qwen2")
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32).save_pretrained(
         tmp_path / "rm")
     AutoTokenizer.from_pretrained(policy).save_pretrained(tmp_path / "rm")
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
-                    CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(root / "tests" / "workers" / "reward_stream_cases.py"), "--policy", str(policy),
-                           "--rm", str(tmp_path / "rm"), "--out", str(tmp_path / "out.json")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run("tests/workers/reward_stream_cases.py", "--policy", str(policy), "--rm", str(tmp_path / "rm"), "--out",
+        str(tmp_path / "out.json"), nproc=2, env_extra={**CPU, **QUIET})
     got = json.loads((tmp_path / "out.json").read_text())
 
     s = got["1x1"]

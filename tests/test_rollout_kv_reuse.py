@@ -23,6 +23,8 @@ from rlhf_mcore.rollout import Request, SamplingParams
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 from rlhf_mcore.rollout.native.weights import iter_safetensors
 
+pytestmark = pytest.mark.cost(6)
+
 REPO = Path(__file__).resolve().parents[1]
 
 TURNS = 3

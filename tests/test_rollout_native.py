@@ -22,6 +22,8 @@ from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 from rlhf_mcore.rollout.native.weights import iter_safetensors
 
+pytestmark = pytest.mark.cost(15)
+
 ARCHS = ["qwen2", "llama", "qwen3"]
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cpu"  # see the module docstring

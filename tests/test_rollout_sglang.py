@@ -18,10 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import psutil
 import pytest
 import torch
-from subprocess_env import child_env
+
+pytestmark = pytest.mark.cost(8)
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
@@ -282,13 +284,9 @@ def test_missing_sglang_gives_actionable_error(monkeypatch, tiny_model_dir):
 
 def test_one_engine_per_tp_group(tiny_model_dir, tmp_path):
     """torchrun, 4 gloo ranks, rollout TP=2: tests/workers/sglang_tp_cases.py."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-           str(ROOT / "tests" / "workers" / "sglang_tp_cases.py"), "--model", str(tiny_model_dir("qwen2")),
-           "--out", str(tmp_path)]
     # CPU ranks (gloo), also on a GPU machine: 4 ranks on fewer GPUs would share one, which the layout check refuses
-    env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launcher.run("tests/workers/sglang_tp_cases.py", "--model", str(tiny_model_dir("qwen2")), "--out", str(tmp_path),
+                 nproc=4, env_extra=launcher.CPU)
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["engines"] == [1, 0, 1, 0]  # one engine per group, on its first rank
     assert r["ports"] == [[30000, 30001], None, [30002, 30003], None]

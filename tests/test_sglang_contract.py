@@ -28,6 +28,8 @@ from rlhf_mcore.rollout.sglang_backend import (
     SGLANG_OPTIONAL_SINCE,
 )
 
+pytestmark = pytest.mark.cost(5)
+
 VERSIONS = [SGLANG_MIN_VERSION, SGLANG_NEWEST_CHECKED]
 # the wheels' own tags (0.5.23 is built for CPython 3.11 on manylinux_2_34): fixed, so any interpreter gets them
 PIP_TARGET = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",

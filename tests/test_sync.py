@@ -13,13 +13,11 @@ Multi-process:
   to a fresh engine built from `save_hf_checkpoint`), and the broadcast transport.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import child_env
+from launcher import CPU, run
 
 from rlhf_mcore.sync import (
     BucketPacker,
@@ -36,6 +34,8 @@ from rlhf_mcore.sync import (
 )
 from rlhf_mcore.sync.buckets import ALIGN, plan_layout
 from rlhf_mcore.sync.verify import CHECKSUM_MOD, CHECKSUM_ROW, ChecksumTap, fingerprint
+
+pytestmark = pytest.mark.cost(30)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(arch="qwen2", vocab=1000, heads=8, kv_heads=4)  # shared with tests/test_models.py's qwen2
@@ -355,19 +355,13 @@ def test_verify_rejects_an_engine_it_cannot_read():
 
 # ------------------------------------------------------------------------------------------ other processes
 
-def _env():
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    return env
+ENV = {**CPU, "PYTHONWARNINGS": "ignore"}  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
 
 
 @pytest.mark.slow
 def test_shared_memory_transport_to_another_process(model_dir, tmp_path):
     out = tmp_path / "ipc.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sync_ipc.py"), "--model",
-                           str(model_dir), "--out", str(out)], env=_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"sync_ipc.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run("tests/workers/sync_ipc.py", "--model", str(model_dir), "--out", str(out), env_extra=ENV)
     r = json.loads(out.read_text())
     rx = r["receiver"]
     assert r["receiver_exitcode"] == 0
@@ -383,11 +377,8 @@ def test_shared_memory_transport_to_another_process(model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def distributed(model_dir, model3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_cases")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-           str(ROOT / "tests" / "workers" / "sync_cases.py"), "--model", str(model_dir), "--model3", str(model3_dir),
-           "--out", str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run("tests/workers/sync_cases.py", "--model", str(model_dir), "--model3", str(model3_dir), "--out", str(out),
+        nproc=4, timeout=900, env_extra=ENV)
     return json.loads((out / "results.json").read_text())
 
 

@@ -4,13 +4,14 @@ is the only traceback in the output. Each case is one torchrun launch (about ten
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from subprocess_env import child_env
+from launcher import CPU, run
+
+pytestmark = pytest.mark.cost(30)
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("config error:", "input error:", "reward error:", "error:")
@@ -18,13 +19,8 @@ OUR_FRAME = re.compile(r'File "[^"]*(/rlhf_mcore/|/launch/)')
 
 
 def torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "launch" / script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
+    return run(f"launch/{script}", *args, nproc=2, check=False, env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
 
 
 def assert_one_clean_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -14,25 +14,20 @@ alone make its held-out greedy answers pass the rule. The same run checks that t
 model's batches while the rollout generated.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import child_env
+from launcher import QUIET, run
+
+pytestmark = pytest.mark.cost(85)
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO_STEPS = 3
 
 
-def launch(*args, check=True):
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    if check:
-        assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
+def launch(script, *args, check=True):
+    return run(script, *map(str, args), check=check, env_extra=QUIET)
 
 
 @pytest.fixture(scope="module")

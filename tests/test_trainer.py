@@ -8,8 +8,9 @@ the strict GSM8K reward rejects -> launch/sft.py), built once per session.
   accuracy on held-out problems by a clear margin in 12 steps; the two runs go side by side (numbers in the
   tests).
 - PPO with a critic runs at TP=2 on 2 processes, and at PP=2.
-- A run killed with SIGKILL after a checkpoint resumes to exactly the metrics of an uninterrupted run.
-- A NaN injected into the loss skips that update, is logged, and leaves the weights unchanged.
+- A run killed with SIGKILL after a checkpoint resumes to exactly the metrics and weights of an uninterrupted run;
+  the same uninterrupted run is the reference of sleep level 2 (one launch for both).
+- A NaN injected into the loss skips that update, is logged, and leaves the weights unchanged (one run).
 - Validation accuracy equals a standalone greedy evaluation (launch/generate.py + the reward) of the export.
 - Bad inputs end with a clear message before any compute.
 """
@@ -22,8 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from launcher import CPU, QUIET, free_port, start, wait_all
+from launcher import run as run_script
 from safetensors.torch import load_file
-from subprocess_env import child_env
+
+pytestmark = pytest.mark.cost(500)
 
 ROOT = Path(__file__).resolve().parents[1]
 # 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200;
@@ -35,22 +39,19 @@ PERIOD_ANSWERS = 0.7  # launch/demo.py's share of warm-start targets ending "###
 NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "sync/verify_seconds")
 
 
-def _env():
-    # CUDA_VISIBLE_DEVICES="": CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    return child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
-                     CUDA_VISIBLE_DEVICES="")
+ENV = {**CPU, **QUIET}  # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
 
 
-def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout: int = 900):
-    if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "launch" / script), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / "launch" / script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
+def launch(script: str, *args: str, nproc: int = 1, check: bool = True, timeout: int = 900, env_extra=None):
+    """launch/`script` (under torchrun when nproc > 1) to its end; asserted to succeed when `check`."""
+    return run_script(f"launch/{script}", *args, nproc=None if nproc == 1 else nproc, check=check,
+                      timeout=timeout, env_extra={**ENV, **(env_extra or {})})
+
+
+def start_train(*args: str, nproc: int = 1, **popen) -> subprocess.Popen:
+    """launch/train.py (under torchrun when nproc > 1) in the background; stdout discarded unless `popen` says."""
+    return start("launch/train.py", *args, nproc=None if nproc == 1 else nproc, env_extra=ENV,
+                 **{"stdout": subprocess.DEVNULL, **popen})
 
 
 @pytest.fixture(scope="session")
@@ -96,24 +97,14 @@ PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_
 HELD_OUT = "val/synthetic/arithmetic/acc"
 
 
-def side_by_side(cmds: dict[str, list[str]]) -> None:
-    """Run the commands at once (their output discarded) and check that each succeeded."""
-    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True) for name, cmd in cmds.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name} failed:\n{err[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def learning_runs(assets, tmp_path_factory):
     """The GRPO and the PPO learning runs, side by side (one process each, one core each: single-threaded runs
     are deterministic however they are scheduled). Returns {name: (train metrics by step, validations)}."""
     root = tmp_path_factory.mktemp("learning")
     runs = {"grpo": [], "ppo": [*PPO, f"critic.model.path={assets / 'sft'}"]}
-    side_by_side({name: [sys.executable, str(ROOT / "launch" / "train.py"),
-                         *base_args(assets, root / name, LEARN_STEPS, *LEARN, f"trainer.test_freq={LEARN_STEPS}",
-                                    *extra)] for name, extra in runs.items()})
+    wait_all({name: start_train(*base_args(assets, root / name, LEARN_STEPS, *LEARN, f"trainer.test_freq={LEARN_STEPS}",
+                                           *extra)) for name, extra in runs.items()})
     return {name: (train_metrics(root / name), val_metrics(root / name)) for name in runs}
 
 
@@ -130,10 +121,9 @@ ASYNC = {"one_step_off": ["async_training.mode=one_step_off"],
 def async_learning_runs(assets, tmp_path_factory):
     """The one-step-off and fully asynchronous runs side by side (2 processes each, single-threaded)."""
     root = tmp_path_factory.mktemp("async_learning")
-    side_by_side({name: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                         str(ROOT / "launch" / "train.py"),
-                         *base_args(assets, root / name, ASYNC_STEPS, *LEARN, f"trainer.test_freq={ASYNC_STEPS}",
-                                    "rollout.n_gpus_per_node=1", *extra)] for name, extra in ASYNC.items()})
+    wait_all({name: start_train(*base_args(assets, root / name, ASYNC_STEPS, *LEARN, f"trainer.test_freq={ASYNC_STEPS}",
+                                           "rollout.n_gpus_per_node=1", *extra), nproc=2)
+              for name, extra in ASYNC.items()})
     return {name: (train_metrics(root / name), val_metrics(root / name)) for name in ASYNC}
 
 
@@ -229,8 +219,9 @@ def test_validation_matches_standalone_eval(assets, tmp_path):
 
 
 def standalone_accuracy(model: Path, files: list[Path], tmp: Path) -> float:
-    """Greedy generations from launch/generate.py scored by the reward registry, over the prompts the trainer
-    keeps (demo_cpu.yaml filters prompts longer than data.max_prompt_length)."""
+    """Greedy generations from launch/generate.py (one launch for all the files' rows) scored by the reward
+    registry, over the prompts the trainer keeps (demo_cpu.yaml filters prompts longer than
+    data.max_prompt_length)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
@@ -240,19 +231,16 @@ def standalone_accuracy(model: Path, files: list[Path], tmp: Path) -> float:
 
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [])
     tok = AutoTokenizer.from_pretrained(model)
-    scores = []
-    for k, f in enumerate(files):
-        rows = [r for r in pq.read_table(f).to_pylist() if len(tok.apply_chat_template(
-            r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            <= cfg.data.max_prompt_length]
-        kept, out = tmp / f"kept{k}.parquet", tmp / f"gen{k}.jsonl"
-        pq.write_table(pa.Table.from_pylist(rows), kept)
-        launch("generate.py", "--model", str(model), "--input", str(kept), "--output", str(out), "--temperature",
-               "0", "--max-new-tokens", str(cfg.data.max_response_length))
-        gens = [json.loads(x) for x in out.read_text().splitlines()]
-        for row, gen in zip(rows, gens, strict=True):
-            scores.append(float(default_compute_score(row["data_source"], gen["responses"][0],
-                                                      row["reward_model"]["ground_truth"])))
+    rows = [r for f in files for r in pq.read_table(f).to_pylist() if len(tok.apply_chat_template(
+        r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        <= cfg.data.max_prompt_length]
+    kept, out = tmp / "kept.parquet", tmp / "gen.jsonl"
+    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"]} for r in rows]), kept)  # the files' schemas differ
+    launch("generate.py", "--model", str(model), "--input", str(kept), "--output", str(out), "--temperature",
+           "0", "--max-new-tokens", str(cfg.data.max_response_length))
+    gens = [json.loads(x) for x in out.read_text().splitlines()]
+    scores = [float(default_compute_score(row["data_source"], gen["responses"][0], row["reward_model"]["ground_truth"]))
+              for row, gen in zip(rows, gens, strict=True)]
     return sum(scores) / len(scores)
 
 
@@ -269,65 +257,90 @@ def test_ppo_runs_at_tp2_and_pp2(assets, tmp_path, layout):
         assert torch.isfinite(torch.tensor(m[2][k])), k
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted(assets, tmp_path):
-    args = ["trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1", "trainer.resume_mode=auto"]
-    ref = tmp_path / "uninterrupted"
-    launch("train.py", *base_args(assets, ref, 4, *args))
+# saved at step 2 (only the last checkpoint kept), resumed from the newest one when there is one
+SAVE = ["trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1", "trainer.resume_mode=auto"]
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory):
+    """Three steps of base_args with SAVE, in one go: the reference of the SIGKILL resume and of sleep level 2."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    launch("train.py", *base_args(assets, out, 3, *SAVE))
+    return out
+
+
+def assert_same_run(got: Path, want: Path, steps) -> None:
+    """The runs in `got` and `want` logged the same metrics at `steps` (wall-clock ones aside) and exported the
+    same final weights, bitwise."""
+    m_got, m_want = train_metrics(got), train_metrics(want)
+    for step in steps:
+        assert deterministic(m_got[step]) == deterministic(m_want[step]), f"step {step} differs"
+    a, b = hf_weights(want / "hf_final"), hf_weights(got / "hf_final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the final weights differ"
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(assets, uninterrupted, tmp_path):
+    """SIGKILL once step 2's checkpoint is complete, then the same command: it resumes from global_step_2 and its
+    step 3 (sampled from the restored data order and RNG, updated with the restored Adam moments) and final
+    weights equal the uninterrupted run's."""
     out = tmp_path / "killed"
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *base_args(assets, out, 4, *args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_train(*base_args(assets, out, 3, *SAVE), stderr=subprocess.PIPE)
     marker = out / "checkpoints" / "global_step_2" / "COMPLETE"
     deadline = time.time() + 600
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert marker.exists(), proc.stderr.read().decode()[-4000:] if proc.poll() is not None else "no checkpoint"
+    assert marker.exists(), proc.stderr.read()[-4000:] if proc.poll() is not None else "no checkpoint"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    launch("train.py", *base_args(assets, out, 4, *args))  # resume_mode=auto picks global_step_2
-
-    want, got = train_metrics(ref), train_metrics(out)
-    for step in (3, 4):
-        assert deterministic(got[step]) == deterministic(want[step]), f"step {step} differs after resume"
-    a, b = hf_weights(ref / "hf_final"), hf_weights(out / "hf_final")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed = launch("train.py", *base_args(assets, out, 3, *SAVE))  # resume_mode=auto picks global_step_2
+    assert f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in resumed.stdout + resumed.stderr
+    assert_same_run(out, uninterrupted, steps=(3,))
 
 
 @pytest.mark.slow
-def test_rollout_sleep_level_2_syncs_at_wake_and_matches_level_1(assets, tmp_path):
+def test_rollout_sleep_level_2_syncs_at_wake_and_matches_level_1(assets, uninterrupted, tmp_path):
     """The 7B single-GPU plan's order on CPU: the actor's gradients and optimizer state leave during generation,
     the rollout drops its weights when it sleeps (level 2) and gets them at the next wake, after the offload. The
-    metrics and the final weights equal those of syncing after every update (level 1); the sync still reports."""
+    metrics and the final weights equal those of syncing after every update (level 1, the uninterrupted run); the
+    sync still reports."""
     plan = ["actor_rollout_ref.rollout.sleep_level=2", "actor_rollout_ref.actor.megatron.grad_offload=true",
             "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
-    procs = {name: subprocess.Popen(
-        [sys.executable, str(ROOT / "launch" / "train.py"), *base_args(assets, tmp_path / name, 3, *extra)],
-        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name, extra in (("level1", []), ("level2", plan))}  # side by side: one core each
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name} failed:\n{err[-6000:]}"
-    want, got = train_metrics(tmp_path / "level1"), train_metrics(tmp_path / "level2")
+    out = tmp_path / "level2"
+    launch("train.py", *base_args(assets, out, 3, *plan))
+    got = train_metrics(out)
     assert sorted(got) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert got[step]["sync/bytes"] > 0  # reported from the wake's sync
-        assert deterministic(got[step]) == deterministic(want[step]), f"step {step} differs at sleep level 2"
-    a, b = hf_weights(tmp_path / "level1" / "hf_final"), hf_weights(tmp_path / "level2" / "hf_final")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(got[step]["sync/bytes"] > 0 for step in got)  # reported from the wake's sync
+    assert_same_run(out, uninterrupted, steps=(1, 2, 3))
 
 
+# The vanilla loss, NaN at call NAN_AT_CALL; every call saves the parameters its loss depends on (the leaves of its
+# autograd graph, keyed by identity: the same Parameter objects at every call of the process) to NAN_PARAMS_DIR.
 NAN_PLUGIN = '''
 import os
+import torch
 from rlhf_mcore.algos import get_policy_loss, register_policy_loss
 _calls = {"n": 0}
+
+def _leaves(t):
+    out, seen, todo = {}, set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            out[id(fn.variable)] = fn.variable.detach().clone()
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
 
 @register_policy_loss("nan_on_call")
 def nan_on_call(old_log_prob, log_prob, advantages, response_mask, **kw):
     _calls["n"] += 1
     loss, metrics = get_policy_loss("vanilla")(old_log_prob, log_prob, advantages, response_mask, **kw)
-    if _calls["n"] == int(os.environ.get("NAN_AT_CALL", "2")):
+    torch.save(_leaves(loss), os.path.join(os.environ["NAN_PARAMS_DIR"], f"call{_calls['n']}.pt"))
+    if _calls["n"] == int(os.environ["NAN_AT_CALL"]):
         loss = loss * float("nan")
     return loss, metrics
 '''
@@ -335,21 +348,32 @@ def nan_on_call(old_log_prob, log_prob, advantages, response_mask, **kw):
 
 @pytest.mark.slow
 def test_nan_loss_skips_update_and_keeps_weights(assets, tmp_path):
+    """Three small steps, one loss call each (one optimizer step, one micro-batch), the second loss NaN: step 2
+    logs the skipped update, the weights that step 3's loss sees are exactly those step 2's loss saw (after a real
+    update at step 1, so Adam's moments are non-zero: a step taken on zeroed gradients would still move them),
+    and step 3 updates again.
+
+    Mutation: `self.optimizer.step()` also for a non-finite loss in TrainEngine.update -> fails (the NaN update
+    reaches the weights: step 3's rollout log-probs are NaN and the run stops there)."""
     plugin = tmp_path / "nan_plugin.py"
     plugin.write_text(NAN_PLUGIN)
-    # one optimizer step and one micro-batch per training step: loss call k is step k's update
-    common = [f"trainer.plugins=[{plugin}]", "actor_rollout_ref.actor.policy_loss=nan_on_call",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64"]
-    one = tmp_path / "one"
-    launch("train.py", *base_args(assets, one, 1, *common))
-    two = tmp_path / "two"
-    launch("train.py", *base_args(assets, two, 2, *common))  # the second update's loss is NaN
-    m = train_metrics(two)
-    assert m[1]["actor/update_skipped"] == 0.0 and m[2]["actor/update_skipped"] == 1.0
-    a, b = hf_weights(one / "hf_final"), hf_weights(two / "hf_final")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "a skipped update changed the weights"
-    assert all(torch.isfinite(v).all() for v in b.values())
+    params = tmp_path / "params"
+    params.mkdir()
+    out = tmp_path / "run"
+    launch("train.py", *base_args(assets, out, 3, f"trainer.plugins=[{plugin}]",
+                                  "actor_rollout_ref.actor.policy_loss=nan_on_call", "data.train_batch_size=4",
+                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"),
+           env_extra={"NAN_AT_CALL": "2", "NAN_PARAMS_DIR": str(params)})
+    m = train_metrics(out)
+    assert [m[s]["actor/update_skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    assert sorted(p.name for p in params.iterdir()) == ["call1.pt", "call2.pt", "call3.pt"]
+    seen = [torch.load(params / f"call{k}.pt") for k in (1, 2, 3)]
+    assert seen[0] and seen[0].keys() == seen[1].keys() == seen[2].keys()
+    assert any(not torch.equal(seen[0][k], seen[1][k]) for k in seen[0]), "step 1's update changed nothing"
+    assert all(torch.equal(seen[1][k], seen[2][k]) for k in seen[1]), "a skipped update changed the weights"
+    assert all(torch.isfinite(v).all() for v in hf_weights(out / "hf_final").values())
+    assert m[3]["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(m[3]["actor/pg_loss"]))
 
 
 def test_bad_inputs_fail_fast_with_a_message(assets, tmp_path):
@@ -381,26 +405,21 @@ def test_two_local_nodes_match_one_node(assets, tmp_path):
     """Issue 10: two torchrun "nodes" on localhost (2 processes each, c10d rendezvous), started with the commands
     launch/slurm/node.py builds from Slurm's environment, run 2 steps at TP=2 and reach the same metrics as one
     4-process torchrun."""
-    import socket
-
     from rlhf_mcore.slurm import NodeLaunch
 
     args = base_args(assets, tmp_path / "unused", 2, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
     single = tmp_path / "single"
     launch("train.py", *args, f"trainer.default_local_dir={single}", "trainer.n_gpus_per_node=4", nproc=4)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": str(rank), "SLURM_JOB_ID": "4242",
                "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NAME": "test", "MASTER_PORT": str(port)}
         node = NodeLaunch.from_env(env, nproc_per_node=2, run_root=str(tmp_path / "slurm"))
-        procs.append(subprocess.Popen(node.torchrun(args, python=sys.executable), cwd=ROOT, env=_env(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+        procs.append(start("launch/train.py", cmd=node.torchrun(args, python=sys.executable), env_extra=ENV,
+                           stderr=subprocess.STDOUT))
+    wait_all({f"node {rank}": proc for rank, proc in enumerate(procs)})
     multi = tmp_path / "slurm" / "test-4242"
     want, got = train_metrics(single), train_metrics(multi)
     assert sorted(got) == [1, 2]
