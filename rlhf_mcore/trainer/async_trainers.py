@@ -37,6 +37,7 @@ from rlhf_mcore.config import RLConfig
 from rlhf_mcore.engine.balance import partition_balanced
 from rlhf_mcore.parallel import pick_device
 from rlhf_mcore.parallel.pools import PoolLayout, Pools, init_pools
+from rlhf_mcore.rewards.pipeline import OverlongShaping, compose
 from rlhf_mcore.sync import broadcast_weights
 from rlhf_mcore.trainer.databus import GroupMeta, Ledger, pull, pull_orders, send_orders, staleness_metrics
 from rlhf_mcore.trainer.plan import broadcast_object
@@ -164,19 +165,11 @@ class AsyncTrainerBase(RLTrainer):
         return batch
 
     def score_with_reward_model(self, rows: list, prompts: list[int]) -> dict[str, float]:
-        """Every training rank together: this DP rank's rows scored by the reward model on its replica and
-        combined with the rule score as the synchronous trainer does: `reward_weight * rm + rule_weight * rule`
-        for covered rows (`reward_model.data_sources`), the rule score for the others, then DAPO's overlong
-        penalty added. The rollout pool's score already holds the rule score plus that penalty; `reward_extra`
-        keeps both apart (`acc`, `overlong_penalty`). Returns the `reward_model/*` metrics of the step's rows."""
+        """Every training rank together: this DP rank's rows scored by the reward model on its replica, composed
+        by the reward pipeline as the synchronous trainer's rows are (the rollout pool composed them without a
+        learned score; `reward_extra` keeps the parts). Returns the `reward_model/*` metrics of the step's rows."""
         items = [self.train_set[p] for p in prompts]
-        for r in rows:
-            penalty = r.reward_extra.get("overlong_penalty", 0.0)
-            r.score = r.reward_extra.setdefault("acc", r.score - penalty)  # the rule's score alone
-        metrics = self.reward_model.score_rows(rows, items, local=True)
-        for r in rows:
-            r.score += r.reward_extra.get("overlong_penalty", 0.0)
-        return metrics
+        return compose(rows, items, OverlongShaping.from_config(self.cfg), learned=self.reward_model, local=True)
 
     def forward_passes(self, batch: dict[str, Any]) -> None:
         super().forward_passes(batch)

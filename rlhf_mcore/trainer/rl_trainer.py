@@ -22,14 +22,14 @@ from rlhf_mcore.algos.dynamic_sampling import GroupPool
 from rlhf_mcore.config import RLConfig, critic_enabled, load_plugins, parallel_layout, reference_enabled, to_dict
 from rlhf_mcore.parallel import collective_device, destroy_distributed, init_distributed
 from rlhf_mcore.rewards import reward_metrics
-from rlhf_mcore.rewards.overlong import overlong_metrics
+from rlhf_mcore.rewards.pipeline import OverlongShaping, compose
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.batch import build_batch, last_response_token
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
 from rlhf_mcore.trainer.plan import broadcast_object, plan_step
-from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score
+from rlhf_mcore.trainer.rollout_phase import Row, generate_and_score
 from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
 from rlhf_mcore.trainer.validation import validate
@@ -165,8 +165,7 @@ class RLTrainer:
         prompt_ids = [i for part in plan for i in part]  # rank order
         per_rank = len(plan[0]) * n
         mine = rows[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]  # this DP rank's groups
-        if cfg.reward.reward_model.overlong_buffer.log:  # over the step's rows (all DP ranks': the same everywhere)
-            stats.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
+        stats.update(OverlongShaping.from_config(cfg).metrics(rows))  # the step's rows (every DP rank's: the same)
         return self.rows_to_batch(mine, prompt_ids), {**stats, **wake_sync_metrics}
 
     def rows_to_batch(self, rows: list[Row], prompt_ids: list[int]) -> dict[str, Any]:
@@ -187,9 +186,9 @@ class RLTrainer:
         return batch
 
     def rollout_and_score(self, prompt_ids: list[int], gen_batch: int) -> tuple[list[Row], dict[str, float]]:
-        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows), the reward model's score
-        combined in (reward_model.enable) and the overlong penalty added to each score (`reward_extra`: `acc`, the
-        reward function's score, `rm_score` and `overlong_penalty`)."""
+        """Generate and score `prompt_ids` (all ranks together; every rank gets all rows): the reward pipeline
+        (rlhf_mcore.rewards.pipeline), the reward model's or judge's score combined in and the overlong penalty
+        added (`reward_extra`: `acc`, the reward function's score, `rm_score` and `overlong_penalty`)."""
         cfg = self.cfg
         items = [self.train_set[i] for i in prompt_ids]
         params = roles.train_sampling_params(cfg, seed=cfg.trainer.seed * 100_003 + self.step + 1_000_003 * gen_batch)
@@ -199,12 +198,11 @@ class RLTrainer:
             greedy_baseline=self.estimator.needs_greedy_baseline, agent_runner=self.agents,
             reward_model=self.streaming_reward_model())
         metrics = reward_metrics(stats)
-        if self.reward_model is not None:  # what the stream left (all of it when it could not stream) is scored now
-            t0 = time.monotonic()
-            metrics.update(self.reward_model.score_rows(rows, items))
-            if "timing_s/reward_tail" in metrics:  # ... and is scoring left after the last sample
-                metrics["timing_s/reward_tail"] += time.monotonic() - t0
-        add_overlong_penalty(rows, cfg, baseline=self.estimator.needs_greedy_baseline)
+        t0 = time.monotonic()  # the reward model scores what the stream left (all of it when it could not stream)
+        metrics.update(compose(rows, items, OverlongShaping.from_config(cfg), learned=self.reward_model,
+                               baseline=self.estimator.needs_greedy_baseline))
+        if self.reward_model is not None and "timing_s/reward_tail" in metrics:  # scoring left after the last sample
+            metrics["timing_s/reward_tail"] += time.monotonic() - t0
         metrics.update({k: v for k, v in stats.items() if k.startswith(("agent/", "reward_model/"))})
         return rows, metrics
 

@@ -32,12 +32,13 @@ from rlhf_mcore.config import RLConfig, load_plugins
 from rlhf_mcore.parallel import pick_device
 from rlhf_mcore.parallel.pools import Pools
 from rlhf_mcore.rewards import reward_metrics
+from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_scores
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rewards.stream import ScoringStream
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
-from rlhf_mcore.trainer.rollout_phase import Row, add_overlong_penalty, generate_and_score, response_budgets
+from rlhf_mcore.trainer.rollout_phase import Row, generate_and_score, response_budgets
 from rlhf_mcore.trainer.sample_streams import SampleStream, TrajectoryStream
 from rlhf_mcore.trainer.validation import validate
 
@@ -67,6 +68,7 @@ class RolloutWorker:
         self.version = -1
         self.idle_s, self.t0 = 0.0, time.perf_counter()
         self.unreported: dict[str, float] = {}  # fully_async: reward counters not yet attached to a group
+        self.shaping = OverlongShaping.from_config(cfg)
 
     # ------------------------------------------------------------------------------------------- shared
     def run(self) -> None:
@@ -138,7 +140,7 @@ class RolloutWorker:
         rows, stats = generate_and_score(self.engine, self.scorer, [it["input_ids"] for it in items], items,
                                          roles.train_sampling_params(cfg, seed=seed), self.tokenizer,
                                          rollout_tp=self.tp, agent_runner=self.agents)
-        add_overlong_penalty(rows, cfg)
+        compose(rows, items, self.shaping)  # no learned score here: a reward model scores on the training pool
         gen_s = time.perf_counter() - t0
         for r in rows:
             r.versions = [self.version] * len(r.response_ids)
@@ -146,10 +148,7 @@ class RolloutWorker:
             metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
                        "rollouter/idle_ratio": self.idle_ratio(),
                        **{k: v for k, v in stats.items() if k.startswith("agent/")}}
-            if cfg.reward.reward_model.overlong_buffer.log:
-                from rlhf_mcore.rewards.overlong import overlong_metrics
-
-                metrics.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
+            metrics.update(self.shaping.metrics(rows))
             self.coord.put(("stats", step, metrics))
         if not self.leader:
             return
@@ -280,10 +279,8 @@ class RolloutWorker:
         counts, self.unreported = self.unreported, {}
         for k, (uid, g) in enumerate(done):
             group = g["rows"]
-            for r, score in zip(group, g["scores"]):
-                own = r.agent.get("reward") if r.agent else None
-                r.score = float(score) if own is None else float(own)
-            add_overlong_penalty(group, self.cfg)
+            set_rule_scores(group, g["scores"])
+            compose(group, None, self.shaping)  # no learned score here: a reward model scores on the training pool
             meta = self.describe(uid, g["prompt"], group)
             meta.stats.update(counts if k == 0 else {})  # the reward counters, once
             if self.agents is not None:  # for the step's agent/* metrics

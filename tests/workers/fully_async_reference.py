@@ -10,9 +10,10 @@ Usage: python fully_async_reference.py key=value ...   (the synchronous run's ar
 """
 from worker_common import run_reference
 
+from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_scores
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.rl_trainer import RLTrainer
-from rlhf_mcore.trainer.rollout_phase import add_overlong_penalty, response_budgets
+from rlhf_mcore.trainer.rollout_phase import response_budgets
 from rlhf_mcore.trainer.rollout_worker import stream_seed
 from rlhf_mcore.trainer.sample_streams import SampleStream
 
@@ -45,9 +46,8 @@ def step(tr: RLTrainer, t) -> tuple[dict, dict]:
     scores, _ = tr.scorer.score([it["data_source"] for it in items], responses,
                                 [it["ground_truth"] for it in items],
                                 [it.get("extra_info") for it in items])
-    for r, s in zip(rows, scores):
-        r.score = float(s)
-    add_overlong_penalty(rows, tr.cfg)
+    set_rule_scores(rows, scores)
+    compose(rows, items, OverlongShaping.from_config(tr.cfg))
     batch = tr.rows_to_batch(sorted(rows, key=lambda r: (r.prompt_pos, r.sample)), prompts)
     metrics = tr.train_on(batch, t)
     tr.sync_weights()  # w_k: what step k+1 samples with
