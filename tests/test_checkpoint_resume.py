@@ -7,6 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 
 from e2e_helpers import parity_task, records, torchrun_train  # noqa: E402
@@ -39,3 +41,40 @@ def test_a_checkpoint_of_the_previous_trainer_resumes(tmp_path):
     state = json.loads((out / "checkpoints" / "global_step_2" / "trainer_state_rank0.json").read_text())
     assert set(state) == set(saved) and state["step"] == 2
     assert state["sampler"] == {**saved["sampler"], "position": saved["sampler"]["position"] + 2}
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_the_asynchronous_trainer_states_load_into_the_parts_and_save_the_same_keys(mode):
+    """Each asynchronous mode's saved trainer state (the fixture) loads into the run, the learner, the training
+    pool and the mode's schedule as their loop loads it, and saving again writes the same keys in the same order
+    with the same values (fully_async: the groups in flight at the save are to be granted again, `regrant`).
+    Mutation: rename a trainer-state key (`dropped_prompts` in TrainingPool.state_dict / load_state_dict) -> fails."""
+    from types import SimpleNamespace
+
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.trainer.learner import Learner
+    from rlhf_mcore.trainer.run import RunContext
+    from rlhf_mcore.trainer.schedules import FullyAsync, OneStepOff
+    from rlhf_mcore.trainer.training_pool import TrainingPool
+
+    saved = json.loads((FIXTURE / f"{mode}_trainer_state.json").read_text())
+    saved.pop("rng")  # the host RNGs: restored by the checkpoint manager, not by the parts
+    config = json.loads((FIXTURE / "off" / "checkpoints" / "global_step_1" / "config.json").read_text())
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={config['actor_rollout_ref']['model']['path']}",
+                             f"async_training.mode={mode}", "data.train_batch_size=2", "algorithm.adv_estimator=grpo"])
+    state = SimpleNamespace(is_coordinator=True, rank=0, cpu_group=None, dims=SimpleNamespace(dp=1))
+    run = RunContext(cfg, state, tokenizer=None, train_set=[{}] * saved["sampler"]["num_samples"], val_set=None,
+                     scorer=None, run_lock=None, out_dir=Path("unused"))
+    learner = Learner(cfg, state, actor=None)
+    pool = TrainingPool(run, SimpleNamespace(layout=None, mailbox=lambda name: None), dp_ranks=[[0]])
+    sched = (OneStepOff if mode == "one_step_off" else FullyAsync)(run, pool)
+    run.load_trainer_state(saved, learner)  # as run_one_step_off / run_fully_async load it
+    pool.load_state_dict(saved)
+    if mode == "fully_async":
+        sched.load_state_dict(saved)
+        assert sched.regrant == saved["regrant"] and pool.ledger.produced == saved["ledger"]["produced"]
+    else:
+        sched.sampler_after[run.step] = saved["sampler"]  # what post_generate kept when it drew the saved step
+    again = run.trainer_state(learner, {**pool.state_dict(), **sched.state_dict()})
+    assert list(again) == list(saved)
+    assert again == ({**saved, "regrant": []} if mode == "fully_async" else saved)
