@@ -445,7 +445,7 @@ def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, t
     trainer's parts. What each side of the data bus saw agrees (every trained group published, sent once, whole).
     At threshold 0 no group can become stale (each is granted after the weights it will be trained against were
     pushed), so the drop itself is exercised at threshold 1 (test_reward_model_scores_every_trained_row[fully_async]).
-    Mutations: `groups_to_batch`'s `r.prompt_pos = pos` -> `= 0` (every row in one GRPO group) -> fails; the
+    Mutations: `TrainingPool.to_batch`'s `r.prompt_pos = pos` -> `= 0` (every row in one GRPO group) -> fails; the
     grant limit `(staleness_threshold + version + 1) * g` -> `+ 2` (groups sampled a version early, dropped, their
     prompts lost) -> fails."""
     steps = 2
@@ -486,7 +486,7 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
     every trained row within the threshold by its own versions and the trainer's version, each row of a group its
     rollout worker published, the prompts the checkpoint says were trained are the rows that were trained (the
     trainer's observer, both runs), every prompt's samples trained once and none lost. Mutation: the resume
-    forgetting the groups in flight (`FullyAsyncTrainer.load_trainer_state` not restoring `regrant`) -> fails."""
+    forgetting the groups in flight (`FullyAsync.load_state_dict` not restoring `regrant`) -> fails."""
     from rlhf_mcore.data import ResumableSampler
 
     with capsys.disabled():
@@ -548,7 +548,7 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
     group is ever trained, every trained row is within the threshold by its own versions and the trainer's
     version, and the trained / dropped counts equal the groups the rollout worker sent / dropped (not the ledger's
     own sum, which `Ledger.check` already enforces). Mutations: the coordinator's stale drop a no-op
-    (`stale = []` in `FullyAsyncTrainer.next_batch`'s `ready`) -> fails; the drop not told to the producer
+    (`stale = []` in `FullyAsync.next_batch`'s `ready`) -> fails; the drop not told to the producer
     (`self.command(("drop", ...))` removed: the rows kept forever) -> fails."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

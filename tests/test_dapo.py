@@ -8,12 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rlhf_mcore.algos.advantages import adv_estimator_info
 from rlhf_mcore.algos.dynamic_sampling import DynamicSamplingError, GroupPool, informative_groups
 from rlhf_mcore.config import ConfigError, load_config, validate_config
-from rlhf_mcore.data.sampler import ResumableSampler
 from rlhf_mcore.rewards.overlong import overlong_metrics, overlong_penalty
-from rlhf_mcore.trainer.rl_trainer import RLTrainer
 
 pytestmark = pytest.mark.cost(15)
 
@@ -178,19 +175,26 @@ class FakeScorer:
 
 
 def fake_trainer(kinds, *overrides, dp=1, dp_rank=0):
-    """An RLTrainer with just what generate() touches: dataset item k's answer pattern is kinds[k]."""
-    cfg = load_config(None, MODEL + list(overrides))
-    t = RLTrainer.__new__(RLTrainer)
-    t.cfg, t.step = cfg, 1
-    t.train_set = [{"input_ids": [1] * (2 + k % 3), "data_source": "fake", "ground_truth": kind}
-                   for k, kind in enumerate(kinds)]
-    t.sampler = ResumableSampler(len(kinds), shuffle=False)
-    t.state = SimpleNamespace(is_coordinator=True, dims=SimpleNamespace(dp=dp), dp_rank=dp_rank, cpu_group=None)
-    t.rollout, t.scorer, t.reward_model, t.agents = FakeEngine(), FakeScorer(), None, None
-    t.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(len(ids)), pad_token_id=0)
-    t.estimator = adv_estimator_info(cfg.algorithm.adv_estimator)
-    t.rollout_session = lambda: nullcontext({})
-    return t
+    """The synchronous trainer's parts with fakes for the engines: dataset item k's answer pattern is kinds[k].
+    Returns (run, rollout side)."""
+    from pathlib import Path
+
+    from rlhf_mcore.trainer.colocated import ColocatedRollout
+    from rlhf_mcore.trainer.learner import Learner
+    from rlhf_mcore.trainer.run import RunContext
+
+    cfg = load_config(None, MODEL + ["data.shuffle=false", *overrides])
+    train_set = [{"input_ids": [1] * (2 + k % 3), "data_source": "fake", "ground_truth": kind}
+                 for k, kind in enumerate(kinds)]
+    state = SimpleNamespace(is_coordinator=True, dims=SimpleNamespace(dp=dp), dp_rank=dp_rank, cpu_group=None,
+                            rank=0, dp_group=None)
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(len(ids)), pad_token_id=0)
+    run = RunContext(cfg, state, tokenizer=tokenizer, train_set=train_set, val_set=None, scorer=FakeScorer(),
+                     run_lock=None, out_dir=Path("unused"))
+    run.step = 1
+    rollout = ColocatedRollout(run, Learner(cfg, state, actor=None), FakeEngine())
+    rollout.session = lambda: nullcontext({})  # no engine to wake
+    return run, rollout
 
 
 DAPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.max_response_length=4",
@@ -199,8 +203,8 @@ DAPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.m
 
 
 def test_generate_shapes_scores_with_the_overlong_penalty():
-    t = fake_trainer(["right", "mixed"], *DAPO, "data.train_batch_size=2")
-    batch, metrics = t.generate(t.plan())
+    run, t = fake_trainer(["right", "mixed"], *DAPO, "data.train_batch_size=2")
+    batch, metrics = t.generate(run.plan())
     # lengths 1..4 with L_max 4, buffer 2: penalties 0, 0, -0.5, -1
     raw = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
     want = [s + p for s, p in zip(raw, [0.0, 0.0, -0.5, -1.0] * 2)]
@@ -216,9 +220,9 @@ def test_generate_refills_until_the_batch_holds_informative_groups():
     kinds = ["right", "mixed", "wrong", "mixed", "mixed", "right", "mixed", "wrong"]
     ds = [*DAPO, "data.train_batch_size=3", "data.gen_batch_size=4", "algorithm.filter_groups.enable=true",
           "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=3"]
-    t = fake_trainer(kinds, *ds)
-    batch, metrics = t.generate(t.plan())
-    assert t.sampler.position == 8  # both generation batches consumed
+    run, t = fake_trainer(kinds, *ds)
+    batch, metrics = t.generate(run.plan())
+    assert run.sampler.position == 8  # both generation batches consumed
     assert metrics["dynamic_sampling/num_gen_batches"] == 2.0
     assert metrics["dynamic_sampling/drawn_groups"] == 8.0 and metrics["dynamic_sampling/informative_groups"] == 4.0
     assert metrics["reward/num_timeouts"] == 0.0
@@ -228,15 +232,15 @@ def test_generate_refills_until_the_batch_holds_informative_groups():
     assert batch["token_level_scores"].sum(1).tolist() == [1.0, 0.0, 0.5, -1.0] * 3  # mixed: 1 on odd lengths
 
     # seq_reward filters on the shaped score: `right` groups become informative (1, 1, 0.5, 0)
-    t = fake_trainer(kinds, *ds[:-2], "algorithm.filter_groups.metric=seq_reward")
-    batch, metrics = t.generate(t.plan())
-    assert metrics["dynamic_sampling/num_gen_batches"] == 1.0 and t.sampler.position == 4
+    run, t = fake_trainer(kinds, *ds[:-2], "algorithm.filter_groups.metric=seq_reward")
+    batch, metrics = t.generate(run.plan())
+    assert metrics["dynamic_sampling/num_gen_batches"] == 1.0 and run.sampler.position == 4
     assert batch["ground_truth"] == ["right"] * 4 + ["mixed"] * 4 + ["wrong"] * 4
 
     # the limit reached with too few informative groups stops the run, as veRL's recipe does
-    t = fake_trainer(kinds, *ds[:-1], "algorithm.filter_groups.max_num_gen_batches=1")
+    run, t = fake_trainer(kinds, *ds[:-1], "algorithm.filter_groups.max_num_gen_batches=1")
     with pytest.raises(DynamicSamplingError, match="found 2 informative groups in 4 prompts over 1 generation"):
-        t.generate(t.plan())
+        t.generate(run.plan())
 
 
 def test_generate_with_dynamic_sampling_splits_kept_groups_over_dp_ranks():
@@ -245,8 +249,8 @@ def test_generate_with_dynamic_sampling_splits_kept_groups_over_dp_ranks():
           "algorithm.filter_groups.metric=score"]
     per_rank = []
     for rank in (0, 1):  # every rank holds all rows, so each computes the same kept groups
-        t = fake_trainer(kinds, *ds, dp=2, dp_rank=rank)
-        batch, _ = t.generate(t.plan())
+        run, t = fake_trainer(kinds, *ds, dp=2, dp_rank=rank)
+        batch, _ = t.generate(run.plan())
         assert len(batch["index"]) == 2 * 4  # train_batch_size / DP groups of n responses
         per_rank.append(set(batch["index"].tolist()))
     assert per_rank[0].isdisjoint(per_rank[1]) and per_rank[0] | per_rank[1] == {0, 1, 2, 3}

@@ -385,7 +385,7 @@ def test_killed_torchrun_takes_its_ranks_and_helpers_down_and_its_lock_is_taken_
     assert json.loads(lock_file.read_text()) == holder  # the stale lock stays behind
 
     # the next run takes the stale lock over, says so, then dies loading a truncated model: it leaves no lock
-    # (mutation: drop the release in RLTrainer.__init__'s except -> the lock stays and run C takes it over: fails)
+    # (mutation: drop the release in RunContext.building's except -> the lock stays and run C takes it over: fails)
     model = Path(next(a for a in tiny_run(out, 1, 1) if a.startswith("actor_rollout_ref.model.path=")).split("=")[1])
     broken = tmp_path / "truncated_model"
     shutil.copytree(model, broken)

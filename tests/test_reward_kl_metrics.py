@@ -1,41 +1,31 @@
 """The KL-in-reward penalty's metrics (veRL's `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff`)
-through the trainer's own `compute_advantages` and `finish_step`, as every trainer (synchronous, one_step_off,
-fully_async) runs them, against a naive loop; tests/test_trainer.py checks them in a launched run."""
+through the learner's own `compute_advantages` and the run's step record, as every mode (synchronous,
+one_step_off, fully_async) runs them, against a naive loop; tests/test_trainer.py checks them in a launched run."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlhf_mcore import algos
 from rlhf_mcore.config import load_config
-from rlhf_mcore.trainer.rl_trainer import PhaseTimer, RLTrainer
+from rlhf_mcore.trainer.hooks import PhaseTimer
+from rlhf_mcore.trainer.learner import Learner
+from rlhf_mcore.trainer.run import step_record
 
 MODEL = ["actor_rollout_ref.model.path=/models/m", "algorithm.adv_estimator=grpo", "trainer.test_freq=-1",
          "trainer.save_freq=-1"]
 
 
-class _Logger:
-    def __init__(self):
-        self.logged = []
-
-    def log(self, step, metrics, kind="train"):
-        self.logged.append((step, kind, dict(metrics)))
-
-    def text(self, msg):
-        pass
-
-
-def _trainer(*overrides):
-    """An RLTrainer with the state `compute_advantages` and `finish_step` read, and no models."""
+def _learner(*overrides):
+    """A learner without models: `compute_advantages` reads none."""
     cfg = load_config(None, MODEL + ["algorithm.use_kl_in_reward=true", *overrides])
-    t = RLTrainer.__new__(RLTrainer)
-    t.cfg, t.prime, t.prime_metrics, t.rollout = cfg, None, {}, None
-    t.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
-    t.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)
-    t.state = SimpleNamespace(dp_group=None, dims=SimpleNamespace(dp=1))
-    t.logger, t.step, t.total_steps = _Logger(), 1, 2
-    return t
+    return Learner(cfg, SimpleNamespace(dp_group=None), actor=None)
+
+
+def _step(learner, batch):
+    """The advantages, then the step's logged metrics as every mode's loop makes them."""
+    metrics = learner.compute_advantages(batch)
+    return step_record(batch, metrics, _timer(), kl_coef=learner.kl_ctrl.value, dp=1)
 
 
 def _batch(seed=0, B=4, T=6):
@@ -69,13 +59,10 @@ def test_step_metrics_log_the_reward_kl_penalty_and_its_coefficient(kind):
     """Fixed control: the coefficient is algorithm.kl_ctrl.kl_coef; the penalty the masked mean KL the rewards
     were lowered by (each sequence's token mean, then the batch mean).
 
-    Mutation: drop `**batch.get("kl_metrics", {})` from finish_step's metrics -> fails (KeyError)."""
-    t = _trainer(f"algorithm.kl_penalty={kind}", "algorithm.kl_ctrl.kl_coef=0.05")
+    Mutation: compute_advantages not returning the penalty's metrics (`metrics = {...}` dropped) -> fails
+    (KeyError)."""
     batch = _batch()
-    RLTrainer.compute_advantages(t, batch)
-    out = RLTrainer.finish_step(t, batch, {}, _timer())
-    (step, kind_logged, logged), = t.logger.logged
-    assert (step, kind_logged) == (1, "train") and logged == out
+    logged = _step(_learner(f"algorithm.kl_penalty={kind}", "algorithm.kl_ctrl.kl_coef=0.05"), batch)
     penalty = naive_penalty(batch, kind)
     assert abs(penalty) > 0.01
     assert logged["actor/reward_kl_penalty"] == pytest.approx(penalty, rel=1e-9)
@@ -91,23 +78,20 @@ def test_adaptive_coefficient_is_the_one_the_penalty_used():
     beta, before the controller's update); `actor/kl_coef` the updated one the next step uses.
 
     Mutation: log `self.kl_ctrl.value` (after the update) as the coefficient -> fails."""
-    t = _trainer("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2", "algorithm.kl_ctrl.target_kl=0.01",
-                 "algorithm.kl_ctrl.horizon=100")
+    learner = _learner("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2",
+                       "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=100")
     batch = _batch(seed=1)
-    RLTrainer.compute_advantages(t, batch)
-    logged = RLTrainer.finish_step(t, batch, {}, _timer())
+    logged = _step(learner, batch)
     penalty = naive_penalty(batch, "kl")
     assert logged["actor/reward_kl_penalty"] == pytest.approx(penalty, rel=1e-9)
     assert logged["actor/reward_kl_penalty_coeff"] == 0.2
-    grown = 0.2 * (1 + min(max(penalty / 0.01 - 1, -0.2), 0.2) * t.cfg.data.train_batch_size / 100)
+    grown = 0.2 * (1 + min(max(penalty / 0.01 - 1, -0.2), 0.2) * learner.cfg.data.train_batch_size / 100)
     assert logged["actor/kl_coef"] == pytest.approx(grown) and grown != pytest.approx(0.2)
 
 
 def test_no_penalty_metrics_without_kl_in_reward():
-    t = _trainer("algorithm.use_kl_in_reward=false")
     batch = _batch()
-    RLTrainer.compute_advantages(t, batch)
-    logged = RLTrainer.finish_step(t, batch, {}, _timer())
+    logged = _step(_learner("algorithm.use_kl_in_reward=false"), batch)
     assert not any(k.startswith("actor/reward_kl_penalty") for k in logged)
     assert torch.equal(batch["token_level_rewards"], batch["token_level_scores"])
 

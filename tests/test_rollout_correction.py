@@ -266,24 +266,22 @@ class _Engine:
         return {"actor/pg_loss": 0.0}
 
 
-def _trainer(*overrides):
-    from rlhf_mcore.trainer.rl_trainer import RLTrainer
+def _learner(*overrides):
+    from rlhf_mcore.trainer.learner import Learner
 
     cfg = load_config(None, MODEL + list(overrides))
-    t = SimpleNamespace(cfg=cfg, actor=_Engine(), ref=None, critic=None, state=SimpleNamespace(dp_group=None),
-                        prime_metrics={})
-    return RLTrainer, t
+    return Learner(cfg, SimpleNamespace(dp_group=None), actor=_Engine())
 
 
 def test_trainer_bypass_uses_the_rollout_log_probs_as_the_old_policy():
     from rlhf_mcore.trainer.stats import batch_metrics
 
-    RLTrainer, t = _trainer("actor_rollout_ref.actor.use_rollout_log_probs=true")
+    learner = _learner("actor_rollout_ref.actor.use_rollout_log_probs=true")
     old, roll, mask = grid(seed=6)
     batch = {"rollout_log_probs": roll, "response_mask": mask}
-    RLTrainer.forward_passes(t, batch)
+    learner.forward_passes(batch)
     assert batch["old_log_probs"] is roll and "old_entropy" not in batch
-    assert RLTrainer.correct_rollout(t, batch) == {}
+    assert learner.correct_rollout(batch) == {}
     batch.update(token_level_scores=torch.zeros_like(mask), token_level_rewards=torch.zeros_like(mask),
                  advantages=torch.zeros_like(mask), returns=torch.zeros_like(mask),
                  truncated=torch.zeros(mask.shape[0]), attention_mask=torch.ones(mask.shape[0], 10))
@@ -291,14 +289,15 @@ def test_trainer_bypass_uses_the_rollout_log_probs_as_the_old_policy():
 
 
 def test_trainer_correction_feeds_weights_and_the_rejection_mask_to_the_update():
-    RLTrainer, t = _trainer(f"{RC}.rollout_is=token", f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold=1.3")
+    learner = _learner(f"{RC}.rollout_is=token", f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold=1.3")
     old, roll, mask = grid(seed=7)
     old = torch.nan_to_num(old)
     batch = {"old_log_probs": old, "rollout_log_probs": roll, "response_mask": mask}
-    metrics = RLTrainer.correct_rollout(t, batch)
+    metrics = learner.correct_rollout(batch)
     assert set(metrics) >= {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"}
     keep = rejection_mask(old - roll, mask, "token", 1.3)
-    RLTrainer.update(t, batch)
-    assert torch.equal(t.actor.seen["response_mask"], mask * keep)  # the loss sees the rejection
+    learner.update(batch)
+    assert torch.equal(learner.actor.seen["response_mask"], mask * keep)  # the loss sees the rejection
     assert torch.equal(batch["response_mask"], mask)  # advantages and metrics keep the whole response
-    assert torch.allclose(t.actor.seen["rollout_is_weights"], is_weights(old - roll, mask, "token").clamp(max=2) * keep)
+    want = is_weights(old - roll, mask, "token").clamp(max=2) * keep
+    assert torch.allclose(learner.actor.seen["rollout_is_weights"], want)

@@ -201,7 +201,7 @@ def test_validation_matches_standalone_eval(assets, tmp_path):
     veRL's actor/reward_kl_penalty (k3 >= 0: 0 at step 1, where the actor is the reference; > 0 after an update)
     and its coefficient (tests/test_reward_kl_metrics.py checks the values against a naive loop).
 
-    Mutation: drop `**batch.get("kl_metrics", {})` from RLTrainer.finish_step -> fails (KeyError)."""
+    Mutation: Learner.compute_advantages not returning the penalty's metrics -> fails (KeyError)."""
     out = tmp_path / "grpo"
     launch("train.py", *base_args(assets, out, 2, "trainer.test_freq=2", "algorithm.use_kl_in_reward=true",
                                   "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.kl_coef=0.05"))

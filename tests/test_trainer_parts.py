@@ -202,11 +202,9 @@ def test_rollout_gap_metrics_match_a_naive_loop():
 def test_rollout_gap_limit_trips_with_both_numbers():
     """An injected mismatch (rollout log-probs shifted by 0.5) trips the limit; warn mode only logs; top-p
     sampling (renormalised rollout log-probs) is exempt."""
-    from types import SimpleNamespace
-
     from rlhf_mcore.config import load_config
     from rlhf_mcore.trainer.errors import RolloutMismatchError
-    from rlhf_mcore.trainer.rl_trainer import RLTrainer
+    from rlhf_mcore.trainer.run import check_rollout_gap
     from rlhf_mcore.trainer.stats import rollout_gap_metrics
 
     mask = torch.ones(2, 4)
@@ -214,17 +212,41 @@ def test_rollout_gap_limit_trips_with_both_numbers():
     shifted = rollout_gap_metrics(lp - 0.5, lp, mask)  # k3 = e^0.5 - 1.5 = 0.149 per token
     texts = []
 
-    def trainer(*overrides):
+    def check(metrics, *overrides):
         cfg = load_config(None, ["actor_rollout_ref.model.path=/m", *overrides])
-        return SimpleNamespace(cfg=cfg, step=3, rollout=SimpleNamespace(logprobs_renormalised=True),
-                               logger=SimpleNamespace(text=texts.append))
+        check_rollout_gap(metrics, cfg, 3, texts.append, renormalised=True)
 
-    RLTrainer.check_rollout_gap(trainer(), rollout_gap_metrics(lp, lp, mask))  # same weights, same numbers: fine
+    check(rollout_gap_metrics(lp, lp, mask))  # same weights, same numbers: fine
     with pytest.raises(RolloutMismatchError, match=r"step 3: the rollout's log-probs are 0.149 \(mean k3 KL.*"
                                                    r"over trainer.max_rollout_logprob_gap=0.02"):
-        RLTrainer.check_rollout_gap(trainer(), shifted)
-    RLTrainer.check_rollout_gap(trainer("trainer.rollout_logprob_gap_action=warn"), shifted)
+        check(shifted)
+    check(shifted, "trainer.rollout_logprob_gap_action=warn")
     assert len(texts) == 1 and texts[0].startswith("warning: step 3") and "0.149" in texts[0]
-    RLTrainer.check_rollout_gap(trainer("actor_rollout_ref.rollout.top_p=0.9"), shifted)
-    RLTrainer.check_rollout_gap(trainer("trainer.max_rollout_logprob_gap=0.2"), shifted)
+    check(shifted, "actor_rollout_ref.rollout.top_p=0.9")
+    check(shifted, "trainer.max_rollout_logprob_gap=0.2")
     assert len(texts) == 1
+
+
+def test_the_coordinator_dispatches_the_rollout_pools_messages_by_class():
+    """The coordinator's pump files each typed message (trainer/messages.py) where its loop looks for it, calls
+    `on_message` after each, and refuses anything else by name (an old tuple message included).
+    Mutation: drop the `case StepStats` branch of TrainingPool.pump (it then falls to the refusal) -> fails."""
+    from types import SimpleNamespace
+
+    from rlhf_mcore.trainer.databus import GroupMeta
+    from rlhf_mcore.trainer.messages import GroupReady, StepStats, ValResult
+    from rlhf_mcore.trainer.training_pool import TrainingPool
+
+    meta = GroupMeta(uid=7, src=1, nbytes=10, prompt=3, tokens=5, min_version=0, max_version=0)
+    inbox = [GroupReady(meta), StepStats(1, {"a": 1.0}), ValResult(2, {"val/x": 0.5}, [{"score": 1.0}])]
+    box = SimpleNamespace(get=lambda timeout_s: inbox.pop(0))
+    run = SimpleNamespace(state=SimpleNamespace(is_coordinator=True))
+    pool = TrainingPool(run, SimpleNamespace(layout=None, mailbox=lambda name: box), dp_ranks=[[0]])
+    seen = []
+    pool.on_message = lambda: seen.append(len(inbox))
+    pool.pump(lambda: 2 in pool.val, "validation")
+    assert list(pool.ledger.queue) == [7] and pool.stats == {1: {"a": 1.0}}
+    assert pool.val[2].metrics == {"val/x": 0.5} and pool.val[2].samples == [{"score": 1.0}] and seen == [2, 1, 0]
+    inbox.append(("group", meta))
+    with pytest.raises(RuntimeError, match="the coordinator: unexpected message tuple"):
+        pool.pump(lambda: False, "anything")

@@ -166,32 +166,33 @@ class BenchHooks:
     """Per-call timings and an optional profiled step, observed through the trainer's StepHooks; the loop is the
     trainer's own. Components (engines, rollout, scorer) are wrapped per instance so each call is timed."""
 
-    def __init__(self, trainer, profile_step: int | None, profile_cuda_only: bool = True, partial_out=None):
+    def __init__(self, parts, profile_step: int | None, profile_cuda_only: bool = True, partial_out=None):
+        """`parts`: the trainer's parts (rlhf_mcore.trainer.hooks.StepParts: actor, critic, ref, rollout, ...)."""
         self.sub: dict[str, float] = {}
         self.records: list[dict] = []
         self.profile_step, self.profile_cuda_only, self.partial_out = profile_step, profile_cuda_only, partial_out
         self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
         s = self.sub
-        timed(trainer.rollout, "generate", "rollout/generate", s)
-        if getattr(trainer.rollout, "supports_streaming", False):  # the trainer generates through the stream
+        timed(parts.rollout, "generate", "rollout/generate", s)
+        if getattr(parts.rollout, "supports_streaming", False):  # the trainer generates through the stream
             for method in ("submit", "step"):
-                timed(trainer.rollout, method, "rollout/generate", s)
-        timed(trainer.rollout, "wake", "rollout/wake_sleep", s)
-        timed(trainer.rollout, "sleep", "rollout/wake_sleep", s)
-        timed(trainer.scorer, "score", "rollout/reward", s)
-        timed(trainer.actor, "compute_log_probs", "old_log_prob", s)
-        timed(trainer.actor, "update_policy", "actor_update", s)
-        for e in (trainer.actor, trainer.ref, trainer.critic):
+                timed(parts.rollout, method, "rollout/generate", s)
+        timed(parts.rollout, "wake", "rollout/wake_sleep", s)
+        timed(parts.rollout, "sleep", "rollout/wake_sleep", s)
+        timed(parts.scorer, "score", "rollout/reward", s)
+        timed(parts.actor, "compute_log_probs", "old_log_prob", s)
+        timed(parts.actor, "update_policy", "actor_update", s)
+        for e in (parts.actor, parts.ref, parts.critic):
             if e is not None:
                 timed(e, "offload", "rollout/offload", s)
                 timed(e, "onload", "rollout/onload", s)
-        if trainer.ref is not None:
-            timed(trainer.ref, "compute_log_probs", "ref", s)
-        if trainer.critic is not None:
-            timed(trainer.critic, "compute_values", "values", s)
-            timed(trainer.critic, "update_critic", "critic_update", s)
+        if parts.ref is not None:
+            timed(parts.ref, "compute_log_probs", "ref", s)
+        if parts.critic is not None:
+            timed(parts.critic, "compute_values", "values", s)
+            timed(parts.critic, "update_critic", "critic_update", s)
 
-    def step_start(self, trainer, step):
+    def step_start(self, parts, step):
         import torch
 
         self.sub.clear()
@@ -205,7 +206,7 @@ class BenchHooks:
             self.prof.__enter__()
             self._prof_t0 = time.perf_counter()
 
-    def step_end(self, trainer, step, batch, metrics, timer):
+    def step_end(self, parts, step, batch, metrics, timer):
         import torch
 
         if self.prof is not None:
@@ -287,7 +288,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     trainer = RLTrainer(cfg)
     init_s = time.perf_counter() - t0
-    hooks = BenchHooks(trainer, profile_step=n_steps if args.profile else None,
+    hooks = BenchHooks(trainer.parts(), profile_step=n_steps if args.profile else None,
                        profile_cuda_only=not args.profile_cpu, partial_out=args.out)
     trainer.hooks = hooks
     t0 = time.perf_counter()

@@ -437,7 +437,8 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
     require(rollout % r.tensor_model_parallel_size == 0,
             f"the rollout pool has {rollout} processes, not a multiple of "
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}.")
-    # reward_model.enable (a discriminative reward model) runs on the training pool: async_trainers scores each batch
+    # reward_model.enable (a discriminative reward model) runs on the training pool (trainer/training_pool.py scores
+    # each batch)
     require(not cfg.reward.judge.enable,
             f"reward.judge.enable=true serves the judge with a second rollout engine colocated with the synchronous "
             f"trainer's; with async_training.mode={a.mode} the training pool holds no rollout engine to serve it: "

@@ -1,19 +1,19 @@
-"""The trainer: rank-0 coordinator, the PPO/GRPO loop, validation, checkpoints and metrics."""
+"""The trainer: the run context, the learner, the rollout sides and one loop per mode (trainer/loops.py)."""
 
 
 def __getattr__(name):  # RLTrainer and its hooks without importing torch/Megatron at package import
-    if name in ("RLTrainer", "StepHooks", "PhaseTimer"):
+    if name in ("RLTrainer", "StepHooks", "PhaseTimer", "StepParts"):
         from rlhf_mcore.trainer import rl_trainer
 
         return getattr(rl_trainer, name)
     raise AttributeError(name)
 
 
-def train(cfg):
+def train(cfg, hooks=None):
     """Run PPO/GRPO as configured (every rank calls this); returns the last step's reduced metrics."""
-    from rlhf_mcore.trainer.rl_trainer import train as _train
+    from rlhf_mcore.trainer.loops import train as _train
 
-    return _train(cfg)
+    return _train(cfg, hooks)
 
 
-__all__ = ["train", "RLTrainer", "StepHooks", "PhaseTimer"]
+__all__ = ["train", "RLTrainer", "StepHooks", "PhaseTimer", "StepParts"]

@@ -3,6 +3,6 @@ from rlhf_mcore.errors import UserError
 
 
 class RolloutMismatchError(UserError, RuntimeError):
-    """The rollout's log-probs left `trainer.max_rollout_logprob_gap` (see `RLTrainer.check_rollout_gap`)."""
+    """The rollout's log-probs left `trainer.max_rollout_logprob_gap` (see `trainer.run.check_rollout_gap`)."""
 
     kind = "error"

@@ -18,8 +18,8 @@ Metrics: `prime/dpo_acc` (how well the PRM's summed q orders each group by outco
 came from), `prime/process_reward_mean` (the normalised process rewards summed per response) and the PRM update's
 `prime_rm/*`.
 
-The PRM's weights and optimizer are saved in every checkpoint (`prm/`) and loaded on resume (RLTrainer). Not done
-yet: it is not offloaded around generation.
+The PRM's weights and optimizer are saved in every checkpoint (`prm/`) and loaded on resume
+(`Learner.save_engines` / `load_engines`). Not done yet: it is not offloaded around generation.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch.distributed as dist
 
 from rlhf_mcore.data.rows import Row
+from rlhf_mcore.rewards.pipeline import set_rule_scores
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rollout.base import SamplingParams
 
@@ -24,26 +25,6 @@ def response_budgets(items: Sequence[dict[str, Any]], limit: int) -> Optional[li
     if all(c is None for c in caps):
         return None
     return [limit if c is None else max(1, min(int(c), limit)) for c in caps]
-
-
-def add_overlong_penalty(rows: Sequence[Row], cfg, baseline: bool = False) -> None:
-    """DAPO's overlong shaping (`reward.reward_model.overlong_buffer`) added to each row's score, in place;
-    `reward_extra` keeps `acc` (the reward function's score) and `overlong_penalty`. `baseline`: the greedy
-    baselines (ReMax) are shaped as the samples are."""
-    from rlhf_mcore.rewards.overlong import overlong_penalty
-
-    ob, max_len = cfg.reward.reward_model.overlong_buffer, cfg.data.max_response_length
-
-    def penalties(lengths: list[int]) -> list[float]:
-        return overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor) if ob.enable else [0.0] * len(lengths)
-
-    for r, p in zip(rows, penalties([len(r.response_ids) for r in rows])):
-        r.reward_extra.setdefault("acc", r.score)  # the rule's score (a reward model has recorded it already)
-        r.reward_extra["overlong_penalty"] = p
-        r.score += p
-    if baseline:
-        for r, p in zip(rows, penalties([len(r.baseline_ids) for r in rows])):
-            r.baseline_score += p
 
 
 def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:
@@ -58,9 +39,11 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
     """Generate ``params.n`` samples for every prompt (all ranks call this together) and score them.
 
     ``meta[i]`` holds ``data_source``, ``ground_truth`` and ``extra_info`` of prompt ``i``. Returns all rows of
-    all prompts, ordered by (prompt, sample), on every rank, plus the scorer's counters.
+    all prompts, ordered by (prompt, sample), on every rank, plus the scorer's counters. Each row's score is the
+    reward pipeline's first stage (:func:`rlhf_mcore.rewards.pipeline.set_rule_scores`); the caller composes the
+    rest (:func:`rlhf_mcore.rewards.pipeline.compose`).
     ``agent_runner`` (multi-turn, :mod:`rlhf_mcore.agents`): rows are agent-loop trajectories with their response
-    masks; a trajectory that scored itself (an environment) keeps its reward.
+    masks; a trajectory that scored itself (an environment) keeps its reward as its rule score.
     ``reward_model`` (a :class:`rlhf_mcore.rewards.reward_model.RewardModelScorer` that can stream, i.e. whose
     `streaming_blocker` is None): on the streaming path its micro-batches are scored as samples finish, each
     score kept in the row's `reward_extra["rm_score"]` for its `score_rows` to combine; stats then count the
@@ -88,9 +71,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
                                  response_mask=t.response_mask, agent=trajectory_info(t)))
         if stream is not None:
             scores, stats = stream.finish()
-            for r in local:
-                own = r.agent.get("reward")  # an environment's reward
-                r.score = float(scores[(r.prompt_pos, r.sample)]) if own is None else float(own)
+            set_rule_scores(local, [scores[(r.prompt_pos, r.sample)] for r in local])
             stats = {**stats, **{f"agent_runner/{k}": v for k, v in agent_runner.last_stats.items()}}
         scored = True
     elif share and getattr(engine, "supports_streaming", False) and not greedy_baseline:
@@ -123,9 +104,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         scores, stats = scorer.score([x["data_source"] for x in m], texts, [x["ground_truth"] for x in m],
                                      [x.get("extra_info") for x in m], check=False)  # checked below, on all ranks
         stats = {**(stats or {}), **runner_stats}
-        for r, s in zip(local, scores):
-            own = r.agent.get("reward") if r.agent else None  # an environment's reward
-            r.score = float(s) if own is None else float(own)
+        set_rule_scores(local, scores)
         if greedy_baseline:
             base_texts = [tokenizer.decode(r.baseline_ids, skip_special_tokens=True) for r in local]
             base_scores, base_stats = scorer.score([x["data_source"] for x in m], base_texts,
@@ -195,8 +174,7 @@ def _generate_scoring_as_they_finish(engine, scorer, prompts, share: list[int], 
     if stream is None:
         return local, {}
     scores, stats = stream.finish()
-    for r in local:
-        r.score = float(scores[(r.prompt_pos, r.sample)])
+    set_rule_scores(local, [scores[(r.prompt_pos, r.sample)] for r in local])
     if batches is not None:
         stats["reward_model/num_streamed_batches"] = float(batches.num_batches)
     return local, stats

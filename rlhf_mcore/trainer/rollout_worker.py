@@ -1,21 +1,21 @@
 """The rollout pool of the asynchronous trainers: engine replicas that generate, score and put finished groups
 on the data bus, driven by the coordinator's commands (a mailbox per rollout rank in the launcher's store).
 
-Commands (tuples; the first item names them):
-    ("weights", version)                     join the weight broadcast from training rank 0
-    ("generate", step, prompts, seed, dsts)  one_step_off: generate the step's prompts (dataset indices) over the
+Commands (:mod:`rlhf_mcore.trainer.messages`, dispatched with `match`):
+    Weights(version)                         join the weight broadcast from training rank 0
+    Generate(step, prompts, seed, dsts)      one_step_off: generate the step's prompts (dataset indices) over the
                                              pool, score them, send each group to its DP rank's ranks (`dsts`);
                                              with multi_turn.enable the prompts run their agent loops (rows
                                              carry the trajectories' response masks and `agent/*` metrics)
-    ("grant", [(uid, prompt), ...])          fully_async: prompts to stream (all n samples of each; with
+    Grant([(uid, prompt), ...])              fully_async: prompts to stream (all n samples of each; with
                                              multi_turn.enable, n agent-loop trajectories: sample_streams.py)
-    ("send", [(uid, ranks), ...])            fully_async: groups the trainer takes, and where they go
-    ("drop", [uid, ...])                     fully_async: stale groups the trainer will not take
-    ("validate", step)                       run validation on the current weights, report to the coordinator
-    ("stop",)
+    Send([(uid, ranks), ...])                fully_async: groups the trainer takes, and where they go
+    Drop([uid, ...])                         fully_async: stale groups the trainer will not take
+    Validate(step)                           run validation on the current weights, report to the coordinator
+    Stop()
 
-Messages to the coordinator ("coord" mailbox): ("group", GroupMeta), ("stats", step, metrics) and
-("val", step, metrics, samples).
+Messages to the coordinator ("coord" mailbox): GroupReady(meta), StepStats(step, metrics) and
+ValResult(step, metrics, samples).
 """
 from __future__ import annotations
 
@@ -34,12 +34,26 @@ from rlhf_mcore.data.seeds import step_seed
 from rlhf_mcore.parallel import pick_device
 from rlhf_mcore.parallel.pools import Pools
 from rlhf_mcore.rewards import reward_metrics
+from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_scores
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rewards.stream import ScoringStream
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
-from rlhf_mcore.trainer.rollout_phase import add_overlong_penalty, generate_and_score, response_budgets
+from rlhf_mcore.trainer.messages import (
+    Drop,
+    Generate,
+    Grant,
+    GroupReady,
+    Send,
+    StepStats,
+    Stop,
+    Validate,
+    ValResult,
+    Weights,
+    unknown,
+)
+from rlhf_mcore.trainer.rollout_phase import generate_and_score, response_budgets
 from rlhf_mcore.trainer.sample_streams import SampleStream, TrajectoryStream
 from rlhf_mcore.trainer.validation import validate
 
@@ -69,6 +83,7 @@ class RolloutWorker:
         self.version = -1
         self.idle_s, self.t0 = 0.0, time.perf_counter()
         self.unreported: dict[str, float] = {}  # fully_async: reward counters not yet attached to a group
+        self.shaping = OverlongShaping.from_config(cfg)
 
     # ------------------------------------------------------------------------------------------- shared
     def run(self) -> None:
@@ -82,7 +97,7 @@ class RolloutWorker:
             self.scorer.close()
             self.engine.shutdown()
 
-    def next_command(self) -> tuple:
+    def next_command(self):
         t0 = time.perf_counter()
         cmd = self.inbox.get()
         self.idle_s += time.perf_counter() - t0
@@ -99,7 +114,7 @@ class RolloutWorker:
                                     batch_size=self.cfg.data.val_batch_size, agent_runner=self.agents)
         if self.state.rank == 0:
             metrics["val/policy_version"] = float(self.version)
-            self.coord.put(("val", step, metrics, samples[: self.cfg.trainer.log_val_generations]))
+            self.coord.put(ValResult(step, metrics, samples[: self.cfg.trainer.log_val_generations]))
 
     def clocks(self) -> dict[str, float]:
         """This replica's seconds idle (nothing to generate) and alive, cumulative."""
@@ -116,17 +131,17 @@ class RolloutWorker:
     def run_one_step_off(self) -> None:
         """Commands in order: the weights, then each step's generation (with the weights of two steps back)."""
         while True:
-            cmd = self.next_command()
-            if cmd[0] == "weights":
-                self.receive_weights(cmd[1])
-            elif cmd[0] == "generate":
-                self.generate_step(*cmd[1:])
-            elif cmd[0] == "validate":
-                self.validate(cmd[1])
-            elif cmd[0] == "stop":
-                return
-            else:
-                raise RuntimeError(f"rollout worker: unknown command {cmd[0]!r}")
+            match self.next_command():
+                case Weights(version):
+                    self.receive_weights(version)
+                case Generate(step, prompts, seed, dsts):
+                    self.generate_step(step, prompts, seed, dsts)
+                case Validate(step):
+                    self.validate(step)
+                case Stop():
+                    return
+                case cmd:
+                    raise unknown(cmd, "rollout worker (one_step_off)")
             self.store.reap()
 
     def generate_step(self, step: int, prompt_ids: list[int], seed: int, dsts: list[list[int]]) -> None:
@@ -140,7 +155,7 @@ class RolloutWorker:
         rows, stats = generate_and_score(self.engine, self.scorer, [it["input_ids"] for it in items], items,
                                          roles.train_sampling_params(cfg, seed=seed), self.tokenizer,
                                          rollout_tp=self.tp, agent_runner=self.agents)
-        add_overlong_penalty(rows, cfg)
+        compose(rows, items, self.shaping)  # no learned score here: a reward model scores on the training pool
         gen_s = time.perf_counter() - t0
         for r in rows:
             r.versions = [self.version] * len(r.response_ids)
@@ -148,11 +163,8 @@ class RolloutWorker:
             metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
                        "rollouter/idle_ratio": self.idle_ratio(),
                        **{k: v for k, v in stats.items() if k.startswith("agent/")}}
-            if cfg.reward.reward_model.overlong_buffer.log:
-                from rlhf_mcore.rewards.overlong import overlong_metrics
-
-                metrics.update(overlong_metrics([r.reward_extra["overlong_penalty"] for r in rows]))
-            self.coord.put(("stats", step, metrics))
+            metrics.update(self.shaping.metrics(rows))
+            self.coord.put(StepStats(step, metrics))
         if not self.leader:
             return
         replicas, replica = self.state.world_size // self.tp, self.state.rank // self.tp
@@ -165,7 +177,7 @@ class RolloutWorker:
             uid = step * len(prompt_ids) + pos
             meta = self.describe(uid, prompt_ids[pos], group, step=step, pos=pos)
             self.store.send(uid, dsts[pos])
-            self.coord.put(("group", meta))
+            self.coord.put(GroupReady(meta))
 
     def describe(self, uid: int, prompt: int, group: list[Row], **extra: Any) -> GroupMeta:
         """Keep the group's rows under `uid` and say what they are."""
@@ -189,9 +201,9 @@ class RolloutWorker:
         slots = cfg.actor_rollout_ref.rollout.max_num_seqs  # keep the engine's waiting queue short
         params = roles.train_sampling_params(cfg, seed=stream_seed(cfg))
         first = self.next_command()  # the trainer sends its weights before anything else
-        if first[0] != "weights":
-            raise RuntimeError(f"rollout worker: expected the first weights, got {first[0]!r}")
-        self.receive_weights(first[1])
+        if not isinstance(first, Weights):
+            raise unknown(first, "rollout worker (fully_async, waiting for the first weights)")
+        self.receive_weights(first.version)
         stream = TrajectoryStream(self.agents, params) if self.agents is not None else SampleStream(self.engine, params)
         stream.version = self.version
         self.engine.open_stream(params)
@@ -202,30 +214,33 @@ class RolloutWorker:
         try:
             while True:
                 for cmd in self.inbox.poll():
-                    if cmd[0] == "grant":
-                        todo.extend(cmd[1])
-                    elif cmd[0] == "send":
-                        for uid, dsts in cmd[1]:
-                            self.store.send(uid, dsts)
-                    elif cmd[0] == "drop":
-                        for uid in cmd[1]:
-                            self.store.drop(uid)
-                    elif cmd[0] == "weights":
-                        sync_to = cmd[1]
-                    elif cmd[0] == "validate":  # the engine and the reward workers are the validation's meanwhile
-                        stream.pause()
-                        self.engine.close_stream()
-                        scoring.finish()
-                        self.collect(scoring, live)
-                        self.validate(cmd[1])
-                        scoring = ScoringStream(self.scorer)
-                        self.engine.open_stream(params)
-                        stream.resume()
-                    elif cmd[0] == "stop":
-                        self.engine.abort()
-                        self.engine.close_stream()
-                        scoring.finish()
-                        return
+                    match cmd:
+                        case Grant(entries):
+                            todo.extend(entries)
+                        case Send(entries):
+                            for uid, dsts in entries:
+                                self.store.send(uid, dsts)
+                        case Drop(uids):
+                            for uid in uids:
+                                self.store.drop(uid)
+                        case Weights(version):
+                            sync_to = version
+                        case Validate(step):  # the engine and the reward workers are the validation's meanwhile
+                            stream.pause()
+                            self.engine.close_stream()
+                            scoring.finish()
+                            self.collect(scoring, live)
+                            self.validate(step)
+                            scoring = ScoringStream(self.scorer)
+                            self.engine.open_stream(params)
+                            stream.resume()
+                        case Stop():
+                            self.engine.abort()
+                            self.engine.close_stream()
+                            scoring.finish()
+                            return
+                        case _:
+                            raise unknown(cmd, "rollout worker (fully_async)")
                 if sync_to is not None and (partial or stream.drained()):
                     if partial:
                         stream.pause()
@@ -282,12 +297,10 @@ class RolloutWorker:
         counts, self.unreported = self.unreported, {}
         for k, (uid, g) in enumerate(done):
             group = g["rows"]
-            for r, score in zip(group, g["scores"]):
-                own = r.agent.get("reward") if r.agent else None
-                r.score = float(score) if own is None else float(own)
-            add_overlong_penalty(group, self.cfg)
+            set_rule_scores(group, g["scores"])
+            compose(group, None, self.shaping)  # no learned score here: a reward model scores on the training pool
             meta = self.describe(uid, g["prompt"], group)
             meta.stats.update(counts if k == 0 else {})  # the reward counters, once
             if self.agents is not None:  # for the step's agent/* metrics
                 meta.stats["agent"] = [r.agent for r in group]
-            self.coord.put(("group", meta))
+            self.coord.put(GroupReady(meta))

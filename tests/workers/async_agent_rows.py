@@ -15,33 +15,21 @@ from pathlib import Path
 import torch
 from worker_common import run_async_trainer
 
-from rlhf_mcore.trainer.async_trainers import AsyncTrainerBase
-from rlhf_mcore.trainer.rl_trainer import StepHooks
-
-_groups_to_batch = AsyncTrainerBase.groups_to_batch
-
-
-def _recording_groups_to_batch(self, groups, prompts, info, t):
-    """The trainer's own method; the rows it was given are kept for the observer (read only)."""
-    self.observed_rows = [(prompts[pos], r) for pos, group in enumerate(groups) for r in group]
-    return _groups_to_batch(self, groups, prompts, info, t)
-
-
-AsyncTrainerBase.groups_to_batch = _recording_groups_to_batch
+from rlhf_mcore.trainer.hooks import StepHooks
 
 
 class RowWriter(StepHooks):
     def __init__(self, out: str):
         self.out = Path(out)
 
-    def step_end(self, trainer, step, batch, metrics, timer) -> None:
-        weights = {name: t.detach().clone() for name, t in trainer.actor.export_hf_weights()}  # every training rank
-        if not trainer.state.is_coordinator:
+    def step_end(self, parts, step, batch, metrics, timer) -> None:
+        weights = {name: t.detach().clone() for name, t in parts.actor.export_hf_weights()}  # every training rank
+        if not parts.state.is_coordinator:
             return
         torch.save(weights, self.out / f"v{step}.pt")
         with open(self.out / "rows.jsonl", "a") as f:
-            for prompt, r in trainer.observed_rows:
-                f.write(json.dumps({"step": step, "ground_truth": trainer.train_set[prompt]["ground_truth"],
+            for prompt, r in parts.rows:  # the step's rows as they came off the data bus
+                f.write(json.dumps({"step": step, "ground_truth": parts.train_set[prompt]["ground_truth"],
                                     "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
                                     "response_mask": r.response_mask, "logprobs": r.logprobs,
                                     "versions": r.versions}) + "\n")

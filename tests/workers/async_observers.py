@@ -7,7 +7,8 @@ data bus recorded independently of the trainer's own bookkeeping (its Ledger, it
   optionally one group is held back (`hold`: its rows kept, unpublished, until the worker has received the weights
   of a given version), the deterministic way to make a group stale;
 - training side (`TrainedRows`): every row a training rank trains on, with its uid tag, prompt, versions and the
-  trainer's policy version when the step took it (`trainer.version`: updates done before this step's).
+  trainer's policy version when the step took it (the hook's `parts.rows` and `parts.version`: updates done before
+  this step's).
 
 Files: DIR/bus.rank{R}.jsonl ({"event": "published" | "held" | "sent" | "dropped", "uid", ...}) from rollout rank
 R and DIR/trained.rank{R}.jsonl ({"step", "rank", "uid", "prompt", "sample", "versions", "trainer_version"}) from
@@ -19,9 +20,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from rlhf_mcore.trainer.async_trainers import AsyncTrainerBase
 from rlhf_mcore.trainer.databus import GroupStore
-from rlhf_mcore.trainer.rl_trainer import StepHooks
+from rlhf_mcore.trainer.hooks import StepHooks
 from rlhf_mcore.trainer.rollout_worker import RolloutWorker
 
 
@@ -83,29 +83,19 @@ def watch_rollout(out: str, hold: Optional[tuple[int, int]] = None) -> None:
     GroupStore.send, GroupStore.drop = logged_send, logged_drop
 
 
-_groups_to_batch = AsyncTrainerBase.groups_to_batch
-
-
-def _recording_groups_to_batch(self, groups, prompts, info, t):
-    """The trainer's own method; the rows it was given and its policy version are kept for the observer."""
-    self.observed = (self.version, [(prompts[pos], r) for pos, group in enumerate(groups) for r in group])
-    return _groups_to_batch(self, groups, prompts, info, t)
-
-
 class TrainedRows(StepHooks):
-    """Every training rank writes the rows it trained on at each step (fully_async: `trainer.version`)."""
+    """Every training rank writes the rows it trained on at each step (fully_async: `parts.version`)."""
 
     def __init__(self, out: str):
         self.out = Path(out)
         self.write = None
-        AsyncTrainerBase.groups_to_batch = _recording_groups_to_batch
 
-    def step_end(self, trainer, step, batch, metrics, timer) -> None:
+    def step_end(self, parts, step, batch, metrics, timer) -> None:
         if self.write is None:
-            self.write = _writer(self.out / f"trained.rank{trainer.state.rank}.jsonl")
-        version, rows = trainer.observed
-        for prompt, r in rows:
-            self.write(step=step, rank=trainer.state.rank, uid=getattr(r, "bus_uid", None), prompt=prompt,
+            self.write = _writer(self.out / f"trained.rank{parts.state.rank}.jsonl")
+        version = parts.version
+        for prompt, r in parts.rows:
+            self.write(step=step, rank=parts.state.rank, uid=getattr(r, "bus_uid", None), prompt=prompt,
                        sample=r.sample, versions=list(r.versions), trainer_version=version)
 
 
@@ -120,13 +110,13 @@ class Observers(StepHooks):
     def __init__(self, *hooks: StepHooks):
         self.hooks = hooks
 
-    def step_start(self, trainer, step) -> None:
+    def step_start(self, parts, step) -> None:
         for h in self.hooks:
-            h.step_start(trainer, step)
+            h.step_start(parts, step)
 
-    def step_end(self, trainer, step, batch, metrics, timer) -> None:
+    def step_end(self, parts, step, batch, metrics, timer) -> None:
         for h in self.hooks:
-            h.step_end(trainer, step, batch, metrics, timer)
+            h.step_end(parts, step, batch, metrics, timer)
 
 
 def observe_from_command_line() -> Optional[str]:

@@ -13,15 +13,15 @@ import json
 from async_observers import Observers, TrainedRows, observe_from_command_line
 from worker_common import run_async_trainer
 
-from rlhf_mcore.trainer.rl_trainer import StepHooks
+from rlhf_mcore.trainer.hooks import StepHooks
 
 
 class RowWriter(StepHooks):
     def __init__(self, path: str):
         self.path = path
 
-    def step_end(self, trainer, step, batch, metrics, timer) -> None:
-        rm = trainer.reward_model
+    def step_end(self, parts, step, batch, metrics, timer) -> None:
+        rm = parts.reward_model
         offloaded = rm is not None and all(p.untyped_storage().nbytes() == 0  # storages released
                                            for m in rm.engine.modules for p in m.parameters())
         plen = batch["prompts"].shape[1]
@@ -29,13 +29,13 @@ class RowWriter(StepHooks):
         for i in range(batch["input_ids"].shape[0]):
             keep = batch["attention_mask"][i].bool()
             resp = batch["responses"][i][keep[plen:]]
-            lines.append({"step": step, "rank": trainer.state.rank, "ids": batch["input_ids"][i][keep].tolist(),
+            lines.append({"step": step, "rank": parts.state.rank, "ids": batch["input_ids"][i][keep].tolist(),
                           "response": resp.tolist(), "score": float(batch["token_level_scores"][i].sum()),
                           "rm_offloaded": offloaded})
-        if trainer.state.is_coordinator:
+        if parts.state.is_coordinator:
             lines.append({"step": step, "metrics": {k: v for k, v in metrics.items()
                                                     if k.startswith(("reward_model/", "timing_s/reward_model"))}})
-        with open(f"{self.path}.rank{trainer.state.rank}", "a") as f:
+        with open(f"{self.path}.rank{parts.state.rank}", "a") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
 

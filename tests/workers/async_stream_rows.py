@@ -13,7 +13,7 @@ import sys
 from async_observers import Observers, TrainedRows, observe_from_command_line
 from worker_common import pop_flag, run_async_trainer
 
-from rlhf_mcore.trainer.rl_trainer import StepHooks
+from rlhf_mcore.trainer.hooks import StepHooks
 
 
 def _parent_of(pid: str) -> int:
@@ -32,8 +32,8 @@ class KillAfter(StepHooks):
     def __init__(self, step: int):
         self.step = step
 
-    def step_end(self, trainer, step, batch, metrics, timer) -> None:
-        if step != self.step or not trainer.state.is_coordinator:
+    def step_end(self, parts, step, batch, metrics, timer) -> None:
+        if step != self.step or not parts.state.is_coordinator:
             return
         print(f"async_stream_rows: SIGKILL to the job after step {step}", flush=True)
         launcher, me = os.getppid(), os.getpid()

@@ -10,47 +10,51 @@ Usage: python fully_async_reference.py key=value ...   (the synchronous run's ar
 """
 from worker_common import run_reference
 
+from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_scores
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.rl_trainer import RLTrainer
-from rlhf_mcore.trainer.rollout_phase import add_overlong_penalty, response_budgets
+from rlhf_mcore.trainer.rollout_phase import response_budgets
 from rlhf_mcore.trainer.rollout_worker import stream_seed
 from rlhf_mcore.trainer.sample_streams import SampleStream
+from rlhf_mcore.trainer.step_batch import rows_to_batch
 
 
 def generate(tr: RLTrainer, prompts: list[int], first_uid: int) -> list:
     """The step's groups as the rollout pool streams them (group uid first_uid + pos): rows, prompt_pos = pos."""
-    params = roles.train_sampling_params(tr.cfg, seed=stream_seed(tr.cfg))
+    run, engine = tr.run, tr.rollout.engine
+    params = roles.train_sampling_params(run.cfg, seed=stream_seed(run.cfg))
     rows = []
-    with tr.rollout_session():
-        stream = SampleStream(tr.rollout, params)
-        stream.version = tr.step - 1
-        tr.rollout.open_stream(params)
+    with tr.rollout.session():
+        stream = SampleStream(engine, params)
+        stream.version = run.step - 1
+        engine.open_stream(params)
         for pos, p in enumerate(prompts):
-            item = tr.train_set[p]
+            item = run.train_set[p]
             stream.add(first_uid + pos, item, (response_budgets([item], params.max_new_tokens) or [None])[0])
         while not stream.drained():
             for uid, r in stream.step():
                 r.prompt_pos = uid - first_uid
                 rows.append(r)
-        tr.rollout.close_stream()
+        engine.close_stream()
     return rows
 
 
 def step(tr: RLTrainer, t) -> tuple[dict, dict]:
-    g = tr.cfg.data.train_batch_size
-    prompts = [tr.sampler.next_batch(1)[0] for _ in range(g)]  # granted one at a time
-    rows = generate(tr, prompts, first_uid=(tr.step - 1) * g)
-    items = [tr.train_set[prompts[r.prompt_pos]] for r in rows]
-    responses = [tr.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rows]
-    scores, _ = tr.scorer.score([it["data_source"] for it in items], responses,
+    run = tr.run
+    g = run.cfg.data.train_batch_size
+    prompts = [run.draw(1)[0] for _ in range(g)]  # granted one at a time
+    rows = generate(tr, prompts, first_uid=(run.step - 1) * g)
+    items = [run.train_set[prompts[r.prompt_pos]] for r in rows]
+    responses = [run.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rows]
+    scores, _ = run.scorer.score([it["data_source"] for it in items], responses,
                                 [it["ground_truth"] for it in items],
                                 [it.get("extra_info") for it in items])
-    for r, s in zip(rows, scores):
-        r.score = float(s)
-    add_overlong_penalty(rows, tr.cfg)
-    batch = tr.rows_to_batch(sorted(rows, key=lambda r: (r.prompt_pos, r.sample)), prompts)
-    metrics = tr.train_on(batch, t)
-    tr.sync_weights()  # w_k: what step k+1 samples with
+    set_rule_scores(rows, scores)
+    compose(rows, items, OverlongShaping.from_config(run.cfg))
+    batch = rows_to_batch(sorted(rows, key=lambda r: (r.prompt_pos, r.sample)), prompts, run.train_set,
+                          run.tokenizer.pad_token_id)
+    metrics = tr.learner.train_on(batch, t)
+    tr.rollout.sync_weights()  # w_k: what step k+1 samples with
     return batch, metrics
 
 

@@ -5,14 +5,15 @@ from worker_common import run_reference
 
 
 def step(tr, t):
-    batch, gen_metrics = tr.generate(tr.plan())  # by the weights the rollout holds: w_{k-2}
-    tr.forward_passes(batch)
-    tr.compute_advantages(batch)
-    corr = tr.correct_rollout(batch)
-    if tr.step >= 2:
-        tr.sync_weights()  # w_{k-1}: what step k+1 generates with
-    update = tr.update(batch)
-    return batch, {**gen_metrics, **corr, **update}
+    learner = tr.learner
+    batch, gen_metrics = tr.rollout.generate(tr.run.plan())  # by the weights the rollout holds: w_{k-2}
+    learner.forward_passes(batch)
+    adv = learner.compute_advantages(batch)
+    corr = learner.correct_rollout(batch)
+    if tr.run.step >= 2:
+        tr.rollout.sync_weights()  # w_{k-1}: what step k+1 generates with
+    update = learner.update(batch)
+    return batch, {**gen_metrics, **adv, **corr, **update}
 
 
 if __name__ == "__main__":

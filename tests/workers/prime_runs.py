@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_mcore.trainer.rl_trainer import StepHooks
+from rlhf_mcore.trainer.hooks import StepHooks
 
 
 class PrimeRecorder(StepHooks):
@@ -29,11 +29,11 @@ class PrimeRecorder(StepHooks):
     def __init__(self, path: Path):
         self.path, self.steps, self.calls, self.prm_lp, self.wrapped = path, [], [], None, False
 
-    def step_start(self, trainer, step) -> None:
+    def step_start(self, parts, step) -> None:
         self.calls = []
         if self.wrapped:
             return
-        engine = trainer.prime.engine
+        engine = parts.prime.engine
         log_probs, update = engine.compute_log_probs, engine.update
 
         def recorded_log_probs(*a, **k):
@@ -49,7 +49,7 @@ class PrimeRecorder(StepHooks):
         engine.compute_log_probs, engine.update, self.wrapped = recorded_log_probs, recorded_update, True
         self.original_log_probs = log_probs
 
-    def step_end(self, trainer, step, batch, metrics, timer) -> None:
+    def step_end(self, parts, step, batch, metrics, timer) -> None:
         prm_end, _ = self.original_log_probs(batch, with_entropy=False)  # the PRM as the step leaves it
         mask = batch["response_mask"].float()
         rows = []
@@ -68,14 +68,15 @@ class PrimeRecorder(StepHooks):
 
 
 def close(trainer) -> None:
-    """RLTrainer.close less the process group's end: the next run reuses it."""
+    """RunContext.close less the process group's end: the next run reuses it."""
     from megatron.core import parallel_state as mpu
 
-    trainer.logger.close()
-    trainer.scorer.close()
-    dist.barrier(group=trainer.state.cpu_group)
+    run = trainer.run
+    run.logger.close()
+    run.scorer.close()
+    dist.barrier(group=run.state.cpu_group)
     mpu.destroy_model_parallel()
-    trainer.run_lock.release()
+    run.run_lock.release()
 
 
 def main() -> None:

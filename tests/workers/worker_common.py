@@ -37,7 +37,7 @@ def run_async_trainer(flag: str, make_hooks: Callable[[str], Any]) -> None:
     del argv[at:at + 2]
 
     def run(cfg):
-        from rlhf_mcore.trainer.async_trainers import train_async
+        from rlhf_mcore.trainer.loops import train_async
 
         train_async(cfg, hooks=make_hooks(value))
 
@@ -53,14 +53,16 @@ def run_reference(step: Callable[[Any, Any], tuple[dict, dict]]) -> None:
     from rlhf_mcore.trainer.rl_trainer import PhaseTimer, RLTrainer
 
     tr = RLTrainer(load_config(None, sys.argv[1:]))
+    run, learner, rollout = tr.run, tr.learner, tr.rollout
     try:
-        tr.open_logger()
-        tr.sync_weights()  # w0
-        while tr.step < tr.total_steps:
-            tr.step += 1
+        run.open_logger()
+        rollout.sync_weights()  # w0
+        while run.step < run.total_steps:
+            run.step += 1
             t = PhaseTimer()
             with t("step"):
                 batch, metrics = step(tr, t)
-            tr.finish_step(batch, metrics, t)
+            run.finish_step(batch, metrics, t, kl_coef=learner.kl_ctrl.value, validate=rollout.validate,
+                            save=lambda: run.save_checkpoint(learner), renormalised=rollout.logprobs_renormalised)
     finally:
         tr.close()

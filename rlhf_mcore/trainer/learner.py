@@ -1,0 +1,116 @@
+"""The learner: the training engines (actor, critic, reference, PRIME's implicit PRM) and what turns a generated
+batch into their updates -- old / reference log-probs and values, advantages (the KL-in-reward penalty, PRIME),
+rollout correction, the critic's and the actor's updates. Every mode's loop calls :meth:`Learner.train_on`; it
+returns the step's metrics and keeps nothing of the step."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf_mcore import algos
+from rlhf_mcore.parallel.collectives import group_all_reduce
+from rlhf_mcore.trainer.hooks import PhaseTimer
+from rlhf_mcore.trainer.logging import reduce_metrics
+
+
+class Learner:
+    def __init__(self, cfg, state, actor, critic=None, ref=None, prime=None):
+        self.cfg, self.state = cfg, state
+        self.actor, self.critic, self.ref, self.prime = actor, critic, ref, prime
+        self.kl_ctrl = algos.build_kl_controller(**vars(cfg.algorithm.kl_ctrl))
+        self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
+
+    def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
+        """A generated batch to an update (steps 4-6 of every mode). Returns their metrics."""
+        with t("old_log_prob"):
+            self.forward_passes(batch)
+        with t("adv"):
+            adv_metrics = self.compute_advantages(batch)
+            corr_metrics = self.correct_rollout(batch)  # off-policy IS weights / rejection
+        with t("update"):
+            return {**adv_metrics, **corr_metrics, **self.update(batch)}
+
+    def forward_passes(self, batch: dict[str, Any]) -> None:
+        if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
+        if self.ref is not None:
+            batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
+        if self.critic is not None:
+            batch["values"] = self.critic.compute_values(batch)
+
+    def compute_advantages(self, batch: dict[str, Any]) -> dict[str, float]:
+        """`advantages` and `returns` into the batch; returns PRIME's metrics or the KL-in-reward penalty's
+        (veRL's names; this rank's, reduced with the step's metrics)."""
+        if self.prime is not None:  # PRIME: the implicit PRM's update and its RLOO advantages
+            return self.prime.compute_advantages(batch)
+        alg, metrics = self.cfg.algorithm, {}
+        batch["token_level_rewards"] = batch["token_level_scores"]
+        if alg.use_kl_in_reward:
+            coef = self.kl_ctrl.value  # this step's (an adaptive controller updates it below)
+            batch["token_level_rewards"], kl_metrics = algos.apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
+                kl_coef=coef, kl_penalty_type=alg.kl_penalty)
+            current = reduce_metrics({"kl": float(kl_metrics["reward_kl_penalty"])}, self.state.dp_group)["kl"]
+            self.kl_ctrl.update(current, n_steps=self.cfg.data.train_batch_size)
+            metrics = {"actor/reward_kl_penalty": float(kl_metrics["reward_kl_penalty"]),
+                       "actor/reward_kl_penalty_coeff": coef}
+        batch["advantages"], batch["returns"] = self.estimator.fn(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"].float(),
+            values=batch.get("values"), index=batch["index"], gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, reward_baselines=batch.get("reward_baselines"))
+        return metrics
+
+    def correct_rollout(self, batch: dict[str, Any]) -> dict[str, float]:
+        """`algorithm.rollout_correction`: puts `rollout_is_weights` (B, R) and `loss_mask` (B, R; the response
+        mask less rejected tokens) in the batch for the updates; returns the `rollout_corr/*` metrics.
+
+        Advantages are computed before, on the whole response; rejection only removes tokens from the losses."""
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.rollout_is is None and rc.rollout_rs is None and rc.rollout_token_veto_threshold is None:
+            return {}
+
+        corr = algos.compute_rollout_correction(  # the batch is split over DP ranks: its sums over all of them
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], **vars(rc),
+            batch_sum=lambda t: group_all_reduce(t, self.state.dp_group))
+        if corr.rollout_is_weights is not None:
+            batch["rollout_is_weights"] = corr.rollout_is_weights
+        batch["loss_mask"] = corr.response_mask
+        return corr.metrics
+
+    def update(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Critic, then actor; their losses see `loss_mask` (rollout rejection) as the response mask when set."""
+        if "loss_mask" in batch:
+            batch = {**batch, "response_mask": batch["loss_mask"]}
+        metrics = {}
+        if self.critic is not None:
+            metrics.update(self.critic.update_critic(batch))
+        metrics.update(self.actor.update_policy(batch))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The learner's part of the trainer state (checkpoint key `kl_ctrl`)."""
+        return {"kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+    def save_engines(self, path: Path) -> None:
+        self.actor.save_checkpoint(path / "actor")
+        if self.critic is not None:
+            self.critic.save_checkpoint(path / "critic")
+        if self.prime is not None:  # PRIME's implicit PRM is trained online: its weights and optimizer too
+            self.prime.engine.save_checkpoint(path / "prm")
+
+    def load_engines(self, path: Path) -> None:
+        self.actor.load_checkpoint(path / "actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        if self.prime is not None:
+            self.prime.engine.load_checkpoint(path / "prm")
+
+    def engines(self) -> tuple[Any, Optional[Any], Optional[Any]]:
+        """The engines that move to the host around a colocated rollout (when their config asks)."""
+        return self.actor, self.critic, self.ref
