@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cost(40)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 
-from e2e_helpers import parity_task, records, torchrun_train  # noqa: E402
+from e2e_helpers import parity_task, records  # noqa: E402
+from launcher import run as run_script  # noqa: E402
 from make_resume_fixture import TINY  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "resume_fixture"
@@ -34,8 +37,7 @@ def test_a_checkpoint_of_the_previous_trainer_resumes(tmp_path):
         "trainer.save_freq=1", "trainer.export_hf_final=false", "trainer.max_rollout_logprob_gap=null",
         "algorithm.adv_estimator=grpo", "data.max_prompt_length=512", f"trainer.default_local_dir={out}",
         "trainer.resume_mode=auto", "trainer.resume_ignore_config_changes=true"]
-    run = torchrun_train(1, args)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run = run_script("launch/train.py", *args, nproc=1)
     assert re.search(r"resumed from \S+global_step_1 at step 1", run.stdout + run.stderr)
     assert [r["step"] for r in records(out)] == [2]
     state = json.loads((out / "checkpoints" / "global_step_2" / "trainer_state_rank0.json").read_text())

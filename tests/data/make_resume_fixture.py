@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from e2e_helpers import parity_task, torchrun_train  # noqa: E402
+from e2e_helpers import parity_task  # noqa: E402
+from launcher import run  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "resume_fixture"
 TINY = dict(arch="qwen2", layers=1, hidden=16, heads=2, kv_heads=1, vocab=320, seed=0)  # the test's model too
@@ -39,9 +40,7 @@ def main() -> None:
             "trainer.max_rollout_logprob_gap=null", "algorithm.adv_estimator=grpo", "data.max_prompt_length=512"]
         shutil.rmtree(OUT, ignore_errors=True)
         for mode, (nproc, extra) in MODES.items():
-            run = torchrun_train(nproc, args + extra + [f"trainer.default_local_dir={tmp / mode}"])
-            if run.returncode != 0:
-                raise SystemExit(f"{mode}: {run.stderr[-3000:]}")
+            run("launch/train.py", *args, *extra, f"trainer.default_local_dir={tmp / mode}", nproc=nproc)
             step = tmp / mode / "checkpoints" / "global_step_1"
             if mode == "off":
                 shutil.copytree(step, OUT / mode / "checkpoints" / "global_step_1")
