@@ -21,8 +21,9 @@ records hardware, commit and configuration next to the results:
   SDPA) on RL-shaped micro-batches (launch/bench/bench_packed_attention.py).
 
 Without CUDA every script runs its tiny shape so CI exercises the code paths; those numbers mean nothing. The
-project's performance targets (BENCHMARKS.md, "Targets and reference figures") are checked in the table at the end (`targets`), each
-against the strongest peer configuration that ran; figures go in BENCHMARKS.md. Nothing here asserts a time.
+project's performance targets (BENCHMARKS.md, "Targets and reference figures") are checked in the table at the end
+(`targets`), each against the strongest peer configuration that ran; figures go in BENCHMARKS.md. Nothing here
+asserts a time.
 """
 import argparse
 import importlib.metadata

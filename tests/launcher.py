@@ -10,7 +10,7 @@ output. `--standalone` gives every launch its own rendezvous on a free port, so 
     run("launch/train.py", *args, check=False)          # the caller checks the failure
     procs = {name: start(...) for ...}; wait_all(procs) # side by side, every one must succeed
 
-`script` is a path relative to the repository root (`launch/train.py`, `tests/workers/x.py`) or an absolute one.
+`script` is a path relative to the repository root (`launch/train.py`, `tests/scripts/x.py`) or an absolute one.
 """
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
     first model turn under version 0, second under version 1. Every trained row's response mask is 0 exactly on
     the calculator's message; every model token's rollout log-prob equals a teacher-forced pass of the version it
     records (0: the initial model, 1: the weights the trainer pushed); step 2 counts group 3 as 1 version stale (its
-    oldest token) and its 2 trajectories as across the sync. tests/workers/async_agent_rows.py records the rows."""
+    oldest token) and its 2 trajectories as across the sync. tests/scripts/async_agent_rows.py records the rows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args, tmp = task
@@ -180,7 +180,7 @@ def test_fully_async_multi_turn_across_a_weight_sync(tmp_path, task, tiny_model_
         "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=120", "async_training.mode=fully_async",
         "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=1",
         "actor_rollout_ref.rollout.max_num_seqs=2"]  # n=2: one group in flight at a time
-    run("tests/workers/async_agent_rows.py", *run_args, "--out", str(tmp_path), nproc=2)
+    run("tests/scripts/async_agent_rows.py", *run_args, "--out", str(tmp_path), nproc=2)
     lines = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     rows = [x for x in lines if "response_ids" in x]
     steps = {x["step"]: x["metrics"] for x in lines if "metrics" in x}

@@ -2,7 +2,7 @@
 bookkeeping, partial rollout's versions and log-probs, one-step-off against its synchronous reference, fully async
 at staleness threshold 0 against its own, the fully asynchronous trainer's stale-sample drop (a group held back by
 its rollout worker until it must be dropped), each trained row's staleness from the row itself, both sides of the
-data bus compared (tests/workers/async_observers.py), a reward model in both modes, and a SIGKILL + resume."""
+data bus compared (tests/scripts/async_observers.py), a reward model in both modes, and a SIGKILL + resume."""
 import json
 import shutil
 import signal
@@ -364,10 +364,10 @@ def _setup(tmp_path, tiny_model_dir):
 
 
 def _with_reference(reference: str, ref_args: list[str], script: str, args: list[str]) -> None:
-    """tests/workers/`reference` (one process) and the asynchronous run (`script` under a 2-process torchrun) side by
+    """tests/scripts/`reference` (one process) and the asynchronous run (`script` under a 2-process torchrun) side by
     side (the asynchronous run's pools wait for each other in turn, so the two share the cores well); both must
     succeed."""
-    ref = start(f"tests/workers/{reference}", *ref_args, stderr=subprocess.STDOUT)
+    ref = start(f"tests/scripts/{reference}", *ref_args, stderr=subprocess.STDOUT)
     try:
         run_script(script, *args, nproc=2)
         wait_all({reference: ref}, timeout=600)
@@ -376,7 +376,7 @@ def _with_reference(reference: str, ref_args: list[str], script: str, args: list
 
 
 def _jsonl(out: Path, stem: str) -> list[dict]:
-    """tests/workers/async_observers.py's records of every rank (`bus`: the rollout side, `trained`: the trainer's)."""
+    """tests/scripts/async_observers.py's records of every rank (`bus`: the rollout side, `trained`: the trainer's)."""
     return [json.loads(x) for f in sorted(out.glob(f"{stem}.rank*.jsonl")) for x in f.read_text().splitlines()]
 
 
@@ -440,8 +440,8 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
 def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, tiny_model_dir):
     """staleness_threshold=0 and partial_rollout=false (single-turn): the grant limit hands out one step's prompts at
     a time, after the weights of the step before were pushed, so every trained row is staleness 0 (checked row by
-    row, from the rows' own versions, by tests/workers/async_stream_rows.py's observer) and nothing is dropped; its
-    first 2 steps log the metrics of tests/workers/fully_async_reference.py, one process built from the synchronous
+    row, from the rows' own versions, by tests/scripts/async_stream_rows.py's observer) and nothing is dropped; its
+    first 2 steps log the metrics of tests/scripts/fully_async_reference.py, one process built from the synchronous
     trainer's parts. What each side of the data bus saw agrees (every trained group published, sent once, whole).
     At threshold 0 no group can become stale (each is granted after the weights it will be trained against were
     pushed), so the drop itself is exercised at threshold 1 (test_reward_model_scores_every_trained_row[fully_async]).
@@ -457,7 +457,7 @@ def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, t
                  "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=0",
                  "async_training.partial_rollout=false", "actor_rollout_ref.rollout.max_num_seqs=8", "--bus", str(bus)]
     _with_reference("fully_async_reference.py", args + [f"trainer.default_local_dir={tmp_path / 'ref'}"],
-                    "tests/workers/async_stream_rows.py", fa)
+                    "tests/scripts/async_stream_rows.py", fa)
     want, got = records(tmp_path / "ref"), records(tmp_path / "fa")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1))
     for w, g in zip(want, got):
@@ -480,7 +480,7 @@ def test_fully_async_at_threshold_0_equals_its_synchronous_reference(tmp_path, t
 @pytest.mark.parametrize("kill_after", [3])
 def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_dir, kill_after, capsys):
     """Fully async (1 rollout + 1 training process, partial rollout, staleness_threshold=1), killed (SIGKILL to the
-    whole job) at the end of step `kill_after` (a parameter, printed: tests/workers/async_stream_rows.py's hook kills
+    whole job) at the end of step `kill_after` (a parameter, printed: tests/scripts/async_stream_rows.py's hook kills
     the process group itself, so the moment is a step boundary whatever the machine's speed; groups are then in
     flight on the rollout pool and queued on the bus), resumed from the last checkpoint before it (save_freq=2):
     every trained row within the threshold by its own versions and the trainer's version, each row of a group its
@@ -498,11 +498,11 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
         "data.max_response_length=24", "actor_rollout_ref.rollout.max_num_seqs=8"]
     for d in runs:
         d.mkdir()
-    killed = run_script("tests/workers/async_stream_rows.py", *args, "--bus", str(runs[0]), "--kill-after",
+    killed = run_script("tests/scripts/async_stream_rows.py", *args, "--bus", str(runs[0]), "--kill-after",
                         str(kill_after), nproc=2, check=False)
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-4000:])
     assert [r["step"] for r in records(out)] == list(range(1, kill_after + 1))
-    resumed = run_script("tests/workers/async_stream_rows.py", *args, "--bus", str(runs[1]), nproc=2)
+    resumed = run_script("tests/scripts/async_stream_rows.py", *args, "--bus", str(runs[1]), nproc=2)
     at = kill_after // 2 * 2  # the last checkpoint at or before the kill
     assert f"resumed from {out / 'checkpoints' / f'global_step_{at}'}" in resumed.stdout + resumed.stderr
     logged = records(out)
@@ -537,10 +537,10 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
     pulled; its weights offloaded between scorings): every trained row's reward equals reward_weight x the
     transformers sequence classifier's score of that row + rule_weight x the rule score + the overlong penalty,
     each computed offline from the row's tokens; the step's `reward_model/*` metrics describe all ranks' rows;
-    the weights are off the device after each step. tests/workers/async_reward_rows.py records the rows.
+    the weights are off the device after each step. tests/scripts/async_reward_rows.py records the rows.
 
     fully_async (staleness_threshold=1, partial_rollout=false, 4 steps) also checks the stale-sample drop, with the
-    rollout side of the data bus observed (tests/workers/async_observers.py): the first granted group (uid 0,
+    rollout side of the data bus observed (tests/scripts/async_observers.py): the first granted group (uid 0,
     sampled by version 0) is held back by its rollout worker until it has the weights of version 2, so when the
     coordinator reads it (at step 3 or 4: it must read past it by step 4, the groups published before it being at
     most the 15 others the grant limit allowed) it is 2 or more versions stale and must be dropped. Asserted: the
@@ -574,7 +574,7 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
         "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0"]
-    run_script("tests/workers/async_reward_rows.py", *args, "--rows", str(tmp_path / "rows.jsonl"), nproc=3)
+    run_script("tests/scripts/async_reward_rows.py", *args, "--rows", str(tmp_path / "rows.jsonl"), nproc=3)
     if mode == "fully_async":
         _check_stale_drop(tmp_path / "run", bus, steps)
     rows, step_lines = _rm_rows(tmp_path / "rows.jsonl")

@@ -4,7 +4,7 @@ Single-process unit tests: the chunked log-prob/entropy function against a full 
 against brute force, the packing maps against a plain loop, the FLOP model by hand, config conversion,
 storage offload.
 
-Distributed tests (marked slow): three torchrun launches of tests/workers/engine_cases.py on a 4-layer tiny
+Distributed tests (marked slow): three torchrun launches of tests/scripts/engine_cases.py on a 4-layer tiny
 Qwen2 model — 1 process (the reference: transformers' log-probs, TP=PP=DP=1 updates, gradient accumulation,
 offload, critic), 2 processes (TP=2, DP=2, PP=2 with virtual stages, checkpoint TP=2 -> TP=1, vocab-parallel
 log-probs at TP=2) and 4 processes (TP=2 × PP=2). They run concurrently (the 1-process launch uses the core
@@ -48,7 +48,7 @@ from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs
 pytestmark = pytest.mark.cost(55)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "engine_cases.py"
+WORKER = ROOT / "tests" / "scripts" / "engine_cases.py"
 
 # ============================================================================ log-probs (single process)
 

@@ -1,7 +1,7 @@
 """HF <-> Megatron-Core models: logits equal to transformers', bitwise weight round trips, exported directories
 that transformers loads, slice-wise loading, the critic, the SDPA core attention, and clear errors.
 
-The distributed checks run in ONE 4-process torchrun launch (tests/workers/models_check.py) over the layouts
+The distributed checks run in ONE 4-process torchrun launch (tests/scripts/models_check.py) over the layouts
 TP×PP = 1×1, 2×1, 1×2, 2×2 (extra ranks are data-parallel replicas) and 1×2 with virtual PP 2, 3-layer models
 at PP=2 (uneven stages) among them; pytest then compares what the worker saved with transformers run here on
 the same tiny fp32 models. Pure index arithmetic and attention math are checked in-process against naive
@@ -20,7 +20,7 @@ from rlhf_mcore.models import ModelShape, UnsupportedModelError, load_hf_config
 pytestmark = pytest.mark.cost(65)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "models_check.py"
+WORKER = ROOT / "tests" / "scripts" / "models_check.py"
 ATOL = 1e-4
 DOC_LENS = [12, 7, 12]  # plain batch (no mask): docs 0 and 2; left-padded batch and packed: all three
 

@@ -13,7 +13,7 @@ from launcher import CPU, run
 pytestmark = pytest.mark.cost(50)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "gpt_step.py"
+WORKER = ROOT / "tests" / "scripts" / "gpt_step.py"
 
 
 def torchrun(nproc: int, layouts: str, out: Path) -> dict:

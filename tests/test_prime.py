@@ -218,7 +218,7 @@ RUNS = [
 
 @pytest.fixture(scope="module")
 def prime_runs(tmp_path_factory, tiny_model_dir):
-    """The runs of RUNS under one torchrun launch of tests/workers/prime_runs.py (2 ranks, DP=2; the parity task of
+    """The runs of RUNS under one torchrun launch of tests/scripts/prime_runs.py (2 ranks, DP=2; the parity task of
     e2e_helpers: 4 prompts x 4 samples a step, rewards 0/1). Returns (out dir, {name: {step: (rows of both ranks,
     each with its "rank", metrics, calls)}}, {name: the run's overrides})."""
     import json
@@ -231,7 +231,7 @@ def prime_runs(tmp_path_factory, tiny_model_dir):
     (tmp / "spec.json").write_text(json.dumps({"base": base, "runs": RUNS}))
     out = tmp / "out"
     out.mkdir()
-    launcher.run("tests/workers/prime_runs.py", "--spec", str(tmp / "spec.json"), "--out", str(out), nproc=2,
+    launcher.run("tests/scripts/prime_runs.py", "--spec", str(tmp / "spec.json"), "--out", str(out), nproc=2,
                  timeout=900)
     runs = {}
     for run in RUNS:

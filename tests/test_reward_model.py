@@ -4,7 +4,7 @@
   Qwen2, Llama and Qwen3 reward models at TP=1 (DP=2), TP=2 and PP=2, packed and padded; one Bradley-Terry update
   gives the same loss (equal to the loss computed from transformers' scores) and the same new scores at every
   layout, and lowers the loss on the same pairs (recomputed from those scores). One torchrun launch of
-  tests/workers/reward_model_cases.py on 2 CPU processes.
+  tests/scripts/reward_model_cases.py on 2 CPU processes.
 - Re-templating for a reward model with another chat template gives the token ids a user builds by hand.
 - How the reward-model score and the rule score combine, per data_source and by weights.
 - Bad inputs: a reward-model path that does not exist, a causal LM given as reward model, a tokenizer mismatch, a
@@ -25,7 +25,7 @@ from rlhf_mcore.rewards.reward_model import RewardModelError, check_reward_model
 pytestmark = pytest.mark.cost(20)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "reward_model_cases.py"
+WORKER = ROOT / "tests" / "scripts" / "reward_model_cases.py"
 ARCHS = ("qwen2", "llama", "qwen3")
 LAYOUTS = ("1x1", "2x1", "1x2")  # TPxPP on 2 processes (1x1: DP=2)
 TEXTS = [("What is 3?", "#### 3"), ("Mia has 47 apples. How many apples does Mia have now?", "#### 47."),

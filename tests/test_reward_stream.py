@@ -99,7 +99,7 @@ def test_reward_model_batches_are_scored_as_they_fill_up(tiny_model_dir, tmp_pat
     time as they finish, on each rank's own replica (2 processes, rollout TP 1, reward model DP 2): the combined
     scores equal scoring the same rows after generation exactly, and the reward model ran more than once while
     the rollout still had requests pending. With reward-model TP 2 across two rollout replicas it cannot stream:
-    the reason is given and it scores after generation (no hang). tests/workers/reward_stream_cases.py."""
+    the reason is given and it scores after generation (no hang). tests/scripts/reward_stream_cases.py."""
     import json
 
     from launcher import CPU, QUIET, run
@@ -110,7 +110,7 @@ def test_reward_model_batches_are_scored_as_they_fill_up(tiny_model_dir, tmp_pat
     AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32).save_pretrained(
         tmp_path / "rm")
     AutoTokenizer.from_pretrained(policy).save_pretrained(tmp_path / "rm")
-    run("tests/workers/reward_stream_cases.py", "--policy", str(policy), "--rm", str(tmp_path / "rm"), "--out",
+    run("tests/scripts/reward_stream_cases.py", "--policy", str(policy), "--rm", str(tmp_path / "rm"), "--out",
         str(tmp_path / "out.json"), nproc=2, env_extra={**CPU, **QUIET})
     got = json.loads((tmp_path / "out.json").read_text())
 

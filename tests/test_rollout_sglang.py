@@ -1,4 +1,4 @@
-"""SGLang backend against a fake `sglang` module that enforces SGLang's contract (tests/workers/fake_sglang.py).
+"""SGLang backend against a fake `sglang` module that enforces SGLang's contract (tests/scripts/fake_sglang.py).
 
 They check OUR side: the translation of sampling parameters and outputs, weight-update sessions and statuses
 (begin/end from 0.5.21, a failing status raises, the cache flushed once per sync), the hosting process left as
@@ -25,7 +25,7 @@ import torch
 
 pytestmark = pytest.mark.cost(8)
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 import fake_sglang  # noqa: E402
 from fake_sglang import FakeEngine, FakeSessionEngine, full_vocab_logprob  # noqa: E402
@@ -283,9 +283,9 @@ def test_missing_sglang_gives_actionable_error(monkeypatch, tiny_model_dir):
 
 
 def test_one_engine_per_tp_group(tiny_model_dir, tmp_path):
-    """torchrun, 4 gloo ranks, rollout TP=2: tests/workers/sglang_tp_cases.py."""
+    """torchrun, 4 gloo ranks, rollout TP=2: tests/scripts/sglang_tp_cases.py."""
     # CPU ranks (gloo), also on a GPU machine: 4 ranks on fewer GPUs would share one, which the layout check refuses
-    launcher.run("tests/workers/sglang_tp_cases.py", "--model", str(tiny_model_dir("qwen2")), "--out", str(tmp_path),
+    launcher.run("tests/scripts/sglang_tp_cases.py", "--model", str(tiny_model_dir("qwen2")), "--out", str(tmp_path),
                  nproc=4, env_extra=launcher.CPU)
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["engines"] == [1, 0, 1, 0]  # one engine per group, on its first rank

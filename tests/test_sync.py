@@ -6,8 +6,8 @@ checksum against a naive Python loop, verification of native and HF engines, and
 themselves.
 
 Multi-process:
-- tests/workers/sync_ipc.py: shared memory (the CPU stand-in for CUDA IPC) to a spawned "rollout server";
-- tests/workers/sync_cases.py under torchrun (4 gloo ranks): Megatron TP=2×PP=2 -> rollout TP=1 and TP=2,
+- tests/scripts/sync_ipc.py: shared memory (the CPU stand-in for CUDA IPC) to a spawned "rollout server";
+- tests/scripts/sync_cases.py under torchrun (4 gloo ranks): Megatron TP=2×PP=2 -> rollout TP=1 and TP=2,
   TP=4 -> rollout TP=2 (received tensors bitwise equal to the safetensors), a 3-layer model on uneven PP=2
   stages (TP=1 and TP=2) -> rollout TP=1, a PPO update of the TrainEngine actor then a sync (generations equal
   to a fresh engine built from `save_hf_checkpoint`), and the broadcast transport.
@@ -361,7 +361,7 @@ ENV = {**CPU, "PYTHONWARNINGS": "ignore"}  # CPU fp32, what the tolerances are c
 @pytest.mark.slow
 def test_shared_memory_transport_to_another_process(model_dir, tmp_path):
     out = tmp_path / "ipc.json"
-    run("tests/workers/sync_ipc.py", "--model", str(model_dir), "--out", str(out), env_extra=ENV)
+    run("tests/scripts/sync_ipc.py", "--model", str(model_dir), "--out", str(out), env_extra=ENV)
     r = json.loads(out.read_text())
     rx = r["receiver"]
     assert r["receiver_exitcode"] == 0
@@ -377,7 +377,7 @@ def test_shared_memory_transport_to_another_process(model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def distributed(model_dir, model3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_cases")
-    run("tests/workers/sync_cases.py", "--model", str(model_dir), "--model3", str(model3_dir), "--out", str(out),
+    run("tests/scripts/sync_cases.py", "--model", str(model_dir), "--model3", str(model3_dir), "--out", str(out),
         nproc=4, timeout=900, env_extra=ENV)
     return json.loads((out / "results.json").read_text())
 

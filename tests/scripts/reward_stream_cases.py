@@ -2,7 +2,7 @@
 rollout engine's samples as they finish (`generate_and_score(..., reward_model=...)`), against scoring the same
 rows after generation (`RewardModelScorer.score_rows`).
 
-Usage: torchrun --nproc_per_node=2 tests/workers/reward_stream_cases.py --policy DIR --rm DIR --out results.json
+Usage: torchrun --nproc_per_node=2 tests/scripts/reward_stream_cases.py --policy DIR --rm DIR --out results.json
 
 Layouts (TPxPP of the reward model; the rollout has TP 1, so each rank is a rollout replica):
 - "1x1" (DP 2): each rank's reward-model replica is its rollout replica, so it streams. Recorded: the streamed

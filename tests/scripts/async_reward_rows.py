@@ -1,12 +1,12 @@
 """Worker for tests/test_async.py: launch/train.py's asynchronous run with an observer on the training pool that
 writes every trained row (its token ids, its reward as the batch holds it) and the step's `reward_model/*` metrics.
 
-Usage: torchrun --nproc_per_node=N tests/workers/async_reward_rows.py --rows OUT.jsonl key=value ...
+Usage: torchrun --nproc_per_node=N tests/scripts/async_reward_rows.py --rows OUT.jsonl key=value ...
 
 One line per trained row: {"step", "rank", "ids" (prompt + response, unpadded), "response" (the response ids),
 "score" (the sum of the row's `token_level_scores`), "rm_offloaded" (whether the reward model's parameters are off
 the device at the step's end)}; one line per step from the coordinator: {"step", "metrics"}. With `--bus DIR [--hold
-UID:VERSION]` (fully_async) both sides of the data bus are observed as tests/workers/async_stream_rows.py does.
+UID:VERSION]` (fully_async) both sides of the data bus are observed as tests/scripts/async_stream_rows.py does.
 """
 import json
 

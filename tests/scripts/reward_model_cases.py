@@ -1,7 +1,7 @@
 """Worker for tests/test_reward_model.py, run under torchrun: reward-model scores and one Bradley-Terry update on
 the train engine at several layouts in one launch.
 
-Usage: torchrun --nproc_per_node=2 tests/workers/reward_model_cases.py --spec spec.json --out results.json
+Usage: torchrun --nproc_per_node=2 tests/scripts/reward_model_cases.py --spec spec.json --out results.json
 
 spec.json: {"models": {arch: rm_dir}, "sequences": [[ids...], ...], "pairs": [[chosen ids, rejected ids], ...],
 "layouts": ["1x1", "2x1", "1x2", ...]}. For each layout (TPxPP; the rest of the world is DP) and model, rank 0

@@ -1,4 +1,4 @@
-"""What the multi-process test workers share (imported as a sibling module: a worker runs as a script, so its own
+"""What the multi-process test scripts share (imported as a sibling module: a worker runs as a script, so its own
 directory is first on sys.path)."""
 from __future__ import annotations
 

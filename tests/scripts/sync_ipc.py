@@ -1,6 +1,6 @@
 """Worker for tests/test_sync.py: the shared-memory (CPU stand-in for CUDA IPC) transport between two processes.
 
-Usage: python tests/workers/sync_ipc.py --model DIR --out FILE
+Usage: python tests/scripts/sync_ipc.py --model DIR --out FILE
 
 This process plays the trainer (sender); a spawned process plays an out-of-process rollout server (receiver).
 Three syncs over one `IpcChannel`:

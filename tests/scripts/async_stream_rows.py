@@ -1,9 +1,9 @@
 """Worker for tests/test_async.py: launch/train.py's fully asynchronous run with both sides of the data bus observed
-(tests/workers/async_observers.py: what the rollout pool published, sent and dropped; what each training rank
+(tests/scripts/async_observers.py: what the rollout pool published, sent and dropped; what each training rank
 trained, row by row, with the trainer's policy version), optionally one group held back until it is stale, and
 optionally the whole job killed (SIGKILL to its process group) at the end of a given step.
 
-Usage: torchrun --nproc_per_node=N tests/workers/async_stream_rows.py --bus DIR [--hold UID:VERSION]
+Usage: torchrun --nproc_per_node=N tests/scripts/async_stream_rows.py --bus DIR [--hold UID:VERSION]
        [--kill-after STEP] key=value ...
 """
 import os

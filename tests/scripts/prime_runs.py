@@ -2,7 +2,7 @@
 launch (the process group is kept between runs; each run builds its own models and parallel state), each observed
 by a hook that records what the test recomputes offline.
 
-Usage: torchrun --nproc_per_node=2 tests/workers/prime_runs.py --spec spec.json --out DIR
+Usage: torchrun --nproc_per_node=2 tests/scripts/prime_runs.py --spec spec.json --out DIR
 
 spec.json: {"base": [train.py overrides], "runs": [{"name", "overrides", "resume_from": name or absent}]}; a run
 with `resume_from` starts from a copy of that run's directory less its last checkpoint (so it resumes from the one

@@ -1,6 +1,6 @@
 """Worker for tests/test_engine.py, run under torchrun: TrainEngine cases on a tiny HF model at several layouts.
 
-Usage: torchrun --nproc_per_node=N tests/workers/engine_cases.py --model DIR --out DIR --cases c1,c2,...
+Usage: torchrun --nproc_per_node=N tests/scripts/engine_cases.py --model DIR --out DIR --cases c1,c2,...
 
 A case is `<name>@<TPxPP[vV]>`, e.g. `layout@2x1`, `layout@1x2v2` (virtual PP 2), `grads@1x1`. Several cases run in
 one launch (Megatron's parallel state is re-initialised per case) because start-up dominates on 2 cores. Rank 0

@@ -11,7 +11,7 @@ fp32 and bf16 models, HF checkpoint saves, Megatron dist checkpoint saves, loadi
 written under another layout (by the CLI, or by an earlier layout of this run), the critic, and gradients of
 padded vs packed batches.
 
-Usage: torchrun --nproc_per_node=4 tests/workers/models_check.py --spec SPEC.json --out DIR
+Usage: torchrun --nproc_per_node=4 tests/scripts/models_check.py --spec SPEC.json --out DIR
 """
 import argparse
 import json

@@ -1,8 +1,8 @@
 """Worker for tests/test_rollout_sglang.py, run under torchrun with 4 processes (gloo, CPU), rollout TP=2, with
-the fake `sglang` module (tests/workers/fake_sglang.py): one engine per rollout TP group, prompts fed to it by
+the fake `sglang` module (tests/scripts/fake_sglang.py): one engine per rollout TP group, prompts fed to it by
 the other rank, results handed back, weight syncs and failures.
 
-Usage: torchrun --nproc_per_node=4 tests/workers/sglang_tp_cases.py --model DIR --out DIR
+Usage: torchrun --nproc_per_node=4 tests/scripts/sglang_tp_cases.py --model DIR --out DIR
 Rank 0 writes <out>/results.json: per key, a list indexed by rank (None where a rank has no engine).
 """
 import argparse

@@ -1,4 +1,4 @@
-"""Observers of the fully asynchronous trainer for the test workers (imported as a sibling module), both sides of the
+"""Observers of the fully asynchronous trainer for the test scripts (imported as a sibling module), both sides of the
 data bus recorded independently of the trainer's own bookkeeping (its Ledger, its staleness metrics):
 
 - rollout side (`watch_rollout`): every group a rollout worker publishes (uid, prompt, each row's versions, the

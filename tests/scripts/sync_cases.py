@@ -1,7 +1,7 @@
 """Worker for tests/test_sync.py, run under torchrun with 4 processes (gloo, CPU): weight sync from Megatron
 layouts into native rollout engines of other TP sizes, after a PPO update, and the broadcast transport.
 
-Usage: torchrun --nproc_per_node=4 tests/workers/sync_cases.py --model DIR --model3 DIR --out DIR
+Usage: torchrun --nproc_per_node=4 tests/scripts/sync_cases.py --model DIR --model3 DIR --out DIR
 
 Cases (one launch, start-up dominates on 2 cores); rank 0 writes <out>/results.json with, per case, every
 rank's report (lists indexed by rank):

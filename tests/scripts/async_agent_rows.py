@@ -3,7 +3,7 @@
 saves the actor's weights after each step (the policy version the rollout pool receives) and, after step 1, creates
 the file `DIR/gate` (the test's gated calculator holds later tool calls until it exists).
 
-Usage: torchrun --nproc_per_node=2 tests/workers/async_agent_rows.py --out DIR key=value ...
+Usage: torchrun --nproc_per_node=2 tests/scripts/async_agent_rows.py --out DIR key=value ...
 
 DIR/rows.jsonl: one line per trained row {"step", "ground_truth", "prompt_ids", "response_ids", "response_mask",
 "logprobs" (the rollout's), "versions" (per response token)}, then {"step", "metrics"}; DIR/v{step}.pt: the weights

@@ -1,7 +1,7 @@
 """GPU check of the weight-sync engine without Megatron (run by hand on a CUDA machine; the CPU suite covers the
 logic): Qwen2.5-0.5B-shaped HF tensors (bf16, random) into the native rollout engine.
 
-Usage: python tests/workers/sync_gpu_check.py --out DIR [--iters 10]
+Usage: python tests/scripts/sync_gpu_check.py --out DIR [--iters 10]
 
 1. colocated (`sync_actor_to_rollout`): tensors streamed from a dict of "parameters" (what the exporter yields at
    TP = PP = 1: views, no new memory) and as fresh copies (what it yields when it gathers shards), seconds per

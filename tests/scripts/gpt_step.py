@@ -2,7 +2,7 @@
 TP/PP, load the same full initial weights as every other layout, run forward+backward+one optimizer step through
 get_forward_backward_func, then a forward-only pass; rank 0 writes the losses as JSON.
 
-Usage: torchrun --nproc_per_node=N tests/workers/gpt_step.py --out FILE --layouts 1x1,2x1,...
+Usage: torchrun --nproc_per_node=N tests/scripts/gpt_step.py --out FILE --layouts 1x1,2x1,...
 Several layouts run inside one process group (re-initialising Megatron's parallel state) to save start-up time.
 """
 import argparse
