@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_shapes import QWEN25_05B, TINY, git_commit, num_params, random_model_dir  # noqa: E402
 
-COPY_BW = 4.3e12  # bytes/s, a device-to-device copy on one H200 (DESIGN.md)
+COPY_BW = 4.3e12  # bytes/s, a device-to-device copy on one H200 (BENCHMARKS.md, "Targets and reference figures")
 
 
 def kind_of(name: str) -> str:
