@@ -50,7 +50,8 @@ def test_the_asynchronous_trainer_states_load_into_the_parts_and_save_the_same_k
     """Each asynchronous mode's saved trainer state (the fixture) loads into the run, the learner, the training
     pool and the mode's schedule as their loop loads it, and saving again writes the same keys in the same order
     with the same values (fully_async: the groups in flight at the save are to be granted again, `regrant`).
-    Mutation: rename a trainer-state key (`dropped_prompts` in TrainingPool.state_dict / load_state_dict) -> fails."""
+    Mutation: rename a trainer-state key (`dropped_prompts` in TrainingPool.state_dict / load_state_dict) -> fails;
+    mutation: drop `self.version = self.run.step` from FullyAsync.load_state_dict -> fails."""
     from types import SimpleNamespace
 
     from rlhf_mcore.config import load_config
@@ -70,11 +71,12 @@ def test_the_asynchronous_trainer_states_load_into_the_parts_and_save_the_same_k
     learner = Learner(cfg, state, actor=None)
     pool = TrainingPool(run, SimpleNamespace(layout=None, mailbox=lambda name: None), dp_ranks=[[0]])
     sched = (OneStepOff if mode == "one_step_off" else FullyAsync)(run, pool)
-    run.load_trainer_state(saved, learner)  # as run_one_step_off / run_fully_async load it
+    run.load_trainer_state(saved, learner)  # as loops.open_pool_run loads it
     pool.load_state_dict(saved)
+    sched.load_state_dict(saved)
     if mode == "fully_async":
-        sched.load_state_dict(saved)
         assert sched.regrant == saved["regrant"] and pool.ledger.produced == saved["ledger"]["produced"]
+        assert sched.version == run.step == saved["step"]  # the grant limit counts the updates done
     else:
         sched.sampler_after[run.step] = saved["sampler"]  # what post_generate kept when it drew the saved step
     again = run.trainer_state(learner, {**pool.state_dict(), **sched.state_dict()})

@@ -61,6 +61,9 @@ class OneStepOff:
         """The sampler as it was after drawing this step (coordinator): later steps' prompts are regenerated."""
         return {"sampler": self.sampler_after[self.run.step]} if self.run.state.is_coordinator else {}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing of its own to restore: its one key, the sampler, is restored by the run context (run.resume)."""
+
 
 class FullyAsync:
     """The rollout pool streams groups continuously; each step takes the oldest `require_batches` x
@@ -75,6 +78,7 @@ class FullyAsync:
         self.version = 0  # the actor's policy version: updates done
         self.latest_clock: dict[int, tuple] = {}  # producer rank -> its (idle_s, wall_s) at its latest group
         self.step_clock: dict[int, tuple] = {}  # ... when the previous step took its groups
+        pool.on_message = self.grant  # coordinator: each message the pool takes may leave room for more prompts
 
     def weights_due(self) -> bool:
         a, run = self.run.cfg.async_training, self.run
@@ -165,4 +169,5 @@ class FullyAsync:
         """After the pool's (its ledger): what was queued is regenerated, so it counts as not produced."""
         self.regrant = list(state["regrant"])
         self.next_uid = int(state["next_uid"])
+        self.version = self.run.step  # the updates done before the checkpoint (run.resume restored the step)
         self.pool.ledger.produced = self.pool.ledger.trained + self.pool.ledger.dropped
