@@ -14,6 +14,7 @@ alone make its held-out greedy answers pass the rule. The same run checks that t
 model's batches while the rollout generated.
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,18 +123,16 @@ def test_preference_file_missing_a_column_is_one_line(tiny_model_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def warm_start(tiny_model_dir, tmp_path_factory):
-    """The demo's tiny policy shape, supervised on the synthetic task with one-digit numbers (300 steps of 16: it
-    copies the number in every greedy answer of the held-out split and ends it with a full stop)."""
-    from rlhf_mcore.data import write_synthetic_parquet
+def warm_start(tmp_path_factory):
+    """The demo's tiny policy shape, supervised on the synthetic task with one-digit numbers (tests/warm_starts.py's
+    "one_digit", 300 steps of 16: it copies the number in every greedy answer of the held-out split and ends it with
+    a full stop), and that task's data."""
+    from warm_starts import warm_start as committed
+    from warm_starts import write_task
 
     root = tmp_path_factory.mktemp("rm_grpo")
-    write_synthetic_parquet(root / "syn", n=1024, difficulty=0, seed=0, n_test=64, max_operand=9,
-                            period_answers=0.7)
-    policy = tiny_model_dir("qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
-    launch(ROOT / "launch" / "sft.py", "--model", policy, "--train-file", root / "syn" / "train.parquet", "--out",
-           root / "sft", "--steps", "300", "--batch-size", "16", "--lr", "3e-3", "--max-length", "160", "--seed", "1",
-           "trainer.device=cpu")
+    shutil.copytree(committed("one_digit"), root / "sft")
+    write_task("one_digit", root / "syn")
     return root
 
 

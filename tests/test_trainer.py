@@ -2,7 +2,7 @@
 
 All runs start from one briefly supervised tiny model (the `make demo` pipeline: make_tiny_model -> the
 synthetic task at difficulty 0, "read the number back", with 70% of the warm-start targets ending in a full stop
-the strict GSM8K reward rejects -> launch/sft.py), built once per session.
+the strict GSM8K reward rejects -> launch/sft.py), trained once by tests/data/make_warm_starts.py and committed.
 
 - Learning: GRPO, and PPO with a critic, on prompts drawn from the whole training set, raise the greedy
   accuracy on held-out problems by a clear margin in 12 steps; the two runs go side by side (numbers in the
@@ -15,6 +15,7 @@ the strict GSM8K reward rejects -> launch/sft.py), built once per session.
 - Bad inputs end with a clear message before any compute.
 """
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,10 +31,10 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.cost(500)
 
 ROOT = Path(__file__).resolve().parents[1]
-# 300 steps of 32: the 2-layer model learns the format at once and copying the number around step 150-200;
-# it copies the number right in ~80% of greedy answers on held-out problems, but ends them with the data's
-# majority full stop ("#### 47."), so the strict reward scores its greedy answers ~0 (~15% of T=1 samples)
-SFT_STEPS = 300
+# The warm start's 300 SFT steps of 32 (tests/warm_starts.py): the 2-layer model learns the format at once and copying
+# the number around step 150-200; it copies the number right in ~80% of greedy answers on held-out problems, but ends
+# them with the data's majority full stop ("#### 47."), so the strict reward scores its greedy answers ~0 (~15% of
+# T=1 samples).
 PERIOD_ANSWERS = 0.7  # launch/demo.py's share of warm-start targets ending "#### N."
 # metrics that depend on wall-clock time or memory, not on the computation
 NONDETERMINISTIC = ("timing_s/", "perf/", "sync/seconds", "sync/gbytes_per_s", "sync/verify_seconds")
@@ -56,21 +57,19 @@ def start_train(*args: str, nproc: int = 1, **popen) -> subprocess.Popen:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
-    """Tiny model, synthetic data (the demo's task: PERIOD_ANSWERS of the SFT targets end "#### N."), a GSM8K
-    validation slice and the SFT warm start."""
+    """The SFT warm start (tests/warm_starts.py's "demo": the tiny model supervised on the demo's task, PERIOD_ANSWERS
+    of its targets ending "#### N."), that task's data and a GSM8K validation slice."""
     import pyarrow.parquet as pq
+    from warm_starts import SPECS, warm_start, write_task
 
-    from rlhf_mcore.data import preprocess_gsm8k, write_synthetic_parquet
-    from rlhf_mcore.models.tiny import make_tiny_model
+    from rlhf_mcore.data import preprocess_gsm8k
 
+    assert SPECS["demo"]["task"]["period_answers"] == PERIOD_ANSWERS
     root = tmp_path_factory.mktemp("trainer")
-    make_tiny_model(root / "tiny", arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=0, init_std=0.02)
-    write_synthetic_parquet(root / "syn", n=2048, difficulty=0, seed=0, n_test=64, period_answers=PERIOD_ANSWERS)
+    shutil.copytree(warm_start("demo"), root / "sft")
+    write_task("demo", root / "syn")
     preprocess_gsm8k(output_dir=root / "gsm8k")
     pq.write_table(pq.read_table(root / "gsm8k" / "test.parquet").slice(0, 8), root / "gsm8k_val.parquet")
-    launch("sft.py", "--model", str(root / "tiny"), "--train-file", str(root / "syn" / "train.parquet"),
-           "--out", str(root / "sft"), "--steps", str(SFT_STEPS), "--batch-size", "32", "--lr", "3e-3",
-           "--max-length", "160", "--seed", "1", "trainer.device=cpu")
     return root
 
 

@@ -1,0 +1,28 @@
+"""The committed SFT warm starts (tests/warm_starts.py) still match their specs, so the learning tests that start
+from them start where training them with today's code would: the manifest holds the spec it was trained with, the
+model's config.json and tokenizer are those make_tiny_model writes for that spec today, and the project's loader
+reads the directory. (Retrain with `python tests/data/make_warm_starts.py` when one of these fails on purpose.)"""
+import json
+
+import pytest
+from warm_starts import SPECS, manifest, warm_start
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_committed_warm_start_matches_its_spec(name, tmp_path):
+    """Mutation: a spec's sft steps 300 -> 200 (the manifest differs), or make_tiny_model's default intermediate
+    2 * hidden -> 3 * hidden (the config differs) -> fails."""
+    from rlhf_mcore.models.hf_config import load_hf_config
+    from rlhf_mcore.models.tiny import make_tiny_model
+
+    spec = SPECS[name]
+    assert manifest(name)["spec"] == json.loads(json.dumps(spec)), f"{name}: retrain (tests/data/make_warm_starts.py)"
+    fresh = make_tiny_model(tmp_path / "fresh", **spec["model"])
+    committed = warm_start(name)
+
+    def config(path):
+        return {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "transformers_version"}
+
+    assert config(committed) == config(fresh)
+    assert (committed / "tokenizer.json").read_text() == (fresh / "tokenizer.json").read_text()
+    assert load_hf_config(committed).hidden_size == spec["model"]["hidden"]
