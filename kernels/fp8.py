@@ -70,7 +70,11 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per row of x (M, K): (codes (M, K) fp8, scale (M, 1) fp32). A weight's per-output-channel layout,
-    an activation's per-token scaling."""
+    an activation's per-token scaling. On CUDA one Triton kernel (fp8_triton)."""
+    if x.is_cuda:
+        from .fp8_triton import quantize_rows_cuda
+
+        return quantize_rows_cuda(x, dtype)
     scale = _scale(x.abs().amax(dim=-1, keepdim=True), dtype)
     return _cast(x, scale, dtype), scale
 
@@ -87,7 +91,12 @@ def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, block: int = BLO
 
 def quantize_row_blocks(x: torch.Tensor, dtype: torch.dtype = E4M3, block: int = BLOCK
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per 1 x block slice of each row of x (M, K): (codes (M, K), scale (M, K/b))."""
+    """One scale per 1 x block slice of each row of x (M, K): (codes (M, K), scale (M, K/b)). On CUDA one Triton
+    kernel, its scales outer-dim major (strides (1, M)) as the blockwise GEMM wants them."""
+    if x.is_cuda and block == BLOCK:
+        from .fp8_triton import quantize_row_blocks_cuda
+
+        return quantize_row_blocks_cuda(x, dtype)
     m, k = x.shape
     groups = x.reshape(m, k // block, block)
     scale = _scale(groups.abs().amax(dim=-1), dtype)  # (M, K/b)
@@ -123,18 +132,24 @@ class Fp8Weight:
     """An (N, K) linear weight in FP8: codes and fp32 scales, in one of LAYOUTS. Updated in place (`update_`), so
     CUDA graphs captured over it see the new values."""
 
-    q: torch.Tensor      # (N, K) e4m3
-    scale: torch.Tensor  # (N, 1) "channel" | (N/128, K/128) "block"
+    q: torch.Tensor         # (N, K) e4m3
+    scale: torch.Tensor     # (N, 1) "channel" | (N/128, K/128) "block"
     layout: str
+    mm_scale: torch.Tensor  # the same scales as the GEMM takes them: (1, N) | (L4, N/128) strides (1, L4)
 
     @classmethod
     def empty_like(cls, w: torch.Tensor, layout: str) -> "Fp8Weight":
         if layout not in LAYOUTS:
             raise ValueError(f"fp8 layout {layout!r}: choose one of {LAYOUTS}.")
         n, k = w.shape
-        sshape = (n, 1) if layout == "channel" else (n // BLOCK, k // BLOCK)
-        return cls(torch.empty(n, k, dtype=E4M3, device=w.device),
-                   torch.ones(sshape, dtype=torch.float32, device=w.device), layout)
+        q = torch.empty(n, k, dtype=E4M3, device=w.device)
+        if layout == "channel":
+            scale = torch.ones(n, 1, dtype=torch.float32, device=w.device)
+            return cls(q, scale, layout, scale.view(1, n))  # a view: updated with scale
+        kb = k // BLOCK
+        l4 = (kb + 3) // 4 * 4  # cuBLAS pads the K blocks of b's scales to a multiple of 4
+        padded = torch.ones(n // BLOCK, l4, dtype=torch.float32, device=w.device)
+        return cls(q, padded[:, :kb], layout, padded.t())
 
     def update_(self, w: torch.Tensor) -> None:
         q, s = quantize_rows(w) if self.layout == "channel" else quantize_blocks(w)
@@ -153,7 +168,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if w.layout == "channel":
         xq, xs = quantize_rows(x)
         if x.is_cuda:
-            out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale.t().contiguous(), out_dtype=out_dtype)
+            out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.mm_scale, out_dtype=out_dtype)
         else:
             out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
     else:
@@ -164,13 +179,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
 
 def _block_mm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """1x128 x 128x128 blockwise-scaled GEMM through cuBLAS (F.scaled_mm). The scales must be outer-dim major:
-    a's (M, K/128) with stride (1, M), b's (L4, N/128) with stride (1, L4), L4 = K/128 rounded up to 4."""
+    a's (M, K/128) with strides (1, M) (quantize_row_blocks on CUDA writes them so), b's (L4, N/128) with strides
+    (1, L4), L4 = K/128 rounded up to 4 (Fp8Weight.mm_scale)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    kb = w.scale.shape[1]
-    sa = xs.t().contiguous().t()  # (M, K/128), stride (1, M)
-    l4 = (kb + 3) // 4 * 4
-    sb = w.scale if l4 == kb else torch.nn.functional.pad(w.scale, (0, l4 - kb), value=1.0)
-    sb = sb.contiguous().t()  # (L4, N/128), stride (1, L4)
-    return scaled_mm(xq, w.q.t(), sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+    return scaled_mm(xq, w.q.t(), xs, ScalingType.BlockWise1x128, w.mm_scale, ScalingType.BlockWise128x128,
                      output_dtype=out_dtype)

@@ -196,8 +196,9 @@ def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
     # the first token's log-prob: moved by the FP8 GEMMs (the copies are used), but only slightly
     lp_diff = [abs(o.samples[0].logprobs[0] - r.samples[0].logprobs[0]) for o, r in zip(out, want)]
     assert max(lp_diff) > 0 and max(lp_diff) < 0.5, lp_diff
-    qkv0 = eng.weights.layers[0].qkv
-    torch.testing.assert_close(eng.model.fp8[0]["qkv"].dequantize(), qkv0.float(), rtol=2 ** -4, atol=1e-6)
+    assert sorted(eng.model.fp8[0]) == ["down", "gate_up", "o_proj"]
+    torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
+                               rtol=2 ** -4, atol=1e-6)
 
     # a sync in two buckets: new values for every tensor, quantized once at the next generation
     new = [(n, t * 0.5) for n, t in iter_safetensors(model_dir)]
@@ -214,5 +215,5 @@ def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
     eng.generate(prompts, params)
     eng.generate(prompts, params)  # no sync in between: no quantization
     assert len(calls) == 1 and eng.last_stats["fp8_quantize_s"] == 0.0
-    torch.testing.assert_close(eng.model.fp8[0]["qkv"].dequantize(), eng.weights.layers[0].qkv.float(),
+    torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
                                rtol=2 ** -4, atol=1e-6)

@@ -126,8 +126,9 @@ def bench_mismatch(model_dir: Path, s: dict, layouts, n: int = 64, prompt_len: i
         return lp, torch.tensor([o.samples[0].logprobs for o in outs], device="cuda")
 
     rows, greedy = [], {}
-    for name, cfg in {"bf16": {}, **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}
-                      }.items():
+    # fp32: the noise floor of a random model's flat logits (bf16 against fp32 agree only so often)
+    for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32},
+                      **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}}.items():
         eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **cfg)
         greedy[name] = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
                                                             ignore_eos=True))

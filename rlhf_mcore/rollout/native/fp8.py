@@ -1,10 +1,10 @@
 """FP8 rollout weights for the native engine (`actor_rollout_ref.rollout.quantization=fp8`).
 
-The engine keeps its bf16 weights (what `update_weights` copies into, slice by slice) and an e4m3 copy of every
-decoder linear (qkv, o_proj, gate_up, down) with fp32 scales, per output channel or per 128 x 128 block
+The engine keeps its bf16 weights (what `update_weights` copies into, slice by slice) and an e4m3 copy of the
+decoder's o_proj, gate_up and down (LINEARS) with fp32 scales, per output channel or per 128 x 128 block
 (`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync, before the next
 generation (a sync arrives in many `update_weights` buckets; quantizing once per sync, not per bucket), in place so
-captured CUDA graphs stay valid. Embeddings, norms, the LM head and the KV cache stay bf16; activations are
+captured CUDA graphs stay valid. Embeddings, norms, QKV, the LM head and the KV cache stay bf16; activations are
 quantized per token (channel) or per 1 x 128 slice (block) inside each GEMM.
 """
 
@@ -21,7 +21,10 @@ from .weights import ModelWeights
 
 log = logging.getLogger(__name__)
 
-LINEARS = ("qkv", "o_proj", "gate_up", "down")
+# The QKV projection stays bf16: about 7% of the decoder's linear weights at the Qwen2.5 shapes, and in bf16 the
+# decode step keeps its fused QKV GEMM + RoPE + cache-write kernel (an FP8 QKV would add the torch RoPE path's
+# kernels to every layer; BENCHMARKS.md, "FP8").
+LINEARS = ("o_proj", "gate_up", "down")
 KEY = "actor_rollout_ref.rollout.quantization"
 # Per-output-channel scales (row-wise cuBLAS FP8 GEMM): chosen over 128 x 128 blocks by measurement (BENCHMARKS.md).
 DEFAULT_LAYOUT = "channel"

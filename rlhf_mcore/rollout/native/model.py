@@ -195,7 +195,7 @@ class NativeModel:
 
         def attend(i, h):
             lw = self.w.layers[i]
-            if self.fused and self.fp8 is None:
+            if self.fused and (self.fp8 is None or "qkv" not in self.fp8[i]):
                 from .triton_kernels import qkv_rope_cache
 
                 q = qkv_rope_cache(h, lw.qkv, lw.qkv_bias, positions, slots, self.cos, self.sin, cache.k[i],
