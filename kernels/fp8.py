@@ -171,9 +171,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
             out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.mm_scale, out_dtype=out_dtype)
         else:
             out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
+    elif x.is_cuda:
+        m = x.shape[0]
+        pad = -m % 16  # cuBLAS's blockwise GEMM finds no algorithm for some row counts (measured: M = 1)
+        xq, xs = quantize_row_blocks(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
+        out = _block_mm(xq, xs, w, out_dtype)[:m]
     else:
         xq, xs = quantize_row_blocks(x)
-        out = _block_mm(xq, xs, w, out_dtype) if x.is_cuda else reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
+        out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
     return out if bias is None else out + bias
 
 

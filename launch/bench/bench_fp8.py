@@ -66,36 +66,45 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def bench_rollout(model_dir: Path, s: dict, batches, prompt_len: int, new_tokens: int, variants) -> list[dict]:
+    rows = []
+    for name, cfg in variants.items():
+        try:
+            rows += _bench_variant(model_dir, s, batches, prompt_len, new_tokens, name, cfg)
+        except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_variant(model_dir, s, batches, prompt_len, new_tokens, name, cfg) -> list[dict]:
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
     from rlhf_mcore.rollout.native.weights import iter_safetensors
 
     rows = []
-    for name, cfg in variants.items():
-        eng = NativeRolloutEngine(model_dir, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 8,
-                                  **cfg)
-        for b in batches:
-            prompts = _prompts(b, prompt_len, s["vocab_size"])
-            params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-            eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=1))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            eng.generate(prompts, params)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            row = {"variant": name, "batch": b, "seconds": dt, "tokens_per_s": b * new_tokens / dt,
-                   "decode_s": eng.last_stats["decode_s"], "prefill_s": eng.last_stats["prefill_s"]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        if cfg.get("quantization"):
-            eng.update_weights(iter_safetensors(model_dir))  # a sync: new values, then quantized once
-            eng.generate(_prompts(1, 8, s["vocab_size"]), SamplingParams(temperature=1.0, max_new_tokens=2))
-            rows.append({"variant": name, "sync_quantize_s": eng.last_stats["fp8_quantize_s"],
-                         "fp8_bytes": eng._fp8.nbytes(), "bf16_linear_bytes": eng._fp8.nbytes() * 2})
-            print(json.dumps(rows[-1]), flush=True)
-        eng.shutdown()
-        del eng
-        torch.cuda.empty_cache()
+    eng = NativeRolloutEngine(model_dir, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 8,
+                              **cfg)
+    for b in batches:
+        prompts = _prompts(b, prompt_len, s["vocab_size"])
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+        eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate(prompts, params)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        row = {"variant": name, "batch": b, "seconds": dt, "tokens_per_s": b * new_tokens / dt,
+               "decode_s": eng.last_stats["decode_s"], "prefill_s": eng.last_stats["prefill_s"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if cfg.get("quantization"):
+        eng.update_weights(iter_safetensors(model_dir))  # a sync: new values, then quantized once
+        eng.generate(_prompts(1, 8, s["vocab_size"]), SamplingParams(temperature=1.0, max_new_tokens=2))
+        rows.append({"variant": name, "sync_quantize_s": eng.last_stats["fp8_quantize_s"],
+                     "fp8_bytes": eng._fp8.nbytes()})
+        print(json.dumps(rows[-1]), flush=True)
+    eng.shutdown()
     return rows
 
 
