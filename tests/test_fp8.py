@@ -23,8 +23,7 @@ def _weights(n=256, k=384, seed=0):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_quantize_dequantize_within_bound(layout, dtype):
     """Every element within half an ulp of its scaled value (error_bound); each group's amax lands on +-FP8_MAX;
-    zero groups get scale 1 and zero codes. Mutation: _scale without the / FP8_MAX (scale = amax) -> the amax
-    check fails; quantize_blocks' amax over dim (1,) only -> the bound fails."""
+    zero groups get scale 1 and zero codes. Mutation: _scale without the / FP8_MAX (scale = amax) -> all four fail."""
     w = _weights()
     q, s = fp8.quantize_rows(w, dtype) if layout == "channel" else fp8.quantize_blocks(w, dtype)
     assert q.dtype == dtype and s.dtype == torch.float32
@@ -67,7 +66,7 @@ def test_row_block_activation_scales():
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_reference_mm_equals_naive_loop(layout):
     """reference_mm (dequantize, fp32 matmul) against a triple loop over codes and scales, each scale looked up
-    by hand. Mutation: dequantize repeating scale columns by r // sr instead of c // sc -> fails."""
+    by hand. Mutation: dequantize repeating scale columns by r // sr instead of c // sc -> the block case fails."""
     g = torch.Generator().manual_seed(1)
     m, n, k = 3, (128 if layout == "block" else 5), 256
     a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.1
@@ -104,8 +103,7 @@ def test_fp8_linear_close_to_full_precision(layout):
 def test_fp8_train_linear_gradients(grad):
     """Fp8LinearFunction's output and dx, dW, db against fp32 autograd (CPU reference GEMMs), rows not a
     multiple of 16 (the padding). Tolerance: 2**-3 relative (e4m3 and e5m2 halves of an ulp, combined). Mutation:
-    backward's dW from dy.T @ x without the transpose of x (dW = dy.T @ x.T...) -> shape error; dx computed with
-    weight instead of weight.t() -> shape error; db = None -> the bias grad check fails."""
+    db = None in backward -> fails (both formats)."""
     from rlhf_mcore.kernels.fp8_linear import GRAD_DTYPES, fp8_linear_train
 
     g = torch.Generator().manual_seed(4)
@@ -137,7 +135,7 @@ def test_refusals_are_one_line():
 
 
 def test_gpu_without_fp8_refused(monkeypatch):
-    """An sm_80 GPU (A100) is refused, an sm_90 one passes. Mutation: MIN_CAPABILITY (8, 0) -> fails."""
+    """An sm_80 GPU (A100) is refused, an sm_90 one passes. Mutation: MIN_CAPABILITY = (8, 0) -> fails."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
