@@ -215,3 +215,14 @@ def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
     assert len(calls) == 1 and eng.last_stats["fp8_quantize_s"] == 0.0
     torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
                                rtol=2 ** -4, atol=1e-6)
+
+
+def test_fp8_training_refusals():
+    """enable_fp8_training: an unknown format, and a model with no Megatron local-spec linears to switch, are
+    refused in one line naming the key (the CUDA / sm >= 89 refusal is check_fp8_device's, above)."""
+    from rlhf_mcore.models.fp8_training import enable_fp8_training
+
+    with pytest.raises(Fp8Unsupported, match=r"^k='e5m2': choose e4m3 or hybrid"):
+        enable_fp8_training([], "e5m2", "k")
+    with pytest.raises(Fp8Unsupported, match=r"^k=e4m3: no Megatron local-spec linear layers in the decoder"):
+        enable_fp8_training([torch.nn.Module()], "e4m3", "k")
