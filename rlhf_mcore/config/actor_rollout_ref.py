@@ -114,6 +114,11 @@ class RolloutConfig:
     # order a 7B model needs to fit one H200, BENCHMARKS.md)
     sleep_level: int = 1
     enforce_eager: bool = False  # no CUDA graphs
+    # veRL's key: fp8 quantizes the native engine's attention-output and MLP weights to e4m3 at every weight sync
+    # (embeddings, norms, QKV, LM head and KV cache stay bf16; rlhf_mcore.rollout.native.fp8); pair it with
+    # algorithm.rollout_correction
+    # (configs/gsm8k_grpo_qwen2.5_0.5b_fp8.yaml). null: the model's dtype
+    quantization: Optional[Literal["fp8"]] = None
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384

@@ -93,6 +93,30 @@ def check_relations(cfg: RLConfig) -> None:
              f"unset or equal to data.{data_key} ({value_at(cfg, f'data.{data_key}')}), which sets it")
     _check_dapo(cfg, need)
     _check_multi_turn(cfg, need)
+    _check_fp8(cfg, need)
+
+
+def _check_fp8(cfg: RLConfig, need) -> None:
+    """FP8 rollout and FP8 training need a CUDA GPU and the code paths that implement them (the GPU generation
+    and the shapes are checked where the weights are: rlhf_mcore.kernels.fp8)."""
+    r, on_cpu = cfg.actor_rollout_ref.rollout, cfg.trainer.device == "cpu"
+    if r.quantization is not None:
+        k = "actor_rollout_ref.rollout.quantization"
+        need(k, r.name == "native", f"null with rollout.name={r.name}: FP8 rollout is built in the native engine "
+                                    "(set actor_rollout_ref.rollout.name=native)")
+        need(k, not on_cpu, "null with trainer.device=cpu: FP8 GEMMs need a CUDA GPU with FP8 tensor cores (sm >= 89)")
+    roles = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron, True),
+             ("critic.megatron", cfg.critic.megatron, True),
+             ("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron, False),
+             ("reward.reward_model.megatron", cfg.reward.reward_model.megatron, False)]
+    for key, megatron, trained in roles:
+        if megatron.fp8 is None:
+            continue
+        need(f"{key}.fp8", trained, "null: FP8 GEMMs are built for the trained models (actor, critic); the "
+                                    "reference and reward model score in their dtype")
+        need(f"{key}.fp8", not on_cpu, "null with trainer.device=cpu: FP8 GEMMs need a CUDA GPU (sm >= 89)")
+        need(f"{key}.fp8", not megatron.sequence_parallel,
+             "null with sequence_parallel=true: the FP8 linear does not gather sequence-parallel inputs")
 
 
 def _check_multi_turn(cfg: RLConfig, need) -> None:

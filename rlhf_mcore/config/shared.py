@@ -65,4 +65,8 @@ class MegatronConfig:
     # supported (CUDA, TP = PP = CP = 1, no recompute) for micro-batches of <= 8,192 tokens (the host-bound ones);
     # true: every micro-batch (an error says why where they cannot run); false: off
     cuda_graphs: Optional[bool] = None
+    # FP8 GEMMs in the decoder's linear layers (rlhf_mcore.models.fp8_training; no Transformer Engine): null (off),
+    # e4m3 (forward and gradients e4m3) or hybrid (gradients e5m2), Megatron's names; actor and critic only, CUDA
+    # GPUs with FP8 tensor cores (sm >= 89)
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)

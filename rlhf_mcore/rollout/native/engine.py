@@ -124,6 +124,8 @@ class NativeRolloutEngine(RolloutEngine):
     weight_offload: what sleep(level=2) does with weights: "cpu" keeps a pinned CPU copy and restores
     it on wake(); "drop" frees them and requires update_weights() after wake().
     load_weights: False leaves weights uninitialised until update_weights() (e.g. the trainer syncs them).
+    quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py;
+    `last_stats["fp8_quantize_s"]`), fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
     """
 
     supports_streaming = True
@@ -132,7 +134,8 @@ class NativeRolloutEngine(RolloutEngine):
                  dtype: torch.dtype | str | None = None, tp_group=None, cuda_graphs: bool | None = None,
                  attention: str | None = None, sampler: str | None = None, fused_kernels: bool | None = None,
                  decode_splits: int | None = None, max_prefill_tokens: int = 32768, admit_fraction: float = 0.125,
-                 weight_offload: str = "cpu", load_weights: bool = True, show_progress: bool = False):
+                 weight_offload: str = "cpu", load_weights: bool = True, show_progress: bool = False,
+                 quantization: str | None = None, fp8_layout: str | None = None):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model_dir={str(model_dir)!r} is not a directory; pass a Hugging Face model "
@@ -172,12 +175,18 @@ class NativeRolloutEngine(RolloutEngine):
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self._stop_ids_default = read_eos_token_ids(self.model_dir)
 
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"actor_rollout_ref.rollout.quantization={quantization!r}: choose fp8 or null.")
+        self.quantization, self.fp8_layout = quantization, fp8_layout
+        self._fp8 = None  # fp8.Fp8Layers with quantization="fp8"
+        self._fp8_stale = True  # the bf16 weights changed since the last quantization
         self._retained: OrderedDict = OrderedDict()  # session -> _Retained, least recently retained first
         self.weights: ModelWeights | None = ModelWeights(self.spec, self.device, self.dtype, tp_rank, tp_size)
         self._missing_weights: set[str] = set(self.weights.expected_names())
         if load_weights:
             self.update_weights(iter_safetensors(self.model_dir))
         self.model = NativeModel(self.spec, self.weights, max_model_len + 1, tp_group, self.fused_kernels)
+        self._attach_fp8()
         self._cpu_weights: ModelWeights | None = None
         self.cache: KVCache | None = None
         self.graphs = DecodeGraphs()
@@ -239,6 +248,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._drop_retained()  # keys/values computed with the old weights
         loaded = self.weights.load(named_tensors)
         self._missing_weights -= loaded
+        self._fp8_stale = True
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
@@ -257,10 +267,10 @@ class NativeRolloutEngine(RolloutEngine):
             if self.weight_offload == "cpu" and self.device.type != "cpu":
                 self._cpu_weights = self.weights.to("cpu", pin_memory=True)
                 freed += self.weights.nbytes()
-                self.weights = self.model = None  # the model holds the weights too
+                self.weights = self.model = self._fp8 = None  # the model holds the weights too
             elif self.weight_offload == "drop":
                 freed += self.weights.nbytes()
-                self.weights = self.model = None
+                self.weights = self.model = self._fp8 = None
             # weight_offload="cpu" on a CPU device: the weights already live in host memory; nothing to free.
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -278,8 +288,27 @@ class NativeRolloutEngine(RolloutEngine):
                 self._missing_weights = set(w.expected_names())
             self.model = NativeModel(self.spec, self.weights, self.max_model_len + 1, self.tp_group,
                                      self.fused_kernels)
+            self._attach_fp8()
         if self.cache is None:
             self._allocate_cache()
+
+    def _attach_fp8(self) -> None:
+        """With quantization="fp8": FP8 copies of the model's linears (filled by the next _refresh_fp8)."""
+        if self.quantization is None:
+            return
+        from .fp8 import DEFAULT_LAYOUT, Fp8Layers
+
+        self._fp8 = Fp8Layers(self.weights, self.fp8_layout or DEFAULT_LAYOUT)
+        self.model.fp8 = self._fp8.layers
+        self._fp8_stale = True
+
+    def _refresh_fp8(self) -> float:
+        """Quantize the weights once after a sync (however many update_weights buckets it took); the seconds."""
+        if self._fp8 is None or not self._fp8_stale:
+            return 0.0
+        seconds = self._fp8.quantize_(self.weights)
+        self._fp8_stale = False
+        return seconds
 
     def hf_weight_shards(self) -> list:
         """The weights in HF layout, (name, tensor, dim, rank, size) per tensor (:mod:`.hf_shards`)."""
@@ -346,6 +375,7 @@ class NativeRolloutEngine(RolloutEngine):
             raise RuntimeError(f"open_stream(): a stream is already open ({self.num_pending} requests pending); "
                                "call close_stream() first (generate() runs a stream of its own too).")
         self._check_ready()
+        quantize_s = self._refresh_fp8()
         params = params.with_stop_ids(self._stop_ids_default)
         if len(params.stop_token_ids) > _MAX_STOP_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; the native engine takes at most "
@@ -366,6 +396,8 @@ class NativeRolloutEngine(RolloutEngine):
         # prompt_tokens: tokens prefilled; reused_tokens: tokens admitted sequences found in their session's slot
         self._stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
                        "generated_tokens": 0, "prompt_tokens": 0, "reused_tokens": 0}
+        if self.quantization is not None:
+            self._stats["fp8_quantize_s"] = quantize_s
         self._t_open = time.perf_counter()
         self._stream_open = True
 

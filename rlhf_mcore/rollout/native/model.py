@@ -76,6 +76,9 @@ class NativeModel:
         self.q_size, self.kv_size = self.heads * self.hd, self.kv_heads * self.hd
         self.sm_scale = spec.head_dim ** -0.5
         self.fused = fused
+        # FP8 linear weights (fp8.Fp8Layers.layers: per layer, name -> Fp8Weight) set by an engine with
+        # quantization="fp8"; their GEMMs run through cuBLAS FP8 (no Triton decode GEMMs)
+        self.fp8: list[dict] | None = None
         self.cos, self.sin = rope_tables(rope_inv_freq(spec), max_len, weights.device, weights.dtype)  # (L, hd)
 
     # ------------------------------------------------------------------------------------ element-wise ops
@@ -94,13 +97,22 @@ class NativeModel:
             residual = residual + delta
         return residual, rms_norm(residual, weight, self.spec.rms_norm_eps)
 
-    def _mlp_act(self, h: torch.Tensor, gate_up: torch.Tensor, triton_gemms: bool) -> torch.Tensor:
+    def _linear(self, i: int, name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+        """x @ w.T (+ bias) for layer i's linear `name`: its FP8 copy when the engine quantized it, else w."""
+        q = self.fp8[i].get(name) if self.fp8 is not None else None
+        if q is None:
+            return F.linear(x, w, bias)
+        from rlhf_mcore.kernels.fp8 import fp8_linear
+
+        return fp8_linear(x, q, bias)
+
+    def _mlp_act(self, h: torch.Tensor, gate_up: torch.Tensor, triton_gemms: bool, i: int = 0) -> torch.Tensor:
         """silu(h @ gate.T) * (h @ up.T) (N, I / tp) for gate_up = [gate; up]."""
         if triton_gemms and h.shape[0] <= FUSED_SILU_MAX_ROWS:
             from .triton_kernels import linear
 
             return linear(h, gate_up, silu_mul=True)
-        gu = F.linear(h, gate_up)
+        gu = self._linear(i, "gate_up", h, gate_up)
         if self.fused:
             from .triton_kernels import silu_mul
 
@@ -108,11 +120,12 @@ class NativeModel:
         inter = gu.shape[-1] // 2
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
-    def _out_proj(self, x: torch.Tensor, w: torch.Tensor, triton_gemms: bool) -> torch.Tensor:
+    def _out_proj(self, x: torch.Tensor, w: torch.Tensor, triton_gemms: bool, i: int = 0, name: str = "o_proj"
+                  ) -> torch.Tensor:
         """x @ w.T for o_proj / down_proj, summed over TP ranks; the Triton GEMM may return K-split fp32
         partials (S, N, D) for the following add+norm to sum (only without TP: the all-reduce wants the sum)."""
         if not triton_gemms:
-            return self._all_reduce(F.linear(x, w))
+            return self._all_reduce(self._linear(i, name, x, w))
         from .triton_kernels import linear
 
         return self._all_reduce(linear(x, w, allow_split=self.tp_size == 1))
@@ -136,13 +149,14 @@ class NativeModel:
         states h (N, D) to q, k, v and does rope, the cache write and attention, returning (N, Hq * hd).
         triton_gemms: o, gate_up and down as Triton GEMMs (decode). Returns the final-normed hidden states (N, D)."""
         layers = self.w.layers
+        triton_gemms = triton_gemms and self.fp8 is None
         residual, h = self._add_norm(x, None, layers[0].input_norm)
         for i, lw in enumerate(layers):
             attn = attend(i, h)  # (N, Hq hd)
-            o = self._out_proj(attn, lw.o_proj, triton_gemms)
+            o = self._out_proj(attn, lw.o_proj, triton_gemms, i, "o_proj")
             residual, h = self._add_norm(residual, o, lw.post_norm)
-            act = self._mlp_act(h, lw.gate_up, triton_gemms)  # (N, I / tp)
-            down = self._out_proj(act, lw.down, triton_gemms)
+            act = self._mlp_act(h, lw.gate_up, triton_gemms, i)  # (N, I / tp)
+            down = self._out_proj(act, lw.down, triton_gemms, i, "down")
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             residual, h = self._add_norm(residual, down, next_norm)
         return h
@@ -159,7 +173,7 @@ class NativeModel:
 
         def attend(i, h):
             lw = self.w.layers[i]
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
+            qkv = self._linear(i, "qkv", h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
             q, k, v = self._split_rope(qkv, positions, lw)
             cache.k[i].index_put_((write_slot, write_pos), k.index_select(0, write_token))
             cache.v[i].index_put_((write_slot, write_pos), v.index_select(0, write_token))
@@ -181,13 +195,13 @@ class NativeModel:
 
         def attend(i, h):
             lw = self.w.layers[i]
-            if self.fused:
+            if self.fused and (self.fp8 is None or "qkv" not in self.fp8[i]):
                 from .triton_kernels import qkv_rope_cache
 
                 q = qkv_rope_cache(h, lw.qkv, lw.qkv_bias, positions, slots, self.cos, self.sin, cache.k[i],
                                    cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
             else:
-                q, k, v = self._split_rope(F.linear(h, lw.qkv, lw.qkv_bias), positions, lw)
+                q, k, v = self._split_rope(self._linear(i, "qkv", h, lw.qkv, lw.qkv_bias), positions, lw)
                 cache.k[i].index_put_((slots, positions), k)
                 cache.v[i].index_put_((slots, positions), v)
             if attention == "triton":

@@ -1,0 +1,195 @@
+"""FP8 against bf16 on one GPU: the GEMMs, the native rollout engine and its mismatch (BENCHMARKS.md, "FP8").
+
+    python launch/bench/bench_fp8.py --shapes 0.5b 1.5b --batches 64 256 --out $OUT/bench_fp8.json
+
+- gemm: the decoder linears of the 1.5B shape at M = 64, 256, 4096 rows: bf16 F.linear against fp8_linear with
+  per-channel and 128 x 128 block scales (activation quantization included), microseconds and relative error
+  against the dequantized fp32 reference;
+- rollout: tokens/s of the native engine (CUDA graphs, sampling at T = 1, eos ignored) bf16 vs FP8 at each shape
+  and batch, 256-token prompts + 256 new tokens, timed after a warm-up; the quantization seconds of one sync;
+- mismatch: greedy first-token agreement and |log-prob| difference (same context) over 64 prompts, and the k3 KL
+  of FP8-rollout log-probs against bf16 teacher-forced scoring (transformers, bf16: the actor's numerics) of the
+  same sampled tokens, with the share of tokens a TIS cap of 2 clips, next to the same numbers for the bf16 engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shapes import git_commit, random_model_dir, shape  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from rlhf_mcore.kernels import fp8  # noqa: E402
+
+
+def bench_gemm(s: dict, rows=(64, 256, 4096)) -> list[dict]:
+    from triton.testing import do_bench
+
+    h, f = s["hidden_size"], s["intermediate_size"]
+    d = h // s["num_attention_heads"]
+    linears = {"qkv": ((s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d, h), "o_proj": (h, h),
+               "gate_up": (2 * f, h), "down": (h, f)}
+    out = []
+    for m in rows:
+        for name, (n, k) in linears.items():
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+            row = {"m": m, "linear": name, "n": n, "k": k,
+                   "bf16_us": do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w)) * 1e3}
+            for layout in fp8.LAYOUTS:
+                try:
+                    fw = fp8.Fp8Weight.empty_like(w, layout)
+                    fw.update_(w)
+                    xq, xs = fp8.quantize_rows(x) if layout == "channel" else fp8.quantize_row_blocks(x)
+                    ref = fp8.reference_mm(xq, xs, fw.q, fw.scale)
+                    y = fp8.fp8_linear(x, fw).float()
+                    row[f"{layout}_rel_err"] = ((y - ref).norm() / ref.norm()).item()
+                    row[f"{layout}_us"] = do_bench(lambda x=x, fw=fw: fp8.fp8_linear(x, fw)) * 1e3
+                except Exception as e:  # noqa: BLE001  (recorded: a layout cuBLAS refuses here)
+                    row[f"{layout}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+def bench_rollout(model_dir: Path, s: dict, batches, prompt_len: int, new_tokens: int, variants) -> list[dict]:
+    rows = []
+    for name, cfg in variants.items():
+        try:
+            rows += _bench_variant(model_dir, s, batches, prompt_len, new_tokens, name, cfg)
+        except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_variant(model_dir, s, batches, prompt_len, new_tokens, name, cfg) -> list[dict]:
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+    from rlhf_mcore.rollout.native.weights import iter_safetensors
+
+    rows = []
+    eng = NativeRolloutEngine(model_dir, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 8,
+                              **cfg)
+    for b in batches:
+        prompts = _prompts(b, prompt_len, s["vocab_size"])
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+        eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate(prompts, params)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        row = {"variant": name, "batch": b, "seconds": dt, "tokens_per_s": b * new_tokens / dt,
+               "decode_s": eng.last_stats["decode_s"], "prefill_s": eng.last_stats["prefill_s"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if cfg.get("quantization"):
+        eng.update_weights(iter_safetensors(model_dir))  # a sync: new values, then quantized once
+        eng.generate(_prompts(1, 8, s["vocab_size"]), SamplingParams(temperature=1.0, max_new_tokens=2))
+        rows.append({"variant": name, "sync_quantize_s": eng.last_stats["fp8_quantize_s"],
+                     "fp8_bytes": eng._fp8.nbytes()})
+        print(json.dumps(rows[-1]), flush=True)
+    eng.shutdown()
+    return rows
+
+
+def _k3(lp_rollout: torch.Tensor, lp_actor: torch.Tensor, cap: float = 2.0) -> dict:
+    """k3 KL(rollout || actor) estimate on rollout-sampled tokens, and TIS: the share of IS weights
+    pi_actor / pi_rollout above `cap` (clipped by token-level TIS) and the weights' mean before and after."""
+    d = lp_actor - lp_rollout
+    w = d.exp()
+    return {"k3_kl": (w - d - 1).mean().item(), "is_weight_mean": w.mean().item(),
+            "tis_clipped_frac": (w > cap).float().mean().item(), "tis_weight_mean": w.clamp(max=cap).mean().item()}
+
+
+def bench_mismatch(model_dir: Path, s: dict, layouts, n: int = 64, prompt_len: int = 64, new_tokens: int = 64
+                   ) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    prompts = _prompts(n, prompt_len, s["vocab_size"], seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+    def actor_logprobs(outs) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([p + o.samples[0].token_ids for p, o in zip(prompts, outs)], device="cuda")
+        with torch.inference_mode():
+            logits = hf(input_ids=ids).logits[:, prompt_len - 1:-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+        return lp, torch.tensor([o.samples[0].logprobs for o in outs], device="cuda")
+
+    rows, greedy = [], {}
+    # fp32: the noise floor of a random model's flat logits (bf16 against fp32 agree only so often)
+    for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32},
+                      **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}}.items():
+        eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **cfg)
+        greedy[name] = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
+                                                            ignore_eos=True))
+        sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True,
+                                                       seed=5))
+        lp_actor, lp_rollout = actor_logprobs(sampled)
+        row = {"variant": name, **_k3(lp_rollout, lp_actor)}
+        if name != "bf16":
+            pairs = [(a.samples[0], b.samples[0]) for a, b in zip(greedy["bf16"], greedy[name])]
+            same = [a.token_ids[0] == b.token_ids[0] for a, b in pairs]
+            dlp = torch.tensor([abs(a.logprobs[0] - b.logprobs[0]) for (a, b), ok in zip(pairs, same) if ok])
+            prefix = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), new_tokens)
+                      for a, b in pairs]
+            row.update(first_token_agreement=sum(same) / n, first_token_dlogprob_mean=dlp.mean().item(),
+                       first_token_dlogprob_max=dlp.max().item(), greedy_prefix_match=sum(prefix) / (n * new_tokens))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        eng.shutdown()
+    return rows
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--layouts", nargs="+", default=list(fp8.LAYOUTS), choices=fp8.LAYOUTS)
+    p.add_argument("--skip", nargs="*", default=[], choices=["gemm", "rollout", "mismatch"])
+    p.add_argument("--mismatch-shapes", nargs="*", default=None, help="default: the first shape")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    report = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "call": "python launch/bench/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if "gemm" not in a.skip:
+        report["gemm"] = bench_gemm(shape("1.5b"))
+    tmp = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
+    variants = {"bf16": {}, **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in a.layouts}}
+    mismatch_shapes = a.shapes[:1] if a.mismatch_shapes is None else a.mismatch_shapes
+    for name in a.shapes:
+        s = shape(name)
+        model_dir = random_model_dir(s, tmp / name, torch.device("cuda"), torch.bfloat16)
+        if "rollout" not in a.skip:
+            report.setdefault("rollout", {})[name] = bench_rollout(model_dir, s, a.batches, a.prompt_len,
+                                                                   a.new_tokens, variants)
+        if "mismatch" not in a.skip and name in mismatch_shapes:
+            report.setdefault("mismatch", {})[name] = bench_mismatch(model_dir, s, a.layouts)
+    out = Path(a.out or Path(os.environ.get("OUT", ".")) / "bench_fp8.json")
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

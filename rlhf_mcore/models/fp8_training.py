@@ -1,0 +1,58 @@
+"""FP8 GEMMs in the decoder's linear layers of a Megatron `GPTModel` (`<role>.megatron.fp8`), without Transformer
+Engine.
+
+Each `ColumnParallelLinear` / `RowParallelLinear` inside `model.decoder` (QKV, attention output, MLP fc1 and fc2)
+gets its `_forward_impl` replaced by :func:`rlhf_mcore.kernels.fp8_linear.fp8_linear_train` (forward e4m3,
+gradients e4m3 or e5m2, current per-row scaling). The embedding, the LM head (`model.output_layer`, outside the
+decoder), norms and attention stay in the model's dtype; parameters, gradients and the optimizer are untouched.
+
+Formats follow Megatron / Transformer Engine's names: "e4m3" (everything e4m3) and "hybrid" (e5m2 gradients).
+"""
+
+from __future__ import annotations
+
+from rlhf_mcore.kernels.fp8 import E4M3, E5M2, Fp8Unsupported, check_fp8_device
+from rlhf_mcore.kernels.fp8_linear import fp8_linear_train
+
+FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forward is e4m3 in both)
+
+
+def enable_fp8_training(chunks, fmt: str, key: str) -> int:
+    """Switch the decoder linears of every model chunk to FP8 GEMMs; returns how many layers were switched.
+    Refused (Fp8Unsupported, one line naming `key`) without an FP8 GPU, with sequence parallelism, gradient
+    accumulation fusion, dims not multiples of 16, or no Megatron local-spec linears to switch."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if fmt not in FORMATS:
+        raise Fp8Unsupported(f"{key}={fmt!r}: choose e4m3 or hybrid (e5m2 gradients), or null (off).")
+    grad_dtype, switched = FORMATS[fmt], 0
+    for chunk in chunks:
+        decoder = getattr(chunk, "decoder", None)
+        for name, mod in (decoder.named_modules() if decoder is not None else ()):
+            if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            check_fp8_device(mod.weight.device, key)
+            why = ("sequence_parallel=true" if mod.sequence_parallel else
+                   "gradient_accumulation_fusion" if mod.gradient_accumulation_fusion else
+                   f"weight shape {tuple(mod.weight.shape)} (FP8 GEMM dims must be multiples of 16)"
+                   if any(d % 16 for d in mod.weight.shape) else None)
+            if why is not None:
+                raise Fp8Unsupported(f"{key}={fmt}: decoder layer {name} cannot run FP8 GEMMs with {why}; set {key} "
+                                     "to null for this run.")
+            mod._forward_impl = _fp8_impl(mod, grad_dtype)
+            switched += 1
+    if switched == 0:
+        raise Fp8Unsupported(f"{key}={fmt}: no Megatron local-spec linear layers in the decoder to switch (a "
+                             "Transformer Engine spec has its own FP8); set it to null.")
+    return switched
+
+
+def _fp8_impl(mod, grad_dtype):
+    """A `_forward_impl` with Megatron's keyword arguments (linear_with_grad_accumulation_and_async_allreduce)."""
+
+    def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+             sequence_parallel=False, **_unused):
+        group = getattr(mod, "tp_group", None) if allreduce_dgrad else None
+        return fp8_linear_train(input, weight, bias, grad_dtype, group)
+
+    return impl

@@ -1,0 +1,228 @@
+"""FP8 without Transformer Engine, on CPU: quantize/dequantize per layout against their error bounds, the scaled
+GEMM's reference against a naive loop, the training linear's gradients, the engine's quantize-at-sync hook (with
+the CPU reference GEMM) and the refusals. The cuBLAS kernels themselves: tests/test_fp8_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_mcore.kernels import fp8
+from rlhf_mcore.kernels.fp8 import E4M3, E5M2, FP8_MAX, Fp8Unsupported
+
+
+def _weights(n=256, k=384, seed=0):
+    """Rows of very different magnitudes (1e-4 .. 1e2), one all-zero 128 x 128 block and one zero row."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-4, 2, n)[:, None]
+    w[:128, 128:256] = 0
+    w[200] = 0
+    return w
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_dequantize_within_bound(layout, dtype):
+    """Every element within half an ulp of its scaled value (error_bound); each group's amax lands on +-FP8_MAX;
+    zero groups get scale 1 and zero codes. Mutation: _scale without the / FP8_MAX (scale = amax) -> all four fail."""
+    w = _weights()
+    q, s = fp8.quantize_rows(w, dtype) if layout == "channel" else fp8.quantize_blocks(w, dtype)
+    assert q.dtype == dtype and s.dtype == torch.float32
+    assert s.shape == ((256, 1) if layout == "channel" else (2, 3))
+    err = (fp8.dequantize(q, s) - w).abs()
+    bound = fp8.error_bound(w, s, dtype)
+    assert bool((err <= bound * (1 + 1e-6)).all()), f"max excess {(err - bound).max().item():.3g}"
+    assert torch.isfinite(q.float()).all()
+    codes = q.float().abs()
+    if layout == "channel":
+        amax_codes, nonzero = codes.amax(1), w.abs().amax(1) > 0
+    else:
+        amax_codes = codes.reshape(2, 128, 3, 128).amax((1, 3)).flatten()
+        nonzero = w.abs().reshape(2, 128, 3, 128).amax((1, 3)).flatten() > 0
+    assert torch.equal(amax_codes[nonzero], torch.full_like(amax_codes[nonzero], FP8_MAX[dtype]))
+    assert bool((amax_codes[~nonzero] == 0).all()) and bool((s.flatten()[~nonzero] == 1).all())
+    assert (~nonzero).any()  # the zero row / block is there
+
+
+def test_saturation_clamps_instead_of_nan():
+    """Values past the format's range become +-FP8_MAX, not nan/inf. Mutation: drop the clamp_ in _cast -> fails
+    (e4m3fn has no inf: the cast gives nan; e5m2 gives inf)."""
+    x = torch.tensor([[1e6, -1e6, 3.0, 0.0]])
+    for dtype in (E4M3, E5M2):
+        q = fp8._cast(x, torch.ones(1, 1), dtype).float()
+        assert q.tolist()[0][:2] == [FP8_MAX[dtype], -FP8_MAX[dtype]] and q[0, 2] == 3.0 and q[0, 3] == 0
+
+
+def test_row_block_activation_scales():
+    """1 x 128 activation scales: one per row slice. Mutation: amax over the whole row -> the bound fails for the
+    row whose two halves differ 1e4-fold."""
+    x = torch.randn(4, 256)
+    x[1, 128:] *= 1e-4
+    q, s = fp8.quantize_row_blocks(x)
+    assert s.shape == (4, 2)
+    assert bool(((fp8.dequantize(q, s) - x).abs() <= fp8.error_bound(x, s) * (1 + 1e-6)).all())
+    assert ((fp8.dequantize(q, s)[1, 128:] - x[1, 128:]).abs() <= x[1, 128:].abs() * 2 ** -4 + 1e-12).all()
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_reference_mm_equals_naive_loop(layout):
+    """reference_mm (dequantize, fp32 matmul) against a triple loop over codes and scales, each scale looked up
+    by hand. Mutation: dequantize repeating scale columns by r // sr instead of c // sc -> the block case fails."""
+    g = torch.Generator().manual_seed(1)
+    m, n, k = 3, (128 if layout == "block" else 5), 256
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.1
+    if layout == "channel":
+        aq, sa = fp8.quantize_rows(a)
+        bq, sb = fp8.quantize_rows(b)
+        a_s = [[sa[i, 0].item()] * k for i in range(m)]
+        b_s = [[sb[j, 0].item()] * k for j in range(n)]
+    else:
+        aq, sa = fp8.quantize_row_blocks(a)
+        bq, sb = fp8.quantize_blocks(b)
+        a_s = [[sa[i, kk // 128].item() for kk in range(k)] for i in range(m)]
+        b_s = [[sb[j // 128, kk // 128].item() for kk in range(k)] for j in range(n)]
+    aql, bql = aq.float().tolist(), bq.float().tolist()
+    naive = torch.tensor([[sum(aql[i][kk] * a_s[i][kk] * bql[j][kk] * b_s[j][kk] for kk in range(k))
+                           for j in range(n)] for i in range(m)])
+    torch.testing.assert_close(fp8.reference_mm(aq, sa, bq, sb), naive, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_fp8_linear_close_to_full_precision(layout):
+    """fp8_linear (the CPU reference path) within 2 x 2**-4 relative error of x @ w.T, bias added. Mutation:
+    fp8_linear dropping the bias -> fails."""
+    g = torch.Generator().manual_seed(2)
+    x, w, bias = torch.randn(7, 256, generator=g), torch.randn(384, 256, generator=g) * 0.05, torch.randn(384)
+    fw = fp8.Fp8Weight.empty_like(w, layout)
+    fw.update_(w)
+    out, ref = fp8.fp8_linear(x, fw, bias), x @ w.t() + bias
+    rel = ((out - ref).norm() / (ref - bias).norm()).item()
+    assert out.shape == (7, 384) and rel < 2 * 2 ** -4, rel
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2"])
+def test_fp8_train_linear_gradients(grad):
+    """Fp8LinearFunction's output and dx, dW, db against fp32 autograd (CPU reference GEMMs), rows not a
+    multiple of 16 (the padding). Tolerance: 2**-3 relative (e4m3 and e5m2 halves of an ulp, combined). Mutation:
+    db = None in backward -> fails (both formats)."""
+    from rlhf_mcore.kernels.fp8_linear import GRAD_DTYPES, fp8_linear_train
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 21, 64, generator=g, requires_grad=True)
+    w = (torch.randn(48, 64, generator=g) * 0.1).requires_grad_()
+    b = torch.randn(48, generator=g, requires_grad=True)
+    dy = torch.randn(2, 21, 48, generator=g)
+    y = fp8_linear_train(x, w, b, GRAD_DTYPES[grad])
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y2 = torch.nn.functional.linear(x2, w2, b2)
+    ref = torch.autograd.grad(y2, (x2, w2, b2), dy)
+    tol = 2 ** -3
+    for name, got, want in zip(("dx", "dW", "db"), grads, ref):
+        assert got is not None and got.shape == want.shape, name
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < tol, f"{name}: {rel:.3g}"
+    assert ((y - y2).norm() / y2.norm()).item() < tol
+
+
+def test_refusals_are_one_line():
+    """No CUDA, a GPU without FP8, and shapes off the 128 block: each refused in one line naming the key."""
+    with pytest.raises(Fp8Unsupported, match=r"^k=fp8 needs a CUDA GPU .* device is cpu; unset k") as e:
+        fp8.check_fp8_device("cpu", "k")
+    assert "\n" not in str(e.value)
+    fp8.check_block_shape((896, 4864), "w", "k")  # Qwen2.5-0.5B's MLP: 7 x 38 blocks
+    with pytest.raises(Fp8Unsupported, match=r"^k: w has shape \(1000, 128\), not divisible by the 128 x 128"):
+        fp8.check_block_shape((1000, 128), "w", "k")
+
+
+def test_gpu_without_fp8_refused(monkeypatch):
+    """An sm_80 GPU (A100) is refused, an sm_90 one passes. Mutation: MIN_CAPABILITY = (8, 0) -> fails."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    with pytest.raises(Fp8Unsupported, match=r"FP8 tensor cores .* NVIDIA A100 is sm_80; unset k"):
+        fp8.check_fp8_device("cuda:0", "k")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    fp8.check_fp8_device("cuda:0", "k")
+
+
+def test_config_keys_and_refusals():
+    """The two keys load with their defaults off; FP8 on a CPU run, under another rollout engine, on the
+    reference, or with an unknown format is refused in one line naming the key."""
+    from rlhf_mcore.config import ConfigError, load_config
+
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/m"])
+    assert cfg.actor_rollout_ref.rollout.quantization is None and cfg.actor_rollout_ref.actor.megatron.fp8 is None
+    ok = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.quantization=fp8",
+                            "actor_rollout_ref.actor.megatron.fp8=hybrid", "critic.megatron.fp8=e4m3"])
+    assert ok.actor_rollout_ref.rollout.quantization == "fp8" and ok.critic.megatron.fp8 == "e4m3"
+    bad = {("actor_rollout_ref.rollout.quantization=fp8", "trainer.device=cpu"):
+           r"'actor_rollout_ref.rollout.quantization' has value 'fp8'; it must be null with trainer.device=cpu",
+           ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"):
+           r"'actor_rollout_ref.rollout.quantization' .* null with rollout.name=hf",
+           ("actor_rollout_ref.actor.megatron.fp8=e4m3", "trainer.device=cpu"):
+           r"'actor_rollout_ref.actor.megatron.fp8' has value 'e4m3'; it must be null with trainer.device=cpu",
+           ("actor_rollout_ref.ref.megatron.fp8=e4m3",): r"'actor_rollout_ref.ref.megatron.fp8' .* trained models",
+           ("actor_rollout_ref.actor.megatron.fp8=e4m3", "actor_rollout_ref.actor.megatron.sequence_parallel=true"):
+           r"null with sequence_parallel=true",
+           ("actor_rollout_ref.actor.megatron.fp8=e5m2",): r"choose one of e4m3, hybrid"}
+    for overrides, msg in bad.items():
+        with pytest.raises(ConfigError, match=msg) as e:
+            load_config(None, ["actor_rollout_ref.model.path=/m", *overrides])
+        assert "\n" not in str(e.value)
+
+
+def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
+    """The native engine with quantization="fp8" (CPU, the reference GEMM; the device check patched out): the
+    FP8 copies follow each sync — quantized once before the next generation however many buckets it took —
+    generation runs through them (log-probs move a little), and CPU without the patch is refused. Mutation: drop
+    `self._fp8_stale = True` in update_weights -> the copy keeps the old weights and the second check fails."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native import engine as native_engine
+    from rlhf_mcore.rollout.native import fp8 as native_fp8
+    from rlhf_mcore.rollout.native.weights import iter_safetensors
+
+    model_dir = tiny_model_dir("qwen2", hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512)
+    with pytest.raises(Fp8Unsupported, match="actor_rollout_ref.rollout.quantization=fp8 needs a CUDA GPU"):
+        native_engine.NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=64, quantization="fp8")
+    monkeypatch.setattr(native_fp8, "check_fp8_device", lambda device, key: None)
+    eng = native_engine.NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=64, quantization="fp8")
+    ref = native_engine.NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=64)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 33, 7], [100, 3, 2], [17, 250, 11, 40, 9]]
+    out, want = eng.generate(prompts, params), ref.generate(prompts, params)
+    assert eng.last_stats["fp8_quantize_s"] > 0 and "fp8_quantize_s" not in ref.last_stats
+    # the first token's log-prob: moved by the FP8 GEMMs (the copies are used), but only slightly
+    lp_diff = [abs(o.samples[0].logprobs[0] - r.samples[0].logprobs[0]) for o, r in zip(out, want)]
+    assert max(lp_diff) > 0 and max(lp_diff) < 0.5, lp_diff
+    assert sorted(eng.model.fp8[0]) == ["down", "gate_up", "o_proj"]
+    torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
+                               rtol=2 ** -4, atol=1e-6)
+
+    # a sync in two buckets: new values for every tensor, quantized once at the next generation
+    new = [(n, t * 0.5) for n, t in iter_safetensors(model_dir)]
+    eng.update_weights(new[: len(new) // 2])
+    eng.update_weights(new[len(new) // 2:])
+    calls = []
+    real = native_fp8.Fp8Layers.quantize_
+
+    def counting(self, weights):
+        calls.append(1)
+        return real(self, weights)
+
+    monkeypatch.setattr(native_fp8.Fp8Layers, "quantize_", counting)
+    eng.generate(prompts, params)
+    eng.generate(prompts, params)  # no sync in between: no quantization
+    assert len(calls) == 1 and eng.last_stats["fp8_quantize_s"] == 0.0
+    torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
+                               rtol=2 ** -4, atol=1e-6)
+
+
+def test_fp8_training_refusals():
+    """enable_fp8_training: an unknown format, and a model with no Megatron local-spec linears to switch, are
+    refused in one line naming the key (the CUDA / sm >= 89 refusal is check_fp8_device's, above)."""
+    from rlhf_mcore.models.fp8_training import enable_fp8_training
+
+    with pytest.raises(Fp8Unsupported, match=r"^k='e5m2': choose e4m3 or hybrid"):
+        enable_fp8_training([], "e5m2", "k")
+    with pytest.raises(Fp8Unsupported, match=r"^k=e4m3: no Megatron local-spec linear layers in the decoder"):
+        enable_fp8_training([torch.nn.Module()], "e4m3", "k")
