@@ -1,6 +1,7 @@
 """`make demo` twice in a row: the second run trains again (it does not resume the finished run) and reports its
-own numbers. Short settings (2 SFT steps, 1 GRPO step, one process); the demo's learning is checked by
-tests/test_trainer.py with the demo's real settings."""
+own numbers. Short settings (2 SFT steps, 1 GRPO step of 4 prompts x 2 samples, one process, no validation before
+training: configs/demo_cpu.yaml shrunk); the demo's learning is checked by tests/test_trainer.py with the demo's
+real settings."""
 import json
 import subprocess
 from pathlib import Path
@@ -11,15 +12,32 @@ from launcher import run
 pytestmark = pytest.mark.cost(95)
 
 
-def demo(out: Path) -> subprocess.CompletedProcess:
-    return run("launch/demo.py", "--nproc", "1", "--out", str(out), "--sft-steps", "2", "--grpo-steps", "1")
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
+         "trainer.val_before_train": False}
+
+
+def demo(out: Path, config: Path) -> subprocess.CompletedProcess:
+    return run("launch/demo.py", "--nproc", "1", "--out", str(out), "--sft-steps", "2", "--grpo-steps", "1",
+               "--config", str(config))
+
+
+def small_config(tmp_path: Path) -> Path:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / "configs" / "demo_cpu.yaml")
+    for key, value in SMALL.items():
+        OmegaConf.update(cfg, key, value)
+    OmegaConf.save(cfg, tmp_path / "demo_small.yaml")
+    return tmp_path / "demo_small.yaml"
 
 
 def test_a_second_demo_run_trains_again(tmp_path):
-    out = tmp_path / "demo"
-    demo(out)
+    out, config = tmp_path / "demo", small_config(tmp_path)
+    demo(out, config)
     (out / "grpo" / "marker_of_the_first_run").write_text("")
-    second = demo(out)
+    second = demo(out, config)
     assert "removing the previous demo run" in second.stdout
     assert "resumed from" not in second.stdout + second.stderr
     assert not (out / "grpo" / "marker_of_the_first_run").exists()
