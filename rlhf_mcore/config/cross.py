@@ -93,6 +93,24 @@ def check_relations(cfg: RLConfig) -> None:
              f"unset or equal to data.{data_key} ({value_at(cfg, f'data.{data_key}')}), which sets it")
     _check_dapo(cfg, need)
     _check_multi_turn(cfg, need)
+    _check_lora(cfg, need)
+
+
+def lora_enabled(cfg: RLConfig) -> bool:
+    """LoRA on the actor (`actor_rollout_ref.model.lora_rank > 0`): the reference policy is then the actor with its
+    adapters switched off, and no reference model is built (rlhf_mcore.trainer.roles.build_reference)."""
+    return cfg.actor_rollout_ref.model.lora_rank > 0
+
+
+def _check_lora(cfg: RLConfig, need) -> None:
+    """LoRA keys of the actor and the critic: an adapter to start from needs adapters; no sequence parallelism."""
+    for model, megatron in (("actor_rollout_ref.model", "actor_rollout_ref.actor.megatron"),
+                            ("critic.model", "critic.megatron")):
+        rank = value_at(cfg, f"{model}.lora_rank")
+        need(f"{model}.lora_adapter_path", rank > 0 or not value_at(cfg, f"{model}.lora_adapter_path"),
+             f"unset while {model}.lora_rank=0 (set lora_rank, lora_alpha and target_modules to the adapter's)")
+        need(f"{megatron}.sequence_parallel", rank == 0 or not value_at(cfg, f"{megatron}.sequence_parallel"),
+             f"false with {model}.lora_rank > 0 (the LoRA adapters take the full sequence)")
 
 
 def _check_multi_turn(cfg: RLConfig, need) -> None:

@@ -26,7 +26,7 @@ def build_learner(run: RunContext, colocated: bool):
     rollout engine, agent runner)."""
     cfg, state = run.cfg, run.state
     actor = roles.build_actor(cfg, state, run.total_steps)
-    ref = roles.build_reference(cfg, state) if reference_enabled(cfg) else None
+    ref = roles.build_reference(cfg, state, actor) if reference_enabled(cfg) else None  # LoRA: the actor's base
     critic = roles.build_critic(cfg, state, run.total_steps) if critic_enabled(cfg) else None
     reward_model = roles.build_reward_model(cfg, state, run.tokenizer)  # None unless enabled
     prime = roles.build_prime(cfg, state, run.total_steps)  # None unless reward_manager=prime

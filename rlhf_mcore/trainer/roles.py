@@ -213,10 +213,31 @@ def build_actor(cfg: RLConfig, state: ParallelState, total_steps: int):
     return build_engine(cfg, state, role="actor", total_steps=total_steps)
 
 
-def build_reference(cfg: RLConfig, state: ParallelState):
+def build_reference(cfg: RLConfig, state: ParallelState, actor=None):
+    """The reference policy: its own frozen model, or -- with LoRA on the actor -- the actor with its adapters
+    switched off (:class:`AdapterFreeReference`; no second model is built)."""
+    from rlhf_mcore.config import lora_enabled
     from rlhf_mcore.engine import build_engine
 
+    if lora_enabled(cfg):
+        if actor is None:
+            raise ValueError("with LoRA the reference is the actor's base: pass the actor to build_reference")
+        return AdapterFreeReference(actor)
     return build_engine(cfg, state, role="ref", total_steps=0)
+
+
+class AdapterFreeReference:
+    """The reference policy of a LoRA run: the actor's frozen base, i.e. the actor's forward with every adapter
+    off. `compute_log_probs` is the actor's (same temperature, micro-batching and kernels) without entropy."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute_log_probs(self, batch: dict, with_entropy: bool = False):
+        from rlhf_mcore.models.lora import adapters_disabled
+
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.compute_log_probs(batch, with_entropy=with_entropy)
 
 
 def build_critic(cfg: RLConfig, state: ParallelState, total_steps: int):

@@ -1,0 +1,219 @@
+"""LoRA on the Megatron layers (rlhf_mcore.models.lora), one CPU process at TP=PP=1, fp32, against transformers + peft.
+
+- the adapted forward equals peft's on the same adapter weights (written by `save_peft_adapter`, loaded by
+  `peft.PeftModel.from_pretrained`), and a peft-made adapter (q/v/down only: partly fused layers) loads as the start;
+- only the adapters get gradients, optimizer state and updates; the base stays bitwise as loaded;
+- the reference (adapters off) equals a separately built base model's log-probs bitwise;
+- the exported (synced) weights are peft's `merge_and_unload` weights;
+- config errors name the key, the value and the fix.
+"""
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cost(25)
+
+RANK, ALPHA = 4, 8.0
+B, P, R = 4, 5, 6
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir):
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    state = init_distributed(device="cpu")
+    model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
+    yield state, model_dir
+    destroy_distributed()
+
+
+def config(model_dir, *extra):
+    from rlhf_mcore.config import load_config
+
+    return load_config(None, [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.lora_rank=4",
+                              "actor_rollout_ref.model.lora_alpha=8", "trainer.device=cpu",
+                              "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.train_batch_size=4",
+                              *extra])
+
+
+def make_batch(vocab: int = 1000) -> dict:
+    """Full prompts (P tokens), right-padded responses (1..R tokens): positions equal HF's exactly."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (B, P + R), generator=g)
+    mask = torch.ones(B, P + R, dtype=torch.long)
+    for b in range(B):
+        mask[b, P + 1 + b:] = 0
+    adv = torch.randn(B, R, generator=g)
+    m = mask[:, P:].clone()
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+            "responses": ids[:, P:].clone(), "response_mask": m, "advantages": adv * m}
+
+
+def hf_log_probs(model, batch) -> torch.Tensor:
+    """Naive: log_softmax of the HF model's logits at the positions predicting each response token."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    lp = torch.log_softmax(logits[:, P - 1:-1], dim=-1).gather(-1, batch["responses"][..., None])[..., 0]
+    return lp * batch["response_mask"]
+
+
+def randomize_adapters(chunks, seed: int = 0) -> None:
+    from rlhf_mcore.models.lora import adapter_modules
+
+    g = torch.Generator().manual_seed(seed)
+    for _, _, lora in adapter_modules(chunks):
+        for t in lora.A:
+            lora.A[t].data.copy_(torch.randn(lora.A[t].shape, generator=g) * 0.2)
+            lora.B[t].data.copy_(torch.randn(lora.B[t].shape, generator=g) * 0.2)
+
+
+def peft_model(model_dir, adapter_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def actor(env):
+    """The actor engine of a LoRA run (all-linear, r=4, alpha=8) with random non-zero adapters."""
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    engine = roles.build_actor(config(model_dir), state, total_steps=2)
+    randomize_adapters(engine.chunks)
+    return engine
+
+
+def test_forward_equals_peft_and_the_exported_adapter_loads_in_peft(env, actor, tmp_path):
+    """Our PEFT directory loads in peft and peft's log-probs equal ours (fused QKV and [gate; up] included).
+    Mutation: `fuse` puts k before q in the fused QKV rows -> fails; drop `* self.scale` -> fails."""
+    from rlhf_mcore.models.lora import save_peft_adapter
+
+    state, model_dir = env
+    save_peft_adapter(actor.chunks, state, tmp_path / "adapter", actor.lora, str(model_dir))
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["peft_type"]) == (RANK, ALPHA, "LORA")
+    batch = make_batch()
+    ours, _ = actor.compute_log_probs(batch)
+    want = hf_log_probs(peft_model(model_dir, tmp_path / "adapter"), batch)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)
+    model = peft_model(model_dir, tmp_path / "adapter")
+    with model.disable_adapter():
+        base = hf_log_probs(model, batch)
+    assert (ours - base).abs().max() > 1e-2  # the adapters change the model
+
+
+def test_reference_is_the_base_model_bitwise(env, actor):
+    """The reference of a LoRA run is the actor with its adapters off: bitwise a separately built base model.
+    Mutation: `adapters_disabled` leaves `enabled` True -> fails."""
+    from rlhf_mcore.config import lora_enabled, reference_enabled
+    from rlhf_mcore.engine import build_engine
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    cfg = config(model_dir, "actor_rollout_ref.actor.use_kl_loss=true")
+    assert lora_enabled(cfg) and reference_enabled(cfg)
+    ref = roles.build_reference(cfg, state, actor)
+    assert isinstance(ref, roles.AdapterFreeReference)
+    batch = make_batch()
+    base = build_engine(config(model_dir, "actor_rollout_ref.model.lora_rank=0"), state, role="ref")
+    want, _ = base.compute_log_probs(batch)
+    got, _ = ref.compute_log_probs(batch)
+    assert torch.equal(got, want)
+    with_adapters, _ = actor.compute_log_probs(batch)  # and the adapters are back on afterwards
+    assert (with_adapters - want).abs().max() > 1e-2
+
+
+def test_only_the_adapters_train(env, actor):
+    """Base frozen: no gradient buffer, no optimizer state, bitwise unchanged by an update; every adapter moves.
+    Mutation: drop `chunk.requires_grad_(False)` in apply_lora -> fails."""
+    from rlhf_mcore.models.lora import adapter_modules
+
+    adapters = {id(p) for _, _, lora in adapter_modules(actor.chunks) for p in lora.parameters()}
+    assert len(adapters) == 2 * 7 * 2  # A and B of 7 modules in 2 layers
+    chunk = actor.chunks[0]
+    trainable = [p for p in chunk.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == adapters
+    ddp = actor.modules[0]
+    assert sum(b.numel_unpadded for b in ddp.buffers) == sum(p.numel() for p in trainable)  # grad buffer: adapters
+    opt_params = [p for g in actor.optimizer.param_groups for p in g["params"]]
+    assert sum(p.numel() for p in opt_params) == sum(p.numel() for p in trainable)
+    base_before = {n: p.detach().clone() for n, p in chunk.named_parameters() if ".lora." not in n}
+    lora_before = {n: p.detach().clone() for n, p in chunk.named_parameters() if ".lora." in n}
+    batch = make_batch()
+    old, _ = actor.compute_log_probs(batch)
+    metrics = actor.update_policy({**batch, "old_log_probs": old})
+    assert metrics["actor/grad_norm"] > 0
+    after = dict(chunk.named_parameters())
+    assert all(torch.equal(after[n], v) for n, v in base_before.items())
+    assert all(not torch.equal(after[n], v) for n, v in lora_before.items())
+
+
+def test_exported_weights_are_peft_merged_weights(env, actor, tmp_path):
+    """What the weight sync sends (export_hf_weights) is `W + (alpha / r) B @ A`: peft's merge_and_unload, within
+    fp32 rounding (1e-6); the tied embedding, the norms and the head unchanged (bitwise).
+    Mutation: `merged_weight` returns the parameter itself -> fails."""
+    from rlhf_mcore.models import export_hf_weights
+    from rlhf_mcore.models.lora import save_peft_adapter
+
+    state, model_dir = env
+    save_peft_adapter(actor.chunks, state, tmp_path / "adapter", actor.lora, str(model_dir))
+    merged = peft_model(model_dir, tmp_path / "adapter").merge_and_unload().state_dict()
+    ours = dict(export_hf_weights(actor.chunks, state))
+    assert set(ours) <= set(merged) and "model.layers.1.self_attn.k_proj.weight" in ours
+    for name, t in ours.items():
+        if "proj" in name and name.endswith("weight"):
+            torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+        else:
+            assert torch.equal(t, merged[name]), name
+
+
+def test_a_peft_made_adapter_loads_as_the_start(env, tmp_path):
+    """`lora_adapter_path`: an adapter made by peft (random A and B, q/v/down only, so the fused QKV and the MLP are
+    partly adapted) gives peft's log-probs. Mutation: `fuse` returns q's part where v's goes -> fails."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    made = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False, lora_dropout=0.0))
+    made.save_pretrained(tmp_path / "made")
+    engine = roles.build_actor(config(model_dir, "actor_rollout_ref.model.target_modules=[q_proj,v_proj,down_proj]",
+                                      f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'made'}"), state, 2)
+    batch = make_batch()
+    ours, _ = engine.compute_log_probs(batch)
+    torch.testing.assert_close(ours, hf_log_probs(peft_model(model_dir, tmp_path / "made"), batch), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["actor_rollout_ref.model.target_modules=[q_proj,qkv]"], ["target_modules", "qkv", "all-linear"]),
+    (["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_adapter_path=/a"],
+     ["lora_adapter_path", "lora_rank=0"]),
+    (["critic.model.lora_alpha=0"], ["critic.model.lora_alpha", "> 0"]),
+    (["actor_rollout_ref.actor.megatron.sequence_parallel=true"], ["sequence_parallel", "lora_rank > 0"]),
+])
+def test_bad_lora_configs_name_the_key_and_the_fix(tmp_path, overrides, words):
+    from rlhf_mcore.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config(tmp_path, *overrides)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_an_adapter_of_another_rank_is_refused_with_both_values(env, actor, tmp_path):
+    from rlhf_mcore.models.lora import LoraError, LoraSpec, read_peft_adapter, save_peft_adapter
+
+    state, model_dir = env
+    save_peft_adapter(actor.chunks, state, tmp_path / "a", actor.lora, str(model_dir))
+    with pytest.raises(LoraError, match=r"r=4, lora_alpha=8.*lora_rank=8, lora_alpha=8.*set actor_rollout_ref"):
+        read_peft_adapter(tmp_path / "a", LoraSpec(8, 8.0))
+    with pytest.raises(LoraError, match="lora_adapter_path.*adapter_config.json"):
+        read_peft_adapter(tmp_path, LoraSpec(4, 8.0))
