@@ -217,3 +217,72 @@ def test_an_adapter_of_another_rank_is_refused_with_both_values(env, actor, tmp_
         read_peft_adapter(tmp_path / "a", LoraSpec(8, 8.0))
     with pytest.raises(LoraError, match="lora_adapter_path.*adapter_config.json"):
         read_peft_adapter(tmp_path, LoraSpec(4, 8.0))
+
+
+def test_weight_sync_sends_the_merged_weights_to_the_native_rollout(env, actor, tmp_path):
+    """`off` mode's sync (roles.sync_weights, what ColocatedRollout calls after every update): after an update the
+    native engine holds peft's merge_and_unload weights (within fp32 rounding of the merge, 1e-6; the rest bitwise),
+    verified by the sync's own checksums too.
+    Mutation: `_gather_tp` sends `param.detach()` (the base) -> fails."""
+    from rlhf_mcore.models.lora import save_peft_adapter
+    from rlhf_mcore.rollout import build_rollout_engine
+    from rlhf_mcore.sync import engine_hf_shards
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    batch = make_batch()
+    old, _ = actor.compute_log_probs(batch)
+    actor.update_policy({**batch, "old_log_probs": old})
+    rollout = build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=False)
+    metrics = roles.sync_weights(actor, rollout, state, config(model_dir, "actor_rollout_ref.rollout.sync_verify=true")
+                                 .actor_rollout_ref.rollout)
+    assert metrics["sync/tensors"] > 0 and metrics["sync/verify_seconds"] > 0
+    save_peft_adapter(actor.chunks, state, tmp_path / "adapter", actor.lora, str(model_dir))
+    merged = peft_model(model_dir, tmp_path / "adapter").merge_and_unload().state_dict()
+    held = engine_hf_shards(rollout)
+    assert "model.layers.0.mlp.down_proj.weight" in held
+    for name, shard in held.items():
+        want = shard.expected_from(merged[name])
+        if "proj" in name and name.endswith("weight"):
+            torch.testing.assert_close(shard.tensor, want, atol=1e-6, rtol=0, msg=name)
+        else:
+            assert torch.equal(shard.tensor, want), name
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_bitwise(env, actor, tmp_path):
+    """A LoRA checkpoint holds the adapters, their Adam state and the base's path and hash, nothing of the base;
+    a fresh engine (other adapters) loaded from it takes the same next update bitwise. A different base is refused.
+    Mutation: `load_trainable_state_dict` skips B (`if "lora_B" in name: continue`) -> fails."""
+    from rlhf_mcore.engine.safe_load import load_common, tensor_keys
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    batch = make_batch()
+    old, _ = actor.compute_log_probs(batch)
+    actor.update_policy({**batch, "old_log_probs": old})  # Adam moments and step > 0
+    actor.save_checkpoint(tmp_path / "ckpt")
+    keys = tensor_keys(tmp_path / "ckpt")
+    model_keys = {k for k in keys if not k.startswith("optimizer.")}
+    assert len(model_keys) == 28 and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys
+    assert any("exp_avg_sq" in k for k in keys)
+    base = load_common(tmp_path / "ckpt")["lora_base"]
+    assert base["path"] == str(model_dir) and len(base["sha256"]) == 64 and base["rank"] == RANK
+
+    fresh = roles.build_actor(config(model_dir), state, total_steps=2)
+    randomize_adapters(fresh.chunks, seed=5)
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    for engine in (actor, fresh):
+        lp, _ = engine.compute_log_probs(batch)
+        engine.update_policy({**batch, "old_log_probs": lp})
+    want, got = dict(actor.chunks[0].named_parameters()), dict(fresh.chunks[0].named_parameters())
+    assert [n for n, p in want.items() if not torch.equal(got[n], p)] == []
+
+    other = tmp_path / "other_base"
+    other.mkdir()
+    for f in model_dir.iterdir():
+        (other / f.name).symlink_to(f)
+    (other / "config.json").unlink()
+    (other / "config.json").write_text((model_dir / "config.json").read_text() + "\n")  # another base's hash
+    moved = roles.build_actor(config(other), state, total_steps=2)
+    with pytest.raises(ValueError, match="trained on the base .*differs.*actor_rollout_ref.model.path"):
+        moved.load_checkpoint(tmp_path / "ckpt")

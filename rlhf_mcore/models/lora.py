@@ -18,7 +18,7 @@ optimizer no master copy or state), except a critic's value head, which trains (
 Export: :func:`merged_weight` (`W + (alpha / r) * B @ A` of a local shard, what the weight sync sends),
 :func:`adapter_tensors` (full PEFT-named tensors on every rank of a replica), :func:`save_peft_adapter` /
 :func:`read_peft_adapter` (`adapter_config.json` + `adapter_model.safetensors`, written with safetensors and json:
-peft is not needed at run time), :func:`adapter_sharded_state_dict` (the adapters only, as Megatron
+peft is not needed at run time), :func:`trainable_sharded_state_dict` (the adapters only, as Megatron
 `ShardedTensor`s, so checkpoints hold adapters and their optimizer state and reshard like the rest).
 """
 from __future__ import annotations
@@ -246,8 +246,10 @@ def apply_lora(chunks: list, spec: LoraSpec, state, *, seed: int = 0) -> int:
                 linear.lora = lora
                 linear.register_forward_hook(_hook)
                 weight.lora_owner = linear  # read by merged_weight
+    for chunk in chunks:
+        chunk.lora_spec = spec
     if spec.adapter_path:
-        tensors, config = read_peft_adapter(spec.adapter_path, spec)
+        tensors, _ = read_peft_adapter(spec.adapter_path, spec)
         load_adapter_tensors(chunks, tensors, state)
     return added
 
@@ -443,21 +445,32 @@ def read_peft_adapter(path, spec: Optional[LoraSpec] = None) -> tuple[dict, dict
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def adapter_sharded_state_dict(chunk, prefix: str = "") -> dict:
-    """The adapters of one chunk as Megatron `ShardedTensor`s keyed by PEFT name (global shapes: any TP/PP
-    layout loads them), holding the parameters themselves (the optimizer's state is keyed by them)."""
+def trainable_sharded_state_dict(chunk, prefix: str = "") -> dict:
+    """What trains in a LoRA chunk as Megatron `ShardedTensor`s: the adapters keyed by PEFT name (global shapes:
+    any TP/PP layout loads them) and any other trainable parameter (a critic's value head, replicated), holding the
+    parameters themselves (the optimizer's state is keyed by them)."""
     from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
     out = {}
-    for name, p, dim in _local_adapters([chunk]):
+    for name, p, dim in _trainable(chunk):
         key = f"{prefix}{name}"
         out[key] = (make_tp_sharded_tensor_for_checkpoint(p, key, dim) if dim is not None else
                     make_sharded_tensor_for_checkpoint(p, key))
     return out
 
 
-def load_adapter_state_dict(chunk, loaded: dict, prefix: str = "") -> None:
-    """Copy a loaded :func:`adapter_sharded_state_dict` (local shards) into the chunk's adapters."""
-    for name, p, _ in _local_adapters([chunk]):
+def load_trainable_state_dict(chunk, loaded: dict, prefix: str = "") -> None:
+    """Copy a loaded :func:`trainable_sharded_state_dict` (local shards) into the chunk."""
+    for name, p, _ in _trainable(chunk):
         with torch.no_grad():
             p.copy_(loaded[f"{prefix}{name}"])
+
+
+def _trainable(chunk) -> Iterator[tuple[str, torch.nn.Parameter, Optional[int]]]:
+    yield from _local_adapters([chunk])
+    for name, p in chunk.named_parameters():
+        if p.requires_grad and ".lora." not in name:
+            if getattr(p, "tensor_model_parallel", False):
+                raise LoraError(f"{name} trains and is split over TP; a LoRA checkpoint holds adapters and "
+                                "replicated heads only")
+            yield name, p, None
