@@ -286,3 +286,63 @@ def test_checkpoint_holds_the_adapters_and_resumes_bitwise(env, actor, tmp_path)
     moved = roles.build_actor(config(other), state, total_steps=2)
     with pytest.raises(ValueError, match="trained on the base .*differs.*actor_rollout_ref.model.path"):
         moved.load_checkpoint(tmp_path / "ckpt")
+
+
+# ------------------------------------------------------------------------------------ TP=2 and PP=2 (one launch)
+@pytest.fixture(scope="module")
+def made_adapter(env, tmp_path_factory):
+    """A peft-made all-linear adapter with random A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir = env
+    out = tmp_path_factory.mktemp("made_all")
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", init_lora_weights=False,
+                                    lora_dropout=0.0)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(env, made_adapter, tmp_path_factory):
+    from launcher import CPU, run
+
+    _, model_dir = env
+    out = tmp_path_factory.mktemp("lora_parallel")
+    torch.save(make_batch(), out / "batch.pt")
+    run("tests/scripts/lora_cases.py", "--model-dir", str(model_dir), "--adapter", str(made_adapter), "--out",
+        str(out), nproc=2, timeout=600, env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
+    return {name: torch.load(out / f"{name}.pt") for name in ("tp2", "pp2")}
+
+
+@pytest.mark.cost(20)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tp2_and_pp2_equal_peft_and_tp1(env, made_adapter, parallel_runs, layout):
+    """At TP=2 (A or B split as the base weight is, q/k/v per query group) and at PP=2: log-probs equal peft's
+    (1e-5), the merged export equals peft's merge (1e-6), and one update moves the adapters as at TP=1 (1e-5); the
+    TP=2 checkpoint loads at PP=2 bitwise. Mutation: drop the TP all-reduce of the row-parallel rank-r product
+    (`region(u, ...)` skipped for row) -> tp2 fails; skip `copy_to_tensor_model_parallel_region` for column
+    (A's gradient not summed over TP) -> tp2's update fails."""
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    res, batch = parallel_runs[layout], make_batch()
+    peft = peft_model(model_dir, made_adapter)
+    torch.testing.assert_close(res["log_probs"], hf_log_probs(peft, batch), atol=1e-5, rtol=0)
+    merged = peft.merge_and_unload().state_dict()
+    for name, t in res["merged"].items():
+        torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+    from rlhf_mcore.models.lora import adapter_tensors
+
+    tp1 = roles.build_actor(config(model_dir, f"actor_rollout_ref.model.lora_adapter_path={made_adapter}",
+                                   "actor_rollout_ref.model.target_modules=all-linear"), state, 2)
+    old, _ = tp1.compute_log_probs(batch)
+    tp1.update_policy({**batch, "old_log_probs": old})
+    want = adapter_tensors(tp1.chunks, state)
+    assert set(want) == set(res["updated"])
+    for name, t in res["updated"].items():
+        torch.testing.assert_close(t, want[name], atol=1e-5, rtol=0, msg=name)
+    if layout == "pp2":
+        loaded, saved = res["loaded_from_tp2"], parallel_runs["tp2"]["updated"]
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)

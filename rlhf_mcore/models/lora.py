@@ -434,7 +434,9 @@ def read_peft_adapter(path, spec: Optional[LoraSpec] = None) -> tuple[dict, dict
                         f"{config.get('use_dora')}, {config.get('use_rslora')}); only plain LoRA adapters load.")
     tensors = {k.replace(".default.", "."): v for k, v in load_file(str(root / ADAPTER_WEIGHTS)).items()}
     if spec is not None:
-        targets = resolve_targets(config.get("target_modules") or [], key)
+        named = config.get("target_modules") or []  # peft writes "all-linear" out as full module paths
+        named = [named] if isinstance(named, str) else sorted({n.rsplit(".", 1)[-1] for n in named})
+        targets = resolve_targets(named, key)
         got = (int(config.get("r", 0)), float(config.get("lora_alpha", 0)), targets)
         want = (spec.rank, spec.alpha, spec.targets)
         if got != want or config.get("rank_pattern") or config.get("alpha_pattern"):
