@@ -14,6 +14,9 @@ import torch
 
 pytestmark = pytest.mark.cost(25)
 
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 RANK, ALPHA = 4, 8.0
 B, P, R = 4, 5, 6
 
@@ -346,3 +349,49 @@ def test_tp2_and_pp2_equal_peft_and_tp1(env, made_adapter, parallel_runs, layout
     if layout == "pp2":
         loaded, saved = res["loaded_from_tp2"], parallel_runs["tp2"]["updated"]
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+# ------------------------------------------------------------------------------------ a LoRA run end to end
+@pytest.mark.cost(30)
+def test_one_step_off_lora_run_syncs_merged_weights_exports_and_converts(env, tmp_path):
+    """launch/train.py with LoRA in `one_step_off` (1 rollout + 1 training process; the weights cross by broadcast)
+    with `sync_verify`: every sync's rollout weights are checked bitwise against the merged export, the run ends
+    with `lora_adapter/` (peft loads it) and `hf_final/` equal to peft's merge of it (1e-6), trained away from the
+    base; convert_checkpoint's LoRA path turns the step-2 checkpoint into the same adapter (bitwise) and merged
+    model. Mutation: `export_final` skips the PEFT directory -> fails; `lora_to_hf` loads no adapters -> fails."""
+    import importlib.util
+
+    from e2e_helpers import parity_task, records
+    from launcher import CPU
+    from launcher import run as run_script
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    state, model_dir = env
+    out = tmp_path / "run"
+    args = parity_task(tmp_path, model_dir, max_response_length=6) + [
+        "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.actor.optim.lr=5e-3", "algorithm.adv_estimator=grpo", "trainer.max_rollout_logprob_gap=null",
+        "actor_rollout_ref.rollout.sync_verify=true", "trainer.total_training_steps=2", "trainer.save_freq=2",
+        "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", f"trainer.default_local_dir={out}"]
+    run_script("launch/train.py", *args, nproc=2, timeout=600, env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
+    assert [r["step"] for r in records(out)] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 for r in records(out))
+    merged = peft_model(model_dir, out / "lora_adapter").merge_and_unload().state_dict()
+    final = AutoModelForCausalLM.from_pretrained(out / "hf_final", dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for name, t in final.items():
+        torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+    assert (final["model.layers.0.self_attn.q_proj.weight"] - base["model.layers.0.self_attn.q_proj.weight"]
+            ).abs().max() > 1e-4
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "launch" / "convert_checkpoint.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    ckpt = convert.checked_model_dir(out / "checkpoints" / "global_step_2", None)
+    convert.mcore_to_hf(ckpt, tmp_path / "conv_hf", state, out_adapter_dir=tmp_path / "conv_adapter")
+    want = load_file(out / "lora_adapter" / "adapter_model.safetensors")
+    got = load_file(tmp_path / "conv_adapter" / "adapter_model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    conv = AutoModelForCausalLM.from_pretrained(tmp_path / "conv_hf", dtype=torch.float32).state_dict()
+    assert all(torch.equal(conv[k], final[k]) for k in final)

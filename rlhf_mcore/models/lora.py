@@ -414,7 +414,7 @@ def save_peft_adapter(chunks, state, out_dir, spec: LoraSpec, base_path: str) ->
                   metadata={"format": "pt"})
         (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(spec, base_path), indent=2) + "\n")
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=state.world_group)
     return out
 
 

@@ -45,7 +45,12 @@ def export_final(run: RunContext, learner: Learner) -> None:
     if not run.cfg.trainer.export_hf_final:
         return
     out = run.out_dir / "hf_final"
-    learner.actor.save_hf(out)
+    learner.actor.save_hf(out)  # with LoRA: the base with the adapters merged
+    if getattr(learner.actor, "lora", None) is not None:  # and the adapters alone, as a PEFT directory
+        from rlhf_mcore.models.lora import save_peft_adapter
+
+        save_peft_adapter(learner.actor.chunks, run.state, run.out_dir / "lora_adapter", learner.actor.lora,
+                          learner.actor.hf_dir)
     if run.state.is_coordinator:
         run.logger.text(f"final actor (Hugging Face format): {out}")
 
