@@ -395,3 +395,22 @@ def test_one_step_off_lora_run_syncs_merged_weights_exports_and_converts(env, tm
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     conv = AutoModelForCausalLM.from_pretrained(tmp_path / "conv_hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(conv[k], final[k]) for k in final)
+
+
+def test_critic_lora_trains_adapters_and_its_value_head(env):
+    """`critic.model.lora_rank`: the critic's trunk gets adapters, its value head trains in full (PEFT's
+    modules_to_save), the rest is frozen; its checkpoint entries are exactly those. Mutation: drop the
+    `output_layer.requires_grad_(True)` of apply_lora -> fails."""
+    from rlhf_mcore.engine import build_engine
+    from rlhf_mcore.models.lora import adapter_modules, trainable_sharded_state_dict
+
+    state, model_dir = env
+    critic = build_engine(config(model_dir, "algorithm.adv_estimator=gae", "critic.model.lora_rank=2",
+                                 "critic.model.target_modules=[v_proj,o_proj]"), state, role="critic", total_steps=2)
+    chunk = critic.chunks[0]
+    trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+    assert {n for n in trainable if ".lora." not in n} == {"output_layer.weight", "output_layer.bias"}
+    assert len(trainable) == 2 + 2 * 2 * 2 and len(list(adapter_modules([chunk]))) == 2 * 2
+    assert set(trainable_sharded_state_dict(chunk)) >= {"output_layer.weight", "output_layer.bias"}
+    values = critic.compute_values(make_batch())
+    assert values.shape == (B, R) and values.abs().sum() > 0
