@@ -8,13 +8,12 @@
 - config errors name the key, the value and the fix.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.cost(25)
-
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, ALPHA = 4, 8.0
@@ -358,7 +357,8 @@ def test_one_step_off_lora_run_syncs_merged_weights_exports_and_converts(env, tm
     with `sync_verify`: every sync's rollout weights are checked bitwise against the merged export, the run ends
     with `lora_adapter/` (peft loads it) and `hf_final/` equal to peft's merge of it (1e-6), trained away from the
     base; convert_checkpoint's LoRA path turns the step-2 checkpoint into the same adapter (bitwise) and merged
-    model. Mutation: `export_final` skips the PEFT directory -> fails; `lora_to_hf` skips `load_distributed` -> fails."""
+    model. Mutation: `export_final` skips the PEFT directory -> fails; `lora_to_hf` skips `load_distributed` ->
+    fails."""
     import importlib.util
 
     from e2e_helpers import parity_task, records
