@@ -417,28 +417,28 @@ def test_critic_lora_trains_adapters_and_its_value_head(env):
 
 
 def test_adapter_only_sync_leaves_the_rollout_with_the_merged_weights(env, actor):
-    """`sync.lora.sync_adapters_to_rollout` (adapters cross, the receiver merges into its base copy) after a full
-    first sync: the native engine ends with the merged sync's weights (1e-6, fp32 merge order), having received
-    only the adapters' bytes. Mutation: `BaseWeights.merged` drops `scale` -> fails."""
+    """The trainer's sync of a LoRA actor (roles.sync_weights): full and merged the first time, adapter-only after
+    (`sync.lora`: the adapters cross, the native engine's side merges them into its host copy of the base), unless
+    `sync_verify` asks for full syncs. The adapter-only engine ends with the merged sync's weights (1e-6, fp32 merge
+    order) having received only the adapters' bytes. Mutation: `BaseWeights.merged` drops `scale` -> fails."""
     from rlhf_mcore.models.lora import adapter_tensors
     from rlhf_mcore.rollout import build_rollout_engine
     from rlhf_mcore.sync import engine_hf_shards
-    from rlhf_mcore.sync.lora import BaseWeights, sync_adapters_to_rollout
     from rlhf_mcore.trainer import roles
 
     state, model_dir = env
-    rcfg = config(model_dir, "actor_rollout_ref.rollout.sync_verify=true").actor_rollout_ref.rollout
+    plain = config(model_dir).actor_rollout_ref.rollout
+    verified = config(model_dir, "actor_rollout_ref.rollout.sync_verify=true").actor_rollout_ref.rollout
     merged_engine, adapter_engine = (build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16,
                                                           load_weights=False) for _ in range(2))
-    roles.sync_weights(actor, adapter_engine, state, rcfg)  # the first sync is full
+    first = roles.sync_weights(actor, adapter_engine, state, plain)
+    assert "sync/adapter_bytes" not in first and first["sync/tensors"] > 2 * 7  # the first sync is full
     batch = make_batch()
     old, _ = actor.compute_log_probs(batch)
     actor.update_policy({**batch, "old_log_probs": old})
+    metrics = roles.sync_weights(actor, adapter_engine, state, plain)
+    assert "sync/adapter_bytes" not in roles.sync_weights(actor, merged_engine, state, verified)
     adapters = adapter_tensors(actor.chunks, state)
-    base = BaseWeights(model_dir, {n.replace(".lora_A.weight", ".weight").removeprefix("base_model.model.")
-                                   for n in adapters if ".lora_A." in n})
-    metrics = sync_adapters_to_rollout(actor, adapter_engine, state, base)
-    roles.sync_weights(actor, merged_engine, state, rcfg)
     assert metrics["sync/adapter_bytes"] == sum(t.numel() * 4 for t in adapters.values())
     assert metrics["sync/load/tensors"] == 2 * 7
     want, got = engine_hf_shards(merged_engine), engine_hf_shards(adapter_engine)

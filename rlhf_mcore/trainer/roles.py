@@ -199,11 +199,40 @@ def colocated_rollout(rollout, engines: Sequence, *, free_cache: bool, sync_at_w
 
 def sync_weights(actor, rollout, state: ParallelState, rollout_cfg) -> dict[str, float]:
     """Actor -> rollout: the actor's weights as full HF-named tensors, streamed in buckets, resharded to the
-    rollout's layout. Returns the sync's metrics (`sync/*`)."""
+    rollout's layout. Returns the sync's metrics (`sync/*`).
+
+    A LoRA actor syncs adapter-only into the native engine once that engine holds a full copy (after the first sync;
+    never at sleep level 2, whose engine drops its weights, nor with `sync_verify`, which checks full syncs):
+    :func:`rlhf_mcore.sync.lora.sync_adapters_to_rollout`, faster than the merged sync on CPU (BENCHMARKS.md)."""
     from rlhf_mcore.sync import sync_actor_to_rollout
 
-    return sync_actor_to_rollout(actor.export_hf_weights(), rollout, state,
-                                 bucket_mb=rollout_cfg.sync_bucket_mb, verify=rollout_cfg.sync_verify)
+    if _adapter_only_sync(actor, rollout, rollout_cfg):
+        from rlhf_mcore.sync.lora import sync_adapters_to_rollout
+
+        return sync_adapters_to_rollout(actor, rollout, state, actor.lora_base_weights,
+                                        bucket_mb=rollout_cfg.sync_bucket_mb)
+    metrics = sync_actor_to_rollout(actor.export_hf_weights(), rollout, state,
+                                    bucket_mb=rollout_cfg.sync_bucket_mb, verify=rollout_cfg.sync_verify)
+    if getattr(actor, "lora", None) is not None:
+        actor.lora_full_sync_of = id(rollout)  # this engine now holds every weight
+    return metrics
+
+
+def _adapter_only_sync(actor, rollout, rollout_cfg) -> bool:
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    if getattr(actor, "lora", None) is None or not isinstance(rollout, NativeRolloutEngine) or rollout_cfg.sync_verify:
+        return False
+    if (rollout_cfg.free_cache_engine and rollout_cfg.sleep_level == 2) or \
+            getattr(actor, "lora_full_sync_of", None) != id(rollout):
+        return False
+    if getattr(actor, "lora_base_weights", None) is None:
+        from rlhf_mcore.models.lora import adapter_tensors
+        from rlhf_mcore.sync.lora import BaseWeights, base_name
+
+        names = {base_name(n) for n in adapter_tensors(actor.chunks, actor.state) if ".lora_A." in n}
+        actor.lora_base_weights = BaseWeights(actor.hf_dir, names)
+    return True
 
 
 # --- training engines: filled in against rlhf_mcore.engine ------------------------------------------------
