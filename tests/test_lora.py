@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.cost(25)
+pytestmark = pytest.mark.cost(55)  # one 2-process launch (TP=2, PP=2) and one 2-process training run
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, ALPHA = 4, 8.0
@@ -318,7 +318,6 @@ def parallel_runs(env, made_adapter, tmp_path_factory):
     return {name: torch.load(out / f"{name}.pt") for name in ("tp2", "pp2")}
 
 
-@pytest.mark.cost(20)
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_tp2_and_pp2_equal_peft_and_tp1(env, made_adapter, parallel_runs, layout):
     """At TP=2 (A or B split as the base weight is, q/k/v per query group) and at PP=2: log-probs equal peft's
@@ -351,7 +350,6 @@ def test_tp2_and_pp2_equal_peft_and_tp1(env, made_adapter, parallel_runs, layout
 
 
 # ------------------------------------------------------------------------------------ a LoRA run end to end
-@pytest.mark.cost(30)
 def test_one_step_off_lora_run_syncs_merged_weights_exports_and_converts(env, tmp_path):
     """launch/train.py with LoRA in `one_step_off` (1 rollout + 1 training process; the weights cross by broadcast)
     with `sync_verify`: every sync's rollout weights are checked bitwise against the merged export, the run ends
