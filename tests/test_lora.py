@@ -1,11 +1,17 @@
-"""LoRA on the Megatron layers (rlhf_mcore.models.lora), one CPU process at TP=PP=1, fp32, against transformers + peft.
+"""LoRA (rlhf_mcore.models.lora, sync/lora.py) against transformers + peft, fp32 on CPU.
 
+In one process (TP=PP=1):
 - the adapted forward equals peft's on the same adapter weights (written by `save_peft_adapter`, loaded by
   `peft.PeftModel.from_pretrained`), and a peft-made adapter (q/v/down only: partly fused layers) loads as the start;
 - only the adapters get gradients, optimizer state and updates; the base stays bitwise as loaded;
 - the reference (adapters off) equals a separately built base model's log-probs bitwise;
-- the exported (synced) weights are peft's `merge_and_unload` weights;
-- config errors name the key, the value and the fix.
+- the exported (synced) weights are peft's `merge_and_unload` weights, and the rollout holds them after the
+  trainer's sync, merged or adapter-only;
+- checkpoints hold the adapters and their optimizer state, resume bitwise, refuse another base;
+- the critic's LoRA trains its adapters and value head; config errors name the key, the value and the fix.
+One 2-process launch (tests/scripts/lora_cases.py): TP=2 and PP=2 against peft and TP=1, a TP=2 checkpoint loaded
+at PP=2. One 2-process `one_step_off` training run: merged weights verified at every sync, the PEFT and merged
+exports, convert_checkpoint.py's LoRA path.
 """
 import json
 from pathlib import Path

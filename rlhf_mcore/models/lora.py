@@ -20,6 +20,7 @@ Export: :func:`merged_weight` (`W + (alpha / r) * B @ A` of a local shard, what 
 :func:`read_peft_adapter` (`adapter_config.json` + `adapter_model.safetensors`, written with safetensors and json:
 peft is not needed at run time), :func:`trainable_sharded_state_dict` (the adapters only, as Megatron
 `ShardedTensor`s, so checkpoints hold adapters and their optimizer state and reshard like the rest).
+The adapter-only weight sync is `rlhf_mcore.sync.lora`.
 """
 from __future__ import annotations
 
@@ -226,11 +227,12 @@ def apply_lora(chunks: list, spec: LoraSpec, state, *, seed: int = 0) -> int:
             for path, (kind, parts) in _LINEARS.items():
                 if not any(t in spec.targets for _, t in parts):
                     continue
-                linear = layer.get_submodule(path)
+                linear = _submodule(layer, path)
                 if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
                     raise LoraError(f"LoRA needs Megatron's local layer spec (ColumnParallelLinear / "
                                     f"RowParallelLinear); {path} is a {type(linear).__name__} (Transformer Engine's "
-                                    "fused layer-norm linears are not supported): build without Transformer Engine.")
+                                    "fused layer-norm linears and MoE experts are not supported): build without "
+                                    "Transformer Engine, on a dense model.")
                 weight = linear.weight
                 lora = LoraAdapters(kind, _part_shapes(kind, parts, shape, tp, spec.targets), spec.rank, spec.scale,
                                     linear.tp_group, tp, shape, weight.dtype, weight.device)
@@ -276,9 +278,15 @@ def adapter_modules(chunks) -> Iterator[tuple[int, str, LoraAdapters]]:
         decoder = getattr(chunk, "decoder", None)
         for local, layer in enumerate(decoder.layers if decoder is not None else []):
             for path in _LINEARS:
-                lora = getattr(layer.get_submodule(path), "lora", None)
+                lora = getattr(_submodule(layer, path), "lora", None)  # MoE layers have no linear_fc1 / fc2
                 if lora is not None:
                     yield chunk.layer_ids[local], path, lora
+
+
+def _submodule(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
 
 
 def has_lora(chunks) -> bool:
