@@ -449,3 +449,14 @@ def test_adapter_only_sync_leaves_the_rollout_with_the_merged_weights(env, actor
     assert set(want) == set(got)
     for name in want:
         torch.testing.assert_close(got[name].tensor, want[name].tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_lora_turns_the_train_engines_cuda_graphs_off(env, actor):
+    """A captured decoder graph would not see the reference pass switch the adapters off: with LoRA the graphs are
+    off, and asking for them is refused with the key. Mutation: drop the `cuda_graphs=False` replace -> fails."""
+    from rlhf_mcore.trainer import roles
+
+    state, model_dir = env
+    assert actor.cfg.cuda_graphs is False and actor._graphs == []
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.megatron.cuda_graphs=true with LoRA"):
+        roles.build_actor(config(model_dir, "actor_rollout_ref.actor.megatron.cuda_graphs=true"), state, 2)

@@ -56,6 +56,13 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         lora = LoraSpec.from_config(c.model, "critic.model")
     else:
         raise ValueError(f"role={role!r}; choose actor, ref or critic")
+    if lora is not None:
+        # a captured decoder graph would replay with the adapters on when the reference pass switches them off
+        if ecfg.cuda_graphs:
+            raise ValueError(f"{ecfg.graph_key}=true with LoRA (lora_rank={lora.rank}): the reference pass switches "
+                             "the adapters off, which a captured CUDA graph cannot see; set it to false or leave it "
+                             "unset (off with LoRA).")
+        ecfg = dataclasses.replace(ecfg, cuda_graphs=False)
     overrides = {**recompute_overrides(recompute), **pipeline_split(cfg)}  # every role: the actor's stage split
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
