@@ -42,8 +42,9 @@ setup(
         "triton": ["triton>=3.2"],
         "wandb": ["wandb>=0.18"],
         # trl: the TRL peer benchmark's tiny form runs in the tests (pure Python; accelerate is its one extra need)
+        # peft: tests/test_lora.py checks the LoRA adapters against it (the run itself writes PEFT files without it)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.8", "ruff>=0.6", "triton>=3.2", "trl>=1.16",
-                "accelerate>=1.10.1"],
+                "accelerate>=1.10.1", "peft>=0.13"],
     },
     entry_points={},
 )

@@ -20,6 +20,9 @@ When PP does not divide the layers, a stage split is chosen (printed), or give i
 --num-layers-in-first/last-pipeline-stage (the keys of `megatron.override_transformer_config` in a run config);
 the checkpoint loads under any other split.
 `--role critic` converts a critic (value head saved as `score.*` in HF form).
+A LoRA training checkpoint (adapters only, `actor_rollout_ref.model.lora_rank > 0`) converts on its base (the
+path it names, or --hf-dir with the same hash) to the merged HF directory, and with --out-adapter-dir also to a
+PEFT adapter directory (`peft.PeftModel.from_pretrained(base, dir)` loads it).
 
 The `if __name__ == "__main__":` guard is required: dist_checkpointing's writer spawns helper processes that
 re-import this file.
@@ -71,11 +74,56 @@ def checked_model_dir(mcore_dir, role: str | None) -> Path:
     return path
 
 
-def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = None, split: dict | None = None
-                ) -> Path:
+def lora_base(mcore_dir) -> dict | None:
+    """A LoRA training checkpoint's `lora_base` (base path, hash, adapter spec); None for any other checkpoint."""
+    from rlhf_mcore.engine.checkpoint import LORA_BASE_KEY
+    from rlhf_mcore.engine.safe_load import load_common
+
+    common = Path(mcore_dir) / "common.pt"
+    return load_common(mcore_dir).get(LORA_BASE_KEY) if common.is_file() else None
+
+
+def lora_to_hf(mcore_dir, out_hf_dir, state, base: dict, hf_dir=None, role: str | None = None,
+               split: dict | None = None, out_adapter_dir=None) -> Path:
+    """A LoRA training checkpoint (adapters only) on its base (the saved path, or --hf-dir: it must hash the
+    same) -> the merged HF directory, and the PEFT adapter directory when `out_adapter_dir` is given."""
+    from rlhf_mcore.engine.safe_load import load_distributed
+    from rlhf_mcore.models import build_model, save_hf_checkpoint
+    from rlhf_mcore.models.lora import (
+        LoraSpec,
+        base_hash,
+        load_trainable_state_dict,
+        save_peft_adapter,
+        trainable_sharded_state_dict,
+    )
+    from rlhf_mcore.models.mcore_checkpoint import saved_role
+
+    src = Path(hf_dir) if hf_dir is not None else Path(base["path"])
+    if not (src / "config.json").is_file() or base_hash(src) != base["sha256"]:
+        raise CheckpointError(f"{mcore_dir} holds LoRA adapters trained on the base {base['path']}; {src} is "
+                              f"{'not that model' if (src / 'config.json').is_file() else 'not a model directory'}: "
+                              "pass the base's Hugging Face directory as --hf-dir.")
+    spec = LoraSpec(base["rank"], base["alpha"], tuple(base["target_modules"]))
+    chunks = build_model(src, state, role=role or saved_role(mcore_dir), config_overrides=split, lora=spec)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    loaded = load_distributed({k: trainable_sharded_state_dict(c) for k, c in zip(keys, chunks)}, mcore_dir)
+    for k, c in zip(keys, chunks):
+        load_trainable_state_dict(c, loaded[k])
+    if out_adapter_dir:
+        save_peft_adapter(chunks, state, out_adapter_dir, spec, str(src))
+    return save_hf_checkpoint(chunks, state, out_hf_dir, src)
+
+
+def mcore_to_hf(mcore_dir, out_hf_dir, state, hf_dir=None, role: str | None = None, split: dict | None = None,
+                out_adapter_dir=None) -> Path:
     from rlhf_mcore.models import build_model, save_hf_checkpoint
     from rlhf_mcore.models.mcore_checkpoint import HF_META, load_mcore_checkpoint, saved_role
 
+    base = lora_base(mcore_dir)
+    if base is not None:
+        return lora_to_hf(mcore_dir, out_hf_dir, state, base, hf_dir, role, split, out_adapter_dir)
+    if out_adapter_dir:
+        raise ConfigError(f"--out-adapter-dir: {mcore_dir} holds no LoRA adapters (a full-model checkpoint)")
     meta = Path(hf_dir) if hf_dir is not None else Path(mcore_dir) / HF_META
     if not (meta / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {meta}; pass --hf-dir with the model's HF config and tokenizer "
@@ -115,7 +163,10 @@ def main(argv=None) -> None:
                                     "config/tokenizer source instead of the checkpoint's hf_meta/")
     p.add_argument("--mcore-dir", required=True, help="Megatron distributed checkpoint directory, or a training "
                                                       "checkpoint (global_step_N/ or its actor/, critic/)")
-    p.add_argument("--out-hf-dir", help="mcore2hf: the output HF directory (required)")
+    p.add_argument("--out-hf-dir", help="mcore2hf: the output HF directory (required; from a LoRA checkpoint: the "
+                                        "base with the adapters merged)")
+    p.add_argument("--out-adapter-dir", help="mcore2hf of a LoRA checkpoint: also write its PEFT adapter directory "
+                                             "(adapter_config.json + adapter_model.safetensors) here")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--role", choices=("actor", "ref", "critic"), default=None,
@@ -180,7 +231,8 @@ def convert(args) -> None:
         if args.direction == "hf2mcore":
             out = hf_to_mcore(args.hf_dir, args.mcore_dir, state, role=args.role or "actor", split=split)
         else:
-            out = mcore_to_hf(mcore_dir, args.out_hf_dir, state, hf_dir=args.hf_dir, role=args.role, split=split)
+            out = mcore_to_hf(mcore_dir, args.out_hf_dir, state, hf_dir=args.hf_dir, role=args.role, split=split,
+                              out_adapter_dir=args.out_adapter_dir)
         if state.rank == 0:
             print(f"{args.direction}: wrote {out} (TP={args.tp}, PP={args.pp}, world={state.world_size})")
     finally:

@@ -36,6 +36,7 @@ from rlhf_mcore.config.algorithm import (
 from rlhf_mcore.config.critic import CriticConfig, CriticModelConfig
 from rlhf_mcore.config.cross import (
     critic_enabled,
+    lora_enabled,
     parallel_layout,
     pipeline_split,
     pool_sizes,
@@ -62,6 +63,7 @@ from rlhf_mcore.config.trainer import AsyncTrainingConfig, RolloutPoolConfig, Tr
 
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
+    "lora_enabled",
     "parallel_layout", "pipeline_split", "pool_sizes", "model_max_positions", "model_num_layers", "to_yaml",
     "to_dict", "load_plugins", "FILTER_METRICS",
     # the sections

@@ -3,7 +3,7 @@ and the reference policy."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -11,6 +11,9 @@ from rlhf_mcore.config.checks import above, at_least, checked, choice, unset_or,
 from rlhf_mcore.config.shared import (
     AT_LEAST_ONE,
     GRAD_CLIP,
+    LORA_ALPHA,
+    LORA_RANK,
+    LORA_TARGET_MODULES,
     TEMPERATURE,
     TOP_K,
     TOP_P,
@@ -31,6 +34,11 @@ class ModelConfig:
     trust_remote_code: bool = checked(False, ok=lambda v: not v, what=(
         "false: rlhf_mcore builds Qwen2/Qwen2.5/Qwen3/Llama models with its own code and never runs a model "
         "repository's Python"))
+    # LoRA: adapters on the linear layers, the base frozen (0: full fine-tuning); veRL's keys
+    lora_rank: int = checked(0, **LORA_RANK)
+    lora_alpha: float = checked(16.0, **LORA_ALPHA)
+    target_modules: Any = checked("all-linear", **LORA_TARGET_MODULES)
+    lora_adapter_path: Optional[str] = None  # a PEFT adapter directory to start from (r, alpha, targets must match)
 
 
 @dataclass

@@ -2,10 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from rlhf_mcore.config.checks import above, checked
-from rlhf_mcore.config.shared import GRAD_CLIP, Dtype, MegatronConfig, OptimConfig, Strategy
+from rlhf_mcore.config.shared import (
+    GRAD_CLIP,
+    LORA_ALPHA,
+    LORA_RANK,
+    LORA_TARGET_MODULES,
+    Dtype,
+    MegatronConfig,
+    OptimConfig,
+    Strategy,
+)
 
 
 @dataclass
@@ -14,6 +23,11 @@ class CriticModelConfig:
     dtype: Dtype = "auto"
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = True
+    # LoRA of the value model's trunk, its head trained in full (0: full fine-tuning); veRL's keys
+    lora_rank: int = checked(0, **LORA_RANK)
+    lora_alpha: float = checked(16.0, **LORA_ALPHA)
+    target_modules: Any = checked("all-linear", **LORA_TARGET_MODULES)
+    lora_adapter_path: Optional[str] = None  # a PEFT adapter directory to start from (r, alpha, targets must match)
 
 
 @dataclass

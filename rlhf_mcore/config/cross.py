@@ -94,6 +94,7 @@ def check_relations(cfg: RLConfig) -> None:
     _check_dapo(cfg, need)
     _check_multi_turn(cfg, need)
     _check_fp8(cfg, need)
+    _check_lora(cfg, need)
 
 
 def _check_fp8(cfg: RLConfig, need) -> None:
@@ -117,6 +118,25 @@ def _check_fp8(cfg: RLConfig, need) -> None:
         need(f"{key}.fp8", not on_cpu, "null with trainer.device=cpu: FP8 GEMMs need a CUDA GPU (sm >= 89)")
         need(f"{key}.fp8", not megatron.sequence_parallel,
              "null with sequence_parallel=true: the FP8 linear does not gather sequence-parallel inputs")
+
+
+def lora_enabled(cfg: RLConfig) -> bool:
+    """LoRA on the actor (`actor_rollout_ref.model.lora_rank > 0`): the reference policy is then the actor with its
+    adapters switched off, and no reference model is built (rlhf_mcore.trainer.roles.build_reference)."""
+    return cfg.actor_rollout_ref.model.lora_rank > 0
+
+
+def _check_lora(cfg: RLConfig, need) -> None:
+    """LoRA keys of the actor and the critic: an adapter to start from needs adapters; no sequence parallelism."""
+    for model, megatron in (("actor_rollout_ref.model", "actor_rollout_ref.actor.megatron"),
+                            ("critic.model", "critic.megatron")):
+        rank = value_at(cfg, f"{model}.lora_rank")
+        need(f"{model}.lora_adapter_path", rank > 0 or not value_at(cfg, f"{model}.lora_adapter_path"),
+             f"unset while {model}.lora_rank=0 (set lora_rank, lora_alpha and target_modules to the adapter's)")
+        need(f"{megatron}.sequence_parallel", rank == 0 or not value_at(cfg, f"{megatron}.sequence_parallel"),
+             f"false with {model}.lora_rank > 0 (the LoRA adapters take the full sequence)")
+        need(f"{megatron}.fp8", rank == 0 or value_at(cfg, f"{megatron}.fp8") is None,
+             f"null with {model}.lora_rank > 0 (the FP8 linear carries no LoRA adapters)")
 
 
 def _check_multi_turn(cfg: RLConfig, need) -> None:

@@ -21,6 +21,20 @@ AT_LEAST_ONE = dict(ok=at_least(1), what=">= 1")
 GRAD_CLIP = dict(ok=above(0), what="> 0 (the max global gradient norm)")
 FINITE = dict(ok=finite, what="a finite number")
 
+# LoRA (veRL's model keys lora_rank / lora_alpha / target_modules / lora_adapter_path; rlhf_mcore.models.lora)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets_ok(v) -> bool:
+    """`all-linear`, one of LORA_TARGETS, or a non-empty list of them."""
+    names = [v] if isinstance(v, str) else list(v) if isinstance(v, (list, tuple)) or hasattr(v, "__iter__") else []
+    return names == ["all-linear"] or (bool(names) and all(n in LORA_TARGETS for n in names))
+
+
+LORA_RANK = dict(ok=at_least(0), what=">= 0 (0: LoRA off; e.g. 16)")
+LORA_ALPHA = dict(ok=lambda v: finite(v) and v > 0, what="> 0 (the adapters' scale is lora_alpha / lora_rank)")
+LORA_TARGET_MODULES = dict(ok=lora_targets_ok, what=f"'all-linear' or a list of {', '.join(LORA_TARGETS)}")
+
 
 @dataclass
 class OptimConfig:

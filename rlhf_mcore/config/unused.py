@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from rlhf_mcore.config.checks import value_at
-from rlhf_mcore.config.cross import critic_enabled, reference_enabled
+from rlhf_mcore.config.cross import critic_enabled, lora_enabled, reference_enabled
 from rlhf_mcore.config.errors import ConfigError
 
 # (section or key prefix, keys under it that stay meaningful, "is it unused?", why). Conditions are evaluated only
@@ -64,6 +64,13 @@ _RULES: tuple[_Rule, ...] = (
      lambda c: "actor_rollout_ref.rollout.multi_turn.enable=false: single-turn rollouts"),
     ("algorithm.reward_", (), lambda c: c.reward.reward_model.reward_manager != "prime",
      lambda c: "reward.reward_model.reward_manager is not prime"),
+    ("actor_rollout_ref.ref.", (), lora_enabled,
+     lambda c: "actor_rollout_ref.model.lora_rank > 0: the reference is the actor with its adapters off (the actor's "
+               "settings), no reference model is built"),
+    *((f"{m}.lora_alpha", (), lambda c, m=m: value_at(c, f"{m}.lora_rank") == 0,
+       lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
+    *((f"{m}.target_modules", (), lambda c, m=m: value_at(c, f"{m}.lora_rank") == 0,
+       lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
 )
 # Keys holding a file or directory path: one that does not exist is named in the notice.
 _PATH_KEYS = ("critic.model.path", "reward.reward_model.model.path", "reward.reward_model.model.input_tokenizer",

@@ -26,18 +26,23 @@ def recompute_overrides(enabled: bool) -> dict:
 def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: bool = True) -> TrainEngine:
     """Build the model of `role` ("actor", "ref" or "critic") from its HF directory and wrap it.
 
-    cfg: the run's `RLConfig`; total_steps: PPO steps of the run (the LR schedule's horizon).
+    cfg: the run's `RLConfig`; total_steps: PPO steps of the run (the LR schedule's horizon). With
+    `model.lora_rank > 0` (actor, critic) the model gets LoRA adapters and only they train
+    (:mod:`rlhf_mcore.models.lora`).
     """
     from rlhf_mcore.config import pipeline_split
     from rlhf_mcore.models import build_model
+    from rlhf_mcore.models.lora import LoraSpec
 
     arr, dp = cfg.actor_rollout_ref, state.dims.dp
+    lora = None
     if role == "actor":
         path = arr.model.path
         ecfg = EngineConfig.from_actor(arr.actor, arr.model, arr.rollout, dp)
         optim = dataclasses.replace(arr.actor.optim, total_training_steps=total_steps)
         megatron, dtype = arr.actor.megatron, _dtype(arr.model.dtype)
         recompute = arr.model.enable_gradient_checkpointing
+        lora = LoraSpec.from_config(arr.model, "actor_rollout_ref.model")
     elif role == "ref":
         path = arr.model.path
         ecfg, optim = EngineConfig.from_ref(arr.ref, arr.model, arr.rollout), None
@@ -48,18 +53,28 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         ecfg = EngineConfig.from_critic(c, arr.actor, arr.rollout, dp)
         optim = dataclasses.replace(c.optim, total_training_steps=total_steps)
         megatron, dtype, recompute = c.megatron, _dtype(c.model.dtype), c.model.enable_gradient_checkpointing
+        lora = LoraSpec.from_config(c.model, "critic.model")
     else:
         raise ValueError(f"role={role!r}; choose actor, ref or critic")
+    if lora is not None:
+        # a captured decoder graph would replay with the adapters on when the reference pass switches them off
+        if ecfg.cuda_graphs:
+            raise ValueError(f"{ecfg.graph_key}=true with LoRA (lora_rank={lora.rank}): the reference pass switches "
+                             "the adapters off, which a captured CUDA graph cannot see; set it to false or leave it "
+                             "unset (off with LoRA).")
+        ecfg = dataclasses.replace(ecfg, cuda_graphs=False)
     overrides = {**recompute_overrides(recompute), **pipeline_split(cfg)}  # every role: the actor's stage split
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,
-                         config_overrides=overrides or None)
+                         config_overrides=overrides or None, lora=lora, lora_seed=megatron.seed)
     if megatron.fp8 is not None:
         from rlhf_mcore.models.fp8_training import enable_fp8_training
 
         key = "critic.megatron.fp8" if role == "critic" else f"actor_rollout_ref.{role}.megatron.fp8"
         enable_fp8_training(chunks, megatron.fp8, key)
-    return TrainEngine(chunks, state, ecfg, optim, use_distributed_optimizer=megatron.use_distributed_optimizer,
+    engine = TrainEngine(chunks, state, ecfg, optim, use_distributed_optimizer=megatron.use_distributed_optimizer,
                        hf_dir=str(path), param_offload=megatron.param_offload,
                        grad_offload=megatron.grad_offload, optimizer_offload=megatron.optimizer_offload)
+    engine.lora = lora  # None, or the adapters' spec (PEFT export: rlhf_mcore.models.lora.save_peft_adapter)
+    return engine

@@ -7,6 +7,10 @@ the optimizer, the LR scheduler and the RNG states. Every rank calls :func:`save
 The directory also holds `hf_meta/` (the HF config, tokenizer and chat template of the model's source
 directory), so a training checkpoint converts to HF on its own (`launch/convert_checkpoint.py`).
 
+LoRA models (:mod:`rlhf_mcore.models.lora`): the model part holds only what trains -- the adapters (and a critic's
+value head) -- with their optimizer state; `lora_base` names the base HF directory with a hash of it, checked on
+load.
+
 Resharding:
 - model: loadable under any TP/PP/VPP/DP layout (the tensors are stored in their global shape);
 - optimizer: the distributed optimizer is saved in Megatron's `fully_reshardable` form (gathered per
@@ -38,6 +42,7 @@ from rlhf_mcore.engine.safe_load import load_common, load_distributed, tensor_ke
 __all__ = ["save_checkpoint", "load_checkpoint", "OPTIMIZER_SHARDING"]
 
 OPTIMIZER_SHARDING = "fully_reshardable"
+LORA_BASE_KEY = "lora_base"  # a LoRA checkpoint: {path, sha256} of the base HF directory and the adapters' spec
 _LAYOUT_KEY = "layout"
 
 
@@ -77,10 +82,15 @@ def _layout(state) -> dict:
 
 
 def _model_sharded_state_dict(modules: list[torch.nn.Module]) -> dict:
+    """The model's tensors; with LoRA only what trains (the adapters, a critic's head): the base is its HF
+    directory (`lora_base`)."""
+    from rlhf_mcore.models.lora import has_lora, trainable_sharded_state_dict
+
     sd = {}
     for i, m in enumerate(modules):
         inner = getattr(m, "module", m)  # unwrap DDP
-        sd["model" if len(modules) == 1 else f"model{i}"] = inner.sharded_state_dict()
+        sd["model" if len(modules) == 1 else f"model{i}"] = (
+            trainable_sharded_state_dict(inner) if has_lora([inner]) else inner.sharded_state_dict())
     return sd
 
 
@@ -156,7 +166,23 @@ def _sharded_state_dict(modules, optimizer, scheduler, state, is_loading: bool, 
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (d.pp, d.tp, d.dp),
                                         (state.pp_rank, state.tp_rank, state.dp_rank), replica_id=0)
     sd[_LAYOUT_KEY] = _layout(state)
+    base = _lora_base(modules)
+    if base is not None:
+        sd[LORA_BASE_KEY] = base
     return sd
+
+
+def _lora_base(modules) -> Optional[dict]:
+    """A LoRA model's base: its HF directory and `lora.base_hash` of it, and the adapters' spec (None without LoRA)."""
+    from rlhf_mcore.models.hf_loader import unwrap_model
+    from rlhf_mcore.models.lora import base_hash, has_lora
+
+    model = unwrap_model(modules[0])
+    if not has_lora([model]):
+        return None
+    spec = model.lora_spec
+    return {"path": str(model.hf_dir), "sha256": base_hash(model.hf_dir), "rank": spec.rank, "alpha": spec.alpha,
+            "target_modules": list(spec.targets)}
 
 
 def save_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, optimizer=None, scheduler=None,
@@ -207,10 +233,16 @@ def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
     sd = _sharded_state_dict(modules, optimizer if load_optimizer else None,
                              scheduler if "scheduler" in common else None, state, is_loading=True,
                              with_rng=load_rng and same_layout)
+    _check_lora_base(path, common.get(LORA_BASE_KEY), sd.get(LORA_BASE_KEY))
     loaded = load_distributed(sd, path)
     for i, m in enumerate(modules):
         inner = getattr(m, "module", m)
-        inner.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=True)
+        if LORA_BASE_KEY in sd:
+            from rlhf_mcore.models.lora import load_trainable_state_dict
+
+            load_trainable_state_dict(inner, loaded["model" if len(modules) == 1 else f"model{i}"])
+        else:
+            inner.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=True)
     config_groups = None
     if load_optimizer and optimizer is not None:
         config_groups = group_settings(optimizer)  # the loaded param groups replace these: put back below
@@ -228,6 +260,28 @@ def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
     if load_rng and same_layout and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     return {k: loaded.get(k) for k in (_LAYOUT_KEY, "extra")}
+
+
+def _check_lora_base(path: Path, saved: Optional[dict], mine: Optional[dict]) -> None:
+    """A LoRA checkpoint loads only into a LoRA model of the same spec on the same base (and a full one only into
+    a model without adapters)."""
+    if saved is None and mine is None:
+        return
+    if saved is None:
+        raise ValueError(f"{path} is a full-model checkpoint, but this model has LoRA adapters: set "
+                         "actor_rollout_ref.model.lora_rank=0 (critic.model.lora_rank for a critic) to resume it.")
+    if mine is None:
+        raise ValueError(f"{path} holds LoRA adapters (rank {saved['rank']}), but this model has none: set "
+                         f"lora_rank={saved['rank']}, lora_alpha={saved['alpha']:g}, target_modules="
+                         f"{saved['target_modules']} to resume it.")
+    for key in ("rank", "alpha", "target_modules"):
+        if saved[key] != mine[key]:
+            raise ValueError(f"{path} holds LoRA adapters with {key}={saved[key]!r}, this model's is {mine[key]!r}: "
+                             "set the lora_* keys to the checkpoint's.")
+    if saved["sha256"] != mine["sha256"]:
+        raise ValueError(f"{path} holds LoRA adapters trained on the base {saved['path']} (sha256 "
+                         f"{saved['sha256'][:12]}), but this model's base {mine['path']} differs (sha256 "
+                         f"{mine['sha256'][:12]}): point actor_rollout_ref.model.path at the checkpoint's base.")
 
 
 def _has_optimizer(path: Path) -> bool:

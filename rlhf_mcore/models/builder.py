@@ -44,7 +44,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dtype] = None,
                 load_weights: bool = True, attention_backend: str = "auto", config_overrides: Optional[dict] = None,
-                vocab_divisor: int = 128, fused_kernels: Optional[bool] = None) -> list:
+                vocab_divisor: int = 128, fused_kernels: Optional[bool] = None, lora=None, lora_seed: int = 0) -> list:
     """GPTModel chunks (one per virtual pipeline stage of this rank) for the HF model in `hf_dir`.
 
     role: "actor" / "ref" (language-model head, tied to the embedding when the checkpoint ties them),
@@ -55,6 +55,8 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     (e.g. recompute_granularity). load_weights=False leaves Megatron's random initialisation.
     fused_kernels: SwiGLU and packed RoPE as fused Triton kernels (`fused_layers`); None: on for CUDA models
     on the "sdpa" backend when triton is installed.
+    lora: a `lora.LoraSpec` (None: no adapters): adapters on the base weights once loaded, everything else frozen
+    (see `rlhf_mcore.models.lora.apply_lora`; `lora_seed` seeds their initialisation).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -101,6 +103,10 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     _log_split(config, state)
     if load_weights:
         load_hf_weights(chunks, hf_dir, state)
+    if lora is not None:
+        from rlhf_mcore.models.lora import apply_lora
+
+        apply_lora(chunks, lora, state, seed=lora_seed)
     return chunks
 
 

@@ -33,6 +33,7 @@ from rlhf_mcore.models.hf_config import (
     TOKEN_CLASSIFICATION_ARCHITECTURE,
 )
 from rlhf_mcore.models.hf_loader import INDEX_FILE, layer_numbers, unwrap_model
+from rlhf_mcore.models.lora import merged_weight
 from rlhf_mcore.models.weight_map import WeightRule, full_shape, join_tp_shards, rule_for_param, split_to_hf
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -45,6 +46,8 @@ def _local_params(chunks) -> dict:
     for chunk in chunks:
         layers = layer_numbers(chunk)
         for name, param in chunk.named_parameters():
+            if ".lora." in name:  # LoRA adapters: folded into their base weight (lora.merged_weight)
+                continue
             rule = rule_for_param(name, layers, chunk.hf_shape, chunk.model_role)
             out[rule.key] = (rule, param)
     return out
@@ -74,7 +77,7 @@ def _export_plan(chunks, local: dict, state) -> list:
 
 
 def _gather_tp(rule: WeightRule, param: torch.Tensor, state) -> torch.Tensor:
-    data = param.detach()
+    data = merged_weight(param)  # a LoRA-adapted linear's W + (alpha / r) B @ A, else the parameter
     if state.dims.tp == 1 or rule.kind == "replicated":
         return data
     data = data.contiguous()

@@ -26,7 +26,7 @@ def build_learner(run: RunContext, colocated: bool):
     rollout engine, agent runner)."""
     cfg, state = run.cfg, run.state
     actor = roles.build_actor(cfg, state, run.total_steps)
-    ref = roles.build_reference(cfg, state) if reference_enabled(cfg) else None
+    ref = roles.build_reference(cfg, state, actor) if reference_enabled(cfg) else None  # LoRA: the actor's base
     critic = roles.build_critic(cfg, state, run.total_steps) if critic_enabled(cfg) else None
     reward_model = roles.build_reward_model(cfg, state, run.tokenizer)  # None unless enabled
     prime = roles.build_prime(cfg, state, run.total_steps)  # None unless reward_manager=prime
@@ -45,7 +45,12 @@ def export_final(run: RunContext, learner: Learner) -> None:
     if not run.cfg.trainer.export_hf_final:
         return
     out = run.out_dir / "hf_final"
-    learner.actor.save_hf(out)
+    learner.actor.save_hf(out)  # with LoRA: the base with the adapters merged
+    if getattr(learner.actor, "lora", None) is not None:  # and the adapters alone, as a PEFT directory
+        from rlhf_mcore.models.lora import save_peft_adapter
+
+        save_peft_adapter(learner.actor.chunks, run.state, run.out_dir / "lora_adapter", learner.actor.lora,
+                          learner.actor.hf_dir)
     if run.state.is_coordinator:
         run.logger.text(f"final actor (Hugging Face format): {out}")
 

@@ -200,11 +200,40 @@ def colocated_rollout(rollout, engines: Sequence, *, free_cache: bool, sync_at_w
 
 def sync_weights(actor, rollout, state: ParallelState, rollout_cfg) -> dict[str, float]:
     """Actor -> rollout: the actor's weights as full HF-named tensors, streamed in buckets, resharded to the
-    rollout's layout. Returns the sync's metrics (`sync/*`)."""
+    rollout's layout. Returns the sync's metrics (`sync/*`).
+
+    A LoRA actor syncs adapter-only into the native engine once that engine holds a full copy (after the first sync;
+    never at sleep level 2, whose engine drops its weights, nor with `sync_verify`, which checks full syncs):
+    :func:`rlhf_mcore.sync.lora.sync_adapters_to_rollout`, faster than the merged sync on CPU (BENCHMARKS.md)."""
     from rlhf_mcore.sync import sync_actor_to_rollout
 
-    return sync_actor_to_rollout(actor.export_hf_weights(), rollout, state,
-                                 bucket_mb=rollout_cfg.sync_bucket_mb, verify=rollout_cfg.sync_verify)
+    if _adapter_only_sync(actor, rollout, rollout_cfg):
+        from rlhf_mcore.sync.lora import sync_adapters_to_rollout
+
+        return sync_adapters_to_rollout(actor, rollout, state, actor.lora_base_weights,
+                                        bucket_mb=rollout_cfg.sync_bucket_mb)
+    metrics = sync_actor_to_rollout(actor.export_hf_weights(), rollout, state,
+                                    bucket_mb=rollout_cfg.sync_bucket_mb, verify=rollout_cfg.sync_verify)
+    if getattr(actor, "lora", None) is not None:
+        actor.lora_full_sync_of = id(rollout)  # this engine now holds every weight
+    return metrics
+
+
+def _adapter_only_sync(actor, rollout, rollout_cfg) -> bool:
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    if getattr(actor, "lora", None) is None or not isinstance(rollout, NativeRolloutEngine) or rollout_cfg.sync_verify:
+        return False
+    if (rollout_cfg.free_cache_engine and rollout_cfg.sleep_level == 2) or \
+            getattr(actor, "lora_full_sync_of", None) != id(rollout):
+        return False
+    if getattr(actor, "lora_base_weights", None) is None:
+        from rlhf_mcore.models.lora import adapter_tensors
+        from rlhf_mcore.sync.lora import BaseWeights, base_name
+
+        names = {base_name(n) for n in adapter_tensors(actor.chunks, actor.state) if ".lora_A." in n}
+        actor.lora_base_weights = BaseWeights(actor.hf_dir, names)
+    return True
 
 
 # --- training engines: filled in against rlhf_mcore.engine ------------------------------------------------
@@ -214,10 +243,31 @@ def build_actor(cfg: RLConfig, state: ParallelState, total_steps: int):
     return build_engine(cfg, state, role="actor", total_steps=total_steps)
 
 
-def build_reference(cfg: RLConfig, state: ParallelState):
+def build_reference(cfg: RLConfig, state: ParallelState, actor=None):
+    """The reference policy: its own frozen model, or -- with LoRA on the actor -- the actor with its adapters
+    switched off (:class:`AdapterFreeReference`; no second model is built)."""
+    from rlhf_mcore.config import lora_enabled
     from rlhf_mcore.engine import build_engine
 
+    if lora_enabled(cfg):
+        if actor is None:
+            raise ValueError("with LoRA the reference is the actor's base: pass the actor to build_reference")
+        return AdapterFreeReference(actor)
     return build_engine(cfg, state, role="ref", total_steps=0)
+
+
+class AdapterFreeReference:
+    """The reference policy of a LoRA run: the actor's frozen base, i.e. the actor's forward with every adapter
+    off. `compute_log_probs` is the actor's (same temperature, micro-batching and kernels) without entropy."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute_log_probs(self, batch: dict, with_entropy: bool = False):
+        from rlhf_mcore.models.lora import adapters_disabled
+
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.compute_log_probs(batch, with_entropy=with_entropy)
 
 
 def build_critic(cfg: RLConfig, state: ParallelState, total_steps: int):
