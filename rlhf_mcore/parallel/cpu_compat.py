@@ -9,7 +9,8 @@ megatron-core assumes CUDA in a handful of places. Without a GPU, :func:`enable`
 - a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` to ``"cpu"`` in factory calls and
   ``.to("cuda")``/``.cuda()`` (the optimizers hard-code several ``torch.tensor(..., device='cuda')``);
 - ``Tensor.type()`` reports ``torch.cuda.*`` names for CPU tensors (the optimizers assert on them);
-- stream/synchronize/memory helpers become no-ops.
+- stream/synchronize/memory helpers become no-ops;
+- ``all_to_all_single``'s split sizes given as tensors (megatron's MoE alltoall dispatcher) become lists.
 
 It is active only in a process that runs on the CPU: without CUDA, or on a GPU machine where this rank was given no
 GPU (``enable(hide_gpus=True)``: more processes than GPUs, or ``trainer.device=cpu``; ``torch.cuda.is_available()``
@@ -66,6 +67,12 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         elif func is torch.Tensor.pin_memory:
             return args[0]
+        elif func is _ALL_TO_ALL_SINGLE:
+            # megatron's MoE alltoall dispatcher hands the split sizes over as host copies of device tensors
+            # (numpy on CUDA); on the CPU they stay tensors, which the gloo binding refuses: give it lists
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if torch.is_tensor(kwargs.get(key)):
+                    kwargs[key] = kwargs[key].tolist()
         elif func == _GRAD_GETTER:
             # Through this mode every `.grad` read is attributed to this file, and torch warns on reads of a
             # non-leaf tensor's .grad, which megatron's CPU path does harmlessly (the value is None either way).
@@ -76,6 +83,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 _GRAD_GETTER = torch.Tensor.grad.__get__
+_ALL_TO_ALL_SINGLE = torch.distributed.all_to_all_single
 
 
 _CPU_TYPE_NAMES = {

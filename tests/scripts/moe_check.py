@@ -1,0 +1,87 @@
+"""Worker for tests/test_moe.py, run under torchrun with 2 processes (several layouts inside one process group).
+
+For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megatron chunks from the HF directory
+(the loader a user's directory goes through) and
+- runs Megatron's schedule forward-only on the documents (a plain batch, a left-padded one with a mask, the
+  documents packed as THD) and saves the gathered logits for pytest to compare with transformers;
+- exports HF tensors with `export_hf_weights` and compares them bitwise with the checkpoint, on every rank;
+- per layout "readlog": loads again with a ReadLog and reports which experts each rank read;
+- per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise).
+
+Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
+"""
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from models_check import documents, gather_problems, packed_batch, padded_batch, roundtrip, run_forward
+
+from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+
+
+def reporter(state) -> bool:
+    return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
+
+
+def experts_read(log) -> list:
+    """The global expert indices whose weights a ReadLog saw."""
+    return sorted({int(m.group(1)) for name, _ in log.reads for m in [_EXPERT.search(name)] if m})
+
+
+def run_layout(layout, spec, out: Path, results: dict):
+    from megatron.core import parallel_state as mpu
+
+    from rlhf_mcore.models import build_model, load_hf_weights, save_hf_checkpoint
+    from rlhf_mcore.models.hf_loader import ReadLog
+
+    name = layout["name"]
+    state = init_distributed(tp=layout["tp"], pp=layout["pp"], ep=layout.get("ep", 1), seed=3)
+    docs = documents(spec)
+    res = results.setdefault(name, {})
+    for model_name in layout["models"]:
+        hf_dir = spec["models"][model_name]
+        chunks = build_model(hf_dir, state, role="actor")
+        res[f"{model_name}/roundtrip"] = gather_problems(state, roundtrip(chunks, state, hf_dir))
+        cases = {"plain": padded_batch([docs[0], docs[2]], left=True), "left_padded": padded_batch(docs, left=True)}
+        for case, (ids, pos, mask) in cases.items():
+            logits = run_forward(chunks, state, ids, pos, mask, None)
+            if reporter(state):
+                torch.save({"logits": logits, "mask": mask}, out / f"{name}_{model_name}_{case}.pt")
+        ids, pos, psp = packed_batch(docs)
+        logits = run_forward(chunks, state, ids, pos, None, psp)
+        if reporter(state):
+            torch.save({"logits": logits, "cu": psp.cu_seqlens_q}, out / f"{name}_{model_name}_thd.pt")
+        if model_name in layout.get("readlog", []):
+            log = ReadLog()
+            load_hf_weights(chunks, hf_dir, state, read_log=log)
+            everyone = [None] * state.world_size
+            dist.all_gather_object(everyone, {"ep_rank": state.ep_rank, "experts": experts_read(log)})
+            res[f"{model_name}/experts_read"] = everyone
+        if model_name in layout.get("save_hf", []):
+            save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
+        del chunks
+    mpu.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    out = Path(args.out)
+    results: dict = {}
+    for layout in spec["layouts"]:
+        run_layout(layout, spec, out, results)
+    if dist.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps(results))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE): built from HF directories through the loader a user's directory
+goes through, logits equal to transformers' in fp32, bitwise HF round trips, expert parallelism (EP), PP.
+
+The distributed checks run in ONE 2-process torchrun launch (tests/scripts/moe_check.py) over the layouts
+TP×PP×EP = 1×1×1 (two data-parallel replicas), 1×1×2 (each rank holds half the experts; tokens cross ranks through
+Megatron's alltoall dispatcher) and 1×2×1 (the dense layer on one stage, the sparse one on the other). pytest
+compares what the worker saved with transformers run here on the same tiny fp32 models.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import CPU, run
+
+from rlhf_mcore.models import ModelShape, UnsupportedModelError
+
+pytestmark = pytest.mark.cost(40)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "scripts" / "moe_check.py"
+ATOL = 1e-5
+DOC_LENS = [12, 7, 12]
+# qwen3_moe: layer 0 dense (mlp_only_layers), layer 1 sparse, top-2 renormalised, untied head; qwen2_moe: layer 0
+# dense (decoder_sparse_step=2), layer 1 sparse with the gated shared expert, top-2 not renormalised
+TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top_k=2)
+MODELS = {"qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, **TINY),
+          "qwen2_moe": dict(arch="qwen2_moe", **TINY)}
+LAYOUTS = [
+    dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS)),
+    dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"]),
+    dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS)),
+]
+FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS for m in lay["models"]
+                 for case in ("plain", "left_padded", "thd")]
+ROUNDTRIPS = [(lay["name"], m) for lay in LAYOUTS for m in lay["models"]]
+ENV = {**CPU, "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir):
+    return {name: tiny_model_dir(**kw) for name, kw in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def worker(model_dirs, tmp_path_factory):
+    """Run the 2-process worker once; returns (results dict, output dir)."""
+    out = tmp_path_factory.mktemp("moe_worker")
+    spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": LAYOUTS, "seed": 11,
+            "doc_lens": DOC_LENS, "max_token": 900}
+    (out / "spec.json").write_text(json.dumps(spec))
+    run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=2, timeout=600, env_extra=ENV)
+    return json.loads((out / "results.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def documents():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 900, (n,), generator=g) for n in DOC_LENS]
+
+
+_HF: dict = {}
+
+
+def hf_doc_logits(path, docs):
+    """transformers' logits of every document run alone: [(n_i, V)]."""
+    import transformers
+
+    if str(path) not in _HF:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            _HF[str(path)] = [model(d[None]).logits[0] for d in docs]
+    return _HF[str(path)]
+
+
+@pytest.mark.parametrize("layout,model,case", FORWARD_CASES)
+def test_moe_logits_match_transformers(worker, model_dirs, documents, layout, model, case):
+    """Mutations: moe.moe_config_kwargs' moe_router_pre_softmax=not norm_topk_prob -> norm_topk_prob (qwen2_moe
+    renormalises its top-k) -> fails; moe_shared_expert_gate=True -> False (qwen2_moe) -> fails; expert_offset
+    returning 0 (every EP rank loads experts 0-1) -> 1x1x2 fails."""
+    _, out = worker
+    saved = torch.load(out / f"{layout}_{model}_{case}.pt")
+    logits = saved["logits"]
+    ref = hf_doc_logits(model_dirs[model], documents)
+    vocab = ref[0].shape[-1]
+    if case == "plain":
+        pairs = [(logits[0], ref[0]), (logits[1], ref[2])]
+    elif case == "left_padded":
+        s = logits.shape[1]
+        pairs = [(logits[i, s - len(doc):], ref[i]) for i, doc in enumerate(documents)]
+    else:
+        cu = saved["cu"].tolist()
+        pairs = [(logits[0, a:b], ref[i]) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+    for got, want in pairs:
+        assert got.shape[0] == want.shape[0]
+        err = (got[:, :vocab] - want).abs().max().item()
+        assert err < ATOL, f"{layout} {model} {case}: max |Megatron - transformers| = {err:.3g}"
+
+
+@pytest.mark.parametrize("layout,model", ROUNDTRIPS)
+def test_moe_hf_roundtrip_is_bitwise(worker, layout, model):
+    """Every rank exports every HF tensor (the experts of the other EP rank too) bitwise equal to the checkpoint, in
+    `expected_hf_names` order. Mutation: hf_export's EP broadcast skipped (each rank yields its empty buffer for the
+    other rank's experts) -> fails."""
+    results, _ = worker
+    assert results[layout][f"{model}/roundtrip"] == []
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_ep_ranks_read_only_their_experts(worker, model):
+    results, _ = worker
+    got = results["1x1x2"][f"{model}/experts_read"]
+    assert got == [{"ep_rank": 0, "experts": [0, 1]}, {"ep_rank": 1, "experts": [2, 3]}]
+
+
+def test_hf_checkpoint_saved_at_ep2_equals_the_source(worker, model_dirs):
+    from safetensors.torch import load_file
+
+    _, out = worker
+    saved_dir, src = out / "1x1x2_qwen2_moe_hf", model_dirs["qwen2_moe"]
+    saved = {}
+    for f in sorted(saved_dir.glob("model-*.safetensors")):
+        saved.update(load_file(f))
+    ref = load_file(src / "model.safetensors")
+    assert set(saved) == set(ref)
+    assert all(torch.equal(saved[k], ref[k]) for k in ref)
+    cfg = json.loads((saved_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["num_experts"] == 4
+
+
+# ------------------------------------------------------------------------------------------------------------
+# in-process: the shape read from config.json against transformers' own model
+
+@pytest.mark.parametrize("arch,extra", [
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0, 2], decoder_sparse_step=1, norm_topk_prob=True)),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[], decoder_sparse_step=2)),
+    ("Qwen2MoeForCausalLM", dict(mlp_only_layers=[1], decoder_sparse_step=1, shared_expert_intermediate_size=24)),
+])
+def test_moe_shape_matches_transformers(arch, extra):
+    """Sparse layers, widths and the parameter count equal those of transformers' model built from the same
+    config. Mutation: moe.sparse_layers using `i % step == 0` -> fails."""
+    import transformers
+
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    hf_cfg = cfg_cls(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=4,
+                     num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, **extra)
+    model = getattr(transformers, arch)(hf_cfg)
+    cfg = {**hf_cfg.to_dict(), "architectures": [arch]}
+    shape = ModelShape.from_config_dict(cfg)
+    sparse = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    assert shape.moe_layers == sparse and shape.num_experts == 4 and shape.moe_top_k == 2
+    assert shape.moe_ffn_hidden_size == 8 and shape.norm_topk_prob == hf_cfg.norm_topk_prob
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def _config(**cfg):
+    base = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                num_hidden_layers=2, intermediate_size=24, vocab_size=64, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8)
+    return {**base, **cfg}
+
+
+@pytest.mark.parametrize("cfg,words", [
+    (dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
+    (dict(shared_expert_intermediate_size=8), "no shared expert"),
+    (dict(mlp_only_layers=[0, 1]), "no sparse layer"),
+    (dict(architectures=["Qwen2MoeForCausalLM"], qkv_bias=False), "qkv_bias=false"),
+])
+def test_unsupported_moe_configs_fail_with_the_key(cfg, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        ModelShape.from_config_dict(_config(**cfg))
+
+
+def test_expert_layout_errors_name_the_setting():
+    from rlhf_mcore.models.hf_config import validate_parallel_layout
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError
+
+    shape = ModelShape.from_config_dict(_config())
+    with pytest.raises(PipelineLayoutError, match="expert_model_parallel_size=3 must divide num_experts=4"):
+        validate_parallel_layout(shape, 1, 1, None, ep=3)
+    dense = ModelShape.from_config_dict({**_config(), "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(PipelineLayoutError, match="needs a mixture-of-experts model"):
+        validate_parallel_layout(dense, 1, 1, None, ep=2)
