@@ -7,6 +7,7 @@ Megatron's alltoall dispatcher) and 1×2×1 (the dense layer on one stage, the s
 compares what the worker saved with transformers run here on the same tiny fp32 models.
 """
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -76,8 +77,8 @@ def hf_doc_logits(path, docs):
 @pytest.mark.parametrize("layout,model,case", FORWARD_CASES)
 def test_moe_logits_match_transformers(worker, model_dirs, documents, layout, model, case):
     """Mutations: moe.moe_config_kwargs' moe_router_pre_softmax=not norm_topk_prob -> norm_topk_prob (qwen2_moe
-    renormalises its top-k) -> fails; moe_shared_expert_gate=True -> False (qwen2_moe) -> fails; expert_offset
-    returning 0 (every EP rank loads experts 0-1) -> 1x1x2 fails."""
+    renormalises its top-k) -> every case fails; moe.expert_offset returning 0 (every EP rank loads experts 0-1)
+    -> the worker fails (its export plan finds two ranks holding one expert)."""
     _, out = worker
     saved = torch.load(out / f"{layout}_{model}_{case}.pt")
     logits = saved["logits"]
@@ -181,3 +182,55 @@ def test_expert_layout_errors_name_the_setting():
     dense = ModelShape.from_config_dict({**_config(), "architectures": ["Qwen3ForCausalLM"]})
     with pytest.raises(PipelineLayoutError, match="needs a mixture-of-experts model"):
         validate_parallel_layout(dense, 1, 1, None, ep=2)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config keys: veRL's expert_model_parallel_size, the MoE loss coefficients
+
+MODEL = ["actor_rollout_ref.model.path=/models/m", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=1",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+A = "actor_rollout_ref.actor.megatron."
+
+
+def test_expert_parallel_size_is_the_actors_and_ref_critic_must_share_it():
+    from rlhf_mcore.config import ConfigError, expert_parallel_size, load_config, moe_overrides
+
+    assert expert_parallel_size(load_config(None, MODEL)) == 1
+    cfg = load_config(None, MODEL + [f"{A}expert_model_parallel_size=2",
+                                     f"{A}override_transformer_config.moe_aux_loss_coeff=0.01"])
+    assert expert_parallel_size(cfg) == 2
+    assert moe_overrides(cfg.actor_rollout_ref.actor.megatron) == {"moe_aux_loss_coeff": 0.01}
+    assert moe_overrides(cfg.actor_rollout_ref.ref.megatron) == {}
+    bad = load_config(None, MODEL + [f"{A}expert_model_parallel_size=2",
+                                     "actor_rollout_ref.ref.megatron.expert_model_parallel_size=4"])
+    with pytest.raises(ConfigError, match="ref.megatron.expert_model_parallel_size' is 4 but the actor's is 2"):
+        expert_parallel_size(bad)
+
+
+@pytest.mark.parametrize("override,words", [
+    (f"{A}expert_model_parallel_size=0", "expert_model_parallel_size' has value 0; it must be unset or >= 1"),
+    (f"{A}override_transformer_config.moe_aux_loss_coeff=-1", "moe_aux_loss_coeff' has value -1"),
+    (f"{A}override_transformer_config.moe_z_loss_coeff=0", "moe_z_loss_coeff' has value 0"),
+])
+def test_bad_moe_keys_fail_with_the_key(override, words):
+    from rlhf_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(None, MODEL + [override])
+
+
+def test_expert_parallel_size_must_divide_dp():
+    from rlhf_mcore.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(None, MODEL + [f"{A}expert_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=2 must divide the data-parallel size 3"):
+        validate_config(cfg, 3, read_model=False)
+    validate_config(cfg, 2, read_model=False)
+
+
+def test_dense_models_refuse_moe_loss_coefficients():
+    from rlhf_mcore.models.hf_config import transformer_config
+
+    dense = ModelShape.from_config_dict({**_config(), "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ValueError, match=r"\['moe_aux_loss_coeff'\] .* has no experts: remove them"):
+        transformer_config(dense, tp=1, pp=1, vpp=None, dtype=torch.float32, on_cpu=True, moe_aux_loss_coeff=0.1)

@@ -28,7 +28,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
 
     cfg: the run's `RLConfig`; total_steps: PPO steps of the run (the LR schedule's horizon).
     """
-    from rlhf_mcore.config import pipeline_split
+    from rlhf_mcore.config import moe_overrides, pipeline_split
     from rlhf_mcore.models import build_model
 
     arr, dp = cfg.actor_rollout_ref, state.dims.dp
@@ -50,7 +50,8 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         megatron, dtype, recompute = c.megatron, _dtype(c.model.dtype), c.model.enable_gradient_checkpointing
     else:
         raise ValueError(f"role={role!r}; choose actor, ref or critic")
-    overrides = {**recompute_overrides(recompute), **pipeline_split(cfg)}  # every role: the actor's stage split
+    overrides = {**recompute_overrides(recompute), **pipeline_split(cfg),  # every role: the actor's stage split
+                 **moe_overrides(megatron)}
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,

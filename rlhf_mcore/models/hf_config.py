@@ -281,6 +281,10 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vpp: Optional[int
         perform_initialization=perform_initialization, init_method_std=0.02,
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
     )
+    moe_keys = sorted(k for k in overrides if k.startswith("moe_"))
+    if moe_keys and not shape.is_moe:
+        raise ValueError(f"{moe_keys} (megatron.override_transformer_config) are for mixture-of-experts models; "
+                         f"{shape.architecture} has no experts: remove them.")
     if shape.is_moe:
         kwargs.update(moe_config_kwargs(shape, ep, overrides))
     kwargs.update(overrides)

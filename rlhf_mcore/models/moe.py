@@ -120,3 +120,29 @@ def moe_block_spec(config, backend: str, vp_stage, pp_rank: int):
 def expert_offset(shape, ep_rank: int, ep: int) -> int:
     """The global index of this EP rank's first expert."""
     return ep_rank * (shape.num_experts // ep) if shape.is_moe else 0
+
+
+def moe_loss_metrics(state, role: str, micro_batches: int) -> dict:
+    """The load-balancing and z-losses of the training passes since the last call, from Megatron's MoE tracker
+    (filled by the routers in training forward passes with gradients, one unscaled value per MoE layer and
+    micro-batch), reduced over PP and DP: `{role}/moe_load_balancing_loss` and `{role}/moe_z_loss`, each the mean
+    over layers and micro-batches; the tracker is cleared. Empty when the losses are off (coefficients 0)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if not tracker or micro_batches <= 0:
+        return {}
+    names = sorted(tracker)
+    reduce_aux_losses_tracker_across_ranks(names, pg_collection=state.pg_collection)
+    out = {}
+    for name in names:
+        values = tracker[name]["values"]  # (num_layers,): the sum over micro-batches of each layer's loss
+        layers = int((values != 0).sum())
+        if layers:
+            out[f"{role}/moe_{name}"] = float(values.sum()) / layers / micro_batches
+    clear_aux_losses_tracker()
+    return out
