@@ -29,7 +29,8 @@ MODELS = {"qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, **TINY)
           "qwen2_moe": dict(arch="qwen2_moe", **TINY)}
 LAYOUTS = [
     dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS)),
-    dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"]),
+    dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"],
+         aux=["qwen3_moe"]),
     dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS)),
 ]
 FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS for m in lay["models"]
@@ -112,6 +113,19 @@ def test_ep_ranks_read_only_their_experts(worker, model):
     results, _ = worker
     got = results["1x1x2"][f"{model}/experts_read"]
     assert got == [{"ep_rank": 0, "experts": [0, 1]}, {"ep_rank": 1, "experts": [2, 3]}]
+
+
+def test_logged_moe_losses_equal_the_naive_ones(worker):
+    """At EP=2 the logged load-balancing loss and z-loss (means over MoE layers) equal Megatron's formulas computed
+    by hand from each router's input; a second read finds the tracker cleared. Mutation: moe_loss_metrics without
+    its division by `micro_batches`... is invisible at 1 micro-batch, so: dividing by `layers + 1` -> fails;
+    clear_aux_losses_tracker() skipped -> `again` is not empty -> fails."""
+    results, _ = worker
+    aux = results["1x1x2"]["qwen3_moe/aux"]
+    assert set(aux["logged"]) == {"actor/moe_load_balancing_loss", "actor/moe_z_loss"}
+    for key, want in aux["naive"].items():
+        assert aux["logged"][key] == pytest.approx(want, rel=1e-5), key
+    assert aux["again"] == {}
 
 
 def test_hf_checkpoint_saved_at_ep2_equals_the_source(worker, model_dirs):

@@ -67,12 +67,6 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         elif func is torch.Tensor.pin_memory:
             return args[0]
-        elif func is _ALL_TO_ALL_SINGLE:
-            # megatron's MoE alltoall dispatcher hands the split sizes over as host copies of device tensors
-            # (numpy on CUDA); on the CPU they stay tensors, which the gloo binding refuses: give it lists
-            for key in ("output_split_sizes", "input_split_sizes"):
-                if torch.is_tensor(kwargs.get(key)):
-                    kwargs[key] = kwargs[key].tolist()
         elif func == _GRAD_GETTER:
             # Through this mode every `.grad` read is attributed to this file, and torch warns on reads of a
             # non-leaf tensor's .grad, which megatron's CPU path does harmlessly (the value is None either way).
@@ -83,7 +77,20 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 _GRAD_GETTER = torch.Tensor.grad.__get__
-_ALL_TO_ALL_SINGLE = torch.distributed.all_to_all_single
+
+
+def _split_sizes_as_lists(all_to_all_single):
+    """megatron's MoE alltoall dispatcher hands `all_to_all_single` its split sizes as host copies of device tensors
+    (numpy arrays on CUDA); on the CPU they stay tensors, which the gloo binding refuses: give it lists. (A global
+    wrapper, not the torch-function mode: the backward pass calls it too, where the mode is not active.)"""
+    @functools.wraps(all_to_all_single)
+    def wrapper(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if torch.is_tensor(output_split_sizes):
+            output_split_sizes = output_split_sizes.tolist()
+        if torch.is_tensor(input_split_sizes):
+            input_split_sizes = input_split_sizes.tolist()
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+    return wrapper
 
 
 _CPU_TYPE_NAMES = {
@@ -146,6 +153,7 @@ def enable(hide_gpus: bool = False) -> None:
         return original_type(self, dtype, non_blocking, **kwargs) if dtype is not None else original_type(self)
 
     torch.Tensor.type = _type
+    torch.distributed.all_to_all_single = _split_sizes_as_lists(torch.distributed.all_to_all_single)
 
     try:
         from megatron.core.tensor_parallel import random as mrandom

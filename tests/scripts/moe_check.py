@@ -6,7 +6,9 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
   documents packed as THD) and saves the gathered logits for pytest to compare with transformers;
 - exports HF tensors with `export_hf_weights` and compares them bitwise with the checkpoint, on every rank;
 - per layout "readlog": loads again with a ReadLog and reports which experts each rank read;
-- per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise).
+- per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise);
+- per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
+  (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
 
 Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
 """
@@ -31,6 +33,42 @@ def reporter(state) -> bool:
 def experts_read(log) -> list:
     """The global expert indices whose weights a ReadLog saw."""
     return sorted({int(m.group(1)) for name, _ in log.reads for m in [_EXPERT.search(name)] if m})
+
+
+def naive_router_losses(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[float, float]:
+    """Megatron's load-balancing loss (its docstring's formula) and z-loss of one router, by hand: x (T, H)."""
+    logits = x.float() @ weight.float().T  # (T, E)
+    probs = torch.softmax(logits, dim=-1)
+    n_tokens, n_experts = logits.shape
+    counts = torch.zeros(n_experts)
+    for row in probs.topk(top_k, dim=-1).indices:
+        for e in row.tolist():
+            counts[e] += 1
+    f = counts / (n_tokens * top_k)  # the fraction of routed slots each expert got
+    p = probs.sum(0) / n_tokens  # each expert's mean probability
+    return float(n_experts * (f * p).sum()), float((torch.logsumexp(logits, dim=-1) ** 2).mean())
+
+
+def aux_losses(hf_dir, state, ids, pos) -> dict:
+    """One training forward with both MoE losses on: what `moe_loss_metrics` logs and the naive values."""
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.models.moe import moe_loss_metrics
+
+    chunks = build_model(hf_dir, state, config_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 1e-3})
+    model, seen = chunks[0], []
+    routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    hooks = [r.register_forward_pre_hook(lambda m, args: seen.append((m, args[0].reshape(-1, args[0].shape[-1]))))
+             for r in routers]
+    model.train()
+    model(ids, pos, None).sum().backward()
+    for h in hooks:
+        h.remove()
+    naive = [naive_router_losses(x.detach(), m.weight.detach(), m.topk) for m, x in seen]
+    logged = moe_loss_metrics(state, "actor", micro_batches=1)
+    again = moe_loss_metrics(state, "actor", micro_batches=1)  # the tracker was cleared: nothing new to log
+    return {"logged": logged, "again": again,
+            "naive": {"actor/moe_load_balancing_loss": sum(a for a, _ in naive) / len(naive),
+                      "actor/moe_z_loss": sum(z for _, z in naive) / len(naive)}}
 
 
 def run_layout(layout, spec, out: Path, results: dict):
@@ -62,6 +100,9 @@ def run_layout(layout, spec, out: Path, results: dict):
             everyone = [None] * state.world_size
             dist.all_gather_object(everyone, {"ep_rank": state.ep_rank, "experts": experts_read(log)})
             res[f"{model_name}/experts_read"] = everyone
+        if model_name in layout.get("aux", []):
+            ids, pos, _ = cases["plain"]
+            res[f"{model_name}/aux"] = aux_losses(hf_dir, state, ids, pos)
         if model_name in layout.get("save_hf", []):
             save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
         del chunks
