@@ -45,10 +45,21 @@ def model_dirs(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def worker(model_dirs, tmp_path_factory):
+def mcore_ep2(model_dirs, tmp_path_factory):
+    """qwen2_moe converted to a Megatron distributed checkpoint by the CLI with its experts split over 2 ranks."""
+    out = tmp_path_factory.mktemp("mcore") / "qwen2_moe_ep2"
+    run("launch/convert_checkpoint.py", "--direction", "hf2mcore", "--hf-dir", str(model_dirs["qwen2_moe"]),
+        "--mcore-dir", str(out), "--ep", "2", nproc=2, env_extra=ENV)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(model_dirs, mcore_ep2, tmp_path_factory):
     """Run the 2-process worker once; returns (results dict, output dir)."""
     out = tmp_path_factory.mktemp("moe_worker")
-    spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": LAYOUTS, "seed": 11,
+    layouts = [{**lay, "load_mcore": {"qwen2_moe": str(mcore_ep2)}} if lay["name"] == "1x2x1" else lay
+               for lay in LAYOUTS]
+    spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": layouts, "seed": 11,
             "doc_lens": DOC_LENS, "max_token": 900}
     (out / "spec.json").write_text(json.dumps(spec))
     run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=2, timeout=600, env_extra=ENV)
@@ -117,8 +128,7 @@ def test_ep_ranks_read_only_their_experts(worker, model):
 
 def test_logged_moe_losses_equal_the_naive_ones(worker):
     """At EP=2 the logged load-balancing loss and z-loss (means over MoE layers) equal Megatron's formulas computed
-    by hand from each router's input; a second read finds the tracker cleared. Mutation: moe_loss_metrics without
-    its division by `micro_batches`... is invisible at 1 micro-batch, so: dividing by `layers + 1` -> fails;
+    by hand from each router's input; a second read finds the tracker cleared. Mutation: moe_loss_metrics'
     clear_aux_losses_tracker() skipped -> `again` is not empty -> fails."""
     results, _ = worker
     aux = results["1x1x2"]["qwen3_moe/aux"]
@@ -126,6 +136,25 @@ def test_logged_moe_losses_equal_the_naive_ones(worker):
     for key, want in aux["naive"].items():
         assert aux["logged"][key] == pytest.approx(want, rel=1e-5), key
     assert aux["again"] == {}
+
+
+def test_megatron_checkpoint_saved_at_ep2_loads_at_pp2(worker, model_dirs):
+    """`convert_checkpoint.py --ep 2` (2 processes) -> Megatron checkpoint -> loaded at PP=2 without EP: every tensor
+    exported bitwise, and the HF directory mcore2hf writes equals the source."""
+    results, out = worker
+    assert results["1x2x1"]["qwen2_moe/from_mcore_roundtrip"] == []
+    assert_same_hf_weights(out / "1x2x1_qwen2_moe_from_mcore_hf", model_dirs["qwen2_moe"])
+
+
+def assert_same_hf_weights(saved_dir, src):
+    from safetensors.torch import load_file
+
+    saved = {}
+    for f in sorted(saved_dir.glob("model-*.safetensors")):
+        saved.update(load_file(f))
+    ref = load_file(src / "model.safetensors")
+    assert set(saved) == set(ref)
+    assert all(torch.equal(saved[k], ref[k]) for k in ref)
 
 
 def test_hf_checkpoint_saved_at_ep2_equals_the_source(worker, model_dirs):

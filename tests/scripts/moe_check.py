@@ -7,6 +7,8 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
 - exports HF tensors with `export_hf_weights` and compares them bitwise with the checkpoint, on every rank;
 - per layout "readlog": loads again with a ReadLog and reports which experts each rank read;
 - per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise);
+- per layout "load_mcore": loads a Megatron checkpoint saved under another layout, exports it bitwise, and
+  converts it to HF (`convert_checkpoint.mcore_to_hf`);
 - per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
   (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from models_check import documents, gather_problems, packed_batch, padded_batch, roundtrip, run_forward
+from models_check import documents, from_mcore, gather_problems, packed_batch, padded_batch, roundtrip, run_forward
 
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
@@ -106,6 +108,9 @@ def run_layout(layout, spec, out: Path, results: dict):
         if model_name in layout.get("save_hf", []):
             save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
         del chunks
+    for model_name, mcore_dir in layout.get("load_mcore", {}).items():  # saved under another layout
+        res[f"{model_name}/from_mcore_roundtrip"] = from_mcore(state, mcore_dir, spec["models"][model_name],
+                                                               out / f"{name}_{model_name}_from_mcore_hf")
     mpu.destroy_model_parallel()
 
 
