@@ -28,7 +28,7 @@ TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top
 MODELS = {"qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, **TINY),
           "qwen2_moe": dict(arch="qwen2_moe", **TINY)}
 LAYOUTS = [
-    dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS)),
+    dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS), replay=["qwen3_moe"]),
     dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"],
          aux=["qwen3_moe"]),
     dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS)),
@@ -136,6 +136,47 @@ def test_logged_moe_losses_equal_the_naive_ones(worker):
     for key, want in aux["naive"].items():
         assert aux["logged"][key] == pytest.approx(want, rel=1e-5), key
     assert aux["again"] == {}
+
+
+def test_replayed_routes_survive_perturbed_routing(worker):
+    """R3 and R2 are exact: with one expert outside each token's rollout routes pushed up by +50 in every MoE layer,
+    every token's top-k set flips without replay and the log-probs move; replaying the rollout's routes (R3) gives
+    transformers' log-probs, in the forward and in a training pass with gradients, and replaying the routes a
+    pass recorded before the perturbation (R2) gives that pass's log-probs. Mutations: routing_replay.replaying's
+    set_router_replay_action(REPLAY_FORWARD) dropped -> r3/r2 differ -> fails; _to_router_order without its
+    transpose (batch-major ids) -> fails."""
+    results, _ = worker
+    r = results["1x1x1"]["qwen3_moe/replay"]
+    assert r["plain_vs_hf"] < ATOL
+    assert r["trainer_vs_rollout_routes"]["max"] == 0.0
+    assert r["perturbed_vs_rollout_routes"]["mean"] == 1.0  # every token of every MoE layer flipped
+    assert r["perturbed_vs_hf"] > 1e-2
+    assert r["r3_vs_hf"] < ATOL and r["r3_grad_vs_hf"] < ATOL and r["grads_finite"]
+    assert r["r2_vs_plain"] < ATOL
+
+
+def test_routing_mismatch_equals_a_naive_count():
+    from rlhf_mcore.models.routing_replay import routing_mismatch
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randint(0, 4, (3, 5, 2), generator=g) for _ in range(2)]
+    b = [x.flip(-1).clone() for x in a]  # the same sets in another order: no mismatch
+    b[1][0, 0] = torch.tensor([7, 8])
+    b[1][2, 4] = torch.tensor([7, 8])
+    mask = torch.ones(3, 5)
+    mask[2, 4] = 0  # not counted
+    got = routing_mismatch(a, b, mask)
+    want = []
+    for x, y in zip(a, b):
+        n = differ = 0
+        for i in range(3):
+            for j in range(5):
+                if mask[i, j]:
+                    n += 1
+                    differ += set(x[i, j].tolist()) != set(y[i, j].tolist())
+        want.append(differ / n)
+    assert got["per_layer"] == want == [0.0, 1 / 14]
+    assert got["mean"] == pytest.approx(1 / 28) and got["max"] == 1 / 14
 
 
 def test_megatron_checkpoint_saved_at_ep2_loads_at_pp2(worker, model_dirs):
