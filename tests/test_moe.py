@@ -318,3 +318,20 @@ def test_dense_models_refuse_moe_loss_coefficients():
     dense = ModelShape.from_config_dict({**_config(), "architectures": ["Qwen3ForCausalLM"]})
     with pytest.raises(ValueError, match=r"\['moe_aux_loss_coeff'\] .* has no experts: remove them"):
         transformer_config(dense, tp=1, pp=1, vpp=None, dtype=torch.float32, on_cpu=True, moe_aux_loss_coeff=0.1)
+
+
+def test_flops_count_the_active_parameters():
+    """The FLOP model of a MoE config counts each token's active matmul parameters: attention, the dense layers'
+    MLP, top_k routed experts and the shared expert of each MoE layer, the router. Mutation: _moe_active counting
+    all experts (num_moe_experts instead of moe_router_topk) -> fails."""
+    from rlhf_mcore.engine.flops import FlopShape
+    from rlhf_mcore.models.hf_config import transformer_config
+
+    shape = ModelShape.from_config_dict({**_config(num_hidden_layers=3, mlp_only_layers=[0]), "architectures":
+                                         ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 12})
+    config = transformer_config(shape, tp=1, pp=1, vpp=None, dtype=torch.float32, on_cpu=True)
+    flop = FlopShape.from_transformer_config(config, vocab_size=64)
+    h = 16
+    attn = h * 8 * (2 + 2 * 1) + 2 * 8 * h  # q (2 heads) + k, v (1 group) of head_dim 8, and o
+    want = 3 * attn + 3 * h * 24 + 2 * (3 * h * (2 * 8 + 12) + h * 4)  # 1 dense + 2 MoE layers (top-2 of 4, shared)
+    assert flop.matmul_params == want
