@@ -16,7 +16,7 @@ from launcher import CPU, run
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError
 
-pytestmark = pytest.mark.cost(40)
+pytestmark = pytest.mark.cost(50)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "moe_check.py"
