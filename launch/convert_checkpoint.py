@@ -3,6 +3,9 @@
     # HF -> Megatron, sharded for TP=2, PP=2 (4 processes; plain `python` runs a world of one)
     torchrun --nproc_per_node=4 launch/convert_checkpoint.py --direction hf2mcore \\
         --hf-dir Qwen2.5-0.5B-Instruct --mcore-dir ckpt/mcore --tp 2 --pp 2
+    # a mixture-of-experts model with its experts split over 2 ranks (expert parallelism)
+    torchrun --nproc_per_node=2 launch/convert_checkpoint.py --direction hf2mcore \
+        --hf-dir Qwen3-30B-A3B --mcore-dir ckpt/mcore --ep 2
     # Megatron (saved under any layout) -> HF
     python launch/convert_checkpoint.py --direction mcore2hf --mcore-dir ckpt/mcore --out-hf-dir ckpt/hf
     # a training checkpoint (the actor; --role critic for the critic) -> HF
@@ -169,6 +172,8 @@ def main(argv=None) -> None:
                                              "(adapter_config.json + adapter_model.safetensors) here")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (mixture-of-experts models): each MoE "
+                   "layer's experts split over this many of the data-parallel ranks (it must divide them)")
     p.add_argument("--role", choices=("actor", "ref", "critic"), default=None,
                    help="default: actor for hf2mcore, the saved role for mcore2hf")
     for end in ("first", "last"):
@@ -210,13 +215,17 @@ def convert(args) -> None:
             mcore_dir = checked_model_dir(args.mcore_dir, args.role)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (args.tp * args.pp):
         raise ConfigError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world} "
                           f"launched processes: launch with `torchrun --nproc_per_node={args.tp * args.pp}`.")
+    if (world // (args.tp * args.pp)) % args.ep:
+        n = args.tp * args.pp * args.ep
+        raise ConfigError(f"--ep {args.ep} does not divide the {world // (args.tp * args.pp)} data-parallel ranks "
+                          f"(world {world} / TP×PP): launch with `torchrun --nproc_per_node={n}`.")
     model_dir = args.hf_dir if args.hf_dir else Path(mcore_dir) / "hf_meta"
     split = checked_split(args, model_dir)
     if args.direction == "hf2mcore":
@@ -226,7 +235,7 @@ def convert(args) -> None:
 
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
-    state = init_distributed(tp=args.tp, pp=args.pp, device=args.device)
+    state = init_distributed(tp=args.tp, pp=args.pp, device=args.device, ep=args.ep)
     try:
         if args.direction == "hf2mcore":
             out = hf_to_mcore(args.hf_dir, args.mcore_dir, state, role=args.role or "actor", split=split)
@@ -234,7 +243,8 @@ def convert(args) -> None:
             out = mcore_to_hf(mcore_dir, args.out_hf_dir, state, hf_dir=args.hf_dir, role=args.role, split=split,
                               out_adapter_dir=args.out_adapter_dir)
         if state.rank == 0:
-            print(f"{args.direction}: wrote {out} (TP={args.tp}, PP={args.pp}, world={state.world_size})")
+            print(f"{args.direction}: wrote {out} (TP={args.tp}, PP={args.pp}, EP={args.ep}, "
+                  f"world={state.world_size})")
     finally:
         destroy_distributed()
 

@@ -36,7 +36,9 @@ from rlhf_mcore.config.algorithm import (
 from rlhf_mcore.config.critic import CriticConfig, CriticModelConfig
 from rlhf_mcore.config.cross import (
     critic_enabled,
+    expert_parallel_size,
     lora_enabled,
+    moe_overrides,
     parallel_layout,
     pipeline_split,
     pool_sizes,
@@ -63,8 +65,8 @@ from rlhf_mcore.config.trainer import AsyncTrainingConfig, RolloutPoolConfig, Tr
 
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
-    "lora_enabled",
-    "parallel_layout", "pipeline_split", "pool_sizes", "model_max_positions", "model_num_layers", "to_yaml",
+    "lora_enabled", "parallel_layout", "pipeline_split", "expert_parallel_size", "moe_overrides",
+    "pool_sizes", "model_max_positions", "model_num_layers", "to_yaml",
     "to_dict", "load_plugins", "FILTER_METRICS",
     # the sections
     "DataConfig", "ActorRolloutRefConfig", "ModelConfig", "ActorConfig", "RolloutConfig", "SamplingKwargs",

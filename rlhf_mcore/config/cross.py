@@ -280,6 +280,28 @@ def parallel_layout(cfg: RLConfig) -> tuple[int, int, Optional[int]]:
     return tp, pp, m.virtual_pipeline_model_parallel_size
 
 
+def expert_parallel_size(cfg: RLConfig) -> int:
+    """The actor's `megatron.expert_model_parallel_size` (1 when unset), which ref and critic must share."""
+    want = cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size or 1
+    for name, get in _SHARED:
+        got = get(cfg).expert_model_parallel_size
+        if got is not None and got != want:
+            raise ConfigError(
+                f"config key '{name}.expert_model_parallel_size' is {got} but the actor's is {want}: all training "
+                f"models share one process layout. Remove it or set it to {want}.")
+    return want
+
+
+def moe_overrides(megatron) -> dict:
+    """A role's MoE loss coefficients (its `megatron.override_transformer_config`) as TransformerConfig overrides:
+    only those set away from their defaults, so a dense model sees none unless asked (and then refuses them)."""
+    o = megatron.override_transformer_config
+    out = {"moe_aux_loss_coeff": o.moe_aux_loss_coeff} if o.moe_aux_loss_coeff else {}
+    if o.moe_z_loss_coeff is not None:
+        out["moe_z_loss_coeff"] = o.moe_z_loss_coeff
+    return out
+
+
 def pipeline_split(cfg: RLConfig) -> dict:
     """The actor's `override_transformer_config` stage split as TransformerConfig overrides (only the keys set),
     which ref and critic share: a different value under their `megatron` sections is refused."""
@@ -385,6 +407,11 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
         _check_pipeline_split(cfg, pp, vpp)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
+    ep = expert_parallel_size(cfg)
+    require(dp % ep == 0,
+            f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
+            f"(world {world_size} / TP {tp} / PP {pp}): the experts are split over data-parallel ranks; set it to a "
+            f"divisor of {dp}, or launch a multiple of {tp * pp * ep} processes.")
     d, rollout = cfg.data, cfg.actor_rollout_ref.rollout
     require(d.train_batch_size > 0, f"data.train_batch_size must be > 0, got {d.train_batch_size}.")
     require(d.max_prompt_length > 0 and d.max_response_length > 0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from rlhf_mcore.config.checks import above, at_least, checked, finite, within
+from rlhf_mcore.config.checks import above, at_least, checked, finite, unset_or, within
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # auto: bf16 on GPU, fp32 on CPU
 Strategy = Literal["megatron"]
@@ -58,6 +58,12 @@ class OverrideTransformerConfig:
 
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    # mixture-of-experts models (rlhf_mcore.models.moe): Megatron's load-balancing loss and router z-loss, added to
+    # this role's training loss; their values are logged as <role>/moe_load_balancing_loss, <role>/moe_z_loss.
+    # A dense model refuses a value other than the default.
+    moe_aux_loss_coeff: float = checked(0.0, ok=lambda v: finite(v) and v >= 0, what=">= 0 (0: off; e.g. 1e-3)")
+    moe_z_loss_coeff: Optional[float] = checked(None, ok=unset_or(lambda v: finite(v) and v > 0),
+                                                what="unset (off) or > 0 (e.g. 1e-3)")
 
 
 @dataclass
@@ -68,6 +74,9 @@ class MegatronConfig:
     tensor_model_parallel_size: Optional[int] = None
     pipeline_model_parallel_size: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    # mixture-of-experts models: each MoE layer's experts split over this many data-parallel ranks (it must divide
+    # DP); unset: 1 for the actor, the actor's for ref and critic (one process layout)
+    expert_model_parallel_size: Optional[int] = checked(None, ok=unset_or(at_least(1)), what="unset or >= 1")
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True

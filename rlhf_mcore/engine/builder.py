@@ -30,7 +30,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
     `model.lora_rank > 0` (actor, critic) the model gets LoRA adapters and only they train
     (:mod:`rlhf_mcore.models.lora`).
     """
-    from rlhf_mcore.config import pipeline_split
+    from rlhf_mcore.config import moe_overrides, pipeline_split
     from rlhf_mcore.models import build_model
     from rlhf_mcore.models.lora import LoraSpec
 
@@ -63,7 +63,8 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
                              "the adapters off, which a captured CUDA graph cannot see; set it to false or leave it "
                              "unset (off with LoRA).")
         ecfg = dataclasses.replace(ecfg, cuda_graphs=False)
-    overrides = {**recompute_overrides(recompute), **pipeline_split(cfg)}  # every role: the actor's stage split
+    overrides = {**recompute_overrides(recompute), **pipeline_split(cfg),  # every role: the actor's stage split
+                 **moe_overrides(megatron)}
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,

@@ -53,6 +53,10 @@ class FlopShape:
     ffn_hidden_size: int
     vocab_size: int  # columns of the output projection: the vocabulary, or 1 for a critic's value head
     gated_mlp: bool = True  # SwiGLU: gate and up projections
+    # mixture-of-experts: the MLP width each token goes through, summed over all layers (dense layers' width, a MoE
+    # layer's top_k experts plus its shared expert), and the routers' parameters: FLOPs count active parameters
+    active_mlp_width: Optional[int] = None
+    router_params: int = 0
 
     @classmethod
     def from_transformer_config(cls, config, vocab_size: int) -> "FlopShape":
@@ -63,7 +67,7 @@ class FlopShape:
             num_query_groups=config.num_query_groups or config.num_attention_heads,
             head_dim=config.kv_channels or config.hidden_size // config.num_attention_heads,
             ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size,
-            gated_mlp=bool(config.gated_linear_unit))
+            gated_mlp=bool(config.gated_linear_unit), **_moe_active(config))
 
     @property
     def matmul_params(self) -> int:
@@ -71,8 +75,19 @@ class FlopShape:
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * (q + 2 * kv) + q * h
-        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
-        return self.num_layers * (attn + mlp)
+        width = self.num_layers * self.ffn_hidden_size if self.active_mlp_width is None else self.active_mlp_width
+        return self.num_layers * attn + (3 if self.gated_mlp else 2) * h * width + self.router_params
+
+
+def _moe_active(config) -> dict:
+    """FlopShape's MoE fields from a TransformerConfig with experts (moe_layer_freq as a 0/1 list); {} without."""
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    freq = config.moe_layer_freq
+    sparse = sum(freq) if isinstance(freq, list) else len(range(0, config.num_layers, freq))
+    per_moe = config.moe_router_topk * config.moe_ffn_hidden_size + (config.moe_shared_expert_intermediate_size or 0)
+    return dict(active_mlp_width=(config.num_layers - sparse) * config.ffn_hidden_size + sparse * per_moe,
+                router_params=sparse * config.hidden_size * config.num_moe_experts)
 
 
 def effective_seqlen(seqlens: Sequence[int]) -> float:

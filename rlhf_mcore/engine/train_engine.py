@@ -261,6 +261,10 @@ class TrainEngine:
         self._sync_device()
         elapsed = time.perf_counter() - start
         out = self._summarise(steps, lr, elapsed, flops, tokens)
+        if getattr(self.chunks[0], "hf_shape", None) is not None and self.chunks[0].hf_shape.is_moe:
+            from rlhf_mcore.models.moe import moe_loss_metrics
+
+            out.update(moe_loss_metrics(self.state, self.cfg.role, int(sum(s["num_micro_batches"] for s in steps))))
         if self._graphs:
             out[f"perf/{self.cfg.role}/cuda_graph_captures"] = float(self.graph_captures - captures)
         return out

@@ -30,6 +30,7 @@ import torch
 from rlhf_mcore.models.fused_layers import fused_kernels_default
 from rlhf_mcore.models.hf_config import ModelShape, gpt_model_kwargs, transformer_config
 from rlhf_mcore.models.layer_specs import layer_spec, resolve_backend
+from rlhf_mcore.models.moe import moe_block_spec
 from rlhf_mcore.models.pipeline_layout import chunk_layers, describe
 from rlhf_mcore.models.rope import install_packed_rope, install_rope
 
@@ -71,13 +72,15 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     on_cpu = state.device.type == "cpu"
     backend = resolve_backend(attention_backend)
     if fused_kernels is None:
-        fused_kernels = fused_kernels_default(state.device, backend)
+        fused_kernels = fused_kernels_default(state.device, backend) and not shape.is_moe
+    elif fused_kernels and shape.is_moe:
+        raise ValueError("fused_kernels=True is for dense models: the MoE layers' experts use Megatron's own MLP.")
     elif fused_kernels and backend != "sdpa":
         raise ValueError(f"fused_kernels=True needs the 'sdpa' layer spec (attention backend here: {backend!r}); "
                          "Transformer Engine's spec fuses these itself.")
     overrides = {**({"use_te_activation_func": True} if fused_kernels else {}), **(config_overrides or {})}
     config = transformer_config(shape, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype, on_cpu=on_cpu,
-                                perform_initialization=not load_weights, **overrides)
+                                perform_initialization=not load_weights, ep=getattr(dims, "ep", 1), **overrides)
     config.fused_rope_kernel = bool(fused_kernels)  # read by rope.apply_rope_packed
     if config.sequence_parallel and backend != "te":
         raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec: the local spec's torch "
@@ -90,6 +93,8 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     for vp in range(n_virtual):
         pre = state.is_first_stage and vp == 0
         post = state.is_last_stage and vp == n_virtual - 1
+        if shape.is_moe:  # dense and MoE layers: a block spec per (virtual) stage
+            spec = moe_block_spec(config, backend, vp if dims.vpp else None, state.pp_rank)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre, post_process=post,
                          pg_collection=state.pg_collection, vp_stage=vp if dims.vpp else None,
                          **gpt_model_kwargs(shape, tp=dims.tp, role=role, vocab_divisor=vocab_divisor))

@@ -1,11 +1,14 @@
 """Hugging Face `config.json` -> the model's shape, and from it Megatron-Core's `TransformerConfig` + GPTModel args.
 
-Three families are supported, each with exactly the features Megatron's GPTModel reproduces bit for bit:
+Five families are supported, each with exactly the features Megatron's GPTModel reproduces bit for bit:
 
 - Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): QKV bias, RMSNorm, SwiGLU, RoPE theta, tied or untied embeddings;
 - Llama 3 (`LlamaForCausalLM`): no biases, RoPE with the `llama3` frequency scaling (or none);
 - Qwen3 (`Qwen3ForCausalLM`): per-head RMSNorm on queries and keys (QK-norm), no QKV bias, a head_dim that
-  may differ from hidden / heads.
+  may differ from hidden / heads;
+- Qwen3-MoE (`Qwen3MoeForCausalLM`) and Qwen2-MoE (`Qwen2MoeForCausalLM`, with its sigmoid-gated shared expert):
+  the attention of Qwen3 / Qwen2, and mixture-of-experts MLPs (softmax top-k routing, `norm_topk_prob`, dense layers
+  from `mlp_only_layers` / `decoder_sparse_step`); see `rlhf_mcore.models.moe`.
 
 Everything else (another architecture, sliding-window attention, another RoPE scaling, biases where Megatron
 would put them elsewhere) fails here with a message naming the key and what is supported, before any model is
@@ -21,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from rlhf_mcore.models.moe import moe_config_kwargs, moe_shape_fields, validate_expert_layout
+
 # HF architecture name -> family. The token-classification names are what `save_hf_checkpoint` writes for a
 # critic (a width-1 `score` head), so a saved critic can be loaded again.
 SUPPORTED_ARCHITECTURES = {
@@ -33,16 +38,25 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "LlamaForSequenceClassification": "llama",
     "Qwen3ForSequenceClassification": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForTokenClassification": "qwen3_moe",
+    "Qwen2MoeForTokenClassification": "qwen2_moe",
+    "Qwen3MoeForSequenceClassification": "qwen3_moe",
+    "Qwen2MoeForSequenceClassification": "qwen2_moe",
 }
-CAUSAL_LM_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CAUSAL_LM_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 TOKEN_CLASSIFICATION_ARCHITECTURE = {
     "qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification",
-    "qwen3": "Qwen3ForTokenClassification",
+    "qwen3": "Qwen3ForTokenClassification", "qwen3_moe": "Qwen3MoeForTokenClassification",
+    "qwen2_moe": "Qwen2MoeForTokenClassification",
 }
 # What `save_hf_checkpoint` writes for a reward model (a width-1 `score` head without bias, read at the last token).
 SEQUENCE_CLASSIFICATION_ARCHITECTURE = {
     "qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
-    "qwen3": "Qwen3ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification",
+    "qwen2_moe": "Qwen2MoeForSequenceClassification",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron's make_vocab_size_divisible_by
@@ -96,10 +110,13 @@ class ModelShape:
 
     `head_dim` is the per-head width (Qwen3 may have head_dim * heads != hidden_size); `ffn_hidden_size` is
     the SwiGLU inner width (gate and up each have that many rows); `vocab_size` is the HF embedding's row
-    count, before Megatron's padding (see `padded_vocab_size`).
+    count, before Megatron's padding (see `padded_vocab_size`). MoE models (`num_experts` > 0) also set the
+    routed experts' width `moe_ffn_hidden_size`, `moe_top_k`, `norm_topk_prob`, `moe_layers` (the global indices of
+    the sparse layers; the others are dense with `ffn_hidden_size`) and `shared_expert_ffn_hidden_size` (Qwen2-MoE's
+    gated shared expert; 0: none).
     """
 
-    family: str  # "qwen2" | "llama" | "qwen3"
+    family: str  # "qwen2" | "llama" | "qwen3" | "qwen3_moe" | "qwen2_moe"
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -116,6 +133,16 @@ class ModelShape:
     rope_llama3: Optional[tuple] = None  # (factor, low_freq_factor, high_freq_factor, original_max_pos)
     torch_dtype: str = "float32"  # the checkpoint's dtype, as written in config.json
     architecture: str = ""
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple = ()
+    shared_expert_ffn_hidden_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_dir(cls, hf_dir) -> "ModelShape":
@@ -153,7 +180,9 @@ class ModelShape:
             raise UnsupportedModelError("partial_rotary_factor != 1 is not supported.")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported (Megatron would add biases to every linear).")
-        if family == "qwen2":
+        if family == "qwen2_moe" and not cfg.get("qkv_bias", True):
+            raise UnsupportedModelError(f"qkv_bias=false is not supported for {arch}; supported: qkv_bias=true.")
+        if family in ("qwen2", "qwen2_moe"):
             qkv_bias = True
         else:
             if cfg.get("attention_bias"):
@@ -162,6 +191,9 @@ class ModelShape:
                     "Megatron's add_qkv_bias does not. Supported: attention_bias=false.")
             qkv_bias = False
         theta, llama3 = _rope_parameters(cfg)
+        moe = {}
+        if family.endswith("_moe"):
+            moe = moe_shape_fields(cfg, arch, int(need("num_hidden_layers")), UnsupportedModelError)
         return cls(
             family=family, num_layers=int(need("num_hidden_layers")), hidden_size=hidden,
             num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -169,11 +201,11 @@ class ModelShape:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-            qk_norm=family == "qwen3", rope_theta=theta,
+            qk_norm=family in ("qwen3", "qwen3_moe"), rope_theta=theta,
             rope_llama3=None if llama3 is None else (llama3["factor"], llama3["low_freq_factor"],
                                                       llama3["high_freq_factor"],
                                                       llama3["original_max_position_embeddings"]),
-            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), architecture=arch)
+            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), architecture=arch, **moe)
 
     @property
     def heads_per_group(self) -> int:
@@ -192,15 +224,20 @@ class ModelShape:
             attn += hd * (self.num_attention_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
-        layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
-        total = self.num_layers * layer + h
+        layer = attn + 2 * h
+        total = self.num_layers * layer + h + 3 * h * self.ffn_hidden_size * (self.num_layers - len(self.moe_layers))
+        if self.is_moe:  # router, routed experts, and the shared expert with its gate
+            moe = h * self.num_experts + 3 * h * self.moe_ffn_hidden_size * self.num_experts
+            if self.shared_expert_ffn_hidden_size:
+                moe += 3 * h * self.shared_expert_ffn_hidden_size + h
+            total += len(self.moe_layers) * moe
         if include_embedding:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
 
 
 def validate_parallel_layout(shape: ModelShape, tp: int, pp: int, vpp: Optional[int],
-                             first: Optional[int] = None, last: Optional[int] = None
+                             first: Optional[int] = None, last: Optional[int] = None, ep: int = 1
                              ) -> tuple[Optional[int], Optional[int]]:
     """Fail early, naming the setting, when a layout cannot shard this model; returns the pipeline stage split
     (num_layers_in_first/last_pipeline_stage: the given ones, checked, or a chosen one when PP does not divide the
@@ -215,19 +252,21 @@ def validate_parallel_layout(shape: ModelShape, tp: int, pp: int, vpp: Optional[
                                   "must divide the other")
     if shape.ffn_hidden_size % tp:
         raise PipelineLayoutError(f"tensor parallel size {tp} must divide intermediate_size={shape.ffn_hidden_size}")
+    if shape.is_moe or ep > 1:
+        validate_expert_layout(shape, tp, ep)
     return resolve_split(shape.num_layers, pp, vpp, first, last)
 
 
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, vpp: Optional[int], dtype: torch.dtype,
-                       on_cpu: bool, perform_initialization: bool = True, **overrides):
-    """Megatron `TransformerConfig` reproducing the HF model. `overrides` are passed through (e.g. recompute);
-    num_layers_in_first/last_pipeline_stage among them are checked, and chosen when unset and PP does not
-    divide the layers."""
+                       on_cpu: bool, perform_initialization: bool = True, ep: int = 1, **overrides):
+    """Megatron `TransformerConfig` reproducing the HF model. `overrides` are passed through (e.g. recompute,
+    moe_aux_loss_coeff); num_layers_in_first/last_pipeline_stage among them are checked, and chosen when unset and
+    PP does not divide the layers. ep: expert parallel size (MoE models)."""
     from megatron.core.transformer import TransformerConfig
 
     first, last = validate_parallel_layout(shape, tp, pp, vpp,
                                            overrides.pop("num_layers_in_first_pipeline_stage", None),
-                                           overrides.pop("num_layers_in_last_pipeline_stage", None))
+                                           overrides.pop("num_layers_in_last_pipeline_stage", None), ep=ep)
     kwargs = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_kv_heads,
@@ -242,6 +281,12 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vpp: Optional[int
         perform_initialization=perform_initialization, init_method_std=0.02,
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
     )
+    moe_keys = sorted(k for k in overrides if k.startswith("moe_"))
+    if moe_keys and not shape.is_moe:
+        raise ValueError(f"{moe_keys} (megatron.override_transformer_config) are for mixture-of-experts models; "
+                         f"{shape.architecture} has no experts: remove them.")
+    if shape.is_moe:
+        kwargs.update(moe_config_kwargs(shape, ep, overrides))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -6,7 +6,8 @@ on every rank of a model replica, whatever the TP/PP/VPP layout:
 1. a plan — which PP stage owns which parameter and the full shape — is agreed once over the PP group
    (`all_gather_object`; cached on the chunks, since a model's structure never changes);
 2. for each parameter: the owning stage's TP ranks all-gather their shards and join them (fused QKV and the
-   [gate; up] fc1 in their full layouts); the owner then broadcasts the full tensor over the PP group;
+   [gate; up] fc1 in their full layouts); a routed expert's EP rank broadcasts it over the EP group (MoE with
+   expert parallelism); the owner then broadcasts the full tensor over the PP group;
 3. the full tensor is split into HF tensors: QKV per query group back into q/k/v, fc1 into gate/up,
    vocabulary padding removed. The tied output layer is skipped: HF stores the embedding once.
 
@@ -34,32 +35,47 @@ from rlhf_mcore.models.hf_config import (
 )
 from rlhf_mcore.models.hf_loader import INDEX_FILE, layer_numbers, unwrap_model
 from rlhf_mcore.models.lora import merged_weight
+from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.weight_map import WeightRule, full_shape, join_tp_shards, rule_for_param, split_to_hf
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 
 
-def _local_params(chunks) -> dict:
+def _ep(state) -> tuple[int, int]:
+    """(expert parallel size, this rank's EP rank); (1, 0) without EP."""
+    return getattr(state.dims, "ep", 1), getattr(state, "ep_rank", 0)
+
+
+def _local_params(chunks, state) -> dict:
     """key -> (rule, param) for every parameter this rank holds."""
     out = {}
+    ep, ep_rank = _ep(state)
     for chunk in chunks:
         layers = layer_numbers(chunk)
+        first_expert = expert_offset(chunk.hf_shape, ep_rank, ep)
         for name, param in chunk.named_parameters():
             if ".lora." in name:  # LoRA adapters: folded into their base weight (lora.merged_weight)
                 continue
-            rule = rule_for_param(name, layers, chunk.hf_shape, chunk.model_role)
+            rule = rule_for_param(name, layers, chunk.hf_shape, chunk.model_role, first_expert)
             out[rule.key] = (rule, param)
     return out
 
 
 def _export_plan(chunks, local: dict, state) -> list:
-    """[(rule, owner_pp_rank, full_shape, dtype)] for every exported parameter, in HF order (same on all ranks)."""
+    """[(rule, owner_pp_rank, owner_ep_rank, full_shape, dtype)] for every exported parameter, in HF order (same on
+    all ranks). owner_ep_rank is None for what every EP rank holds (all but the routed experts)."""
+    ep, ep_rank = _ep(state)
+    layout = (state.dims.tp, state.dims.pp, ep)
     cached = getattr(chunks[0], "_hf_export_plan", None)
-    if cached is not None and cached[0] == (state.dims.tp, state.dims.pp):
+    if cached is not None and cached[0] == layout:
         return cached[1]
-    mine = [(rule, tuple(full_shape(rule, p.shape, state.dims.tp)), str(p.dtype).removeprefix("torch."))
-            for rule, p in local.values() if rule.exported]
+    mine = [(rule, None if ep == 1 or not rule.expert else ep_rank, tuple(full_shape(rule, p.shape, state.dims.tp)),
+             str(p.dtype).removeprefix("torch.")) for rule, p in local.values() if rule.exported]
+    if ep > 1:  # this stage's experts are spread over the EP group: every EP rank lists them all
+        experts = [None] * ep
+        dist.all_gather_object(experts, [e for e in mine if e[1] is not None], group=state.ep_group)
+        mine = [e for e in mine if e[1] is None] + [e for part in experts for e in part]
     if state.dims.pp > 1:
         stages = [None] * state.dims.pp
         dist.all_gather_object(stages, mine, group=state.pp_group)
@@ -67,12 +83,12 @@ def _export_plan(chunks, local: dict, state) -> list:
         stages = [mine]
     plan = []
     for owner, entries in enumerate(stages):
-        plan += [(rule, owner, shp, getattr(torch, dt)) for rule, shp, dt in entries]
+        plan += [(rule, owner, owner_ep, shp, getattr(torch, dt)) for rule, owner_ep, shp, dt in entries]
     plan.sort(key=lambda item: item[0].order)
     keys = [item[0].key for item in plan]
     if len(keys) != len(set(keys)):
         raise RuntimeError("two pipeline stages hold the same parameter; is the layout consistent on all ranks?")
-    chunks[0]._hf_export_plan = ((state.dims.tp, state.dims.pp), plan)
+    chunks[0]._hf_export_plan = (layout, plan)
     return plan
 
 
@@ -82,24 +98,31 @@ def _gather_tp(rule: WeightRule, param: torch.Tensor, state) -> torch.Tensor:
         return data
     data = data.contiguous()
     parts = [torch.empty_like(data) for _ in range(state.dims.tp)]
-    dist.all_gather(parts, data, group=state.tp_group)
+    dist.all_gather(parts, data, group=state.tp_group)  # expert TP = TP: an expert's shards are on the TP group
     return join_tp_shards(parts, rule)
 
 
 def export_hf_weights(model_chunks, state, *, dtype: Optional[torch.dtype] = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for the whole model on every rank of this model replica (a collective:
-    all TP×PP ranks of the replica must iterate it to the end). dtype: cast to it (default: parameter dtype)."""
+    all TP×PP ranks of the replica, and with expert parallelism the EP group's ranks, must iterate it to the end).
+    dtype: cast to it (default: parameter dtype)."""
     chunks = [unwrap_model(c) for c in model_chunks]
     shape = chunks[0].hf_shape
-    local = _local_params(chunks)
+    local = _local_params(chunks, state)
     plan = _export_plan(chunks, local, state)
     pp_ranks = dist.get_process_group_ranks(state.pp_group) if state.dims.pp > 1 else None
-    for rule, owner, shp, param_dtype in plan:
-        if owner == state.pp_rank:
+    ep_ranks = dist.get_process_group_ranks(state.ep_group) if _ep(state)[0] > 1 else None
+    for rule, owner, owner_ep, shp, param_dtype in plan:
+        held = owner == state.pp_rank and owner_ep in (None, _ep(state)[1])
+        if held:
             full = _gather_tp(rule, local[rule.key][1], state)
         else:
             full = torch.empty(shp, dtype=param_dtype, device=state.device)
+        if owner_ep is not None and owner == state.pp_rank:  # the expert's EP rank sends it to the others
+            if held:
+                full = full.contiguous()
+            dist.broadcast(full, src=ep_ranks[owner_ep], group=state.ep_group)
         if pp_ranks is not None:
             if owner == state.pp_rank:
                 full = full.contiguous()
@@ -162,7 +185,8 @@ def save_hf_checkpoint(model_chunks, state, out_dir, src_hf_dir, *, dtype: Optio
             shards.append((path, list(current)))
             current, current_bytes = {}, 0
 
-    if state.dp_rank == 0:  # other replicas hold the same weights: they need not export
+    # other replicas hold the same weights: they need not export (with EP, the first EP group's ranks hold them)
+    if state.dp_rank < _ep(state)[0]:
         for name, tensor in export_hf_weights(chunks, state, dtype=dtype):
             if not writer:
                 continue

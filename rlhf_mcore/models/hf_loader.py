@@ -3,10 +3,10 @@
 Each rank opens the checkpoint's safetensors files (one `model.safetensors`, or the shards listed in
 `model.safetensors.index.json`) and, for every parameter of its model chunks, reads just the rows/columns of
 the HF tensors that its TP shard is made of (`safe_open(...).get_slice(name)[...]`): at TP=2 a rank reads half
-of every sharded tensor, and a PP stage reads only its own layers. Nothing is materialised for the whole
-model. A `ReadLog` records every read, so tests (and curious users) can see what was touched. Before reading,
-every file's header is checked against its size (`safetensors_check`), on every rank: a truncated or corrupt file
-fails everywhere with its name.
+of every sharded tensor, a PP stage reads only its own layers, and an expert-parallel rank only its experts.
+Nothing is materialised for the whole model. A `ReadLog` records every read, so tests (and curious users) can
+see what was touched. Before reading, every file's header is checked against its size (`safetensors_check`), on
+every rank: a truncated or corrupt file fails everywhere with its name.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, model_weight_files
 from rlhf_mcore.models.weight_map import read_shard, rule_for_param
 
@@ -136,8 +137,9 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
             shape: ModelShape = getattr(chunk, "hf_shape", None) or ModelShape.from_hf_dir(hf_dir)
             role = getattr(chunk, "model_role", "actor")
             layers = layer_numbers(chunk)
+            first_expert = expert_offset(shape, getattr(state, "ep_rank", 0), getattr(state.dims, "ep", 1))
             for name, param in chunk.named_parameters():
-                rule = rule_for_param(name, layers, shape, role)
+                rule = rule_for_param(name, layers, shape, role, first_expert)
                 if rule.optional and not all(n in ckpt for n in rule.hf_names):
                     continue
                 shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, shape, param.dtype)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-ARCHS = ("qwen2", "llama", "qwen3")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -132,8 +132,8 @@ def train_tokenizer(tokenizer_vocab: int, extra_texts: Sequence[str] = ()):
 
 def _build_config(arch: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
                   intermediate: int, head_dim: int, tie: bool, bos_id: int, eos_id: int, pad_id: int,
-                  dtype: str, max_position_embeddings: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+                  dtype: str, max_position_embeddings: int, experts: int = 4, top_k: int = 2):
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -145,6 +145,15 @@ def _build_config(arch: str, *, layers: int, hidden: int, heads: int, kv_heads: 
         cfg = Qwen2Config(rope_theta=1e6, use_sliding_window=False, **common)
     elif arch == "qwen3":
         cfg = Qwen3Config(rope_theta=1e6, attention_bias=False, use_sliding_window=False, **common)
+    elif arch == "qwen3_moe":  # layer 0 dense through mlp_only_layers, the rest sparse; renormalised top-k
+        cfg = Qwen3MoeConfig(rope_theta=1e6, attention_bias=False, use_sliding_window=False, num_experts=experts,
+                             num_experts_per_tok=top_k, moe_intermediate_size=intermediate // 2,
+                             mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True, **common)
+    elif arch == "qwen2_moe":  # every second layer sparse (decoder_sparse_step=2); a gated shared expert
+        cfg = Qwen2MoeConfig(rope_theta=1e6, use_sliding_window=False, num_experts=experts,
+                             num_experts_per_tok=top_k, moe_intermediate_size=intermediate // 2,
+                             shared_expert_intermediate_size=intermediate, mlp_only_layers=[],
+                             decoder_sparse_step=2, norm_topk_prob=False, **common)
     else:  # llama: Llama-3 style rope scaling; a small original context so every branch of it is exercised.
         cfg = LlamaConfig(
             rope_theta=5e5, attention_bias=False, mlp_bias=False,
@@ -173,11 +182,16 @@ def make_tiny_model(
     max_position_embeddings: int = 4096,
     init_std: float = 0.2,
     tokenizer_texts: Sequence[str] = (),
+    experts: int = 4,
+    top_k: int = 2,
 ) -> Path:
     """Write a tiny random HF model directory (config, safetensors, tokenizer, generation config) to `out_dir`.
 
     arch: "qwen2" (QKV bias, tied embeddings by default), "llama" (llama3 rope scaling, untied by default) or
-    "qwen3" (QK-norm, tied by default). `intermediate` defaults to 2 * hidden; `head_dim` to hidden // heads;
+    "qwen3" (QK-norm, tied by default), "qwen3_moe" (Qwen3 attention, `experts` experts of width intermediate / 2,
+    top-`top_k` renormalised, layer 0 dense) or "qwen2_moe" (Qwen2 attention, every second layer sparse, a gated
+    shared expert of width `intermediate`; top-k not renormalised). `intermediate` defaults to 2 * hidden;
+    `head_dim` to hidden // heads;
     `tokenizer_vocab` to `default_tokenizer_vocab(vocab)` (smaller than `vocab`, to exercise padding).
     Weights come from transformers' own init under `torch.manual_seed(seed)`, so a seed fixes the model.
     `init_std` (config.initializer_range) defaults to 0.2 rather than transformers' 0.02: at 0.02 a tiny model
@@ -221,6 +235,7 @@ def make_tiny_model(
         arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
         intermediate=intermediate, head_dim=head_dim, tie=tie_word_embeddings, bos_id=eot_id,
         eos_id=im_end_id, pad_id=eot_id, dtype=dtype, max_position_embeddings=max_position_embeddings,
+        experts=experts, top_k=top_k,
     )
     cfg.initializer_range = init_std
     torch.manual_seed(seed)

@@ -10,12 +10,18 @@ A Megatron parameter is described by a `WeightRule`: the HF tensor names it is m
   contiguous chunks (with fewer groups than TP ranks a chunk is part of one group);
 - "fc1": the fused SwiGLU input, rank r holding [gate_r; up_r] (its 1/TP of the gate rows, then of the up rows).
 
+MoE layers (`rlhf_mcore.models.moe`): the router is replicated; every routed expert is a SwiGLU MLP ("fc1" / "col"
+like a dense one) held whole by one expert-parallel rank, whose local expert i is global expert
+`expert_offset + i` (the rule's key names the global one, so keys are layout-independent); Qwen2-MoE's shared expert
+is a dense MLP plus its replicated (1, hidden) gate.
+
 Everything here is pure index arithmetic over shapes, shared by the loader (HF -> shard) and the exporter
 (gathered full Megatron tensor -> HF tensors). Parameter names are those of Megatron's local spec; the
 Transformer Engine spec's fused layer-norm names are mapped onto the same rules.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -44,8 +50,18 @@ _LAYER_RULES = {
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("col", ("mlp.down_proj.weight",)),
+    "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),
+    "mlp.experts.{e}.linear_fc1.weight": ("fc1", ("mlp.experts.{e}.gate_proj.weight",
+                                                  "mlp.experts.{e}.up_proj.weight")),
+    "mlp.experts.{e}.linear_fc2.weight": ("col", ("mlp.experts.{e}.down_proj.weight",)),
+    "mlp.shared_experts.linear_fc1.weight": ("fc1", ("mlp.shared_expert.gate_proj.weight",
+                                                     "mlp.shared_expert.up_proj.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("col", ("mlp.shared_expert.down_proj.weight",)),
+    "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
 _LAYER_ORDER = {suffix: i for i, suffix in enumerate(_LAYER_RULES)}
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.)?(\d+)\.(.+)$")  # Megatron's local / our global
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -65,20 +81,36 @@ class WeightRule:
 
     @property
     def order(self) -> tuple:
-        """Sort key giving HF's tensor order: embedding, layers in order, final norm, head."""
+        """Sort key giving HF's tensor order: embedding, layers in order (experts in order), final norm, head."""
         if self.key == "embedding":
-            return (0, 0, 0)
+            return (0, 0, 0, 0)
         if self.key.startswith("layers."):
             _, g, suffix = self.key.split(".", 2)
-            return (1, int(g), _LAYER_ORDER[suffix])
+            template, expert = _expert_template(suffix)
+            return (1, int(g), _LAYER_ORDER[template], expert)
         if self.key == "final_norm":
-            return (2, 0, 0)
-        return (3, 0, 0 if self.key.endswith("weight") else 1)
+            return (2, 0, 0, 0)
+        return (3, 0, 0 if self.key.endswith("weight") else 1, 0)
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight: held by one expert-parallel rank, not by all."""
+        return ".mlp.experts." in self.key
 
 
-def rule_for_param(name: str, layer_numbers: dict, shape: ModelShape, role: str) -> WeightRule:
+def _expert_template(suffix: str) -> tuple[str, int]:
+    """("mlp.experts.{e}.linear_fc1.weight", e) for an expert's suffix, (suffix, 0) for any other."""
+    m = _EXPERT_RE.match(suffix)
+    if m is None:
+        return suffix, 0
+    return f"mlp.experts.{{e}}.{m.group(2)}", int(m.group(1))
+
+
+def rule_for_param(name: str, layer_numbers: dict, shape: ModelShape, role: str, expert_offset: int = 0
+                   ) -> WeightRule:
     """The rule of parameter `name` of a GPTModel chunk. `layer_numbers` maps the chunk's local layer index to
-    the global (0-based) layer index."""
+    the global (0-based) layer index; `expert_offset` is the global index of this rank's first expert
+    (`moe.expert_offset`)."""
     if name == "embedding.word_embeddings.weight":
         return WeightRule("embedding", "vocab", (EMBED,))
     if name == "decoder.final_layernorm.weight":
@@ -99,12 +131,15 @@ def rule_for_param(name: str, layer_numbers: dict, shape: ModelShape, role: str)
     if name.startswith("decoder.layers."):
         _, _, local, suffix = name.split(".", 3)
         suffix = _TE_ALIASES.get(suffix, suffix)
-        if suffix not in _LAYER_RULES:
+        template, expert = _expert_template(suffix)
+        if template not in _LAYER_RULES:
             raise ValueError(f"no HF mapping for Megatron parameter {name!r} (suffix {suffix!r}); known: "
                              f"{sorted(_LAYER_RULES)}")
         g = layer_numbers[int(local)]
-        kind, hf_suffixes = _LAYER_RULES[suffix]
-        return WeightRule(f"layers.{g}.{suffix}", kind, tuple(f"model.layers.{g}.{s}" for s in hf_suffixes))
+        kind, hf_suffixes = _LAYER_RULES[template]
+        e = expert + expert_offset
+        return WeightRule(f"layers.{g}.{template.format(e=e)}", kind,
+                          tuple(f"model.layers.{g}.{s.format(e=e)}" for s in hf_suffixes))
     raise ValueError(f"no HF mapping for Megatron parameter {name!r}")
 
 
@@ -223,12 +258,18 @@ def split_to_hf(full: torch.Tensor, rule: WeightRule, shape: ModelShape) -> Iter
 def hf_layer_names(shape: ModelShape, layer: int) -> list[str]:
     """Every HF tensor name of one decoder layer, as the HF model has them."""
     names = []
+    sparse = layer in shape.moe_layers
     for suffix, (_, hf) in _LAYER_RULES.items():
         if suffix.startswith("self_attention.linear_qkv.bias") and not shape.qkv_bias:
             continue
         if "_layernorm.weight" in suffix and suffix.startswith("self_attention.") and not shape.qk_norm:
             continue
-        names.extend(f"model.layers.{layer}.{s}" for s in hf)
+        if suffix.startswith("mlp.") and (suffix in _DENSE_MLP) == sparse:
+            continue
+        if suffix.startswith("mlp.shared_experts.") and not shape.shared_expert_ffn_hidden_size:
+            continue
+        experts = range(shape.num_experts) if "{e}" in suffix else (0,)
+        names.extend(f"model.layers.{layer}.{s.format(e=e)}" for e in experts for s in hf)
     return names
 
 

@@ -9,7 +9,8 @@ megatron-core assumes CUDA in a handful of places. Without a GPU, :func:`enable`
 - a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` to ``"cpu"`` in factory calls and
   ``.to("cuda")``/``.cuda()`` (the optimizers hard-code several ``torch.tensor(..., device='cuda')``);
 - ``Tensor.type()`` reports ``torch.cuda.*`` names for CPU tensors (the optimizers assert on them);
-- stream/synchronize/memory helpers become no-ops.
+- stream/synchronize/memory helpers become no-ops;
+- ``all_to_all_single``'s split sizes given as tensors (megatron's MoE alltoall dispatcher) become lists.
 
 It is active only in a process that runs on the CPU: without CUDA, or on a GPU machine where this rank was given no
 GPU (``enable(hide_gpus=True)``: more processes than GPUs, or ``trainer.device=cpu``; ``torch.cuda.is_available()``
@@ -78,6 +79,20 @@ class _CudaToCpuMode(TorchFunctionMode):
 _GRAD_GETTER = torch.Tensor.grad.__get__
 
 
+def _split_sizes_as_lists(all_to_all_single):
+    """megatron's MoE alltoall dispatcher hands `all_to_all_single` its split sizes as host copies of device tensors
+    (numpy arrays on CUDA); on the CPU they stay tensors, which the gloo binding refuses: give it lists. (A global
+    wrapper, not the torch-function mode: the backward pass calls it too, where the mode is not active.)"""
+    @functools.wraps(all_to_all_single)
+    def wrapper(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if torch.is_tensor(output_split_sizes):
+            output_split_sizes = output_split_sizes.tolist()
+        if torch.is_tensor(input_split_sizes):
+            input_split_sizes = input_split_sizes.tolist()
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+    return wrapper
+
+
 _CPU_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
     torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
@@ -138,6 +153,7 @@ def enable(hide_gpus: bool = False) -> None:
         return original_type(self, dtype, non_blocking, **kwargs) if dtype is not None else original_type(self)
 
     torch.Tensor.type = _type
+    torch.distributed.all_to_all_single = _split_sizes_as_lists(torch.distributed.all_to_all_single)
 
     try:
         from megatron.core.tensor_parallel import random as mrandom

@@ -19,18 +19,26 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The training layout: world = TP × PP × DP (context parallelism: later)."""
+    """The training layout: world = TP × PP × DP (context parallelism: later). Expert parallelism (EP, MoE
+    models) splits each expert layer's experts over `ep` of the DP ranks (Megatron's layout: EP divides DP; the
+    expert layers' own data parallelism is DP / EP, their tensor parallelism TP)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: Optional[int] = None
+    ep: int = 1
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
+                   ep: int = 1) -> "ParallelDims":
         if world_size % (tp * pp):
             raise ValueError(f"world size {world_size} is not divisible by TP×PP = {tp}×{pp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp)
+        dp = world_size // (tp * pp)
+        if ep < 1 or dp % ep:
+            raise ValueError(f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} (world "
+                             f"{world_size} / TP×PP {tp}×{pp}); launch a multiple of TP×PP×EP processes.")
+        return cls(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -56,6 +64,8 @@ class ParallelState:
     world_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup  # gloo over all ranks, for small control messages (the coordinator's plan)
     pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    ep_rank: int = 0  # this rank's place in its expert-parallel group (0 without EP)
+    ep_group: Optional[dist.ProcessGroup] = None  # the ranks whose experts together make every expert layer
 
     @property
     def world_size(self) -> int:
@@ -107,8 +117,9 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device: str = "auto",
-                     seed: int = 1, timeout_minutes: int = 30) -> ParallelState:
-    """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's parallel state."""
+                     seed: int = 1, timeout_minutes: int = 30, ep: int = 1) -> ParallelState:
+    """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's parallel state.
+    ep: expert parallel size (MoE models; see `ParallelDims`)."""
     from rlhf_mcore.quiet import silence_known_warnings
 
     silence_known_warnings()
@@ -137,13 +148,13 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
-    dims = ParallelDims.from_world(world, tp, pp, vpp)
+    dims = ParallelDims.from_world(world, tp, pp, vpp, ep)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes,
-        create_gloo_process_groups=True)
+        create_gloo_process_groups=True, expert_model_parallel_size=ep)
     state = ParallelState(
         dims=dims, rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=dev,
         backend=backend, tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
@@ -151,7 +162,8 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
         pp_group=mpu.get_pipeline_model_parallel_group(), dp_group=mpu.get_data_parallel_group(),
         mp_group=mpu.get_model_parallel_group(), world_group=dist.group.WORLD,
         cpu_group=dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        ep_rank=mpu.get_expert_model_parallel_rank(), ep_group=mpu.get_expert_model_parallel_group())
     seed_everything(state, seed)
     model_parallel_cuda_manual_seed(seed)
     return state

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_mcore.config import RLConfig, load_plugins, parallel_layout, to_dict
+from rlhf_mcore.config import RLConfig, expert_parallel_size, load_plugins, parallel_layout, to_dict
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.parallel.collectives import broadcast_object
 from rlhf_mcore.trainer import roles
@@ -52,7 +52,8 @@ class RunContext:
         if cfg.trainer.deterministic:  # warn_only: an op without a deterministic kernel warns instead of failing
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: set it first
             torch.use_deterministic_algorithms(True, warn_only=True)
-        state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed)
+        state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed,
+                                 ep=expert_parallel_size(cfg))
         run_lock = take_run_lock(out_dir, state)
         try:
             return cls(cfg, state, tokenizer=tokenizer, train_set=train_set, val_set=val_set, scorer=scorer,

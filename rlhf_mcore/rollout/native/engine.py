@@ -156,7 +156,8 @@ class NativeRolloutEngine(RolloutEngine):
         self.attention = attention or ("triton" if on_gpu else "torch")
         if self.attention not in ("triton", "torch"):
             raise ValueError(f"attention={self.attention!r}: choose 'triton' or 'torch'.")
-        self.use_graphs = on_gpu if cuda_graphs is None else bool(cuda_graphs)
+        # a MoE model's expert groups change size with the routing: its decode steps run without graphs
+        self.use_graphs = on_gpu and not self.spec.is_moe if cuda_graphs is None else bool(cuda_graphs)
         if self.use_graphs and not on_gpu:
             raise ValueError("cuda_graphs=True needs a CUDA device; leave it unset on CPU.")
         sampler = sampler or ("triton" if on_gpu else "torch")

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from rlhf_mcore.rollout.native.moe import moe_hf_shards
+
 __all__ = ["hf_weight_shards"]
 
 Shard = tuple[str, torch.Tensor, Optional[int], int, int]  # (name, tensor, dim, rank, size)
@@ -52,6 +54,9 @@ def hf_weight_shards(w) -> list[Shard]:
             add(p + "self_attn.q_norm.weight", layer.q_norm)
             add(p + "self_attn.k_norm.weight", layer.k_norm)
         add(p + "self_attn.o_proj.weight", layer.o_proj, 1)
+        if layer.router is not None:  # a MoE layer: experts split like dense MLPs, router and gates replicated
+            moe_hf_shards(layer, p, add)
+            continue
         # fused [gate; up] rows, each this rank's 1/size of the MLP width
         add(p + "mlp.gate_proj.weight", layer.gate_up[:w.inter], 0)
         add(p + "mlp.up_proj.weight", layer.gate_up[w.inter:2 * w.inter], 0)

@@ -34,6 +34,7 @@ from rlhf_mcore.models.hf_config import ModelShape
 from rlhf_mcore.models.rope import rope_inv_freq
 
 from .attention import PackedLayout, decode_attention_torch, prefill_attention
+from .moe import moe_mlp
 from .rope import apply_rope, rope_tables
 from .weights import LayerWeights, ModelWeights
 
@@ -80,6 +81,7 @@ class NativeModel:
         # quantization="fp8"; their GEMMs run through cuBLAS FP8 (no Triton decode GEMMs)
         self.fp8: list[dict] | None = None
         self.cos, self.sin = rope_tables(rope_inv_freq(spec), max_len, weights.device, weights.dtype)  # (L, hd)
+        self.routing: list | None = None  # a list: each MoE layer's expert ids (N, k) of a forward are appended
 
     # ------------------------------------------------------------------------------------ element-wise ops
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +157,14 @@ class NativeModel:
             attn = attend(i, h)  # (N, Hq hd)
             o = self._out_proj(attn, lw.o_proj, triton_gemms, i, "o_proj")
             residual, h = self._add_norm(residual, o, lw.post_norm)
-            act = self._mlp_act(h, lw.gate_up, triton_gemms, i)  # (N, I / tp)
-            down = self._out_proj(act, lw.down, triton_gemms, i, "down")
+            if lw.router is not None:  # a MoE layer: routed (and shared) experts, one all-reduce
+                down, ids = moe_mlp(h, lw, self.spec)
+                down = self._all_reduce(down)
+                if self.routing is not None:
+                    self.routing.append(ids)
+            else:
+                act = self._mlp_act(h, lw.gate_up, triton_gemms, i)  # (N, I / tp)
+                down = self._out_proj(act, lw.down, triton_gemms, i, "down")
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             residual, h = self._add_norm(residual, down, next_norm)
         return h

@@ -5,7 +5,8 @@ Hugging Face orientation (out_features, in_features). Under tensor parallelism (
   - qkv, gate_up: its slice of output rows (its query heads, its kv heads, its part of the MLP width) —
     column-parallel;
   - o_proj, down_proj: its slice of input columns — row-parallel, summed with an all-reduce;
-  - embeddings, norms, lm_head: replicated.
+  - embeddings, norms, lm_head: replicated;
+  - MoE layers: every expert on every rank, each split like a dense MLP; the router replicated (`.moe`).
 `load` accepts full (unsharded) HF tensors, one at a time, and copies each rank's slice into place, so the
 same call serves initial loading from safetensors and `update_weights` from the trainer.
 """
@@ -19,6 +20,8 @@ from typing import Iterable, Iterator
 import torch
 
 from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.weight_map import hf_layer_names
+from rlhf_mcore.rollout.native.moe import moe_fields, moe_target
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some checkpoints carry that the engine recomputes.
@@ -34,14 +37,26 @@ class LayerWeights:
     k_norm: torch.Tensor | None    # (hd,)
     o_proj: torch.Tensor           # (D, Hq * hd / tp)
     post_norm: torch.Tensor        # (D,)
-    gate_up: torch.Tensor          # (2 * I / tp, D)
-    down: torch.Tensor             # (D, I / tp)
+    gate_up: torch.Tensor | None   # (2 * I / tp, D); None in a MoE layer
+    down: torch.Tensor | None      # (D, I / tp)
+    # a MoE layer (rlhf_mcore.rollout.native.moe): every expert on every rank, its columns split over TP
+    router: torch.Tensor | None = None           # (E, D)
+    experts_gate_up: torch.Tensor | None = None  # (E, 2 * I_moe / tp, D)
+    experts_down: torch.Tensor | None = None     # (E, D, I_moe / tp)
+    shared_gate_up: torch.Tensor | None = None   # (2 * I_shared / tp, D)  Qwen2-MoE's shared expert
+    shared_down: torch.Tensor | None = None      # (D, I_shared / tp)
+    shared_gate: torch.Tensor | None = None      # (1, D)
 
 
 class ModelWeights:
     """All weights of one TP rank, allocated on `device` in `dtype`."""
 
     def __init__(self, spec: ModelShape, device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+        if spec.moe_ffn_hidden_size % tp_size or spec.shared_expert_ffn_hidden_size % tp_size:
+            raise ValueError(
+                f"tensor parallel size {tp_size} must divide moe_intermediate_size={spec.moe_ffn_hidden_size} and "
+                f"shared_expert_intermediate_size={spec.shared_expert_ffn_hidden_size}; choose a rollout "
+                "tensor_model_parallel_size that divides both.")
         if spec.num_attention_heads % tp_size or spec.num_kv_heads % tp_size or spec.ffn_hidden_size % tp_size:
             raise ValueError(
                 f"tensor parallel size {tp_size} must divide num_attention_heads={spec.num_attention_heads}, "
@@ -61,14 +76,18 @@ class ModelWeights:
         self.embed = empty(spec.vocab_size, d)
         self.lm_head = self.embed if spec.tie_word_embeddings else empty(spec.vocab_size, d)
         self.final_norm = empty(d)
+        def mlp(i):
+            if i in spec.moe_layers:
+                return dict(gate_up=None, down=None, **moe_fields(spec, tp_size, empty))
+            return dict(gate_up=empty(2 * self.inter, d), down=empty(d, self.inter))
+
         self.layers = [
             LayerWeights(
                 input_norm=empty(d), qkv=empty(qkv_rows, d), qkv_bias=empty(qkv_rows) if spec.qkv_bias else None,
                 q_norm=empty(hd) if spec.qk_norm else None, k_norm=empty(hd) if spec.qk_norm else None,
-                o_proj=empty(d, self.heads * hd), post_norm=empty(d), gate_up=empty(2 * self.inter, d),
-                down=empty(d, self.inter),
+                o_proj=empty(d, self.heads * hd), post_norm=empty(d), **mlp(i),
             )
-            for _ in range(spec.num_layers)
+            for i in range(spec.num_layers)
         ]
 
     # ----------------------------------------------------------------------------------------------------
@@ -79,6 +98,9 @@ class ModelWeights:
             names.append("lm_head.weight")
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
+            if i in self.spec.moe_layers:
+                names += hf_layer_names(self.spec, i)
+                continue
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                       p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
                       p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
@@ -179,6 +201,11 @@ class ModelWeights:
             return dst, self._shard_rows(t, rows)
         if rest == "self_attn.o_proj.weight":
             return layer.o_proj, self._shard_cols(t, q_rows)
+        if layer.router is not None:
+            target = moe_target(layer, rest, t, self._shard_rows, self._shard_cols)
+            if target is not None:
+                return target
+            raise KeyError(f"unexpected weight {name!r} for the MoE layer {m.group(1)} of {spec.architecture}.")
         if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
             start = 0 if rest.startswith("mlp.gate") else self.inter
             return layer.gate_up.narrow(0, start, self.inter), self._shard_rows(t, self.inter)

@@ -1,0 +1,201 @@
+"""Worker for tests/test_moe.py, run under torchrun with 2 processes (several layouts inside one process group).
+
+For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megatron chunks from the HF directory
+(the loader a user's directory goes through) and
+- runs Megatron's schedule forward-only on the documents (a plain batch, a left-padded one with a mask, the
+  documents packed as THD) and saves the gathered logits for pytest to compare with transformers;
+- exports HF tensors with `export_hf_weights` and compares them bitwise with the checkpoint, on every rank;
+- per layout "readlog": loads again with a ReadLog and reports which experts each rank read;
+- per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise);
+- per layout "load_mcore": loads a Megatron checkpoint saved under another layout, exports it bitwise, and
+  converts it to HF (`convert_checkpoint.mcore_to_hf`);
+- per layout "replay": routing replay (R3, R2) against perturbed routing (`replay_check`);
+- per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
+  (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
+
+Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
+"""
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from models_check import documents, from_mcore, gather_problems, packed_batch, padded_batch, roundtrip, run_forward
+
+from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+
+
+def reporter(state) -> bool:
+    return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
+
+
+def experts_read(log) -> list:
+    """The global expert indices whose weights a ReadLog saw."""
+    return sorted({int(m.group(1)) for name, _ in log.reads for m in [_EXPERT.search(name)] if m})
+
+
+def naive_router_losses(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[float, float]:
+    """Megatron's load-balancing loss (its docstring's formula) and z-loss of one router, by hand: x (T, H)."""
+    logits = x.float() @ weight.float().T  # (T, E)
+    probs = torch.softmax(logits, dim=-1)
+    n_tokens, n_experts = logits.shape
+    counts = torch.zeros(n_experts)
+    for row in probs.topk(top_k, dim=-1).indices:
+        for e in row.tolist():
+            counts[e] += 1
+    f = counts / (n_tokens * top_k)  # the fraction of routed slots each expert got
+    p = probs.sum(0) / n_tokens  # each expert's mean probability
+    return float(n_experts * (f * p).sum()), float((torch.logsumexp(logits, dim=-1) ** 2).mean())
+
+
+def aux_losses(hf_dir, state, ids, pos) -> dict:
+    """One training forward with both MoE losses on: what `moe_loss_metrics` logs and the naive values."""
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.models.moe import moe_loss_metrics
+
+    chunks = build_model(hf_dir, state, config_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 1e-3})
+    model, seen = chunks[0], []
+    routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    hooks = [r.register_forward_pre_hook(lambda m, args: seen.append((m, args[0].reshape(-1, args[0].shape[-1]))))
+             for r in routers]
+    model.train()
+    model(ids, pos, None).sum().backward()
+    for h in hooks:
+        h.remove()
+    naive = [naive_router_losses(x.detach(), m.weight.detach(), m.topk) for m, x in seen]
+    logged = moe_loss_metrics(state, "actor", micro_batches=1)
+    again = moe_loss_metrics(state, "actor", micro_batches=1)  # the tracker was cleared: nothing new to log
+    return {"logged": logged, "again": again,
+            "naive": {"actor/moe_load_balancing_loss": sum(a for a, _ in naive) / len(naive),
+                      "actor/moe_z_loss": sum(z for _, z in naive) / len(naive)}}
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log p(next token) (B, S - 1) from (B, S, V_padded) logits."""
+    logp = torch.log_softmax(logits[..., :vocab].float(), -1)
+    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def biased(gating, bias: torch.Tensor):
+    """A router's gating with `bias` (S, B, experts) added to its logits."""
+    return lambda x: gating(x) + bias
+
+
+def replay_check(hf_dir, state, ids, pos) -> dict:
+    """Routing replay against perturbed routing. The "rollout" routes are transformers' (the native engine's equal
+    them: tests/test_moe_rollout.py); the perturbation adds +50 to the router logit of one expert outside each
+    token's rollout set, in every MoE layer, so every token's routes flip without replay while the replayed
+    experts' logits stay as they were."""
+    import transformers
+
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.models.routing_replay import recording, replay_config_overrides, replaying, routing_mismatch
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_out = hf(ids, output_router_logits=True)
+    k = hf.config.num_experts_per_tok
+    b, s = ids.shape
+    rollout = [lg.topk(k, dim=-1).indices.reshape(b, s, k) for lg in hf_out.router_logits]  # per layer (B, S, k)
+    vocab = hf.config.vocab_size
+    ref = token_logprobs(hf_out.logits, ids, vocab)
+    chunks = build_model(hf_dir, state, config_overrides=replay_config_overrides())
+    model = chunks[0]
+    mask = torch.ones(b, s)
+    with torch.no_grad():
+        with recording(chunks, b) as trainer_routes:
+            plain = token_logprobs(model(ids, pos, None), ids, vocab)
+        routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+        for router, routes in zip(routers, rollout):
+            flat = routes.transpose(0, 1).reshape(-1, k)  # Megatron's (S B) order
+            outside = torch.ones(flat.shape[0], router.weight.shape[0], dtype=torch.bool)
+            outside[torch.arange(flat.shape[0])[:, None], flat] = False
+            bias = torch.zeros(outside.shape)
+            bias[torch.arange(flat.shape[0]), outside.float().argmax(-1)] = 50.0  # the first expert not routed to
+            router.gating = biased(router.gating, bias.view(s, b, -1))  # the gating's logits are (S, B, E)
+        with recording(chunks, b) as perturbed_routes:
+            perturbed = token_logprobs(model(ids, pos, None), ids, vocab)
+        with replaying(chunks, rollout):  # R3: the rollout's routes
+            r3 = token_logprobs(model(ids, pos, None), ids, vocab)
+        with replaying(chunks, trainer_routes):  # R2: the routes an earlier (old-log-prob) pass recorded
+            r2 = token_logprobs(model(ids, pos, None), ids, vocab)
+    with replaying(chunks, rollout):  # the update pass: gradients flow through replayed routes
+        model.train()
+        r3_grad = token_logprobs(model(ids, pos, None), ids, vocab)
+        r3_grad.sum().backward()
+        model.eval()
+    grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    return {"plain_vs_hf": (plain - ref).abs().max().item(),
+            "trainer_vs_rollout_routes": routing_mismatch(trainer_routes, rollout, mask),
+            "perturbed_vs_rollout_routes": routing_mismatch(perturbed_routes, rollout, mask),
+            "perturbed_vs_hf": (perturbed - ref).abs().max().item(), "r3_vs_hf": (r3 - ref).abs().max().item(),
+            "r2_vs_plain": (r2 - plain).abs().max().item(),
+            "r3_grad_vs_hf": (r3_grad.detach() - ref).abs().max().item(),
+            "grads_finite": bool(grads_finite)}
+
+
+def run_layout(layout, spec, out: Path, results: dict):
+    from megatron.core import parallel_state as mpu
+
+    from rlhf_mcore.models import build_model, load_hf_weights, save_hf_checkpoint
+    from rlhf_mcore.models.hf_loader import ReadLog
+
+    name = layout["name"]
+    state = init_distributed(tp=layout["tp"], pp=layout["pp"], ep=layout.get("ep", 1), seed=3)
+    docs = documents(spec)
+    res = results.setdefault(name, {})
+    for model_name in layout["models"]:
+        hf_dir = spec["models"][model_name]
+        chunks = build_model(hf_dir, state, role="actor")
+        res[f"{model_name}/roundtrip"] = gather_problems(state, roundtrip(chunks, state, hf_dir))
+        cases = {"plain": padded_batch([docs[0], docs[2]], left=True), "left_padded": padded_batch(docs, left=True)}
+        for case, (ids, pos, mask) in cases.items():
+            logits = run_forward(chunks, state, ids, pos, mask, None)
+            if reporter(state):
+                torch.save({"logits": logits, "mask": mask}, out / f"{name}_{model_name}_{case}.pt")
+        ids, pos, psp = packed_batch(docs)
+        logits = run_forward(chunks, state, ids, pos, None, psp)
+        if reporter(state):
+            torch.save({"logits": logits, "cu": psp.cu_seqlens_q}, out / f"{name}_{model_name}_thd.pt")
+        if model_name in layout.get("readlog", []):
+            log = ReadLog()
+            load_hf_weights(chunks, hf_dir, state, read_log=log)
+            everyone = [None] * state.world_size
+            dist.all_gather_object(everyone, {"ep_rank": state.ep_rank, "experts": experts_read(log)})
+            res[f"{model_name}/experts_read"] = everyone
+        if model_name in layout.get("aux", []):
+            ids, pos, _ = cases["plain"]
+            res[f"{model_name}/aux"] = aux_losses(hf_dir, state, ids, pos)
+        if model_name in layout.get("replay", []):
+            ids, pos, _ = cases["plain"]
+            res[f"{model_name}/replay"] = replay_check(hf_dir, state, ids, pos)
+        if model_name in layout.get("save_hf", []):
+            save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
+        del chunks
+    for model_name, mcore_dir in layout.get("load_mcore", {}).items():  # saved under another layout
+        res[f"{model_name}/from_mcore_roundtrip"] = from_mcore(state, mcore_dir, spec["models"][model_name],
+                                                               out / f"{name}_{model_name}_from_mcore_hf")
+    mpu.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    out = Path(args.out)
+    results: dict = {}
+    for layout in spec["layouts"]:
+        run_layout(layout, spec, out, results)
+    if dist.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps(results))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE): built from HF directories through the loader a user's directory
+goes through, logits equal to transformers' in fp32, bitwise HF round trips, expert parallelism (EP), PP.
+
+The distributed checks run in ONE 2-process torchrun launch (tests/scripts/moe_check.py) over the layouts
+TP×PP×EP = 1×1×1 (two data-parallel replicas), 1×1×2 (each rank holds half the experts; tokens cross ranks through
+Megatron's alltoall dispatcher) and 1×2×1 (the dense layer on one stage, the sparse one on the other). pytest
+compares what the worker saved with transformers run here on the same tiny fp32 models.
+"""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import CPU, run
+
+from rlhf_mcore.models import ModelShape, UnsupportedModelError
+
+pytestmark = pytest.mark.cost(50)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "scripts" / "moe_check.py"
+ATOL = 1e-5
+DOC_LENS = [12, 7, 12]
+# qwen3_moe: layer 0 dense (mlp_only_layers), layer 1 sparse, top-2 renormalised, untied head; qwen2_moe: layer 0
+# dense (decoder_sparse_step=2), layer 1 sparse with the gated shared expert, top-2 not renormalised
+TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top_k=2)
+MODELS = {"qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, **TINY),
+          "qwen2_moe": dict(arch="qwen2_moe", **TINY)}
+LAYOUTS = [
+    dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS), replay=["qwen3_moe"]),
+    dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"],
+         aux=["qwen3_moe"]),
+    dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS)),
+]
+FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS for m in lay["models"]
+                 for case in ("plain", "left_padded", "thd")]
+ROUNDTRIPS = [(lay["name"], m) for lay in LAYOUTS for m in lay["models"]]
+ENV = {**CPU, "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir):
+    return {name: tiny_model_dir(**kw) for name, kw in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def mcore_ep2(model_dirs, tmp_path_factory):
+    """qwen2_moe converted to a Megatron distributed checkpoint by the CLI with its experts split over 2 ranks."""
+    out = tmp_path_factory.mktemp("mcore") / "qwen2_moe_ep2"
+    run("launch/convert_checkpoint.py", "--direction", "hf2mcore", "--hf-dir", str(model_dirs["qwen2_moe"]),
+        "--mcore-dir", str(out), "--ep", "2", nproc=2, env_extra=ENV)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(model_dirs, mcore_ep2, tmp_path_factory):
+    """Run the 2-process worker once; returns (results dict, output dir)."""
+    out = tmp_path_factory.mktemp("moe_worker")
+    layouts = [{**lay, "load_mcore": {"qwen2_moe": str(mcore_ep2)}} if lay["name"] == "1x2x1" else lay
+               for lay in LAYOUTS]
+    spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": layouts, "seed": 11,
+            "doc_lens": DOC_LENS, "max_token": 900}
+    (out / "spec.json").write_text(json.dumps(spec))
+    run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=2, timeout=600, env_extra=ENV)
+    return json.loads((out / "results.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def documents():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 900, (n,), generator=g) for n in DOC_LENS]
+
+
+_HF: dict = {}
+
+
+def hf_doc_logits(path, docs):
+    """transformers' logits of every document run alone: [(n_i, V)]."""
+    import transformers
+
+    if str(path) not in _HF:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            _HF[str(path)] = [model(d[None]).logits[0] for d in docs]
+    return _HF[str(path)]
+
+
+@pytest.mark.parametrize("layout,model,case", FORWARD_CASES)
+def test_moe_logits_match_transformers(worker, model_dirs, documents, layout, model, case):
+    """Mutations: moe.moe_config_kwargs' moe_router_pre_softmax=not norm_topk_prob -> norm_topk_prob (qwen2_moe
+    renormalises its top-k) -> every case fails; moe.expert_offset returning 0 (every EP rank loads experts 0-1)
+    -> the worker fails (its export plan finds two ranks holding one expert)."""
+    _, out = worker
+    saved = torch.load(out / f"{layout}_{model}_{case}.pt")
+    logits = saved["logits"]
+    ref = hf_doc_logits(model_dirs[model], documents)
+    vocab = ref[0].shape[-1]
+    if case == "plain":
+        pairs = [(logits[0], ref[0]), (logits[1], ref[2])]
+    elif case == "left_padded":
+        s = logits.shape[1]
+        pairs = [(logits[i, s - len(doc):], ref[i]) for i, doc in enumerate(documents)]
+    else:
+        cu = saved["cu"].tolist()
+        pairs = [(logits[0, a:b], ref[i]) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+    for got, want in pairs:
+        assert got.shape[0] == want.shape[0]
+        err = (got[:, :vocab] - want).abs().max().item()
+        assert err < ATOL, f"{layout} {model} {case}: max |Megatron - transformers| = {err:.3g}"
+
+
+@pytest.mark.parametrize("layout,model", ROUNDTRIPS)
+def test_moe_hf_roundtrip_is_bitwise(worker, layout, model):
+    """Every rank exports every HF tensor (the experts of the other EP rank too) bitwise equal to the checkpoint, in
+    `expected_hf_names` order. Mutation: hf_export's EP broadcast skipped (each rank yields its empty buffer for the
+    other rank's experts) -> fails."""
+    results, _ = worker
+    assert results[layout][f"{model}/roundtrip"] == []
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_ep_ranks_read_only_their_experts(worker, model):
+    results, _ = worker
+    got = results["1x1x2"][f"{model}/experts_read"]
+    assert got == [{"ep_rank": 0, "experts": [0, 1]}, {"ep_rank": 1, "experts": [2, 3]}]
+
+
+def test_logged_moe_losses_equal_the_naive_ones(worker):
+    """At EP=2 the logged load-balancing loss and z-loss (means over MoE layers) equal Megatron's formulas computed
+    by hand from each router's input; a second read finds the tracker cleared. Mutation: moe_loss_metrics'
+    clear_aux_losses_tracker() skipped -> `again` is not empty -> fails."""
+    results, _ = worker
+    aux = results["1x1x2"]["qwen3_moe/aux"]
+    assert set(aux["logged"]) == {"actor/moe_load_balancing_loss", "actor/moe_z_loss"}
+    for key, want in aux["naive"].items():
+        assert aux["logged"][key] == pytest.approx(want, rel=1e-5), key
+    assert aux["again"] == {}
+
+
+def test_replayed_routes_survive_perturbed_routing(worker):
+    """R3 and R2 are exact: with one expert outside each token's rollout routes pushed up by +50 in every MoE layer,
+    every token's top-k set flips without replay and the log-probs move; replaying the rollout's routes (R3) gives
+    transformers' log-probs, in the forward and in a training pass with gradients, and replaying the routes a
+    pass recorded before the perturbation (R2) gives that pass's log-probs. Mutations: routing_replay.replaying's
+    set_router_replay_action(REPLAY_FORWARD) dropped -> r3/r2 differ -> fails; _to_router_order without its
+    transpose (batch-major ids) -> fails."""
+    results, _ = worker
+    r = results["1x1x1"]["qwen3_moe/replay"]
+    assert r["plain_vs_hf"] < ATOL
+    assert r["trainer_vs_rollout_routes"]["max"] == 0.0
+    assert r["perturbed_vs_rollout_routes"]["mean"] == 1.0  # every token of every MoE layer flipped
+    assert r["perturbed_vs_hf"] > 1e-2
+    assert r["r3_vs_hf"] < ATOL and r["r3_grad_vs_hf"] < ATOL and r["grads_finite"]
+    assert r["r2_vs_plain"] < ATOL
+
+
+def test_routing_mismatch_equals_a_naive_count():
+    from rlhf_mcore.models.routing_replay import routing_mismatch
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randint(0, 4, (3, 5, 2), generator=g) for _ in range(2)]
+    b = [x.flip(-1).clone() for x in a]  # the same sets in another order: no mismatch
+    b[1][0, 0] = torch.tensor([7, 8])
+    b[1][2, 4] = torch.tensor([7, 8])
+    mask = torch.ones(3, 5)
+    mask[2, 4] = 0  # not counted
+    got = routing_mismatch(a, b, mask)
+    want = []
+    for x, y in zip(a, b):
+        n = differ = 0
+        for i in range(3):
+            for j in range(5):
+                if mask[i, j]:
+                    n += 1
+                    differ += set(x[i, j].tolist()) != set(y[i, j].tolist())
+        want.append(differ / n)
+    assert got["per_layer"] == want == [0.0, 1 / 14]
+    assert got["mean"] == pytest.approx(1 / 28) and got["max"] == 1 / 14
+
+
+def test_megatron_checkpoint_saved_at_ep2_loads_at_pp2(worker, model_dirs):
+    """`convert_checkpoint.py --ep 2` (2 processes) -> Megatron checkpoint -> loaded at PP=2 without EP: every tensor
+    exported bitwise, and the HF directory mcore2hf writes equals the source."""
+    results, out = worker
+    assert results["1x2x1"]["qwen2_moe/from_mcore_roundtrip"] == []
+    assert_same_hf_weights(out / "1x2x1_qwen2_moe_from_mcore_hf", model_dirs["qwen2_moe"])
+
+
+def assert_same_hf_weights(saved_dir, src):
+    from safetensors.torch import load_file
+
+    saved = {}
+    for f in sorted(saved_dir.glob("model-*.safetensors")):
+        saved.update(load_file(f))
+    ref = load_file(src / "model.safetensors")
+    assert set(saved) == set(ref)
+    assert all(torch.equal(saved[k], ref[k]) for k in ref)
+
+
+def test_hf_checkpoint_saved_at_ep2_equals_the_source(worker, model_dirs):
+    from safetensors.torch import load_file
+
+    _, out = worker
+    saved_dir, src = out / "1x1x2_qwen2_moe_hf", model_dirs["qwen2_moe"]
+    saved = {}
+    for f in sorted(saved_dir.glob("model-*.safetensors")):
+        saved.update(load_file(f))
+    ref = load_file(src / "model.safetensors")
+    assert set(saved) == set(ref)
+    assert all(torch.equal(saved[k], ref[k]) for k in ref)
+    cfg = json.loads((saved_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["num_experts"] == 4
+
+
+# ------------------------------------------------------------------------------------------------------------
+# in-process: the shape read from config.json against transformers' own model
+
+@pytest.mark.parametrize("arch,extra", [
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0, 2], decoder_sparse_step=1, norm_topk_prob=True)),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[], decoder_sparse_step=2)),
+    ("Qwen2MoeForCausalLM", dict(mlp_only_layers=[1], decoder_sparse_step=1, shared_expert_intermediate_size=24)),
+])
+def test_moe_shape_matches_transformers(arch, extra):
+    """Sparse layers, widths and the parameter count equal those of transformers' model built from the same
+    config. Mutation: moe.sparse_layers using `i % step == 0` -> fails."""
+    import transformers
+
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    hf_cfg = cfg_cls(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=4,
+                     num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, **extra)
+    model = getattr(transformers, arch)(hf_cfg)
+    cfg = {**hf_cfg.to_dict(), "architectures": [arch]}
+    shape = ModelShape.from_config_dict(cfg)
+    sparse = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    assert shape.moe_layers == sparse and shape.num_experts == 4 and shape.moe_top_k == 2
+    assert shape.moe_ffn_hidden_size == 8 and shape.norm_topk_prob == hf_cfg.norm_topk_prob
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def _config(**cfg):
+    base = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                num_hidden_layers=2, intermediate_size=24, vocab_size=64, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8)
+    return {**base, **cfg}
+
+
+@pytest.mark.parametrize("cfg,words", [
+    (dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
+    (dict(shared_expert_intermediate_size=8), "no shared expert"),
+    (dict(mlp_only_layers=[0, 1]), "no sparse layer"),
+    (dict(architectures=["Qwen2MoeForCausalLM"], qkv_bias=False), "qkv_bias=false"),
+])
+def test_unsupported_moe_configs_fail_with_the_key(cfg, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        ModelShape.from_config_dict(_config(**cfg))
+
+
+def test_expert_layout_errors_name_the_setting():
+    from rlhf_mcore.models.hf_config import validate_parallel_layout
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError
+
+    shape = ModelShape.from_config_dict(_config())
+    with pytest.raises(PipelineLayoutError, match="expert_model_parallel_size=3 must divide num_experts=4"):
+        validate_parallel_layout(shape, 1, 1, None, ep=3)
+    dense = ModelShape.from_config_dict({**_config(), "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(PipelineLayoutError, match="needs a mixture-of-experts model"):
+        validate_parallel_layout(dense, 1, 1, None, ep=2)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config keys: veRL's expert_model_parallel_size, the MoE loss coefficients
+
+MODEL = ["actor_rollout_ref.model.path=/models/m", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=1",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+A = "actor_rollout_ref.actor.megatron."
+
+
+def test_expert_parallel_size_is_the_actors_and_ref_critic_must_share_it():
+    from rlhf_mcore.config import ConfigError, expert_parallel_size, load_config, moe_overrides
+
+    assert expert_parallel_size(load_config(None, MODEL)) == 1
+    cfg = load_config(None, MODEL + [f"{A}expert_model_parallel_size=2",
+                                     f"{A}override_transformer_config.moe_aux_loss_coeff=0.01"])
+    assert expert_parallel_size(cfg) == 2
+    assert moe_overrides(cfg.actor_rollout_ref.actor.megatron) == {"moe_aux_loss_coeff": 0.01}
+    assert moe_overrides(cfg.actor_rollout_ref.ref.megatron) == {}
+    bad = load_config(None, MODEL + [f"{A}expert_model_parallel_size=2",
+                                     "actor_rollout_ref.ref.megatron.expert_model_parallel_size=4"])
+    with pytest.raises(ConfigError, match="ref.megatron.expert_model_parallel_size' is 4 but the actor's is 2"):
+        expert_parallel_size(bad)
+
+
+@pytest.mark.parametrize("override,words", [
+    (f"{A}expert_model_parallel_size=0", "expert_model_parallel_size' has value 0; it must be unset or >= 1"),
+    (f"{A}override_transformer_config.moe_aux_loss_coeff=-1", "moe_aux_loss_coeff' has value -1"),
+    (f"{A}override_transformer_config.moe_z_loss_coeff=0", "moe_z_loss_coeff' has value 0"),
+])
+def test_bad_moe_keys_fail_with_the_key(override, words):
+    from rlhf_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(None, MODEL + [override])
+
+
+def test_expert_parallel_size_must_divide_dp():
+    from rlhf_mcore.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(None, MODEL + [f"{A}expert_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=2 must divide the data-parallel size 3"):
+        validate_config(cfg, 3, read_model=False)
+    validate_config(cfg, 2, read_model=False)
+
+
+def test_dense_models_refuse_moe_loss_coefficients():
+    from rlhf_mcore.models.hf_config import transformer_config
+
+    dense = ModelShape.from_config_dict({**_config(), "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ValueError, match=r"\['moe_aux_loss_coeff'\] .* has no experts: remove them"):
+        transformer_config(dense, tp=1, pp=1, vpp=None, dtype=torch.float32, on_cpu=True, moe_aux_loss_coeff=0.1)
+
+
+def test_flops_count_the_active_parameters():
+    """The FLOP model of a MoE config counts each token's active matmul parameters: attention, the dense layers'
+    MLP, top_k routed experts and the shared expert of each MoE layer, the router. Mutation: _moe_active counting
+    all experts (num_moe_experts instead of moe_router_topk) -> fails."""
+    from rlhf_mcore.engine.flops import FlopShape
+    from rlhf_mcore.models.hf_config import transformer_config
+
+    shape = ModelShape.from_config_dict({**_config(num_hidden_layers=3, mlp_only_layers=[0]), "architectures":
+                                         ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 12})
+    config = transformer_config(shape, tp=1, pp=1, vpp=None, dtype=torch.float32, on_cpu=True)
+    flop = FlopShape.from_transformer_config(config, vocab_size=64)
+    h = 16
+    attn = h * 8 * (2 + 2 * 1) + 2 * 8 * h  # q (2 heads) + k, v (1 group) of head_dim 8, and o
+    want = 3 * attn + 3 * h * 24 + 2 * (3 * h * (2 * 8 + 12) + h * 4)  # 1 dense + 2 MoE layers (top-2 of 4, shared)
+    assert flop.matmul_params == want
