@@ -22,3 +22,43 @@ def parity_task(tmp_path: Path, model_dir: Path, max_response_length: int = 8) -
 
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trace_tracks(path: Path) -> dict[tuple[int, int], list[dict]]:
+    """A trainer.trace file's complete events by track ((pid, tid)), each track's in time order, after checking
+    that the file is Chrome-trace JSON and that every track nests: two spans of a track are disjoint or one holds
+    the other (what the viewers draw as one track; 1 us of slack for the rounding of ts and dur)."""
+    doc = json.loads(path.read_text())
+    assert doc["displayTimeUnit"] == "ms" and not doc["otherData"]["unfinished_ranks"], doc["otherData"]
+    tracks: dict[tuple[int, int], list[dict]] = {}
+    for e in doc["traceEvents"]:
+        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["ts"] > 1.6e15, e  # microseconds of wall time (after 2020)
+            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    for key, evs in tracks.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_ends: list[float] = []  # the ends of the spans holding the current one
+        for e in evs:
+            while open_ends and e["ts"] >= open_ends[-1] - 1:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1, (key, e)  # inside its holder
+            open_ends.append(e["ts"] + e["dur"])
+    return tracks
+
+
+def step_phases(track: list[dict]) -> dict[int, list[str]]:
+    """Per step (the `step` spans' `args.step`), the names of the spans directly inside it, in time order."""
+    out = {}
+    for s in (e for e in track if e["name"] == "step"):
+        end = s["ts"] + s["dur"]
+        inner = [e for e in track if e is not s and s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= end + 1]
+        held = lambda e, o: o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] and o["dur"] > e["dur"]  # noqa: E731
+        direct = [e for e in inner if not any(held(e, o) for o in inner if o is not e)]
+        out[s["args"]["step"]] = [e["name"] for e in direct]
+    return out
+
+
+def process_names(path: Path) -> dict[int, str]:
+    return {e["pid"]: e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "process_name"}
