@@ -1,9 +1,13 @@
-"""Seeing a run, in process (no launch): the trace's spans, parts and merge (rlhf_mcore/trace.py). The end-to-end
+"""Seeing a run, in process (no launch): the trace's spans, parts and merge (rlhf_mcore/trace.py), the curves'
+plot (launch/plot_metrics.py). The end-to-end
 trace checks run inside existing launches: tests/test_dapo.py (2 processes, colocated), tests/test_async.py (2 and 3
 processes, both asynchronous modes)."""
 import json
+import shutil
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from e2e_helpers import step_phases, trace_tracks
@@ -11,7 +15,9 @@ from e2e_helpers import step_phases, trace_tracks
 from rlhf_mcore import trace
 from rlhf_mcore.trainer.hooks import PhaseTimer
 
-pytestmark = pytest.mark.cost(3)
+pytestmark = pytest.mark.cost(8)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -102,3 +108,56 @@ def test_span_cost_without_and_with_a_trace(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nspan: {off:.2f} us untraced, {on:.2f} us traced + {flush_us:.2f} us to write it")
     assert on + flush_us < 50
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def _plot_metrics():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_metrics", ROOT / "launch" / "plot_metrics.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plot_metrics_draws_the_panels_of_a_recorded_run(tmp_path, capsys):
+    """launch/plot_metrics.py on a recorded metrics.jsonl (tests/data/metrics_fully_async.jsonl: the fully
+    asynchronous learning run of tests/test_trainer.py, 8 steps, two validations): one PNG of the eight default
+    panels (3 x 3 grid), the held-out curves one per data source, the staleness histogram the run's sum; `--keys`
+    draws the metrics it names; without matplotlib one line says how to install it. Mutation: the histogram reads
+    `<mode>/stale/<k>` instead of `<mode>/staleness/<k>` -> fails."""
+    import matplotlib.image
+
+    pm = _plot_metrics()
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ROOT / "tests" / "data" / "metrics_fully_async.jsonl", run / "metrics.jsonl")
+    assert pm.main([str(run)]) == 0
+    out = run / "plots" / "curves.png"
+    assert f"plots at {out} (training reward, held-out accuracy, response length, KL, entropy, grad norm, " \
+           "throughput, staleness (trained groups))" in capsys.readouterr().out
+    img = matplotlib.image.imread(out)
+    assert img.shape[:2] == (round(3 * 3.4 * 90), round(3 * 5.2 * 90))  # 3 rows x 3 columns of panels
+    assert (img[..., :3] < 0.9).mean() > 0.02  # drawn on, not blank
+    train, val = pm.read_metrics(run / "metrics.jsonl")
+    panels = dict((p[0], p[1:]) for p in pm.panels_for(train, val, None))
+    assert [label for _, _, label in panels["held-out accuracy"][0]] == ["synthetic/arithmetic", "openai/gsm8k"]
+    want = {}
+    for r in train:
+        for k in (0, 1):
+            want[k] = want.get(k, 0) + r.get(f"fully_async/staleness/{k}", 0)
+    assert panels["staleness (trained groups)"][0] == want and sum(want.values()) == 8 * 16  # 16 groups a step
+
+    assert pm.main([str(run), "--keys", "timing_s/*", "--out", str(tmp_path / "t.png")]) == 0
+    assert "timing_s/update" in capsys.readouterr().out and (tmp_path / "t.png").is_file()
+    assert pm.main([str(tmp_path / "nowhere")]) == 1
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_plot_metrics_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    pm = _plot_metrics()
+    shutil.copy(ROOT / "tests" / "data" / "metrics_fully_async.jsonl", tmp_path / "metrics.jsonl")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert pm.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {pm.MISSING}" and "pip install" in err and len(err.strip().splitlines()) == 1
