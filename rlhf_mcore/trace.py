@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class Span:
@@ -40,6 +40,8 @@ class Span:
         self.name, self.args, self.t0, self.seconds = name, args, 0.0, 0.0
 
     def __enter__(self) -> "Span":
+        if _ON_PHASE is not None:
+            _ON_PHASE(self)
         self.t0 = time.perf_counter()
         return self
 
@@ -101,6 +103,13 @@ class Tracer:
 
 
 _TRACER: Optional[Tracer] = None
+_ON_PHASE: Optional[Callable[[Span], None]] = None  # the console's phase indicator (a terminal's bar)
+
+
+def on_phase(fn: Optional[Callable[[Span], None]]) -> None:
+    """Call `fn(span)` as each span starts (None: stop); with or without a trace open."""
+    global _ON_PHASE
+    _ON_PHASE = fn
 
 
 def span(name: str, **args: Any) -> Span:

@@ -62,3 +62,19 @@ def step_phases(track: list[dict]) -> dict[int, list[str]]:
 def process_names(path: Path) -> dict[int, str]:
     return {e["pid"]: e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"]
             if e["ph"] == "M" and e["name"] == "process_name"}
+
+
+def check_plain_log(stdout: str, stderr: str, once: list[str]) -> None:
+    """A run's output when it is not a terminal (a test's pipes, a log file): plain lines, no progress bar (its
+    carriage-return frames: text-mode pipes turn each into a line of its own, `NN%|...`), no line said twice (once
+    per rank, once per resume), and each of `once` (a line's start) on exactly one line."""
+    import re
+
+    text = stdout + stderr
+    bars = [x for x in text.splitlines() if re.search(r"\d+%\|", x)]
+    assert "\r" not in text and not bars, (bars[:5], text[-3000:])
+    lines = [x for x in text.splitlines() if x.strip()]
+    repeated = sorted({x for x in lines if lines.count(x) > 1})
+    assert not repeated, (repeated, text[-3000:])
+    for start in once:
+        assert sum(x.startswith(start) for x in lines) == 1, (start, text[-3000:])

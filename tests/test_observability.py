@@ -161,3 +161,51 @@ def test_plot_metrics_without_matplotlib_says_how_to_install_it(tmp_path, capsys
     assert pm.main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.strip() == f"error: {pm.MISSING}" and "pip install" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------ logs
+def test_console_lines_put_agent_metrics_on_their_own_line_and_cut_long_text_in_the_middle():
+    """A validation's `val/agent/*` metrics get a line of their own (the agent demo's line was ~900 characters);
+    a validation sample's question is shown whole up to 400 characters, a longer one keeps its start and its end
+    (the question is at the end of a chat-templated prompt). Mutation: middle_cut keeps the last `limit`
+    characters (the old `prompt[-120:]`) -> fails."""
+    from rlhf_mcore.trainer.logging import console_lines, middle_cut
+
+    metrics = {"val/acc": 0.5, "val/agent/turns": 2.0, "val/agent/tool_calls": 1.0, "val/gsm8k/acc": 0.25}
+    assert console_lines(3, 10, metrics, "val") == [
+        "[val @ step 3] | val/acc 0.5000 | val/gsm8k/acc 0.2500",  # the line as before, less the agent's
+        "[val/agent @ step 3] | val/agent/tool_calls 1.0000 | val/agent/turns 2.0000"]
+    assert console_lines(3, 10, {"val/acc": 0.5}, "val") == ["[val @ step 3] | val/acc 0.5000"]
+    assert console_lines(3, 10, {"critic/score/mean": 0.25, "timing_s/step": 1.5}, "train") == [
+        "step 3/10 | reward 0.250 | s 1.5"]
+    assert middle_cut("x" * 400) == "x" * 400
+    prompt = "<|system|>" + "s" * 500 + "<|user|>What is 2 + 3?<|assistant|>"
+    cut = middle_cut(prompt)
+    assert len(cut) <= 400 and cut.startswith("<|system|>") and cut.endswith("<|user|>What is 2 + 3?<|assistant|>")
+    assert " ... " in cut
+
+
+def test_ranks_other_than_0_say_only_their_errors():
+    """Under torchrun (RANK set) rank 1 prints no warning nor logged warning, only errors; rank 0 prints all; a
+    non-terminal stderr turns the Hugging Face progress bars off (their frames in a log file). A fresh interpreter
+    each (the filters are process-wide); quiet.py imports no torch, so each takes well under a second."""
+    import subprocess
+
+    from subprocess_env import child_env
+
+    code = ("import logging, os, warnings\nfrom rlhf_mcore.quiet import silence_known_warnings\n"
+            "silence_known_warnings()\nwarnings.warn('a warning', FutureWarning)\n"
+            "logging.getLogger('rlhf_mcore.data').warning('a logged warning')\n"
+            "logging.getLogger('rlhf_mcore.data').error('an error')\n"
+            "print(os.environ.get('HF_HUB_DISABLE_PROGRESS_BARS'))\n")
+    out = {}
+    for rank in ("0", "1"):
+        env = {k: v for k, v in child_env(RANK=rank).items()
+               if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        out[rank] = proc
+    assert "a warning" in out["0"].stderr and "a logged warning" in out["0"].stderr
+    assert "a warning" not in out["1"].stderr and "a logged warning" not in out["1"].stderr
+    assert "an error" in out["1"].stderr
+    assert out["0"].stdout.strip() == out["1"].stdout.strip() == "1"  # stderr is a pipe here

@@ -20,7 +20,7 @@ from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.hooks import PhaseTimer, StepHooks
-from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
+from rlhf_mcore.trainer.logging import MetricLogger, middle_cut, reduce_metrics
 from rlhf_mcore.trainer.plan import plan_step
 from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
@@ -136,9 +136,9 @@ class RunContext:
     def log_validation(self, metrics: dict[str, float], samples: list[dict]) -> None:
         """Coordinator: validation's metrics and its first samples."""
         self.logger.log(self.step, metrics, kind="val")
-        for s in samples:
-            self.logger.text(f"[val sample] score={s['score']:.1f} | {s['prompt'][-120:]!r} -> "
-                             f"{s['response'][:200]!r}")
+        for s in samples:  # the question whole (up to 400 characters: longer ones lose their middle)
+            self.logger.text(f"[val sample] score={s['score']:.1f} | {middle_cut(s['prompt'])!r} -> "
+                             f"{middle_cut(s['response'])!r}")
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def trainer_state(self, learner, mode_state: Optional[dict[str, Any]] = None) -> dict[str, Any]:
