@@ -78,3 +78,33 @@ def check_plain_log(stdout: str, stderr: str, once: list[str]) -> None:
     assert not repeated, (repeated, text[-3000:])
     for start in once:
         assert sum(x.startswith(start) for x in lines) == 1, (start, text[-3000:])
+
+
+def check_summary(stdout: str, out: Path) -> list[str]:
+    """launch/train.py's end-of-run summary (rank 0, once) against the run's metrics.jsonl: the steps, the first and
+    last training reward, each data source's best and last held-out accuracy, and the outputs it names exist.
+    Returns the summary's lines."""
+    import re
+
+    lines = stdout.splitlines()
+    assert sum(x.startswith("run summary: ") for x in lines) == 1, stdout[-3000:]
+    at = next(i for i, x in enumerate(lines) if x.startswith("run summary: "))
+    summary = [lines[at]] + [x for x in lines[at + 1:] if x.startswith("  ")]
+    recs = records(out)
+    train = [r for r in recs if r["kind"] == "train"]
+    val = [r for r in recs if r["kind"] == "val"]
+    assert re.match(rf"run summary: {train[-1]['step']} steps, \d+ s$", summary[0]), summary
+    first, last = train[0], train[-1]
+    want = (f"  training reward     first {first['critic/score/mean']:.4f} (step {first['step']}), "
+            f"last {last['critic/score/mean']:.4f} (step {last['step']})")
+    assert want in summary, (want, summary)
+    for key in {k for r in val for k in r if k.startswith("val/") and k.endswith("/acc")}:
+        pts = [(r["step"], r[key]) for r in val if key in r]
+        best = max(v for _, v in pts)
+        source = "all" if key == "val/acc" else key[4:-4]
+        assert (f"  held-out accuracy   {source}: best {best:.4f} (step {next(s for s, v in pts if v == best)}), "
+                f"last {pts[-1][1]:.4f} (step {pts[-1][0]})") in summary, (key, summary)
+    named = {x.split()[0]: x.split()[1] for x in summary[1:] if x.split()[0] in ("metrics", "plots", "trace")}
+    for what, path in named.items():
+        assert Path(path).is_file(), (what, path)
+    return summary

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from e2e_helpers import check_plain_log, parity_task, process_names, records, step_phases, trace_tracks
+from e2e_helpers import check_plain_log, check_summary, parity_task, process_names, records, step_phases, trace_tracks
 from launcher import run as run_script
 from launcher import start, wait_all
 
@@ -431,6 +431,10 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     assert "resumed from" in proc.stdout + proc.stderr
     assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4]
     check_plain_log(proc.stdout, proc.stderr, ["step 3/4 | reward", "step 4/4 | reward", "resumed from"])
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # the resume's FutureWarnings: silenced at their source
+    summary = check_summary(proc.stdout, resumed)  # its numbers are metrics.jsonl's
+    assert f"  plots               {resumed / 'plots' / 'curves.png'}" in summary  # drawn (console + jsonl loggers)
+    assert f"  trace               {resumed / 'trace.json'} (open in ui.perfetto.dev)" in summary
     # its timeline (trainer.trace=true: <run dir>/trace.json): rank 0 trains, rank 1 is the rollout replica
     _check_async_trace(resumed / "trace.json", "one_step_off", [3, 4], train_ranks=(0,), rollout_ranks=(1,),
                        phases=[p for p in TRAIN_PHASES if p != "reward_model"], sequences=16)

@@ -209,3 +209,31 @@ def test_ranks_other_than_0_say_only_their_errors():
     assert "a warning" not in out["1"].stderr and "a logged warning" not in out["1"].stderr
     assert "an error" in out["1"].stderr
     assert out["0"].stdout.strip() == out["1"].stdout.strip() == "1"  # stderr is a pipe here
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def test_end_of_run_summary_says_what_metrics_jsonl_says(tmp_path):
+    """The summary of the recorded fully asynchronous run (8 steps, validations at steps 0 and 8): its numbers
+    are the log's (checked by e2e_helpers.check_summary, which the 2-process resume launch in tests/test_async.py
+    also runs on train.py's own output) and, literally, the values read off the file by hand. Mutation: the best
+    held-out accuracy taken as the last one (`best = pts[-1]`) -> fails."""
+    from e2e_helpers import check_summary
+
+    from rlhf_mcore.trainer.summary import summary_lines
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "global_step_8").mkdir(parents=True)
+    (out / "checkpoints" / "global_step_10").mkdir()
+    shutil.copy(ROOT / "tests" / "data" / "metrics_fully_async.jsonl", out / "metrics.jsonl")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "kind": "tr')  # a record cut by a kill: skipped
+    lines = summary_lines(out, 61.4, plots=str(out / "metrics.jsonl"))
+    shutil.copy(ROOT / "tests" / "data" / "metrics_fully_async.jsonl", out / "metrics.jsonl")  # for check_summary
+    assert check_summary("noise\n" + "\n".join(lines) + "\n", out) == lines
+    assert lines[:5] == [
+        "run summary: 8 steps, 61 s",
+        "  training reward     first 0.2031 (step 1), last 0.4844 (step 8)",
+        "  held-out accuracy   synthetic/arithmetic: best 0.5625 (step 8), last 0.5625 (step 8)",
+        "  held-out accuracy   openai/gsm8k: best 0.0000 (step 0), last 0.0000 (step 8)",
+        "  held-out accuracy   all: best 0.5070 (step 8), last 0.5070 (step 8)"]
+    assert f"  checkpoints         {out / 'checkpoints'} (newest global_step_10)" in lines
