@@ -93,7 +93,7 @@ def check_summary(stdout: str, out: Path) -> list[str]:
     recs = records(out)
     train = [r for r in recs if r["kind"] == "train"]
     val = [r for r in recs if r["kind"] == "val"]
-    assert re.match(rf"run summary: {train[-1]['step']} steps, \d+ s$", summary[0]), summary
+    assert re.match(rf"run summary: {train[-1]['step']} steps?, \d+ s$", summary[0]), summary
     first, last = train[0], train[-1]
     want = (f"  training reward     first {first['critic/score/mean']:.4f} (step {first['step']}), "
             f"last {last['critic/score/mean']:.4f} (step {last['step']})")

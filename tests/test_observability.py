@@ -86,10 +86,11 @@ def test_a_killed_rank_leaves_a_part_that_merges(tmp_path):
 
 
 def test_span_cost_without_and_with_a_trace(tmp_path, capsys):
-    """The trace is cheap enough to leave on: a span costs a few microseconds recorded (a step has ~10-30), under
-    50 us even on a loaded CI core; without a trace open, only its two clock reads. Prints the measured costs
-    (BENCHMARKS.md quotes them)."""
-    n = 5000
+    """The trace is cheap enough to leave on: a span costs microseconds recorded and written (a step has ~10-30;
+    BENCHMARKS.md quotes the printed figures, ~17 us on the dev machine). The bound is loose (a loaded 2-core CI
+    machine), there to catch a span that does synchronous I/O of its own. Mutation: `Tracer.record` flushes and
+    fsyncs each event (`self.flush(); os.fsync(self.file.fileno())`) -> fails (690 us a span on the dev machine)."""
+    n = 2000
 
     def cost() -> float:
         t0 = time.perf_counter()
@@ -107,7 +108,7 @@ def test_span_cost_without_and_with_a_trace(tmp_path, capsys):
     trace.close_trace(wait_s=0)
     with capsys.disabled():
         print(f"\nspan: {off:.2f} us untraced, {on:.2f} us traced + {flush_us:.2f} us to write it")
-    assert on + flush_us < 50
+    assert on + flush_us < 500, (on, flush_us)
 
 
 # ------------------------------------------------------------------------------------------------ plots

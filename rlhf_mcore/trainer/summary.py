@@ -41,7 +41,8 @@ def summary_lines(run_dir: Path, seconds: float, plots: Optional[str] = None,
     draw them; `trace_file`: the run's timeline, when it wrote one."""
     metrics = run_dir / "metrics.jsonl"
     train, val = read_records(metrics)
-    steps = f"{train[-1]['step']} steps" if train else "no step logged"
+    n = train[-1]["step"] if train else 0
+    steps = f"{n} step{'' if n == 1 else 's'}" if train else "no step logged"
     lines = [f"run summary: {steps}, {seconds:.0f} s"]
     rewards = [(r["step"], r[REWARD]) for r in train if REWARD in r]
     if rewards:
