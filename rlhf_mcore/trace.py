@@ -34,10 +34,14 @@ class Span:
     """A phase being timed (a context manager): `seconds` once it ended; `args` may be added to while it runs
     and, once recorded, until the trace's next flush."""
 
-    __slots__ = ("name", "args", "t0", "seconds")
+    __slots__ = ("name", "args", "t0", "seconds", "dropped")
 
     def __init__(self, name: str, args: dict[str, Any]):
-        self.name, self.args, self.t0, self.seconds = name, args, 0.0, 0.0
+        self.name, self.args, self.t0, self.seconds, self.dropped = name, args, 0.0, 0.0, False
+
+    def drop(self) -> None:
+        """Time it but leave it off the trace (an idle turn of a polling loop)."""
+        self.dropped = True
 
     def __enter__(self) -> "Span":
         if _ON_PHASE is not None:
@@ -47,7 +51,7 @@ class Span:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.t0
-        if _TRACER is not None:
+        if _TRACER is not None and not self.dropped:
             _TRACER.record(self)
 
 

@@ -266,6 +266,8 @@ class RolloutWorker:
                 with trace.span("engine step", running=stream.load) as s:
                     finished = stream.step(submit=sync_to is None)
                     s.args["finished"] = len(finished)
+                    if not finished and not self.engine.num_pending:  # an idle turn (the loop sleeps below)
+                        s.drop()
                 for uid, row in finished:
                     live[uid]["rows"][row.sample] = row
                 self.submit_scoring(scoring, finished, live)
