@@ -41,10 +41,11 @@ setup(
         "sglang": ["sglang>=0.5.3"],  # rollout/sglang_backend.SGLANG_MIN_VERSION (sampling_seed)
         "triton": ["triton>=3.2"],
         "wandb": ["wandb>=0.18"],
+        "plot": ["matplotlib>=3.7"],  # launch/plot_metrics.py and the curves train.py draws at its end
         # trl: the TRL peer benchmark's tiny form runs in the tests (pure Python; accelerate is its one extra need)
         # peft: tests/test_lora.py checks the LoRA adapters against it (the run itself writes PEFT files without it)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.8", "ruff>=0.6", "triton>=3.2", "trl>=1.16",
-                "accelerate>=1.10.1", "peft>=0.13"],
+                "accelerate>=1.10.1", "peft>=0.13", "matplotlib>=3.7"],
     },
     entry_points={},
 )

@@ -1,4 +1,5 @@
-"""`make benchmark`: the project's benchmarks in one run, a table on the console and JSON on disk.
+"""`make benchmark`: the project's benchmarks in one run: one line per benchmark and the targets' table on the console,
+JSON and each benchmark's own output (`<name>.log`) on disk.
 
     python launch/benchmark.py [--only mfu ppo_step grpo_step trl trl_no_gc memory rollout sync attention
                                       packed_attention]
@@ -97,18 +98,37 @@ def plan(tiny: bool, args, model_dir: Path) -> dict:
 
 
 def run_bench(name: str, script: str, args: list[str], out_dir: Path, timeout: int) -> dict:
-    out = out_dir / f"{name}.json"
+    """One benchmark script in its own process, its output (raw JSON dumps, the peers' logs) in `<name>.log`;
+    the console gets one line: the name as it starts, its outcome, time and headline when it ends (a failure
+    adds the log's last lines)."""
+    out, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
     cmd = [sys.executable, str(ROOT / "launch" / "bench" / script), *args, "--out", str(out)]
-    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    print(f"{name:<17}", end=" ", flush=True)
     t0 = time.time()
-    try:
-        rc = subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    result = {"ok": rc == 0, "returncode": rc, "seconds": time.time() - t0, "command": cmd[1:]}
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, stdout=f, stderr=subprocess.STDOUT).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    result = {"ok": rc == 0, "returncode": rc, "seconds": time.time() - t0, "command": cmd[1:], "log": str(log)}
     if out.is_file():
         result["result"] = json.loads(out.read_text())
+    print(f"{'ok' if rc == 0 else 'FAILED (' + str(rc) + ')':<11} {result['seconds']:>7.1f} s  {headline(result)}",
+          flush=True)
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        print("\n".join(f"    | {x}" for x in tail) + f"\n    (the whole output: {log})", flush=True)
     return result
+
+
+def headline(r: dict) -> str:
+    """A benchmark's one figure for the console: a step time, a skip's reason, else nothing (the table has more)."""
+    res = r.get("result") or {}
+    if res.get("skipped"):
+        return f"skipped: {res['skipped']}"
+    return f"step {res['step_s']:.2f} s" if isinstance(res.get("step_s"), (int, float)) else ""
 
 
 def _get(d, *keys):
@@ -217,18 +237,14 @@ def main(argv=None) -> int:
             t["met"], t["note"] = None, "tiny shapes: not a measurement"
     path = out_dir / "benchmark.json"
     path.write_text(json.dumps(report, indent=1, default=str))
-    print(f"\n{'benchmark':<11} {'ok':<5} {'seconds':>8}  headline")
-    for name, r in report["results"].items():
-        res = r.get("result") or {}
-        head = res.get("skipped") or (f"step {res['step_s']:.2f} s" if "step_s" in res else "")
-        print(f"{name:<11} {str(r.get('ok')):<5} {r.get('seconds', 0):>8.1f}  {head}")
     if report["targets"]:
         print(f"\n{'target':<52} {'measured':<34} {'goal':<28} met")
         for t in report["targets"]:
             print(f"{t['target']:<52} {t['measured']:<34} {t['goal']:<28} {t['met']}  {t['note']}")
     hw = report["hardware"]
     print(f"\nhardware: {hw.get('gpu', hw['cpu'])}, torch {hw['torch']}; commit: {report['commit']['describe']}"
-          f"{' (tiny CPU shapes: numbers mean nothing)' if tiny else ''}\nJSON: {path}")
+          f"{' (tiny CPU shapes: numbers mean nothing)' if tiny else ''}\nJSON: {path}; each benchmark's output: "
+          f"{out_dir}/<name>.log")
     return 0 if all(r.get("ok") for r in report["results"].values()) else 1
 
 

@@ -100,8 +100,11 @@ def main() -> int:
                  f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra))
 
     print("\n" + validation_curve(grpo / "metrics.jsonl"))
+    plots = grpo / "plots" / "curves.png"  # train.py draws them when matplotlib is installed
     print(f"\ndone in {time.time() - t0:.0f} s. Outputs:\n"
           f"  metrics (JSONL)     {grpo / 'metrics.jsonl'}\n"
+          + (f"  plots (PNG)         {plots}\n" if plots.is_file() else
+             f"  plots               python launch/plot_metrics.py {grpo}  (needs matplotlib)\n") +
           f"  TensorBoard         tensorboard --logdir {grpo / 'tensorboard'}\n"
           f"  checkpoints         {grpo / 'checkpoints'}\n"
           f"  final actor (HF)    {grpo / 'hf_final'}\n"

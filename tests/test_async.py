@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from e2e_helpers import parity_task, records
+from e2e_helpers import check_plain_log, check_summary, parity_task, process_names, records, step_phases, trace_tracks
 from launcher import run as run_script
 from launcher import start, wait_all
 
@@ -426,9 +426,18 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     shutil.copytree(tmp_path / "osp", resumed)
     shutil.rmtree(resumed / "checkpoints" / "global_step_4")
     osp_args = ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1"]
-    proc = run_script("launch/train.py", *args, f"trainer.default_local_dir={resumed}", *osp_args, nproc=2)
+    proc = run_script("launch/train.py", *args, f"trainer.default_local_dir={resumed}", *osp_args, "trainer.trace=true",
+                      "trainer.logger=[jsonl,console]", nproc=2)
     assert "resumed from" in proc.stdout + proc.stderr
     assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4]
+    check_plain_log(proc.stdout, proc.stderr, ["step 3/4 | reward", "step 4/4 | reward", "resumed from"])
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # the resume's FutureWarnings: silenced at their source
+    summary = check_summary(proc.stdout, resumed)  # its numbers are metrics.jsonl's
+    assert f"  plots               {resumed / 'plots' / 'curves.png'}" in summary  # drawn (console + jsonl loggers)
+    assert f"  trace               {resumed / 'trace.json'} (open in ui.perfetto.dev)" in summary
+    # its timeline (trainer.trace=true: <run dir>/trace.json): rank 0 trains, rank 1 is the rollout replica
+    _check_async_trace(resumed / "trace.json", "one_step_off", [3, 4], train_ranks=(0,), rollout_ranks=(1,),
+                       phases=[p for p in TRAIN_PHASES if p != "reward_model"], sequences=16)
 
     def trained(out):
         return json.loads((out / "checkpoints" / "global_step_4" / "trainer_state_rank0.json").read_text())[
@@ -526,6 +535,44 @@ def test_fully_async_staleness_accounting_kill_and_resume(tmp_path, tiny_model_d
     assert sorted(trained + regrant + dropped) == sorted(drawn)  # none lost: trained, dropped (counted) or pending
 
 
+TRAIN_PHASES = ["wait", "reward_model", "old_log_prob", "adv", "update", "sync"]  # a pool step with a reward model
+
+
+def _check_async_trace(path: Path, mode: str, steps: list[int], train_ranks=(0, 1), rollout_ranks=(2,),
+                       phases=TRAIN_PHASES, sequences: int = 8) -> None:
+    """The trainer.trace file of an asynchronous run: a named track per rank, every training rank's steps in order
+    with their phases in order inside them (tracks nest: e2e_helpers.trace_tracks), the rollout ranks' work, and
+    one clock: each weight version's broadcast on training rank 0 overlaps its receipt on every rollout rank."""
+    names = process_names(path)
+    assert sorted(names) == sorted([*train_ranks, *rollout_ranks]), names
+    assert all(" · train" in names[r] for r in train_ranks), names
+    assert all("rollout replica" in names[r] for r in rollout_ranks), names
+    tracks = trace_tracks(path)
+    for r in train_ranks:
+        main = tracks[(r, 0)]
+        assert step_phases(main) == {k: phases for k in steps}, (r, step_phases(main))
+        step_spans = [e for e in main if e["name"] == "step"]
+        assert [e["args"]["step"] for e in step_spans] == steps  # in time order
+        assert all(e["args"]["sequences"] == sequences and e["args"]["tokens"] > 0 for e in step_spans)
+        pulls = [e for e in main if e["name"] == "data-bus pull"]
+        assert [e["args"]["step"] for e in pulls] == steps and all(e["args"]["bytes"] > 0 for e in pulls)
+    sent = {e["args"]["version"]: e for e in tracks[(train_ranks[0], 0)] if e["name"] == "broadcast weights"}
+    for r in rollout_ranks:
+        work = [e for evs in (v for k, v in tracks.items() if k[0] == r) for e in evs]
+        got = {e["args"]["version"]: e for e in work if e["name"] == "receive weights"}
+        assert got and set(got) <= set(sent), (sorted(got), sorted(sent))
+        for v, e in got.items():  # a collective: both sides inside it at once, on the one clock
+            b = sent[v]
+            assert e["ts"] <= b["ts"] + b["dur"] and b["ts"] <= e["ts"] + e["dur"], (v, b, e)
+        assert sum(e["args"]["items"] for e in work if e["name"] == "score") >= len(steps) * 16  # every sample
+        if mode == "one_step_off":
+            gens = [e["args"]["step"] for e in work if e["name"] == "generate + score"]
+            assert gens == steps, gens
+        else:
+            assert sum(e["args"]["finished"] for e in work if e["name"] == "engine step") >= len(steps) * 16
+            assert sum(e["args"]["groups"] for e in work if e["name"] == "publish") >= len(steps) * 4
+
+
 def _rm_rows(path: Path) -> tuple[list[dict], list[dict]]:
     lines = [json.loads(x) for f in sorted(path.parent.glob(path.name + ".rank*")) for x in f.read_text().splitlines()]
     return [x for x in lines if "ids" in x], [x for x in lines if "metrics" in x]
@@ -573,8 +620,10 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}", "reward_model.reward_weight=2.0",
         "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
         "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
-        "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0"]
+        "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0",
+        f"trainer.trace={tmp_path / 'timeline.json'}"]
     run_script("tests/scripts/async_reward_rows.py", *args, "--rows", str(tmp_path / "rows.jsonl"), nproc=3)
+    _check_async_trace(tmp_path / "timeline.json", mode, list(range(1, steps + 1)))  # the run's timeline
     if mode == "fully_async":
         _check_stale_drop(tmp_path / "run", bus, steps)
     rows, step_lines = _rm_rows(tmp_path / "rows.jsonl")

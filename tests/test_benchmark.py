@@ -169,6 +169,9 @@ def test_shapes_live_in_one_place():
 
 
 def test_driver_writes_report(tmp_path):
+    """launch/benchmark.py on the cheapest benchmark: the report's keys, and a console of one line per benchmark
+    with the targets' table (`make benchmark` printed 355 lines with the children's JSON). Mutation: the child's
+    output not redirected to its log (`stdout=f` dropped) -> fails."""
     proc = run("launch/benchmark.py", "--only", "memory", "--no-measure", "--tiny", "--out-dir", str(tmp_path),
                timeout=300, env_extra=QUIET)
     report = json.loads((tmp_path / "benchmark.json").read_text())
@@ -177,6 +180,12 @@ def test_driver_writes_report(tmp_path):
     assert report["config"]["tiny"] is True and report["results"]["memory"]["ok"]
     assert report["results"]["memory"]["result"]["computed"]["plans"]["fits_7b"]["peak_gb"] > 0
     assert "target" in proc.stdout and "commit" in proc.stdout
+    # the console: one line per benchmark and the targets' table; the child's raw JSON only in its files
+    lines = proc.stdout.splitlines()
+    assert [x.split()[:2] for x in lines if x.startswith("memory ")] == [["memory", "ok"]], proc.stdout
+    assert "{" not in proc.stdout and len(lines) < 12, proc.stdout
+    assert report["results"]["memory"]["log"] == str(tmp_path / "memory.log")
+    assert '"plans"' in (tmp_path / "memory.log").read_text()  # what the script printed went to its log
 
 
 def test_targets_table():

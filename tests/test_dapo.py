@@ -310,7 +310,7 @@ def test_gen_batch_size_equal_to_train_batch_size_is_accepted_without_filtering(
 def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_model_dir):
     """End to end under torchrun (2 ranks, DP=2): dynamic sampling refills from the sampler, overlong shaping and
     token-level IS weights with batch normalisation run through the real engines; the metrics say so."""
-    from e2e_helpers import parity_task, records
+    from e2e_helpers import parity_task, process_names, records, step_phases, trace_tracks
     from launcher import run
 
     out = tmp_path / "run"
@@ -321,9 +321,16 @@ def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_mode
         "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=1.0",
         "reward_model.overlong_buffer.log=true", "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_is_batch_normalize=true"]
-    run("launch/train.py", *args, nproc=2)
+    run("launch/train.py", *args, "trainer.trace=true", nproc=2)
     logged = records(out)
     assert [r["step"] for r in logged] == [1, 2]
+    # the run's timeline (trainer.trace=true: <run dir>/trace.json): a track per rank, each step's phases in order
+    names = process_names(out / "trace.json")
+    assert sorted(names) == [0, 1] and all("train + rollout · dp" in n for n in names.values()), names
+    tracks = trace_tracks(out / "trace.json")
+    for rank in (0, 1):
+        assert step_phases(tracks[(rank, 0)]) == {k: ["plan", "gen", "old_log_prob", "adv", "update", "sync"]
+                                                  for k in (1, 2)}, rank
     for r in logged:
         assert r["dynamic_sampling/informative_groups"] >= 4 and r["dynamic_sampling/num_gen_batches"] >= 1
         assert r["dynamic_sampling/drawn_groups"] == 4 * r["dynamic_sampling/num_gen_batches"]

@@ -44,3 +44,6 @@ def test_a_second_demo_run_trains_again(tmp_path):
     records = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1]  # its own step, once
     assert "validation curve" in second.stdout and "done in" in second.stdout
+    plots = out / "grpo" / "plots" / "curves.png"  # drawn by train.py (the demo's console + jsonl loggers)
+    assert plots.is_file() and f"plots (PNG)         {plots}" in second.stdout
+    assert "run summary: 1 step, " in second.stdout  # train.py's end-of-run summary

@@ -35,6 +35,15 @@ from bench_shapes import shape as get_shape  # noqa: E402
 from bench_shapes import tokenizer_model_dir, write_report  # noqa: E402
 
 GSM8K_SUFFIX = ' Let\'s think step by step and output the final answer after "####".'
+# TRL 1.16 calls transformers' older gradient-checkpointing names (renamed activation_checkpointing in transformers
+# 5): the same switches, one FutureWarning each per run; silenced here, at the peer, by message and module
+PEER_WARNINGS = (r"`(is_)?gradient_checkpointing\w*` is deprecated and will be removed in v6", r"transformers\.")
+
+
+def silence_peer_warnings() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=PEER_WARNINGS[0], category=FutureWarning, module=PEER_WARNINGS[1])
 
 
 def gsm8k_prompts(n: int) -> list[list[dict]]:
@@ -68,6 +77,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="tiny shape and batch (CPU smoke run)")
     p.add_argument("--model-dir", default=None, help="reuse/create the model directory here")
     p.add_argument("--out", default=None)
+    silence_peer_warnings()
     args = p.parse_args(argv)
 
     import torch

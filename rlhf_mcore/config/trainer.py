@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from rlhf_mcore.config.checks import above, at_least, checked, unset_or
 
@@ -44,6 +44,9 @@ class TrainerConfig:
     # kept tokens by design. None: no limit.
     max_rollout_logprob_gap: Optional[float] = checked(0.02, ok=unset_or(above(0)), what="unset (no limit) or > 0")
     rollout_logprob_gap_action: Literal["error", "warn"] = "error"
+    # the run's timeline, every rank's phases as a Chrome-trace / Perfetto JSON (rlhf_mcore/trace.py; opens in
+    # ui.perfetto.dev): true -> <default_local_dir>/trace.json, a path -> that file, false -> none
+    trace: Union[bool, str] = False
     seed: int = 1
     deterministic: bool = False  # torch.use_deterministic_algorithms (warn where an op has no deterministic kernel)
     # Python files (.py) or importable modules loaded on every rank before anything is built: the place to

@@ -57,6 +57,7 @@ from rlhf_mcore.rewards.errors import RewardFunctionError
 from rlhf_mcore.rewards.inline import InlineScorer
 from rlhf_mcore.rewards.outcome import FAILURE_KINDS, call_reward_fn, failure
 from rlhf_mcore.rewards.registry import RegistryDispatch
+from rlhf_mcore.trace import span
 
 __all__ = ["RewardScorer", "score_batch", "failure_error", "reward_metrics"]
 
@@ -233,10 +234,11 @@ class RewardScorer:
             for ds, r, gt, ei in zip(data_sources, responses, ground_truths, extra_infos, strict=True)
         ]
         results: list[tuple[str, Any]] = [("exception", failure("not scored"))] * n
-        if self._inline is not None:
-            self._inline.run(items, results)
-        else:
-            self._run_pool(items, results)
+        with span("score", items=n, workers=self.num_workers):  # the trace's reward track (rlhf_mcore/trace.py)
+            if self._inline is not None:
+                self._inline.run(items, results)
+            else:
+                self._run_pool(items, results)
         scores, stats = self._collect(results, data_sources, time.monotonic() - start)
         if check:
             error = failure_error(stats, self.max_failure_ratio)

@@ -3,23 +3,28 @@
 Hooks get the parts they observe (:class:`StepParts`), never the loop: they read, never steer."""
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rlhf_mcore.trace import span
+
 
 class PhaseTimer:
-    """Seconds per named phase of one step (`timing_s/<name>` in the metrics)."""
+    """Seconds per named phase of one step (`timing_s/<name>` in the metrics), each phase a span of the run's
+    trace (:mod:`rlhf_mcore.trace`) with the step's number in its arguments."""
 
-    def __init__(self):
+    def __init__(self, step: Optional[int] = None):
         self.seconds: dict[str, float] = {}
+        self.spans: dict[str, Any] = {}  # the last span of each phase (its args may be added to until flushed)
+        self.step = step
 
     @contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+    def __call__(self, name: str, **args: Any):
+        with span(name, **({"step": self.step} if self.step is not None else {}), **args) as s:
+            self.spans[name] = s
+            yield s
+        self.seconds[name] = self.seconds.get(name, 0.0) + s.seconds
 
 
 @dataclass

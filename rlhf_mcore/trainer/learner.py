@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from rlhf_mcore import algos
 from rlhf_mcore.parallel.collectives import group_all_reduce
+from rlhf_mcore.trace import span
 from rlhf_mcore.trainer.hooks import PhaseTimer
 from rlhf_mcore.trainer.logging import reduce_metrics
 
@@ -36,9 +37,11 @@ class Learner:
         else:
             batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
         if self.ref is not None:
-            batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
+            with span("reference"):
+                batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
         if self.critic is not None:
-            batch["values"] = self.critic.compute_values(batch)
+            with span("values"):
+                batch["values"] = self.critic.compute_values(batch)
 
     def compute_advantages(self, batch: dict[str, Any]) -> dict[str, float]:
         """`advantages` and `returns` into the batch; returns PRIME's metrics or the KL-in-reward penalty's

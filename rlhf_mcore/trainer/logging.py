@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore import trace
 from rlhf_mcore.parallel.dist import collective_device
 
 
@@ -52,6 +54,31 @@ _CONSOLE_KEYS = [  # (metric, short label, format) for the one-line summary
     ("critic/vf_loss", "vf", "{:.4f}"), ("actor/grad_norm", "gn", "{:.3f}"),
     ("perf/throughput", "tok/s", "{:.0f}"), ("perf/mfu", "mfu", "{:.1%}"), ("timing_s/step", "s", "{:.1f}"),
 ]
+
+
+def console_lines(step: int, total: int, metrics: dict[str, float], kind: str) -> list[str]:
+    """The console's lines for a record: a training step's one-line summary (:data:`_CONSOLE_KEYS`); a
+    validation's `val/*` metrics, the multi-turn `val/agent/*` ones on a line of their own."""
+    if kind == "train":
+        parts = [f"step {step}/{total}"]
+        parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in _CONSOLE_KEYS if k in metrics]
+        return [" | ".join(parts)]
+    val = sorted((k, v) for k, v in metrics.items() if k.startswith("val/"))
+    lines = []
+    for head, keep in ((f"[{kind} @ step {step}]", lambda k: not k.startswith("val/agent/")),
+                       (f"[{kind}/agent @ step {step}]", lambda k: k.startswith("val/agent/"))):
+        parts = [f"{k} {v:.4f}" for k, v in val if keep(k)]
+        if parts or not lines:
+            lines.append(" | ".join([head] + parts))
+    return lines
+
+
+def middle_cut(text: str, limit: int = 400) -> str:
+    """`text` whole when it has at most `limit` characters, else its start and end with the middle elided."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[len(text) - half:]}"
 
 
 def cut_back_jsonl(path: Path, start_step: int) -> int:
@@ -114,11 +141,12 @@ class MetricLogger:
                       file=sys.stderr)
             else:
                 self._wandb = wandb.init(project=project, name=name, config=config, dir=str(out_dir))
-        if "console" in self.loggers:
+        if "console" in self.loggers and sys.stderr.isatty():  # a terminal: a bar with the running phase
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, leave=True)
+            trace.on_phase(self._show_phase)
         self._t0 = time.time()
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
@@ -137,21 +165,14 @@ class MetricLogger:
             self.console(step, clean, kind)
 
     def console(self, step: int, metrics: dict[str, float], kind: str) -> None:
-        if kind == "train":
-            parts = [f"step {step}/{self.total}"]
-            parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in _CONSOLE_KEYS if k in metrics]
-        else:
-            parts = [f"[{kind} @ step {step}]"] + [f"{k} {v:.4f}" for k, v in sorted(metrics.items())
-                                                  if k.startswith("val/")]
-        line = " | ".join(parts)
-        if self._bar is not None:
-            self._bar.write(line)
-            if kind == "train":
-                self._bar.update(1)
-        else:
-            print(line, flush=True)
+        for line in console_lines(step, self.total, metrics, kind):
+            self.text(line)
+        if self._bar is not None and kind == "train":
+            self._bar.set_postfix_str("")
+            self._bar.update(1)
 
     def text(self, message: str) -> None:
+        """A line of the run's log: above the bar in a terminal, else a plain line on stdout."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -159,8 +180,15 @@ class MetricLogger:
         else:
             print(message, flush=True)
 
+    def _show_phase(self, s) -> None:
+        """A terminal's bar names the phase running now (the first step's long generation is not silent)."""
+        if threading.current_thread() is threading.main_thread():
+            step = s.args.get("step")
+            self._bar.set_postfix_str(f"{s.name}" + (f" (step {step})" if step is not None else "") + " ...")
+
     def close(self) -> None:
         if self._bar is not None:
+            trace.on_phase(None)
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from rlhf_mcore.config import RLConfig, critic_enabled, reference_enabled
+from rlhf_mcore.trace import close_trace
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.colocated import ColocatedRollout
 from rlhf_mcore.trainer.hooks import PhaseTimer, StepHooks, StepParts
@@ -71,7 +72,7 @@ def run_off(run: RunContext, learner: Learner, rollout: ColocatedRollout,
     while run.step < run.total_steps:
         run.step += 1
         run.hooks.step_start(parts, run.step)
-        t = PhaseTimer()
+        t = PhaseTimer(run.step)
         with t("step"):
             with t("plan"):
                 plan = run.plan()                                  # 1. coordinator: prompts per DP rank
@@ -100,7 +101,7 @@ def run_one_step_off(run: RunContext, learner: Learner, pool: TrainingPool) -> d
     while run.step < run.total_steps:
         run.step += 1
         run.hooks.step_start(parts, run.step)
-        t = PhaseTimer()
+        t = PhaseTimer(run.step)
         with t("step"):
             with t("wait"):
                 groups, prompts, info = sched.receive_step()     # step k's groups, pulled from the bus
@@ -129,7 +130,7 @@ def run_fully_async(run: RunContext, learner: Learner, pool: TrainingPool) -> di
     while run.step < run.total_steps:
         run.step += 1
         run.hooks.step_start(parts, run.step)
-        t = PhaseTimer()
+        t = PhaseTimer(run.step)
         with t("step"):
             with t("wait"):
                 groups, prompts, info = sched.next_batch()       # the oldest fresh-enough groups on the bus
@@ -207,6 +208,7 @@ def train_async(cfg: RLConfig, hooks: Optional[StepHooks] = None) -> dict[str, f
             worker.run()
         finally:
             dist.destroy_process_group()
+            close_trace()
         return {}
     run = RunContext.open(cfg, hooks)
     with run.building():

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore import trace
 from rlhf_mcore.config import RLConfig, load_plugins
 from rlhf_mcore.data.rows import Row
 from rlhf_mcore.data.seeds import step_seed
@@ -77,6 +78,9 @@ class RolloutWorker:
         self.agents = roles.build_agent_runner(cfg, self.engine, self.tokenizer)  # multi-turn; None when off
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.leader = self.state.rank % self.tp == 0
+        replica = (pools.rank - pools.layout.train_size) // self.tp
+        trace.open_trace(trace.trace_path(cfg.trainer.trace, roles.run_dir(cfg)), pools.rank,  # the global rank
+                         f"rollout replica {replica} · tp {self.state.rank % self.tp}", pools.layout.world_size)
         self.inbox = pools.mailbox(f"rank{pools.rank}")
         self.coord = pools.mailbox("coord")
         self.store = GroupStore(pools.bus)
@@ -98,20 +102,25 @@ class RolloutWorker:
             self.engine.shutdown()
 
     def next_command(self):
-        t0 = time.perf_counter()
-        cmd = self.inbox.get()
-        self.idle_s += time.perf_counter() - t0
+        with trace.span("wait") as s:
+            cmd = self.inbox.get()
+            s.args["command"] = type(cmd).__name__
+        self.idle_s += s.seconds
         return cmd
 
     def receive_weights(self, version: int) -> None:
         r = self.cfg.actor_rollout_ref.rollout
-        receive_weights(self.pools.weights, 0, self.engine, device=self.pools.weights.device, verify=r.sync_verify)
+        with trace.span("receive weights", version=version):
+            receive_weights(self.pools.weights, 0, self.engine, device=self.pools.weights.device,
+                            verify=r.sync_verify)
         self.version = version
+        trace.flush()
 
     def validate(self, step: int) -> None:
-        metrics, samples = validate(self.engine, self.scorer, self.tokenizer, self.val_set,
-                                    roles.val_sampling_params(self.cfg), rollout_tp=self.tp,
-                                    batch_size=self.cfg.data.val_batch_size, agent_runner=self.agents)
+        with trace.span("validation", step=step, version=self.version):
+            metrics, samples = validate(self.engine, self.scorer, self.tokenizer, self.val_set,
+                                        roles.val_sampling_params(self.cfg), rollout_tp=self.tp,
+                                        batch_size=self.cfg.data.val_batch_size, agent_runner=self.agents)
         if self.state.rank == 0:
             metrics["val/policy_version"] = float(self.version)
             self.coord.put(ValResult(step, metrics, samples[: self.cfg.trainer.log_val_generations]))
@@ -151,12 +160,13 @@ class RolloutWorker:
         its `agent/*` metrics go with the step's stats."""
         cfg = self.cfg
         items = [self.train_set[i] for i in prompt_ids]
-        t0 = time.perf_counter()
-        rows, stats = generate_and_score(self.engine, self.scorer, [it["input_ids"] for it in items], items,
-                                         roles.train_sampling_params(cfg, seed=seed), self.tokenizer,
-                                         rollout_tp=self.tp, agent_runner=self.agents)
-        compose(rows, items, self.shaping)  # no learned score here: a reward model scores on the training pool
-        gen_s = time.perf_counter() - t0
+        with trace.span("generate + score", step=step, prompts=len(prompt_ids), version=self.version) as s:
+            rows, stats = generate_and_score(self.engine, self.scorer, [it["input_ids"] for it in items], items,
+                                             roles.train_sampling_params(cfg, seed=seed), self.tokenizer,
+                                             rollout_tp=self.tp, agent_runner=self.agents)
+            compose(rows, items, self.shaping)  # no learned score here: a reward model scores on the training pool
+            s.args["samples"] = len(rows)
+        gen_s = s.seconds
         for r in rows:
             r.versions = [self.version] * len(r.response_ids)
         if self.state.rank == 0:
@@ -178,6 +188,7 @@ class RolloutWorker:
             meta = self.describe(uid, prompt_ids[pos], group, step=step, pos=pos)
             self.store.send(uid, dsts[pos])
             self.coord.put(GroupReady(meta))
+        trace.flush()
 
     def describe(self, uid: int, prompt: int, group: list[Row], **extra: Any) -> GroupMeta:
         """Keep the group's rows under `uid` and say what they are."""
@@ -252,7 +263,11 @@ class RolloutWorker:
                     item = self.train_set[prompt]
                     live[uid] = {"prompt": prompt, "rows": [None] * n, "scores": [None] * n}
                     stream.add(uid, item, (response_budgets([item], params.max_new_tokens) or [None])[0])
-                finished = stream.step(submit=sync_to is None)
+                with trace.span("engine step", running=stream.load) as s:
+                    finished = stream.step(submit=sync_to is None)
+                    s.args["finished"] = len(finished)
+                    if not finished and not self.engine.num_pending:  # an idle turn (the loop sleeps below)
+                        s.drop()
                 for uid, row in finished:
                     live[uid]["rows"][row.sample] = row
                 self.submit_scoring(scoring, finished, live)
@@ -262,6 +277,8 @@ class RolloutWorker:
                     time.sleep(0.002)
                     self.idle_s += time.perf_counter() - t0
                 self.store.reap()
+                if finished or scored:
+                    trace.flush()
         finally:
             stream.close()
 
@@ -295,6 +312,10 @@ class RolloutWorker:
         """Put each scored group on the bus; the first carries the reward counters not reported yet. A trajectory
         that scored itself (an environment) keeps its reward."""
         counts, self.unreported = self.unreported, {}
+        with trace.span("publish", groups=len(done)):
+            self._publish(done, counts)
+
+    def _publish(self, done: list[tuple[int, dict]], counts: dict[str, float]) -> None:
         for k, (uid, g) in enumerate(done):
             group = g["rows"]
             set_rule_scores(group, g["scores"])

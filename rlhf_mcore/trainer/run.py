@@ -4,6 +4,7 @@ its sampler, the rule scorer, the logger, the checkpoints and the hooks -- with 
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -11,6 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore import trace
 from rlhf_mcore.config import RLConfig, expert_parallel_size, load_plugins, parallel_layout, to_dict
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.parallel.collectives import broadcast_object
@@ -18,7 +20,7 @@ from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
 from rlhf_mcore.trainer.hooks import PhaseTimer, StepHooks
-from rlhf_mcore.trainer.logging import MetricLogger, reduce_metrics
+from rlhf_mcore.trainer.logging import MetricLogger, middle_cut, reduce_metrics
 from rlhf_mcore.trainer.plan import plan_step
 from rlhf_mcore.trainer.run_lock import take_run_lock
 from rlhf_mcore.trainer.stats import batch_metrics, peak_memory_gb, reset_peak_memory
@@ -39,6 +41,7 @@ class RunContext:
                                       group=state.cpu_group)
         self.step = 0
         self.logger: Optional[MetricLogger] = None
+        self.trace_file: Optional[Path] = None  # rank 0, once closed with trainer.trace on
 
     @classmethod
     def open(cls, cfg: RLConfig, hooks: Optional[StepHooks] = None) -> "RunContext":
@@ -55,6 +58,11 @@ class RunContext:
         state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed,
                                  ep=expert_parallel_size(cfg))
         run_lock = take_run_lock(out_dir, state)
+        d = state.dims
+        role = "train" if cfg.async_training.mode != "off" else "train + rollout"
+        trace.open_trace(trace.trace_path(cfg.trainer.trace, out_dir), int(os.environ.get("RANK", state.rank)),
+                         f"{role} · dp {state.dp_rank}/{d.dp} tp {state.tp_rank} pp {state.pp_rank}",
+                         int(os.environ.get("WORLD_SIZE", "1")))
         try:
             return cls(cfg, state, tokenizer=tokenizer, train_set=train_set, val_set=val_set, scorer=scorer,
                        run_lock=run_lock, out_dir=out_dir, hooks=hooks)
@@ -115,9 +123,12 @@ class RunContext:
         cfg = self.cfg.trainer
         last_step = self.step == self.total_steps
         if cfg.test_freq > 0 and (self.step % cfg.test_freq == 0 or last_step):
-            metrics.update(validate())
+            with trace.span("validation", step=self.step):
+                metrics.update(validate())
         if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last_step):
-            save()
+            with trace.span("checkpoint", step=self.step):
+                save()
+        trace.flush()
         return metrics
 
     def check_rollout_gap(self, metrics: dict[str, float], renormalised: bool = True) -> None:
@@ -126,9 +137,9 @@ class RunContext:
     def log_validation(self, metrics: dict[str, float], samples: list[dict]) -> None:
         """Coordinator: validation's metrics and its first samples."""
         self.logger.log(self.step, metrics, kind="val")
-        for s in samples:
-            self.logger.text(f"[val sample] score={s['score']:.1f} | {s['prompt'][-120:]!r} -> "
-                             f"{s['response'][:200]!r}")
+        for s in samples:  # the question whole (up to 400 characters: longer ones lose their middle)
+            self.logger.text(f"[val sample] score={s['score']:.1f} | {middle_cut(s['prompt'])!r} -> "
+                             f"{middle_cut(s['response'])!r}")
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def trainer_state(self, learner, mode_state: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -169,6 +180,8 @@ class RunContext:
             destroy_distributed()
         finally:  # a failed barrier (another rank died) too
             self.run_lock.release()
+            failing = sys.exc_info()[0] is not None  # then the other ranks' parts are not waited for
+            self.trace_file = trace.close_trace(int(os.environ.get("WORLD_SIZE", "1")), wait_s=0 if failing else 60)
 
 
 def check_rollout_gap(metrics: dict[str, float], cfg: RLConfig, step: int, warn: Callable[[str], None],
@@ -201,6 +214,8 @@ def step_record(batch, step_metrics: dict[str, float], timer: PhaseTimer, kl_coe
              "actor/kl_coef": float(kl_coef)}
     reset_peak_memory()
     tokens = float(batch["attention_mask"].sum())
+    if "step" in timer.spans:  # the step's sizes on its trace span (recorded, not yet flushed)
+        timer.spans["step"].args.update(sequences=int(batch["attention_mask"].shape[0]), tokens=int(tokens))
     local["perf/throughput"] = tokens / max(timer.seconds["step"], 1e-9)
     metrics = reduce_metrics(local, group=None)
     metrics["perf/throughput"] *= dp  # tokens/s of the whole job

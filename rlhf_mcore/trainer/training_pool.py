@@ -19,12 +19,12 @@ alternates reward-model scoring and the actor's update without holding both on t
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore import trace
 from rlhf_mcore.parallel.collectives import broadcast_object
 from rlhf_mcore.parallel.pools import Pools
 from rlhf_mcore.rewards.pipeline import OverlongShaping, compose
@@ -71,7 +71,11 @@ class TrainingPool:
     def pump(self, until: Callable[[], bool], what: str) -> float:
         """Coordinator: take messages from the rollout pool until `until()`, calling `on_message` after each;
         returns the seconds spent waiting."""
-        t0 = time.perf_counter()
+        with trace.span("take messages", what=what) as s:
+            self._pump(until, what)
+        return s.seconds
+
+    def _pump(self, until: Callable[[], bool], what: str) -> None:
         while not until():
             try:
                 msg = self.coord_box.get(timeout_s=WAIT_TIMEOUT_S)
@@ -88,7 +92,6 @@ class TrainingPool:
                 case _:
                     raise unknown(msg, "the coordinator")
             self.on_message()
-        return time.perf_counter() - t0
 
     def push_weights(self, actor, version: int) -> dict[str, float]:
         """The actor's weights (`version`) to every rollout rank: all training ranks export (a collective),
@@ -96,9 +99,10 @@ class TrainingPool:
         r = self.run.cfg.actor_rollout_ref.rollout
         if self.run.state.is_coordinator:
             self.command(Weights(version))
-            metrics = broadcast_weights(self.pools.weights, 0, actor.export_hf_weights(),
-                                        bucket_mb=r.sync_bucket_mb, device=self.pools.weights.device,
-                                        checksums=r.sync_verify)
+            with trace.span("broadcast weights", version=version):
+                metrics = broadcast_weights(self.pools.weights, 0, actor.export_hf_weights(),
+                                            bucket_mb=r.sync_bucket_mb, device=self.pools.weights.device,
+                                            checksums=r.sync_verify)
         else:
             for _ in actor.export_hf_weights():
                 pass
@@ -133,9 +137,10 @@ class TrainingPool:
         rank's groups pulled from their producers. Returns (groups of rows, their dataset indices, info)."""
         cpu = self.run.state.cpu_group
         orders, info = broadcast_object((pull_orders(chosen), info) if chosen is not None else None, group=cpu)
-        t0 = time.perf_counter()
-        groups = pull(self.pools.bus, orders[self.run.state.dp_rank])
-        info["timing_s/pull"] = time.perf_counter() - t0
+        mine = orders[self.run.state.dp_rank]
+        with trace.span("data-bus pull", step=self.run.step, groups=len(mine), bytes=sum(o[2] for o in mine)) as s:
+            groups = pull(self.pools.bus, mine)
+        info["timing_s/pull"] = s.seconds
         prompts = broadcast_object([[m.prompt for m in part] for part in chosen] if chosen is not None else None,
                                    group=cpu)[self.run.state.dp_rank]
         return groups, prompts, info
