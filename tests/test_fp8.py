@@ -182,11 +182,12 @@ def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
     from rlhf_mcore.rollout.native.weights import iter_safetensors
 
     model_dir = tiny_model_dir("qwen2", hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512)
+    cpu = dict(max_num_seqs=4, max_model_len=64, device="cpu")  # also on a GPU machine: this test is the CPU path
     with pytest.raises(Fp8Unsupported, match="actor_rollout_ref.rollout.quantization=fp8 needs a CUDA GPU"):
-        native_engine.NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=64, quantization="fp8")
+        native_engine.NativeRolloutEngine(model_dir, quantization="fp8", **cpu)
     monkeypatch.setattr(native_fp8, "check_fp8_device", lambda device, key: None)
-    eng = native_engine.NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=64, quantization="fp8")
-    ref = native_engine.NativeRolloutEngine(model_dir, max_num_seqs=4, max_model_len=64)
+    eng = native_engine.NativeRolloutEngine(model_dir, quantization="fp8", **cpu)
+    ref = native_engine.NativeRolloutEngine(model_dir, **cpu)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 33, 7], [100, 3, 2], [17, 250, 11, 40, 9]]
     out, want = eng.generate(prompts, params), ref.generate(prompts, params)

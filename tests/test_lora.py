@@ -30,6 +30,9 @@ B, P, R = 4, 5, 6
 def env(tiny_model_dir):
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
+    if torch.cuda.is_available():  # as tests/test_train_cuda_graphs.py's CPU engine test
+        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat), failing the GPU tests "
+                    "that share its pytest worker; the 2-process CPU launches below still run")
     state = init_distributed(device="cpu")
     model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
     yield state, model_dir
