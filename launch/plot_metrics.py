@@ -11,10 +11,11 @@ matplotlib is an optional dependency (`pip install -e .[plot]`); without it the 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
+
+from rlhf_mcore.trainer.summary import read_records
 
 # (title, [(metric, label)], y label): the default panels, in order
 PANELS = [
@@ -28,18 +29,6 @@ PANELS = [
     ("throughput", [("perf/throughput", "tokens/s")], "tokens/s"),
 ]
 MISSING = "launch/plot_metrics.py needs matplotlib, which is not installed: pip install -e '.[plot]' (or matplotlib)"
-
-
-def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """(training records, validation records) of a metrics.jsonl, each in step order; unreadable lines skipped."""
-    train, val = [], []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        (val if rec.get("kind") == "val" else train).append(rec)
-    return sorted(train, key=lambda r: r["step"]), sorted(val, key=lambda r: r["step"])
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -101,7 +90,7 @@ def plot_run(run_dir: Path, keys: list[str] | None = None, out: Path | None = No
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass the run's directory (trainer.default_local_dir), "
                                 f"whose trainer.logger includes jsonl")
-    train, val = read_metrics(path)
+    train, val = read_records(path)
     panels = panels_for(train, val, keys)
     if not panels:
         raise ValueError(f"nothing to plot in {path}" + (f" for --keys {' '.join(keys)}" if keys else ""))

@@ -140,7 +140,7 @@ def test_plot_metrics_draws_the_panels_of_a_recorded_run(tmp_path, capsys):
     img = matplotlib.image.imread(out)
     assert img.shape[:2] == (round(3 * 3.4 * 90), round(3 * 5.2 * 90))  # 3 rows x 3 columns of panels
     assert (img[..., :3] < 0.9).mean() > 0.02  # drawn on, not blank
-    train, val = pm.read_metrics(run / "metrics.jsonl")
+    train, val = pm.read_records(run / "metrics.jsonl")
     panels = dict((p[0], p[1:]) for p in pm.panels_for(train, val, None))
     assert [label for _, _, label in panels["held-out accuracy"][0]] == ["synthetic/arithmetic", "openai/gsm8k"]
     want = {}
