@@ -199,16 +199,10 @@ def assert_same_hf_weights(saved_dir, src):
 
 
 def test_hf_checkpoint_saved_at_ep2_equals_the_source(worker, model_dirs):
-    from safetensors.torch import load_file
 
     _, out = worker
     saved_dir, src = out / "1x1x2_qwen2_moe_hf", model_dirs["qwen2_moe"]
-    saved = {}
-    for f in sorted(saved_dir.glob("model-*.safetensors")):
-        saved.update(load_file(f))
-    ref = load_file(src / "model.safetensors")
-    assert set(saved) == set(ref)
-    assert all(torch.equal(saved[k], ref[k]) for k in ref)
+    assert_same_hf_weights(saved_dir, src)
     cfg = json.loads((saved_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["num_experts"] == 4
 
