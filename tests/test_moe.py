@@ -199,7 +199,6 @@ def assert_same_hf_weights(saved_dir, src):
 
 
 def test_hf_checkpoint_saved_at_ep2_equals_the_source(worker, model_dirs):
-
     _, out = worker
     saved_dir, src = out / "1x1x2_qwen2_moe_hf", model_dirs["qwen2_moe"]
     assert_same_hf_weights(saved_dir, src)
