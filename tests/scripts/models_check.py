@@ -279,7 +279,9 @@ def padded_vs_packed_grads(chunks, state, docs):
             "finite": all(bool(torch.isfinite(g).all()) for g in g_pad.values())}
 
 
-def main():
+def main(run_layout=run_layout):
+    """`--spec SPEC --out DIR`: `run_layout(layout, spec, out, results)` for each of the spec's layouts, then rank 0
+    writes DIR/results.json (tests/scripts/moe_check.py runs its own layouts through this too)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)

@@ -15,16 +15,15 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
 
 Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
 """
-import argparse
-import json
 import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from models_check import documents, from_mcore, gather_problems, packed_batch, padded_batch, roundtrip, run_forward
+from models_check import main as run_spec
 
-from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.parallel import init_distributed
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 
@@ -182,20 +181,5 @@ def run_layout(layout, spec, out: Path, results: dict):
     mpu.destroy_model_parallel()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
-    out = Path(args.out)
-    results: dict = {}
-    for layout in spec["layouts"]:
-        run_layout(layout, spec, out, results)
-    if dist.get_rank() == 0:
-        (out / "results.json").write_text(json.dumps(results))
-    destroy_distributed()
-
-
 if __name__ == "__main__":
-    main()
+    run_spec(run_layout)
