@@ -17,6 +17,7 @@ from rlhf_mcore.config import RLConfig, load_config, model_max_positions, parall
 from rlhf_mcore.errors import UserError
 from rlhf_mcore.lifetime import bind_rank_to_launcher
 from rlhf_mcore.quiet import silence_known_warnings
+from rlhf_mcore.startup import pause_gc, resume_gc
 
 # How long a rank other than 0 waits, after a user error, for rank 0 to report it (torchrun stops every worker
 # as soon as one exits, so a rank that exited first could stop rank 0 before its line is out).
@@ -75,7 +76,11 @@ def report_user_errors(fn: Callable[[], Optional[int]]) -> int:
 
     The other ranks wait `PEER_REPORT_WAIT_S` first: rank 0, meeting the same problem, prints and exits, and
     torchrun stops them. One still running after the wait (rank 0 did not meet the problem: it may be waiting
-    for this rank in a collective) prints the line itself, prefixed with `[rank N]`, and exits."""
+    for this rank in a collective) prints the line itself, prefixed with `[rank N]`, and exits.
+
+    Start-up runs without the cyclic garbage collector (rlhf_mcore/startup.py): the body turns it back on when its
+    models are built, or a timer does."""
+    pause_gc()
     bind_rank_to_launcher()  # under torchrun: this rank dies with the agent (no orphaned ranks)
     silence_known_warnings()
     try:
@@ -90,6 +95,8 @@ def report_user_errors(fn: Callable[[], Optional[int]]) -> int:
             time.sleep(PEER_REPORT_WAIT_S)
         print(f"[rank {rank}] {kind}: {e}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        resume_gc()
 
 
 def main(run: Callable[[RLConfig], None], argv: Optional[list[str]] = None, description: str = "") -> int:

@@ -344,6 +344,7 @@ def test_rollout_sleep_level_2_syncs_at_wake_and_matches_level_1(assets, uninter
 # The vanilla loss, NaN at call NAN_AT_CALL; every call saves the parameters its loss depends on (the leaves of its
 # autograd graph, keyed by identity: the same Parameter objects at every call of the process) to NAN_PARAMS_DIR.
 NAN_PLUGIN = '''
+import gc
 import os
 import torch
 from rlhf_mcore.algos import get_policy_loss, register_policy_loss
@@ -364,6 +365,8 @@ def _leaves(t):
 @register_policy_loss("nan_on_call")
 def nan_on_call(old_log_prob, log_prob, advantages, response_mask, **kw):
     _calls["n"] += 1
+    with open(os.path.join(os.environ["NAN_PARAMS_DIR"], "gc_enabled.txt"), "a") as f:
+        f.write(f"{gc.isenabled()}\\n")
     loss, metrics = get_policy_loss("vanilla")(old_log_prob, log_prob, advantages, response_mask, **kw)
     torch.save(_leaves(loss), os.path.join(os.environ["NAN_PARAMS_DIR"], f"call{_calls['n']}.pt"))
     if _calls["n"] == int(os.environ["NAN_AT_CALL"]):
@@ -379,8 +382,12 @@ def test_nan_loss_skips_update_and_keeps_weights(assets, tmp_path):
     update at step 1, so Adam's moments are non-zero: a step taken on zeroed gradients would still move them),
     and step 3 updates again.
 
-    Mutation: `self.optimizer.step()` also for a non-finite loss in TrainEngine.update -> fails (the NaN update
-    reaches the weights: step 3's rollout log-probs are NaN and the run stops there)."""
+    The garbage collector the entry point paused for start-up is back on at every loss call
+    (rlhf_mcore/startup.py).
+
+    Mutations: `self.optimizer.step()` also for a non-finite loss in TrainEngine.update -> fails (the NaN update
+    reaches the weights: step 3's rollout log-probs are NaN and the run stops there); `resume_gc()` dropped from
+    RunContext.building -> fails (the collector off through the steps)."""
     plugin = tmp_path / "nan_plugin.py"
     plugin.write_text(NAN_PLUGIN)
     params = tmp_path / "params"
@@ -393,7 +400,8 @@ def test_nan_loss_skips_update_and_keeps_weights(assets, tmp_path):
            env_extra={"NAN_AT_CALL": "2", "NAN_PARAMS_DIR": str(params)})
     m = train_metrics(out)
     assert [m[s]["actor/update_skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
-    assert sorted(p.name for p in params.iterdir()) == ["call1.pt", "call2.pt", "call3.pt"]
+    assert sorted(p.name for p in params.iterdir()) == ["call1.pt", "call2.pt", "call3.pt", "gc_enabled.txt"]
+    assert (params / "gc_enabled.txt").read_text().split() == ["True"] * 3
     seen = [torch.load(params / f"call{k}.pt") for k in (1, 2, 3)]
     assert seen[0] and seen[0].keys() == seen[1].keys() == seen[2].keys()
     assert any(not torch.equal(seen[0][k], seen[1][k]) for k in seen[0]), "step 1's update changed nothing"

@@ -38,6 +38,7 @@ from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_scores
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rewards.stream import ScoringStream
+from rlhf_mcore.startup import resume_gc
 from rlhf_mcore.sync import receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
@@ -76,6 +77,7 @@ class RolloutWorker:
         self.state = SimpleNamespace(device=device, rank=dist.get_rank(), world_size=dist.get_world_size())
         self.engine = roles.build_rollout(cfg, self.state)
         self.agents = roles.build_agent_runner(cfg, self.engine, self.tokenizer)  # multi-turn; None when off
+        resume_gc()  # start-up is over (rlhf_mcore/startup.py)
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.leader = self.state.rank % self.tp == 0
         replica = (pools.rank - pools.layout.train_size) // self.tp

@@ -16,6 +16,7 @@ from rlhf_mcore import trace
 from rlhf_mcore.config import RLConfig, expert_parallel_size, load_plugins, parallel_layout, to_dict
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.parallel.collectives import broadcast_object
+from rlhf_mcore.startup import resume_gc
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
@@ -73,12 +74,13 @@ class RunContext:
     @contextmanager
     def building(self):
         """Around building the models: one that fails (e.g. to load) releases the run lock, so the next run does
-        not find this run's lock."""
+        not find this run's lock. Start-up ends here: the garbage collector paused by the entry point resumes."""
         try:
             yield
         except BaseException:
             self.run_lock.release()
             raise
+        resume_gc()
 
     def open_logger(self) -> None:
         self.logger = MetricLogger(self.cfg.trainer.logger, self.out_dir, self.total_steps, to_dict(self.cfg),

@@ -1,0 +1,52 @@
+"""rlhf_mcore/startup.py: start-up without the cyclic garbage collector, then everything start-up made frozen.
+
+(That the trainer turns it back on once its models are built is checked inside a real run:
+tests/test_trainer.py's NaN-loss plugin records `gc.isenabled()` at every loss call.)"""
+import gc
+import time
+
+import pytest
+
+from rlhf_mcore import startup
+
+
+@pytest.fixture(autouse=True)
+def collector_restored():
+    was = gc.isenabled()
+    yield
+    startup.resume_gc()
+    gc.unfreeze()
+    (gc.enable if was else gc.disable)()
+
+
+def test_pause_then_resume_freezes_and_reenables():
+    """Mutation: resume_gc without gc.freeze() -> fails (nothing in the permanent generation)."""
+    gc.enable()
+    gc.unfreeze()
+    assert startup.pause_gc(limit_s=60) is True
+    assert not gc.isenabled() and startup.gc_paused()
+    assert startup.pause_gc(limit_s=60) is False  # idempotent
+    made = [[i] for i in range(1000)]  # long-lived objects of "start-up"
+    startup.resume_gc()
+    assert gc.isenabled() and not startup.gc_paused()
+    assert gc.get_freeze_count() >= len(made)
+    startup.resume_gc()  # idempotent
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_turned_off_stays_off():
+    gc.disable()
+    assert startup.pause_gc(limit_s=60) is False
+    startup.resume_gc()
+    assert not gc.isenabled()
+
+
+def test_the_timer_turns_it_back_on():
+    """An entry point that never says start-up is over still gets its collector back after `limit_s`.
+    Mutation: the timer not started in pause_gc -> fails."""
+    gc.enable()
+    assert startup.pause_gc(limit_s=0.05)
+    deadline = time.monotonic() + 10
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gc.isenabled() and not startup.gc_paused()
