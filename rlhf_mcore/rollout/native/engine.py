@@ -303,6 +303,11 @@ class NativeRolloutEngine(RolloutEngine):
         self.model.fp8 = self._fp8.layers
         self._fp8_stale = True
 
+    def finish_weight_update(self) -> dict[str, float]:
+        """The end of a sync: with quantization="fp8" the FP8 copies are refreshed here, inside the sync (its
+        seconds are `sync/fp8_quantize_seconds`), rather than at the next generation."""
+        return {"fp8_quantize_seconds": self._refresh_fp8()} if self._fp8 is not None else {}
+
     def _refresh_fp8(self) -> float:
         """Quantize the weights once after a sync (however many update_weights buckets it took); the seconds."""
         if self._fp8 is None or not self._fp8_stale:
