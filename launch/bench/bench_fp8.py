@@ -65,9 +65,11 @@ def bench_gemm(s: dict, rows=(64, 256, 4096)) -> list[dict]:
 def bench_train_linear(s: dict, rows: int = 4096) -> dict:
     """Where an FP8 training linear's time goes (megatron.fp8, kernels/fp8_linear.py), per decoder linear of shape
     `s` at `rows` tokens: forward + backward of bf16 F.linear against fp8_linear_train, and each part of the FP8
-    one alone -- the six quantizations, the three transpose copies, the three FP8 GEMMs -- against the three bf16
-    GEMMs, plus a bf16 copy of x and dy (the memory-bandwidth yardstick of a one-pass, delayed-scaling cast).
-    Microseconds (do_bench); `per_micro_batch_ms` sums them over the decoder's layers."""
+    one alone -- the six quantizations, the three FP8 GEMMs -- against the three bf16 GEMMs, the column operands'
+    earlier path (bf16 transpose copy + row quantization), and a bf16 copy of x and dy (the memory-bandwidth
+    yardstick of a one-pass, delayed-scaling cast). Microseconds (do_bench, eager: the small linears' forward +
+    backward is launch-bound here, unlike under the engine's CUDA graphs); `per_micro_batch_ms` sums them over the
+    decoder's layers."""
     h, f, d = s["hidden_size"], s["intermediate_size"], s["hidden_size"] // s["num_attention_heads"]
     linears = {"qkv": ((s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d, h), "o_proj": (h, h),
                "gate_up": (2 * f, h), "down": (h, f)}
@@ -104,9 +106,11 @@ def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
         "fp8_gemms_with_quant": lambda: (scaled_mm_rows(xd, wd, e4m3, e4m3, bf16),
                                          scaled_mm_rows(dy, wt, e4m3, e4m3, bf16),
                                          scaled_mm_rows(dyt, xt, e4m3, e4m3, bf16)),
-        "quant_weight": lambda: (q(wd), q(wd.t().contiguous())),  # what caching W per optimizer step would save
+        "quant_weight": lambda: (q(wd), fp8.quantize_cols_t(wd)),  # what caching W per optimizer step would save
         "quant_act_rows": lambda: (q(xd), q(dy)),
-        "quant_act_cols": lambda: (q(dy.t().contiguous()), q(xd.t().contiguous())),
+        "quant_act_cols": lambda: (fp8.quantize_cols_t(dy), fp8.quantize_cols_t(xd)),
+        # the backward's column operands before quantize_cols_t: a bf16 transpose copy, then the row kernel
+        "quant_cols_by_transpose": lambda: (q(wd.t().contiguous()), q(dy.t().contiguous()), q(xd.t().contiguous())),
         "transposes": lambda: (wd.t().contiguous(), dy.t().contiguous(), xd.t().contiguous()),
         "copy_x_dy": lambda: (xd.clone(), dy.clone()),
     }
