@@ -124,8 +124,9 @@ class NativeRolloutEngine(RolloutEngine):
     weight_offload: what sleep(level=2) does with weights: "cpu" keeps a pinned CPU copy and restores
     it on wake(); "drop" frees them and requires update_weights() after wake().
     load_weights: False leaves weights uninitialised until update_weights() (e.g. the trainer syncs them).
-    quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py;
-    `last_stats["fp8_quantize_s"]`), fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
+    quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py): in
+    `finish_weight_update` at the sync's end, else at the next generation (`last_stats["fp8_quantize_s"]`);
+    fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
     """
 
     supports_streaming = True
