@@ -79,6 +79,16 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Ten
     return _cast(x, scale, dtype), scale
 
 
+def quantize_cols_t(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per column of x (M, K), returned as the codes of x.T: (codes (K, M), scale (K, 1)), i.e.
+    `quantize_rows(x.t().contiguous())`. On CUDA two tiled Triton kernels that never write x.T in bf16."""
+    if x.is_cuda:
+        from .fp8_triton import quantize_cols_t_cuda
+
+        return quantize_cols_t_cuda(x, dtype)
+    return quantize_rows(x.t().contiguous(), dtype)
+
+
 def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, block: int = BLOCK
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per block x block tile of w (N, K), dims multiples of `block`: (codes (N, K), scale (N/b, K/b))."""

@@ -1,5 +1,8 @@
 """Just-in-time FP8 quantization of activations on the GPU: one Triton kernel per call (amax, scale, cast), instead
 of the half dozen torch kernels of `fp8.quantize_rows` that bound an FP8 decode step (BENCHMARKS.md, "FP8").
+`quantize_cols_t_cuda` quantizes the columns of x into the codes of x.T (the FP8 training linear's backward
+operands) in two tiled kernels -- column amax, then scaled cast with a transposed store -- instead of a bf16
+transpose copy and a row quantization of it (that copy measured 0.3 TB/s).
 
 Same meaning as the torch functions in :mod:`.fp8` (scale = amax / FP8_MAX, 1 for an all-zero group, values
 clamped to +-FP8_MAX), up to the last bit of the division.
@@ -60,3 +63,46 @@ def quantize_row_blocks_cuda(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch
     m, k = x.shape
     scale = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()  # (M, K/128), strides (1, M)
     return _launch(x, dtype, BLOCK, scale), scale
+
+
+@triton.jit
+def _col_amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr):
+    """Program (row block, column block): the tile's column amax, folded into amax (K,) by atomic max (>= 0)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + cols, tl.max(tl.abs(v), axis=0), mask=cols < K)
+
+
+@triton.jit
+def _col_cast_t_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, QMAX: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr):
+    """Program (row block, column block): codes of the tile under its columns' scales, stored transposed into q
+    (K, M); the first row block writes the scales."""
+    pid_m = tl.program_id(0)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    amax = tl.load(amax_ptr + cols, mask=cols < K, other=0.0)
+    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(v / scale[None, :], -QMAX), QMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols[:, None] * stride_qk + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    if pid_m == 0:
+        tl.store(s_ptr + cols, scale, mask=cols < K)
+
+
+def quantize_cols_t_cuda(x: torch.Tensor, dtype: torch.dtype, bm: int = 64, bk: int = 64
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (K, M) and scales (K, 1) of x.T (M, K) quantized per row, as `fp8.quantize_rows(x.t().contiguous())`,
+    without materializing x.T."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    amax = torch.zeros(k, dtype=torch.float32, device=x.device)
+    q = torch.empty(k, m, dtype=dtype, device=x.device)
+    scale = torch.empty(k, 1, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
+    _col_amax_kernel[grid](x, amax, m, k, x.stride(0), BM=bm, BK=bk)
+    _col_cast_t_kernel[grid](x, amax, q, scale, m, k, x.stride(0), q.stride(0), QMAX=FP8_MAX[dtype], BM=bm, BK=bk)
+    return q, scale

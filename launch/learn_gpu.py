@@ -1,6 +1,7 @@
 """The GPU learning run: does the whole bf16 path learn, and do rollout and trainer agree while it does?
 
     python launch/learn_gpu.py [--out outputs/learn_gpu] [--sft-steps 400] [--rl-steps 40] [--quick]
+    python launch/learn_gpu.py --algos grpo --variants bf16 fp8-rollout fp8-rollout-tis fp8-train --parallel
     make learn-gpu
 
 1. a ~25M-parameter Qwen2-shaped model (8 layers, hidden 512, bf16; tokenizer trained locally) and the synthetic
@@ -13,6 +14,11 @@
 4. a summary: held-out accuracy before and after, the training-reward curve, step seconds, and the largest
    rollout/trainer log-prob gap (`rollout/k3_kl`) seen, in `<out>/summary.json` and on the console.
 `--quick` is the GPU test's short version (tests/test_gpu_learning.py). Needs CUDA.
+
+`--variants` runs each algorithm from the same warm start, data and seeds once per variant (VARIANTS: bf16, FP8
+rollout without and with token-level TIS, FP8 training), so their held-out accuracy compares like for like;
+`--algos grpo` leaves PPO out, `--rl-steps` shortens the runs, and `--parallel` runs them all at once on the GPU
+(the tiny model leaves it mostly idle: their step seconds are then not comparable, their learning is).
 """
 from __future__ import annotations
 
@@ -28,10 +34,49 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run(cmd: list[str]) -> None:
+def start(cmd: list[str], log: Path | None = None) -> subprocess.Popen:
     print("+ " + " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
+    out = open(log, "w") if log is not None else None  # noqa: SIM115  (closed with the process)
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path), stdout=out,
+                            stderr=subprocess.STDOUT if out else None)
+
+
+def wait(procs: dict[str, subprocess.Popen]) -> None:
+    failed = [name for name, p in procs.items() if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"learn_gpu: {', '.join(failed)} failed (see its log under the output directory)")
+
+
+def run(cmd: list[str]) -> None:
+    wait({cmd[1]: start(cmd)})
+
+
+# name -> overrides. The FP8-rollout runs keep their mismatch logged (`rollout/k3_kl`) but only warn above
+# trainer.max_rollout_logprob_gap, a limit set for a bf16 rollout (FP8 adds mismatch by design).
+FP8_ROLLOUT = ["actor_rollout_ref.rollout.quantization=fp8", "trainer.rollout_logprob_gap_action=warn"]
+VARIANTS = {
+    "bf16": [],
+    "fp8-rollout": FP8_ROLLOUT,
+    "fp8-rollout-tis": [*FP8_ROLLOUT, "algorithm.rollout_correction.rollout_is=token",
+                        "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+    "fp8-train": ["actor_rollout_ref.actor.megatron.fp8=e4m3"],
+}
+ALGOS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae"]}
+
+
+def plan_runs(algos: list[str], variants: list[str]) -> dict[str, list[str]]:
+    """Run name -> its overrides: `<algo>` for bf16 (the plain `make learn-gpu` names), `<algo>_<variant>` else.
+    FP8 training of a PPO run switches the critic's linears too."""
+    runs = {}
+    for algo in algos:
+        for v in variants:
+            name = algo if v == "bf16" else f"{algo}_{v}"
+            extra = [*ALGOS[algo], *VARIANTS[v]]
+            if algo == "ppo" and v == "fp8-train":
+                extra.append("critic.megatron.fp8=e4m3")
+            runs[name] = [*extra, f"trainer.experiment_name={name}"]
+    return runs
 
 
 def summarize(run_dir: Path) -> dict:
@@ -44,7 +89,10 @@ def summarize(run_dir: Path) -> dict:
             "step_s": [(r["step"], r["timing_s/step"]) for r in train],
             "k3_kl_max": max(r["rollout/k3_kl"] for r in train),
             "k3_kl_token_max": max(r["rollout/k3_kl/max"] for r in train),
-            "logprob_diff_abs_max": max(r["rollout/logprob_diff_abs"] for r in train)}
+            "logprob_diff_abs_max": max(r["rollout/logprob_diff_abs"] for r in train),
+            "k3_kl_mean": sum(r["rollout/k3_kl"] for r in train) / len(train),
+            **({"tis_clipped_frac_max": max(r["rollout_corr/rollout_is_ratio_fraction_high"] for r in train)}
+               if "rollout_corr/rollout_is_ratio_fraction_high" in train[0] else {})}
 
 
 def main(argv=None) -> dict:
@@ -53,6 +101,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--sft-steps", type=int, default=400)
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true", help="short version for the GPU test (GRPO only)")
+    ap.add_argument("--algos", nargs="+", choices=list(ALGOS), default=None, help="default: grpo ppo (--quick: grpo)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["bf16"],
+                    help="numerics to compare from the same warm start and seeds")
+    ap.add_argument("--parallel", action="store_true", help="run the RL runs at once (step seconds then shared)")
     args = ap.parse_args(argv)
     import torch
 
@@ -78,11 +130,16 @@ def main(argv=None) -> dict:
     if args.quick:
         common += ["trainer.test_freq=4"]
     summary = {"sft_steps": sft_steps, "rl_steps": rl_steps, "gpu": torch.cuda.get_device_name(0)}
-    runs = {"grpo": []} if args.quick else {"grpo": [], "ppo": ["algorithm.adv_estimator=gae",
-                                                                 "trainer.experiment_name=ppo"]}
+    runs = plan_runs(args.algos or (["grpo"] if args.quick else list(ALGOS)), args.variants)
+    procs = {}
     for name, extra in runs.items():
-        run([sys.executable, "launch/train.py", "--config", "configs/learn_gpu.yaml", *common,
-             f"trainer.default_local_dir={out / name}", *extra])
+        cmd = [sys.executable, "launch/train.py", "--config", "configs/learn_gpu.yaml", *common,
+               f"trainer.default_local_dir={out / name}", *extra]
+        procs[name] = start(cmd, out / f"{name}.log" if args.parallel else None)
+        if not args.parallel:
+            wait({name: procs[name]})
+    wait(procs)
+    for name in runs:
         summary[name] = summarize(out / name)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for name in runs:
@@ -92,7 +149,8 @@ def main(argv=None) -> dict:
         print(f"{name}: held-out accuracy {s['val_before']:.3f} -> {s['val_after']:.3f}; training reward "
               f"{sum(rewards[:k]) / k:.3f} (first {k} steps) -> {sum(rewards[-k:]) / k:.3f} (last {k}); "
               f"largest rollout k3 KL {s['k3_kl_max']:.2e} (worst token {s['k3_kl_token_max']:.2e}); "
-              f"median step {sorted(t for _, t in s['step_s'])[len(s['step_s']) // 2]:.2f} s")
+              f"median step {sorted(t for _, t in s['step_s'])[len(s['step_s']) // 2]:.2f} s"
+              + (f"; TIS-clipped tokens <= {s['tis_clipped_frac_max']:.2%}" if "tis_clipped_frac_max" in s else ""))
         print("  step  held-out acc: " + "  ".join(f"{st}:{a:.3f}" for st, a in s["val_acc"]))
     return summary
 

@@ -217,6 +217,19 @@ def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
     torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
                                rtol=2 ** -4, atol=1e-6)
 
+    # the trainer's sync (several buckets): quantized once inside it, its seconds in the sync's metrics, so the
+    # next generation has nothing left to quantize. Mutation: load_buckets_into not calling finish_weight_update
+    # -> no sync/fp8_quantize_seconds, and the generation quantizes instead.
+    from rlhf_mcore.sync import sync_actor_to_rollout
+
+    metrics = sync_actor_to_rollout([(n, t * 2.0) for n, t in new], eng, bucket_mb=0.05)
+    assert metrics["sync/buckets"] > 1 and len(calls) == 2
+    assert 0 < metrics["sync/fp8_quantize_seconds"] <= metrics["sync/seconds"]
+    eng.generate(prompts, params)
+    assert len(calls) == 2 and eng.last_stats["fp8_quantize_s"] == 0.0
+    torch.testing.assert_close(eng.model.fp8[0]["gate_up"].dequantize(), eng.weights.layers[0].gate_up.float(),
+                               rtol=2 ** -4, atol=1e-6)
+
 
 def test_fp8_training_refusals():
     """enable_fp8_training: an unknown format, and a model with no Megatron local-spec linears to switch, are
@@ -227,3 +240,33 @@ def test_fp8_training_refusals():
         enable_fp8_training([], "e5m2", "k")
     with pytest.raises(Fp8Unsupported, match=r"^k=e4m3: no Megatron local-spec linear layers in the decoder"):
         enable_fp8_training([torch.nn.Module()], "e4m3", "k")
+
+
+def test_learn_gpu_variants_are_real_keys():
+    """launch/learn_gpu.py --variants (the FP8 learning comparison): every run's overrides load on its config and
+    set what the variant names, from the same seed. Mutation: VARIANTS' TIS threshold key misspelt
+    (rollout_is_treshold) -> load_config raises."""
+    import sys
+    from pathlib import Path
+
+    from rlhf_mcore.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "launch"))
+    import learn_gpu
+
+    runs = learn_gpu.plan_runs(["grpo", "ppo"], list(learn_gpu.VARIANTS))
+    assert sorted(runs) == ["grpo", "grpo_fp8-rollout", "grpo_fp8-rollout-tis", "grpo_fp8-train", "ppo",
+                            "ppo_fp8-rollout", "ppo_fp8-rollout-tis", "ppo_fp8-train"]
+    cfgs = {name: load_config(str(root / "configs/learn_gpu.yaml"), ["actor_rollout_ref.model.path=/m", *ov])
+            for name, ov in runs.items() if name.startswith("grpo") or name == "ppo_fp8-train"}
+    got = {name: (c.actor_rollout_ref.rollout.quantization, c.actor_rollout_ref.actor.megatron.fp8,
+                  c.algorithm.rollout_correction.rollout_is, c.trainer.experiment_name) for name, c in cfgs.items()}
+    assert got["grpo"] == (None, None, None, "grpo")
+    assert got["grpo_fp8-rollout"] == ("fp8", None, None, "grpo_fp8-rollout")
+    assert got["grpo_fp8-rollout-tis"] == ("fp8", None, "token", "grpo_fp8-rollout-tis")
+    assert cfgs["grpo_fp8-rollout-tis"].algorithm.rollout_correction.rollout_is_threshold == 2.0
+    assert got["grpo_fp8-train"] == (None, "e4m3", None, "grpo_fp8-train")
+    assert cfgs["ppo_fp8-train"].critic.megatron.fp8 == "e4m3"
+    assert cfgs["ppo_fp8-train"].algorithm.adv_estimator == "gae"
+    assert len({c.trainer.seed for c in cfgs.values()}) == 1

@@ -155,3 +155,21 @@ def test_triton_activation_quantization_matches_torch(rows):
         assert bool((d <= 2 * fp8.error_bound(x.cpu().float(), sc) + 1e-12).all())
     _, s = fp8.quantize_row_blocks(x)
     assert s.stride() == (1, rows)
+
+
+@pytest.mark.parametrize("shape", [(4096, 1536), (37, 200), (300, 8960)])
+def test_column_quantization_matches_transposed_rows(shape):
+    """fp8.quantize_cols_t on CUDA (the training backward's tiled column amax + transposed cast) against the row
+    kernel on x.T made contiguous, which it replaces: identical scales and codes (the same fp32 arithmetic), for
+    ragged tiles, a zero column and both formats. Mutation (run on the device, 2026-12-02): the cast kernel's
+    scale without / QMAX -> the scales differ and it fails."""
+    from rlhf_mcore.kernels.fp8_triton import quantize_rows_cuda
+
+    x = torch.randn(*shape, device="cuda").bfloat16() * 3
+    x[:, 5] = 0
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        q, s = fp8.quantize_cols_t(x, dtype)
+        qr, sr = quantize_rows_cuda(x.t().contiguous(), dtype)
+        assert q.shape == (shape[1], shape[0]) and q.dtype == dtype and s.shape == (shape[1], 1)
+        assert torch.equal(s, sr) and s[5].item() == 1.0
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))

@@ -5,6 +5,8 @@
 - gemm: the decoder linears of the 1.5B shape at M = 64, 256, 4096 rows: bf16 F.linear against fp8_linear with
   per-channel and 128 x 128 block scales (activation quantization included), microseconds and relative error
   against the dequantized fp32 reference;
+- train: the FP8 training linear's forward + backward at 4,096 tokens against bf16, and its parts (quantizations,
+  transposes, GEMMs), per decoder linear of `--train-shape` (bench_train_linear);
 - rollout: tokens/s of the native engine (CUDA graphs, sampling at T = 1, eos ignored) bf16 vs FP8 at each shape
   and batch, 256-token prompts + 256 new tokens, timed after a warm-up; the quantization seconds of one sync;
 - mismatch: greedy first-token agreement and |log-prob| difference (same context) over 64 prompts, and the k3 KL
@@ -58,6 +60,61 @@ def bench_gemm(s: dict, rows=(64, 256, 4096)) -> list[dict]:
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
+
+
+def bench_train_linear(s: dict, rows: int = 4096) -> dict:
+    """Where an FP8 training linear's time goes (megatron.fp8, kernels/fp8_linear.py), per decoder linear of shape
+    `s` at `rows` tokens: forward + backward of bf16 F.linear against fp8_linear_train, and each part of the FP8
+    one alone -- the six quantizations, the three FP8 GEMMs -- against the three bf16 GEMMs, the column operands'
+    earlier path (bf16 transpose copy + row quantization), and a bf16 copy of x and dy (the memory-bandwidth
+    yardstick of a one-pass, delayed-scaling cast). Microseconds (do_bench, eager: the small linears' forward +
+    backward is launch-bound here, unlike under the engine's CUDA graphs); `per_micro_batch_ms` sums them over the
+    decoder's layers."""
+    h, f, d = s["hidden_size"], s["intermediate_size"], s["hidden_size"] // s["num_attention_heads"]
+    linears = {"qkv": ((s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d, h), "o_proj": (h, h),
+               "gate_up": (2 * f, h), "down": (h, f)}
+    out = {"rows": rows, "layers": s["num_hidden_layers"], "linears": []}
+    for name, (n, k) in linears.items():
+        out["linears"].append({"linear": name, "n": n, "k": k, **_train_linear_parts(n, k, rows)})
+        print(json.dumps(out["linears"][-1]), flush=True)
+    keys = [k for k in out["linears"][0] if k not in ("linear", "n", "k")]
+    out["per_micro_batch_ms"] = {k: sum(r[k] for r in out["linears"]) * s["num_hidden_layers"] / 1e3 for k in keys}
+    print(json.dumps(out["per_micro_batch_ms"]), flush=True)
+    return out
+
+
+def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
+    from triton.testing import do_bench
+
+    from rlhf_mcore.kernels.fp8_linear import fp8_linear_train, scaled_mm_rows
+
+    e4m3, bf16, q = fp8.E4M3, torch.bfloat16, fp8.quantize_rows
+    x = torch.randn(rows, k, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16().requires_grad_()
+    dy = torch.randn(rows, n, device="cuda").bfloat16()
+    xd, wd = x.detach(), w.detach()
+    wt, dyt, xt = wd.t().contiguous(), dy.t().contiguous(), xd.t().contiguous()
+    (xq, xs), (wq, ws), (dq, ds), (wtq, wts), (dtq, dts), (xtq, xts) = (q(a) for a in (xd, wd, dy, wt, dyt, xt))
+    parts = {
+        "bf16_fwd_bwd": lambda: torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), dy),
+        "fp8_fwd_bwd": lambda: torch.autograd.grad(fp8_linear_train(x, w), (x, w), dy),
+        "bf16_gemms": lambda: (xd @ wd.t(), dy @ wd, dyt @ xd),
+        "fp8_gemms": lambda: (
+            torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t().contiguous(), out_dtype=bf16),
+            torch._scaled_mm(dq, wtq.t(), scale_a=ds, scale_b=wts.t().contiguous(), out_dtype=bf16),
+            torch._scaled_mm(dtq, xtq.t(), scale_a=dts, scale_b=xts.t().contiguous(), out_dtype=bf16)),
+        "fp8_gemms_with_quant": lambda: (scaled_mm_rows(xd, wd, e4m3, e4m3, bf16),
+                                         scaled_mm_rows(dy, wt, e4m3, e4m3, bf16),
+                                         scaled_mm_rows(dyt, xt, e4m3, e4m3, bf16)),
+        "quant_weight": lambda: (q(wd), fp8.quantize_cols_t(wd)),  # what caching W per optimizer step would save
+        "quant_act_rows": lambda: (q(xd), q(dy)),
+        "quant_act_cols": lambda: (fp8.quantize_cols_t(dy), fp8.quantize_cols_t(xd)),
+        # the backward's column operands before quantize_cols_t: a bf16 transpose copy, then the row kernel
+        "quant_cols_by_transpose": lambda: (q(wd.t().contiguous()), q(dy.t().contiguous()), q(xd.t().contiguous())),
+        "transposes": lambda: (wd.t().contiguous(), dy.t().contiguous(), xd.t().contiguous()),
+        "copy_x_dy": lambda: (xd.clone(), dy.clone()),
+    }
+    return {name: do_bench(fn) * 1e3 for name, fn in parts.items()}
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -166,7 +223,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--layouts", nargs="+", default=list(fp8.LAYOUTS), choices=fp8.LAYOUTS)
-    p.add_argument("--skip", nargs="*", default=[], choices=["gemm", "rollout", "mismatch"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["gemm", "train", "rollout", "mismatch"])
+    p.add_argument("--train-shape", default="1.5b", help="the shape of the training-linear breakdown")
     p.add_argument("--mismatch-shapes", nargs="*", default=None, help="default: the first shape")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -174,10 +232,12 @@ def main(argv=None) -> dict:
               "call": "python launch/bench/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     if "gemm" not in a.skip:
         report["gemm"] = bench_gemm(shape("1.5b"))
+    if "train" not in a.skip:
+        report["train_linear"] = bench_train_linear(shape(a.train_shape))
     tmp = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
     variants = {"bf16": {}, **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in a.layouts}}
     mismatch_shapes = a.shapes[:1] if a.mismatch_shapes is None else a.mismatch_shapes
-    for name in a.shapes:
+    for name in a.shapes if {"rollout", "mismatch"} - set(a.skip) else ():  # the engine sections need a model
         s = shape(name)
         model_dir = random_model_dir(s, tmp / name, torch.device("cuda"), torch.bfloat16)
         if "rollout" not in a.skip:

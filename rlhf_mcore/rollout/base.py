@@ -203,6 +203,11 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors named as in the Hugging Face checkpoint; may be called in buckets."""
 
+    def finish_weight_update(self) -> dict[str, float]:
+        """Called once after the last `update_weights` bucket of a sync: work that needs the whole new model (the
+        native engine's FP8 quantization). Returns metrics named without the `sync/` prefix ({} by default)."""
+        return {}
+
     @abc.abstractmethod
     def sleep(self, level: int = 1) -> int:
         """Free GPU memory for training. Level 1: the KV cache; level 2: also the weights (offloaded or

@@ -128,6 +128,6 @@ def receive_weights(comm, src: int, engine, *, device, verify: bool = False) -> 
     """A receiver's side: every bucket into `engine.update_weights`; returns `sync/*` metrics."""
     receiver = BroadcastReceiver(comm, src, device, verify=verify)
     with Stopwatch(receiver.device) as watch:
-        load_buckets_into(engine, receiver.receive_buckets())
+        finished = load_buckets_into(engine, receiver.receive_buckets())
     receiver.stats.seconds = watch.seconds
-    return receiver.stats.as_metrics()
+    return {**receiver.stats.as_metrics(), **{f"sync/{k}": v for k, v in finished.items()}}

@@ -31,6 +31,7 @@ def sync_actor_to_rollout(named_tensors: Iterable[NamedTensor], rollout_engine, 
     verify: after the sync, compare checksums of the engine's weights with the exported ones.
     Metrics: sync/seconds (excluding verification), sync/bytes, sync/buckets, sync/tensors,
     sync/largest_tensor_bytes, sync/peak_extra_bytes, sync/gbytes_per_s, sync/verify_seconds (verify only),
+    the engine's `finish_weight_update` metrics (FP8 rollout: sync/fp8_quantize_seconds, inside sync/seconds),
     and on GPU sync/cuda_peak_delta_bytes — for which the device's peak memory statistics are reset when the
     sync starts (`rlhf_mcore.sync.memory.device_peak_bytes` keeps the peak from before the reset).
     Raises `WeightSyncError` (verify) naming the first tensor that differs.
@@ -44,7 +45,7 @@ def sync_actor_to_rollout(named_tensors: Iterable[NamedTensor], rollout_engine, 
     stream = verifier.wrap(named_tensors) if verifier else named_tensors
     with Stopwatch(device) as watch:
         channel.send(stream)
-        load_buckets_into(rollout_engine, channel.receive_buckets())
+        finished = load_buckets_into(rollout_engine, channel.receive_buckets())
     stats = channel.stats
     stats.cuda_peak_delta_bytes = tracker.cuda_peak_delta()
     if verifier is not None:
@@ -54,4 +55,4 @@ def sync_actor_to_rollout(named_tensors: Iterable[NamedTensor], rollout_engine, 
         stats.seconds = max(0.0, watch.seconds - verifier.seconds)
     else:
         stats.seconds = watch.seconds
-    return stats.as_metrics()
+    return {**stats.as_metrics(), **{f"sync/{k}": v for k, v in finished.items()}}

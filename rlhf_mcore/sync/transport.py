@@ -90,11 +90,14 @@ class InProcessChannel(WeightSender, WeightReceiver):
         self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, self.tracker.peak)
 
 
-def load_buckets_into(engine, buckets: Iterable[list[NamedTensor]]) -> None:
-    """Call `engine.update_weights` once per bucket, dropping each bucket before the next arrives."""
+def load_buckets_into(engine, buckets: Iterable[list[NamedTensor]]) -> dict[str, float]:
+    """Call `engine.update_weights` once per bucket, dropping each bucket before the next arrives, then the
+    engine's `finish_weight_update` (where it has one); returns that call's metrics (unprefixed)."""
     for group in buckets:
         engine.update_weights(group)
         del group
+    finish = getattr(engine, "finish_weight_update", None)
+    return dict(finish()) if finish is not None else {}
 
 
 def device_synchronize(device: torch.device | None) -> None:

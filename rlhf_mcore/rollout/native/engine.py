@@ -124,8 +124,9 @@ class NativeRolloutEngine(RolloutEngine):
     weight_offload: what sleep(level=2) does with weights: "cpu" keeps a pinned CPU copy and restores
     it on wake(); "drop" frees them and requires update_weights() after wake().
     load_weights: False leaves weights uninitialised until update_weights() (e.g. the trainer syncs them).
-    quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py;
-    `last_stats["fp8_quantize_s"]`), fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
+    quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py): in
+    `finish_weight_update` at the sync's end, else at the next generation (`last_stats["fp8_quantize_s"]`);
+    fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
     """
 
     supports_streaming = True
@@ -302,6 +303,11 @@ class NativeRolloutEngine(RolloutEngine):
         self._fp8 = Fp8Layers(self.weights, self.fp8_layout or DEFAULT_LAYOUT)
         self.model.fp8 = self._fp8.layers
         self._fp8_stale = True
+
+    def finish_weight_update(self) -> dict[str, float]:
+        """The end of a sync: with quantization="fp8" the FP8 copies are refreshed here, inside the sync (its
+        seconds are `sync/fp8_quantize_seconds`), rather than at the next generation."""
+        return {"fp8_quantize_seconds": self._refresh_fp8()} if self._fp8 is not None else {}
 
     def _refresh_fp8(self) -> float:
         """Quantize the weights once after a sync (however many update_weights buckets it took); the seconds."""

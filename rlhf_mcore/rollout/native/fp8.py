@@ -2,8 +2,9 @@
 
 The engine keeps its bf16 weights (what `update_weights` copies into, slice by slice) and an e4m3 copy of the
 decoder's o_proj, gate_up and down (LINEARS) with fp32 scales, per output channel or per 128 x 128 block
-(`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync, before the next
-generation (a sync arrives in many `update_weights` buckets; quantizing once per sync, not per bucket), in place so
+(`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync -- at its end
+(`finish_weight_update`, timed as `sync/fp8_quantize_seconds`), or else before the next generation (a sync arrives
+in many `update_weights` buckets; quantizing once per sync, not per bucket) -- in place so
 captured CUDA graphs stay valid. Embeddings, norms, QKV, the LM head and the KV cache stay bf16; activations are
 quantized per token (channel) or per 1 x 128 slice (block) inside each GEMM.
 """
