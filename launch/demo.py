@@ -5,7 +5,9 @@
    back in GSM8K's "#### 47" format) and a GSM8K validation slice, as veRL-schema parquet. The warm-start
    targets end with a full stop ("#### 47.") in 70% of the rows, which the strict GSM8K reward scores 0;
 3. a supervised warm start on that data (launch/sft.py under torchrun): it learns to copy the number and takes
-   up the data's habit of ending with a full stop, so its greedy answers mostly score 0;
+   up the data's habit of ending with a full stop, so its greedy answers mostly score 0. A rerun with the same
+   SFT settings reuses the finished warm start (the same settings give the same weights: fixed seeds, one thread);
+   other settings, or a warm start that did not finish, train it again;
 4. GRPO (launch/train.py --config configs/demo_cpu.yaml under torchrun) on prompts drawn from the whole
    training set, validating (greedy) on held-out synthetic problems and on GSM8K through the real GSM8K
    reward: RL drops the full stop the reward rejects, and held-out greedy accuracy rises;
@@ -15,6 +17,7 @@ SFT and GRPO processes run single-threaded (OMP_NUM_THREADS=1) with fixed seeds,
 numbers on the same machine whatever the caller's thread settings.
 """
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -36,6 +39,25 @@ def run(cmd: list[str]) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                TOKENIZERS_PARALLELISM="false")
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+
+
+SFT_SETTINGS = "demo_sft_settings.json"  # written into the warm start's directory once its training finished
+
+
+def finished_warm_start(sft_out: Path, settings: dict) -> bool:
+    """Whether `sft_out` holds a warm start that finished with exactly these settings."""
+    try:
+        return json.loads((sft_out / SFT_SETTINGS).read_text()) == settings and (sft_out / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over the model directory's safetensors files (the base the warm start was trained from)."""
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
@@ -75,10 +97,19 @@ def main() -> int:
     del gsm8k
 
     sft_out = out / "sft_model"
-    print(f"[3/4] supervised warm start -> {sft_out}", flush=True)
-    run(torchrun(args.nproc, "sft.py", "--model", str(tiny), "--train-file", str(data / "synthetic" / "train.parquet"),
-                 "--out", str(sft_out), "--steps", str(args.sft_steps), "--batch-size", str(args.sft_batch_size),
-                 "--lr", "3e-3", "--max-length", "160", "--seed", str(args.seed), "trainer.device=cpu"))
+    sft = {"steps": args.sft_steps, "batch_size": args.sft_batch_size, "lr": 3e-3, "max_length": 160,
+           "seed": args.seed, "nproc": args.nproc, "base": weights_digest(tiny)}
+    if finished_warm_start(sft_out, sft):
+        print(f"[3/4] reusing the supervised warm start in {sft_out} (made with these settings; remove it to "
+              "train it again)", flush=True)
+    else:
+        print(f"[3/4] supervised warm start -> {sft_out}", flush=True)
+        (sft_out / SFT_SETTINGS).unlink(missing_ok=True)
+        run(torchrun(args.nproc, "sft.py", "--model", str(tiny), "--train-file",
+                     str(data / "synthetic" / "train.parquet"), "--out", str(sft_out), "--steps", str(sft["steps"]),
+                     "--batch-size", str(sft["batch_size"]), "--lr", str(sft["lr"]), "--max-length",
+                     str(sft["max_length"]), "--seed", str(sft["seed"]), "trainer.device=cpu"))
+        (sft_out / SFT_SETTINGS).write_text(json.dumps(sft))
 
     from rlhf_mcore.config import load_config
 

@@ -5,7 +5,7 @@ synthetic task at difficulty 0, "read the number back", with 70% of the warm-sta
 the strict GSM8K reward rejects -> launch/sft.py), trained once by tests/data/make_warm_starts.py and committed.
 
 - Learning: GRPO, and PPO with a critic, on prompts drawn from the whole training set, raise the greedy
-  accuracy on held-out problems by a clear margin in 12 steps; the two runs go side by side (numbers in the
+  accuracy on held-out problems by a clear margin in 8 steps; the two runs go side by side (numbers in the
   tests).
 - PPO with a critic runs at TP=2 on 2 processes, and at PP=2.
 - A run killed with SIGKILL after a checkpoint resumes to exactly the metrics and weights of an uninterrupted run;
@@ -91,7 +91,7 @@ def base_args(assets, out: Path, steps: int, *extra: str) -> list[str]:
 LEARN = ["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
          "actor_rollout_ref.actor.optim.lr=3e-4", "actor_rollout_ref.actor.ppo_epochs=2",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.val_before_train=true"]
-LEARN_STEPS = 12
+LEARN_STEPS = 8
 PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=16"]
 HELD_OUT = "val/synthetic/arithmetic/acc"
 
@@ -108,9 +108,9 @@ def learning_runs(assets, tmp_path_factory):
 
 
 # The asynchronous trainers on the same settings, 1 rollout + 1 training process each (fully async: a step is
-# require_batches=2 mini-batches of 8 prompts, the demo's 16), for 8 steps (the synchronous runs' 12 would add a
-# minute of CI; the held-out accuracy is up by step 5 in the demo's runs).
-ASYNC_STEPS = 8
+# require_batches=2 mini-batches of 8 prompts, the demo's 16), for as many steps as the synchronous runs (the
+# held-out accuracy is up by step 5 in the demo's runs).
+ASYNC_STEPS = LEARN_STEPS
 ASYNC = {"one_step_off": ["async_training.mode=one_step_off"],
          "fully_async": ["async_training.mode=fully_async", "async_training.require_batches=2",
                          "async_training.staleness_threshold=1", "async_training.partial_rollout=true"]}
@@ -148,28 +148,32 @@ def held_out_before_after(vals: list[dict]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy(learning_runs):
     """GRPO with the demo's settings: greedy accuracy on 64 held-out problems before the first step -> after
-    step 12 measured 0.000 -> 0.750: the warm start's greedy answers copy the number but keep the full stop the
-    reward rejects, and RL drops it. The mean training reward of steps 1-3 -> 10-12 rose too (0.31 -> 0.65) and
-    entropy fell."""
+    step 8 measured 0.000 -> 0.750: the warm start's greedy answers copy the number but keep the full stop the
+    reward rejects, and RL drops it. The mean training reward of steps 1-3 -> 6-8 rose too (0.30 -> 0.46) and
+    so did the policy's confidence (mean entropy 0.442 -> 0.405; step by step it is noisy)."""
     m, vals = learning_runs["grpo"]
     before, after = held_out_before_after(vals)
     assert after >= before + 0.30, f"GRPO did not raise held-out accuracy: {before:.3f} -> {after:.3f}"
-    assert mean_reward(m, [10, 11, 12]) > mean_reward(m, [1, 2, 3])
-    assert m[LEARN_STEPS]["actor/entropy"] < m[1]["actor/entropy"]
+    assert mean_reward(m, [6, 7, 8]) > mean_reward(m, [1, 2, 3])
+    assert mean_of(m, "actor/entropy", [6, 7, 8]) < mean_of(m, "actor/entropy", [1, 2, 3])
 
 
 @pytest.mark.slow
 def test_ppo_with_critic_raises_held_out_accuracy(learning_runs):
     """PPO with a critic (GAE; the critic starts from the warm start with a fresh value head) on the same
-    prompts and settings: held-out greedy accuracy before -> after step 12 measured 0.000 -> 0.766."""
+    prompts and settings: held-out greedy accuracy before -> after step 8 measured 0.000 -> 0.766."""
     m, vals = learning_runs["ppo"]
     before, after = held_out_before_after(vals)
     assert after >= before + 0.30, f"PPO did not raise held-out accuracy: {before:.3f} -> {after:.3f}"
     assert all(torch.isfinite(torch.tensor(m[s]["critic/vf_loss"])) for s in m)
 
 
+def mean_of(m: dict[int, dict], key: str, steps) -> float:
+    return sum(m[s][key] for s in steps) / len(steps)
+
+
 def mean_reward(m: dict[int, dict], steps) -> float:
-    return sum(m[s]["critic/score/mean"] for s in steps) / len(steps)
+    return mean_of(m, "critic/score/mean", steps)
 
 
 def train_metrics(out: Path) -> dict[int, dict]:
