@@ -9,13 +9,15 @@ to the permanent generation, never scanned again: later full collections are che
 back on. The trainer calls it when its models are built (`RunContext.building`); a timer calls it after
 `STARTUP_GC_LIMIT_S` whatever the process is doing, so no entry point runs long with the collector off. Reference
 counting frees almost everything either way; only cyclic garbage made during start-up waits (at most one
-start-up's worth, freed never or at the freeze).
+start-up's worth). At exit the frozen objects are unfrozen, so the interpreter's last collection frees them as it
+would have: extensions that check for leaked objects at exit (nanobind's, in triton) stay quiet.
 
     pause_gc()     # idempotent; a no-op where the collector was already off (a caller's choice)
     resume_gc()    # idempotent; thread-safe
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 
@@ -52,6 +54,7 @@ def resume_gc() -> None:
             _timer.cancel()
         _timer = None
         gc.freeze()
+        atexit.register(gc.unfreeze)  # the collection at exit frees them as it would have (extensions check that)
         gc.enable()
 
 
