@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import step_phases, trace_tracks
+from e2e_helpers import spans_in, step_phases, trace_tracks
 
 from rlhf_mcore import trace
 from rlhf_mcore.trainer.hooks import PhaseTimer
@@ -65,50 +65,40 @@ def _score_once():
         pass
 
 
-def test_a_killed_rank_leaves_a_part_that_merges(tmp_path):
-    """A rank that never closed its part (killed) is merged from what it flushed, and named unfinished; a line cut
-    by the kill is skipped; parts of ranks beyond this run's world size (an earlier, larger run) are removed."""
-    path = tmp_path / "t.json"
-    parts = trace.parts_dir(path)
-    parts.mkdir()
-    (parts / "rank5.jsonl").write_text('{"name": "old"}\n')  # an earlier 8-rank run's
-    tr = trace.open_trace(path, rank=0, role="train", world_size=2)
-    with trace.span("step", step=1):
+def test_each_item_of_a_stream_is_a_span_and_is_not_held_after_its_turn(tracing):
+    """`trace.each` (the weight sync's buckets): one span per item from its pull (the stream's own work) to the end
+    of the loop's body, numbered, with what the body added; an item is not referenced by the loop once its turn
+    ended (a sync holds one bucket at a time); a loop left early ends its span there; no span for the pull that
+    found the stream empty. Mutation: `each` keeps its `item` across the next pull (no `del item`) -> fails."""
+    import weakref
+
+    class Bucket:
         pass
-    trace.flush()
-    (parts / "rank1.jsonl").write_text(json.dumps({"name": "gen", "ph": "X", "pid": 1, "tid": 0, "ts": 2e15,
-                                                   "dur": 5.0}) + '\n{"name": "cut')
-    assert not (parts / "rank5.jsonl").exists() and tr is not None
-    out = trace.close_trace(world_size=2, wait_s=0.2)
-    doc = json.loads(out.read_text())
-    assert doc["otherData"]["ranks"] == [0, 1] and doc["otherData"]["unfinished_ranks"] == [1]
-    assert sorted(e["name"] for e in doc["traceEvents"] if e["ph"] == "X") == ["gen", "step"]
 
+    alive = []
 
-def test_span_cost_without_and_with_a_trace(tmp_path, capsys):
-    """The trace is cheap enough to leave on: a span costs microseconds recorded and written (a step has ~10-30;
-    BENCHMARKS.md quotes the printed figures, ~17 us on the dev machine). The bound is loose (a loaded 2-core CI
-    machine), there to catch a span that does synchronous I/O of its own. Mutation: `Tracer.record` flushes and
-    fsyncs each event (`self.flush(); os.fsync(self.file.fileno())`) -> fails (690 us a span on the dev machine)."""
-    n = 2000
+    def stream(n):
+        for _ in range(n):
+            assert all(r() is None for r in alive), "an earlier bucket still held while the next one is made"
+            time.sleep(0.002)  # the export's work: inside the item's span
+            yield Bucket()
 
-    def cost() -> float:
-        t0 = time.perf_counter()
-        for i in range(n):
-            with trace.span("phase", step=i):
-                pass
-        return (time.perf_counter() - t0) / n * 1e6
-
-    off = min(cost() for _ in range(3))
-    trace.open_trace(tmp_path / "t.json", rank=0, role="bench")
-    on = min(cost() for _ in range(3))
-    t0 = time.perf_counter()
-    trace.flush()
-    flush_us = (time.perf_counter() - t0) / (3 * n) * 1e6
-    trace.close_trace(wait_s=0)
-    with capsys.disabled():
-        print(f"\nspan: {off:.2f} us untraced, {on:.2f} us traced + {flush_us:.2f} us to write it")
-    assert on + flush_us < 500, (on, flush_us)
+    with trace.span("sync", step=1):
+        for s, b in trace.each("weight bucket", stream(3), version=7):
+            alive.append(weakref.ref(b))
+            s.args["bytes"] = 100
+            del b
+    with trace.span("sync", step=2):
+        for _s, _b in trace.each("weight bucket", stream(3)):
+            break
+    del s, _s, _b
+    track = trace_tracks(trace.close_trace(wait_s=0))[(0, 0)]  # (tracks nest)
+    buckets = [e for e in track if e["name"] == "weight bucket"]
+    assert [e["args"] for e in buckets] == [{"index": 0, "version": 7, "bytes": 100},
+                                             {"index": 1, "version": 7, "bytes": 100},
+                                             {"index": 2, "version": 7, "bytes": 100}, {"index": 0}]
+    assert all(e["dur"] >= 2000 for e in buckets)  # the pull's work counted
+    assert [len(spans_in(track, e, "weight bucket")) for e in track if e["name"] == "sync"] == [3, 1]
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -210,6 +200,50 @@ def test_ranks_other_than_0_say_only_their_errors():
     assert "a warning" not in out["1"].stderr and "a logged warning" not in out["1"].stderr
     assert "an error" in out["1"].stderr
     assert out["0"].stdout.strip() == out["1"].stdout.strip() == "1"  # stderr is a pipe here
+
+
+def test_a_terminals_bar_names_the_steps_phase_and_the_tokens_so_far(tmp_path, monkeypatch, capsys):
+    """In a terminal the console's bar names the step's phase running now and, while the rollout generates, its
+    tokens so far (the rollout engines report them: tests/test_reward_stream.py checks the native engine's count);
+    spans inside a phase (scoring, a bucket) and other threads leave it alone; redrawn at most 4 times a second.
+    Not a terminal: no bar and no indicator (tests/e2e_helpers.check_plain_log checks the launched runs' logs).
+    Mutation: `_show_phase` without its `step is not None` filter (the inner `score` span takes the bar) -> fails."""
+    import io
+
+    from rlhf_mcore.trainer.logging import MetricLogger
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    logger = MetricLogger(["console"], tmp_path, total_steps=2)
+    bar = logger._bar
+    try:
+        with trace.span("gen", step=1):
+            assert bar.postfix == "gen (step 1) ..."
+            with trace.span("score", items=4):
+                pass
+            worker = threading.Thread(target=lambda: trace.progress(tokens=5))
+            worker.start()
+            worker.join()
+            assert bar.postfix == "gen (step 1) ..."
+            trace.progress(tokens=1234)
+            assert bar.postfix == "gen (step 1) ... 1,234 tokens"
+            trace.progress(tokens=1300)  # within a quarter of a second: not redrawn
+            assert bar.postfix == "gen (step 1) ... 1,234 tokens"
+            logger._shown_at -= 0.25
+            trace.progress(tokens=2048)
+            assert bar.postfix == "gen (step 1) ... 2,048 tokens"
+        logger.log(1, {"critic/score/mean": 0.5, "timing_s/step": 2.0})
+        assert capsys.readouterr().out == "step 1/2 | reward 0.500 | s 2.0\n" and bar.n == 1  # above the bar
+    finally:
+        logger.close()
+    assert trace._ON_PHASE is None and trace._ON_PROGRESS is None
+    monkeypatch.undo()
+    plain = MetricLogger(["console"], tmp_path, total_steps=2)  # pytest's stderr is no terminal
+    assert plain._bar is None and trace._ON_PHASE is None
+    plain.close()
 
 
 # ------------------------------------------------------------------------------------------------ summary
