@@ -101,6 +101,81 @@ def test_each_item_of_a_stream_is_a_span_and_is_not_held_after_its_turn(tracing)
     assert [len(spans_in(track, e, "weight bucket")) for e in track if e["name"] == "sync"] == [3, 1]
 
 
+def test_the_reference_and_critic_passes_are_spans_inside_old_log_prob(tracing):
+    """The learner's forward passes on the trace (no launched test runs a reference or a critic with the trace on):
+    the reference's log-probs and the critic's values, each a span inside the step's `old_log_prob` phase. Mutation:
+    the critic's pass not timed (`forward_passes`' `with span("values")` removed) -> fails."""
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.trainer.learner import Learner
+
+    class Engine:
+        def compute_log_probs(self, batch):
+            return "log-probs", "entropy"
+
+        def compute_values(self, batch):
+            return "values"
+
+    learner = Learner(load_config(None, ["actor_rollout_ref.model.path=/m"]), None, Engine(), critic=Engine(),
+                      ref=Engine())
+    t, batch = PhaseTimer(4), {}
+    with t("step"):
+        with t("old_log_prob"):
+            learner.forward_passes(batch)
+    assert batch == {"old_log_probs": "log-probs", "old_entropy": "entropy", "ref_log_prob": "log-probs",
+                     "values": "values"}
+    track = trace_tracks(trace.close_trace(wait_s=0))[(0, 0)]
+    assert step_phases(track) == {4: ["old_log_prob"]}
+    olp = next(e for e in track if e["name"] == "old_log_prob")
+    assert [e["name"] for e in track if e["name"] in ("reference", "values") and e in spans_in(track, olp, e["name"])] \
+        == ["reference", "values"]
+
+
+def test_a_killed_rank_leaves_a_part_that_merges(tmp_path):
+    """A rank that never closed its part (killed) is merged from what it flushed, and named unfinished; a line cut
+    by the kill is skipped; parts of ranks beyond this run's world size (an earlier, larger run) are removed."""
+    path = tmp_path / "t.json"
+    parts = trace.parts_dir(path)
+    parts.mkdir()
+    (parts / "rank5.jsonl").write_text('{"name": "old"}\n')  # an earlier 8-rank run's
+    tr = trace.open_trace(path, rank=0, role="train", world_size=2)
+    with trace.span("step", step=1):
+        pass
+    trace.flush()
+    (parts / "rank1.jsonl").write_text(json.dumps({"name": "gen", "ph": "X", "pid": 1, "tid": 0, "ts": 2e15,
+                                                   "dur": 5.0}) + '\n{"name": "cut')
+    assert not (parts / "rank5.jsonl").exists() and tr is not None
+    out = trace.close_trace(world_size=2, wait_s=0.2)
+    doc = json.loads(out.read_text())
+    assert doc["otherData"]["ranks"] == [0, 1] and doc["otherData"]["unfinished_ranks"] == [1]
+    assert sorted(e["name"] for e in doc["traceEvents"] if e["ph"] == "X") == ["gen", "step"]
+
+
+def test_span_cost_without_and_with_a_trace(tmp_path, capsys):
+    """The trace is cheap enough to leave on: a span costs microseconds recorded and written (a step has ~10-30;
+    BENCHMARKS.md quotes the printed figures, ~17 us on the dev machine). The bound is loose (a loaded 2-core CI
+    machine), there to catch a span that does synchronous I/O of its own. Mutation: `Tracer.record` flushes and
+    fsyncs each event (`self.flush(); os.fsync(self.file.fileno())`) -> fails (690 us a span on the dev machine)."""
+    n = 2000
+
+    def cost() -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            with trace.span("phase", step=i):
+                pass
+        return (time.perf_counter() - t0) / n * 1e6
+
+    off = min(cost() for _ in range(3))
+    trace.open_trace(tmp_path / "t.json", rank=0, role="bench")
+    on = min(cost() for _ in range(3))
+    t0 = time.perf_counter()
+    trace.flush()
+    flush_us = (time.perf_counter() - t0) / (3 * n) * 1e6
+    trace.close_trace(wait_s=0)
+    with capsys.disabled():
+        print(f"\nspan: {off:.2f} us untraced, {on:.2f} us traced + {flush_us:.2f} us to write it")
+    assert on + flush_us < 500, (on, flush_us)
+
+
 # ------------------------------------------------------------------------------------------------ plots
 def _plot_metrics():
     import importlib.util
@@ -259,6 +334,7 @@ def test_end_of_run_summary_says_what_metrics_jsonl_says(tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "global_step_8").mkdir(parents=True)
     (out / "checkpoints" / "global_step_10").mkdir()
+    (out / "hf_final").mkdir()
     shutil.copy(ROOT / "tests" / "data" / "metrics_fully_async.jsonl", out / "metrics.jsonl")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "kind": "tr')  # a record cut by a kill: skipped
@@ -272,3 +348,5 @@ def test_end_of_run_summary_says_what_metrics_jsonl_says(tmp_path):
         "  held-out accuracy   openai/gsm8k: best 0.0000 (step 0), last 0.0000 (step 8)",
         "  held-out accuracy   all: best 0.5070 (step 8), last 0.5070 (step 8)"]
     assert f"  checkpoints         {out / 'checkpoints'} (newest global_step_10)" in lines
+    assert f"  final actor (HF)    {out / 'hf_final'}" in lines
+    assert f"  metrics             {out / 'metrics.jsonl'}" in lines
