@@ -312,8 +312,8 @@ def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_mode
     token-level IS weights with batch normalisation run through the real engines; the metrics say so. Its output
     is a log file's (not a terminal): plain lines, none said once per rank, one per step and per validation, the
     validation samples' questions whole. Its timeline (trainer.trace=true): a track per rank, each step's phases in
-    order, the actor's mini-batch inside the update, the weight sync's buckets inside the sync (as many, and as many
-    bytes, as the step logged), the validation after the last step."""
+    order, scoring inside the generation, the actor's mini-batch inside the update, the weight sync's buckets inside
+    the sync (as many, and as many bytes, as the step logged), the validation after the last step."""
     import ast
 
     import pandas as pd
@@ -361,6 +361,8 @@ def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_mode
             minis = spans_in(main, phase["update"], "actor mini-batch")  # 16 sequences over DP 2, mini-batch 8
             assert [(m["args"]["epoch"], m["args"]["index"], m["args"]["sequences"]) for m in minis] == [(0, 0, 8)]
             check_buckets(main, phase["sync"], r)  # (the 0.5 MB model: one bucket of the default 512 MiB)
+            scored = spans_in(main, phase["gen"], "score")  # each rank is a rollout replica: it scores its share
+            assert scored and all(e["args"]["items"] > 0 for e in scored), scored
         assert [e["args"]["step"] for e in main if e["name"] == "validation"] == [2]
     for r in logged:
         assert r["dynamic_sampling/informative_groups"] >= 4 and r["dynamic_sampling/num_gen_batches"] >= 1
