@@ -8,7 +8,14 @@ metrics) times its phases with it, and the phases outside a step's metrics (vali
 pulls, waits, the rollout pool's commands, reward scoring) use it directly. With no trace open it only reads the
 clock twice. With one open (:func:`open_trace`, one per process) each span is a complete event ("ph": "X") on
 the track of its process (pid = global rank, named "rank R · <role>") and thread (tid; the reward stream's thread
-is its own track), with its arguments (step, sizes) in `args`.
+is its own track), with its arguments (step, sizes) in `args`. Two more forms, for what a `with` block does not
+fit: :func:`each` times every item of a stream (its pull and its use: a weight-sync bucket), and :func:`interval`
+records what this process saw another process do (a reward worker's item, from its arrival at the worker to its
+result) on a named track of its own, on this process's clock.
+
+While a span runs, the code inside may report how far it got (:func:`progress`: the rollout engine's tokens so
+far); the console's phase indicator (:func:`on_phase`) shows it. Neither costs more than a global read when no
+indicator is set.
 
 One clock across ranks: each process reads the wall clock (CLOCK_REALTIME) once when its trace opens and
 advances it with its monotonic counter (`perf_counter`, the one PhaseTimer reads), so every event's `ts` is
@@ -27,7 +34,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 class Span:
@@ -75,19 +84,20 @@ class Tracer:
                             "args": {"sort_index": rank}})
         self.tid()
 
-    def tid(self) -> int:
-        ident = threading.get_ident()
-        tid = self.threads.get(ident)
+    def tid(self, track: Optional[str] = None) -> int:
+        """The track of the calling thread, or the one named `track` (a lane that is no thread of this process)."""
+        key = threading.get_ident() if track is None else track
+        tid = self.threads.get(key)
         if tid is None:
             with self.lock:
-                tid = self.threads[ident] = len(self.threads)
-                name = "main" if tid == 0 else threading.current_thread().name
+                tid = self.threads[key] = len(self.threads)
+                name = track or ("main" if tid == 0 else threading.current_thread().name)
                 self.events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
                                     "args": {"name": name}})
         return tid
 
-    def record(self, s: Span) -> None:
-        ev = {"name": s.name, "ph": "X", "pid": self.rank, "tid": self.tid(),
+    def record(self, s: Span, track: Optional[str] = None) -> None:
+        ev = {"name": s.name, "ph": "X", "pid": self.rank, "tid": self.tid(track),
               "ts": round(self.wall0_us + (s.t0 - self.perf0) * 1e6, 1), "dur": round(s.seconds * 1e6, 1),
               "args": s.args}  # the span's own dict: what is added to it before the next flush is written too
         with self.lock:
@@ -107,13 +117,23 @@ class Tracer:
 
 
 _TRACER: Optional[Tracer] = None
-_ON_PHASE: Optional[Callable[[Span], None]] = None  # the console's phase indicator (a terminal's bar)
+_ON_PHASE: Optional[Callable[[Span], None]] = None  # the console's phase indicator (a terminal's bar) ...
+_ON_PROGRESS: Optional[Callable[[dict[str, Any]], None]] = None  # ... and how far the running phase got
 
 
-def on_phase(fn: Optional[Callable[[Span], None]]) -> None:
-    """Call `fn(span)` as each span starts (None: stop); with or without a trace open."""
-    global _ON_PHASE
-    _ON_PHASE = fn
+def on_phase(fn: Optional[Callable[[Span], None]],
+             progress: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+    """Call `fn(span)` as each span starts and `progress(counts)` at each :func:`progress` report (None: stop);
+    with or without a trace open."""
+    global _ON_PHASE, _ON_PROGRESS
+    _ON_PHASE, _ON_PROGRESS = fn, progress
+
+
+def progress(**counts: Any) -> None:
+    """How far the running phase got (`tokens=` generated so far, ...), for the phase indicator; nothing is
+    recorded in the trace."""
+    if _ON_PROGRESS is not None:
+        _ON_PROGRESS(counts)
 
 
 def span(name: str, **args: Any) -> Span:
@@ -122,9 +142,43 @@ def span(name: str, **args: Any) -> Span:
     return Span(name, args)
 
 
+def each(name: str, items: Iterable[T], **args: Any) -> Iterator[tuple[Span, T]]:
+    """`for s, item in each(name, items):` -- one span per item (`index` 0, 1, ... in its arguments, with `args`),
+    from the pull of the item (a lazy stream's work: a weight-sync bucket's export and packing) to the end of the
+    loop's body; what the body adds to `s.args` is recorded with it. No reference to an item outlives its turn
+    (a sync holds one bucket at a time)."""
+    it = iter(items)
+    index = 0
+    while True:
+        s = Span(name, {"index": index, **args})
+        s.__enter__()
+        try:
+            item = next(it)
+        except StopIteration:
+            s.drop()
+            s.__exit__(None, None, None)
+            return
+        try:
+            yield s, item
+        finally:  # the body's end, or the loop left early (break, an exception): the span ends there
+            del item
+            s.__exit__(None, None, None)
+        index += 1
+
+
+def interval(name: str, t0: float, t1: float, track: str, **args: Any) -> None:
+    """Record what this process saw happen elsewhere from `t0` to `t1` (`time.perf_counter()` readings of this
+    process: one clock with its spans) on the track named `track` of its process (a reward worker's item)."""
+    if _TRACER is not None:
+        s = Span(name, args)
+        s.t0, s.seconds = t0, t1 - t0
+        _TRACER.record(s, track)
+
+
 def trace_path(setting: bool | str, run_dir: Path) -> Optional[Path]:
-    """`trainer.trace`: false -> None, true -> <run_dir>/trace.json, a path -> that file."""
-    if setting is False or setting in ("", "false", "False"):
+    """`trainer.trace` (checked by the config: a bool or a file's path): false -> None, true ->
+    <run_dir>/trace.json, a path -> that file."""
+    if setting is False or setting in ("false", "False"):
         return None
     if setting is True or setting in ("true", "True"):
         return run_dir / "trace.json"

@@ -64,6 +64,43 @@ def process_names(path: Path) -> dict[int, str]:
             if e["ph"] == "M" and e["name"] == "process_name"}
 
 
+def track_names(path: Path) -> dict[tuple[int, int], str]:
+    """Each track's ((pid, tid)) name: `main`, a thread's name, or a lane's (`reward worker 0`)."""
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
+def spans_in(track: list[dict], outer: dict, name: str) -> list[dict]:
+    """The spans called `name` inside `outer` on `track` (1 us of slack for rounding), in time order."""
+    return [e for e in track if e["name"] == name and outer["ts"] - 1 <= e["ts"]
+            and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + 1]
+
+
+def check_buckets(track: list[dict], outer: dict, record: dict) -> list[dict]:
+    """The weight-sync buckets inside `outer` (a sync's span) are the sync the step logged: `sync/buckets` of them,
+    numbered in order, their bytes adding up to `sync/bytes`. Returns them."""
+    buckets = spans_in(track, outer, "weight bucket")
+    assert [b["args"]["index"] for b in buckets] == list(range(int(record["sync/buckets"]))), (outer, buckets)
+    assert sum(b["args"]["bytes"] for b in buckets) == record["sync/bytes"], (outer, buckets)
+    return buckets
+
+
+def check_reward_workers(path: Path, pid: int, workers: int) -> None:
+    """A rank's reward worker processes (`reward.num_workers`) each on a track of their own: every scored item on
+    one of them (as many as the rank's `score` spans counted), inside a `score` span of the rank (one clock), one
+    item at a time per worker."""
+    tracks, names = trace_tracks(path), track_names(path)
+    lanes = {names[k]: v for k, v in tracks.items() if k[0] == pid and names[k].startswith("reward worker ")}
+    assert sorted(lanes) == [f"reward worker {k}" for k in range(workers)], sorted(names.values())
+    scores = [e for k, v in tracks.items() if k[0] == pid for e in v if e["name"] == "score"]
+    items = [e for v in lanes.values() for e in v]
+    assert len(items) == sum(e["args"]["items"] for e in scores) > 0 and {e["name"] for e in items} == {"reward item"}
+    assert all(any(s["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1 for s in scores)
+               for e in items), "a reward item outside every score span"
+    for lane in lanes.values():
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(lane, lane[1:])), lane  # one item at a time
+
+
 def check_plain_log(stdout: str, stderr: str, once: list[str]) -> None:
     """A run's output when it is not a terminal (a test's pipes, a log file): plain lines, no progress bar (its
     carriage-return frames: text-mode pipes turn each into a line of its own, `NN%|...`), no line said twice (once

@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from e2e_helpers import check_plain_log, check_summary, parity_task, process_names, records, step_phases, trace_tracks
+from e2e_helpers import (
+    check_buckets,
+    check_plain_log,
+    check_reward_workers,
+    check_summary,
+    parity_task,
+    process_names,
+    records,
+    spans_in,
+    step_phases,
+    trace_tracks,
+)
 from launcher import run as run_script
 from launcher import start, wait_all
 
@@ -437,7 +448,8 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     assert f"  trace               {resumed / 'trace.json'} (open in ui.perfetto.dev)" in summary
     # its timeline (trainer.trace=true: <run dir>/trace.json): rank 0 trains, rank 1 is the rollout replica
     _check_async_trace(resumed / "trace.json", "one_step_off", [3, 4], train_ranks=(0,), rollout_ranks=(1,),
-                       phases=[p for p in TRAIN_PHASES if p != "reward_model"], sequences=16)
+                       phases=[p for p in TRAIN_PHASES if p != "reward_model"], sequences=16, checkpoints=(4,),
+                       run_dir=resumed)
 
     def trained(out):
         return json.loads((out / "checkpoints" / "global_step_4" / "trainer_state_rank0.json").read_text())[
@@ -539,10 +551,15 @@ TRAIN_PHASES = ["wait", "reward_model", "old_log_prob", "adv", "update", "sync"]
 
 
 def _check_async_trace(path: Path, mode: str, steps: list[int], train_ranks=(0, 1), rollout_ranks=(2,),
-                       phases=TRAIN_PHASES, sequences: int = 8) -> None:
+                       phases=TRAIN_PHASES, sequences: int = 8, reward_workers: int = 0,
+                       checkpoints: tuple[int, ...] = (), run_dir: Path | None = None) -> None:
     """The trainer.trace file of an asynchronous run: a named track per rank, every training rank's steps in order
-    with their phases in order inside them (tracks nest: e2e_helpers.trace_tracks), the rollout ranks' work, and
-    one clock: each weight version's broadcast on training rank 0 overlaps its receipt on every rollout rank."""
+    with their phases in order inside them (tracks nest: e2e_helpers.trace_tracks), the actor's mini-batches inside
+    each update, the checkpoints' spans, the rollout ranks' work, each weight version's buckets (sent by training
+    rank 0 and received by every rollout rank bucket by bucket, tensors and bytes; as many as the step's `sync/*`
+    metrics in `run_dir`'s metrics.jsonl say), every rollout rank's reward workers on tracks of their own
+    (`reward_workers`: reward.num_workers), and one clock: each weight version's broadcast on training rank 0
+    overlaps its receipt on every rollout rank."""
     names = process_names(path)
     assert sorted(names) == sorted([*train_ranks, *rollout_ranks]), names
     assert all(" · train" in names[r] for r in train_ranks), names
@@ -556,7 +573,18 @@ def _check_async_trace(path: Path, mode: str, steps: list[int], train_ranks=(0, 
         assert all(e["args"]["sequences"] == sequences and e["args"]["tokens"] > 0 for e in step_spans)
         pulls = [e for e in main if e["name"] == "data-bus pull"]
         assert [e["args"]["step"] for e in pulls] == steps and all(e["args"]["bytes"] > 0 for e in pulls)
-    sent = {e["args"]["version"]: e for e in tracks[(train_ranks[0], 0)] if e["name"] == "broadcast weights"}
+        for u in (e for e in main if e["name"] == "update"):
+            minis = spans_in(main, u, "actor mini-batch")
+            assert minis and sum(m["args"]["sequences"] for m in minis) == sequences, (u, minis)
+        assert [e["args"]["step"] for e in main if e["name"] == "checkpoint"] == list(checkpoints)
+    main0 = tracks[(train_ranks[0], 0)]
+    sent = {e["args"]["version"]: e for e in main0 if e["name"] == "broadcast weights"}
+    logged = {r["step"]: r for r in records(run_dir) if r["kind"] == "train"} if run_dir is not None else {}
+    sent_buckets = {v: [(b["args"]["tensors"], b["args"]["bytes"]) for b in spans_in(main0, e, "weight bucket")]
+                    for v, e in sent.items()}
+    assert all(len(b) >= 1 for b in sent_buckets.values()), sent_buckets
+    for v in set(sent) & set(logged):  # a step's push, as its metrics say
+        check_buckets(main0, sent[v], logged[v])
     for r in rollout_ranks:
         work = [e for evs in (v for k, v in tracks.items() if k[0] == r) for e in evs]
         got = {e["args"]["version"]: e for e in work if e["name"] == "receive weights"}
@@ -564,7 +592,12 @@ def _check_async_trace(path: Path, mode: str, steps: list[int], train_ranks=(0, 
         for v, e in got.items():  # a collective: both sides inside it at once, on the one clock
             b = sent[v]
             assert e["ts"] <= b["ts"] + b["dur"] and b["ts"] <= e["ts"] + e["dur"], (v, b, e)
+            received = [(x["args"]["tensors"], x["args"]["bytes"])
+                        for x in spans_in(tracks[(r, 0)], e, "weight bucket")]
+            assert received == sent_buckets[v], (v, received, sent_buckets[v])  # bucket by bucket
         assert sum(e["args"]["items"] for e in work if e["name"] == "score") >= len(steps) * 16  # every sample
+        if reward_workers:
+            check_reward_workers(path, r, reward_workers)
         if mode == "one_step_off":
             gens = [e["args"]["step"] for e in work if e["name"] == "generate + score"]
             assert gens == steps, gens
@@ -621,9 +654,10 @@ def test_reward_model_scores_every_trained_row(tmp_path, tiny_model_dir, mode):
         "reward_model.rule_weight=0.5", "reward_model.micro_batch_size_per_gpu=4",
         "reward_model.megatron.param_offload=true", "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=6", "reward_model.overlong_buffer.penalty_factor=1.0",
-        f"trainer.trace={tmp_path / 'timeline.json'}"]
+        f"trainer.trace={tmp_path / 'timeline.json'}", "reward.num_workers=1"]
     run_script("tests/scripts/async_reward_rows.py", *args, "--rows", str(tmp_path / "rows.jsonl"), nproc=3)
-    _check_async_trace(tmp_path / "timeline.json", mode, list(range(1, steps + 1)))  # the run's timeline
+    _check_async_trace(tmp_path / "timeline.json", mode, list(range(1, steps + 1)),  # the run's timeline
+                       reward_workers=1, run_dir=tmp_path / "run")
     if mode == "fully_async":
         _check_stale_drop(tmp_path / "run", bus, steps)
     rows, step_lines = _rm_rows(tmp_path / "rows.jsonl")

@@ -188,6 +188,36 @@ def test_driver_writes_report(tmp_path):
     assert '"plans"' in (tmp_path / "memory.log").read_text()  # what the script printed went to its log
 
 
+def test_the_trl_peers_transformers_warnings_are_silenced_at_their_source():
+    """TRL 1.16 calls transformers 5's deprecated gradient-checkpointing names (a FutureWarning each, every run:
+    `make benchmark` printed them); bench_trl.silence_peer_warnings filters exactly those, by message and module:
+    the same calls warn without it, and another of transformers' FutureWarnings still shows (the children run with
+    warnings ignored, so the launched benchmarks cannot show this). Mutation: the filter's module `transformers\\.`
+    -> `trl\\.` -> fails."""
+    import warnings
+
+    import bench_trl
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+
+    def shown(silenced: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as got:  # the process's filters come back at its end
+            warnings.simplefilter("always")
+            if silenced:
+                bench_trl.silence_peer_warnings()
+            model.gradient_checkpointing_enable()  # what TRL's trainer calls
+            assert model.is_gradient_checkpointing
+            warnings.warn_explicit("another FutureWarning", FutureWarning, "modeling_utils.py", 1,
+                                   module="transformers.modeling_utils")  # transformers' others still show
+        return [str(w.message).split(" is deprecated")[0] for w in got]
+
+    assert shown(False) == ["`gradient_checkpointing_enable`", "`is_gradient_checkpointing`",
+                            "another FutureWarning"], "transformers no longer warns: update bench_trl's comment"
+    assert shown(True) == ["another FutureWarning"]
+
+
 def test_targets_table():
     """The raised targets (issue 23), each against the strongest peer configuration that ran."""
     sys.path.insert(0, str(ROOT / "launch"))

@@ -130,6 +130,22 @@ def test_wrong_type_names_key_value_and_type(override, key, value, typename):
     assert f"'{key}'" in msg and value in msg and f"valid {typename}" in msg
 
 
+def test_a_bad_trace_setting_is_one_line_with_the_key_the_value_and_the_fix(tmp_path):
+    """trainer.trace takes a bool or a file's path: a number (OmegaConf's Union type error), null, an empty string,
+    an existing directory or a path ending in '/' are refused in one line saying what it must be. Mutations: the
+    loader's Union case removed from `_omegaconf_message` ("which is not a valid Union") -> fails; `_trace_setting`
+    without its directory check -> fails."""
+    for value in ["1", "null", "''", str(tmp_path), f"{tmp_path}/trace/"]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, MODEL + [f"trainer.trace={value}"])
+        msg = str(e.value)
+        assert msg.startswith("config key 'trainer.trace' has value ") and "\n" not in msg, msg
+        assert msg.endswith("; it must be true (writes <default_local_dir>/trace.json), false (no trace) or the path "
+                            "of the JSON file to write (not a directory), e.g. trainer.trace=/runs/a/trace.json."), msg
+    for good, want in (("true", True), ("false", False), (str(tmp_path / "t.json"), str(tmp_path / "t.json"))):
+        assert load_config(None, MODEL + [f"trainer.trace={good}"]).trainer.trace == want
+
+
 def test_wrong_type_in_yaml(tmp_path):
     p = write(tmp_path, "data:\n  max_prompt_length: long\n")
     with pytest.raises(ConfigError, match=r"'data.max_prompt_length' has value 'long'.*valid int"):

@@ -309,8 +309,24 @@ def test_gen_batch_size_equal_to_train_batch_size_is_accepted_without_filtering(
 
 def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_model_dir):
     """End to end under torchrun (2 ranks, DP=2): dynamic sampling refills from the sampler, overlong shaping and
-    token-level IS weights with batch normalisation run through the real engines; the metrics say so."""
-    from e2e_helpers import parity_task, process_names, records, step_phases, trace_tracks
+    token-level IS weights with batch normalisation run through the real engines; the metrics say so. Its output
+    is a log file's (not a terminal): plain lines, none said once per rank, one per step and per validation, the
+    validation samples' questions whole. Its timeline (trainer.trace=true): a track per rank, each step's phases in
+    order, scoring inside the generation, the actor's mini-batch inside the update, the weight sync's buckets inside
+    the sync (as many, and as many bytes, as the step logged), the validation after the last step."""
+    import ast
+
+    import pandas as pd
+    from e2e_helpers import (
+        check_buckets,
+        check_plain_log,
+        parity_task,
+        process_names,
+        records,
+        spans_in,
+        step_phases,
+        trace_tracks,
+    )
     from launcher import run
 
     out = tmp_path / "run"
@@ -320,17 +336,34 @@ def test_dapo_and_rollout_correction_through_train_py_at_dp2(tmp_path, tiny_mode
         "algorithm.filter_groups.metric=seq_reward", "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=1.0",
         "reward_model.overlong_buffer.log=true", "algorithm.rollout_correction.rollout_is=token",
-        "algorithm.rollout_correction.rollout_is_batch_normalize=true"]
-    run("launch/train.py", *args, "trainer.trace=true", nproc=2)
-    logged = records(out)
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        f"data.val_files=[{tmp_path / 'syn' / 'test.parquet'}]", "trainer.val_before_train=false",
+        "trainer.test_freq=2", "trainer.logger=[jsonl,console]"]
+    proc = run("launch/train.py", *args, "trainer.trace=true", nproc=2)
+    check_plain_log(proc.stdout, proc.stderr, ["step 1/2 | reward", "step 2/2 | reward", "[val @ step 2]",
+                                               "run summary: 2 steps"])
+    questions = [m[-1]["content"] for m in pd.read_parquet(tmp_path / "syn" / "test.parquet")["prompt"]]
+    samples = [x.split(" | ", 1)[1] for x in proc.stdout.splitlines() if x.startswith("[val sample]")]
+    shown = [ast.literal_eval(x[:x.rindex(" -> ")]) for x in samples]  # each sample's prompt, as printed (repr)
+    assert len(shown) == 3 and all(any(q in x for q in questions) for x in shown), (shown, questions)
+    logged = [r for r in records(out) if r["kind"] == "train"]
     assert [r["step"] for r in logged] == [1, 2]
     # the run's timeline (trainer.trace=true: <run dir>/trace.json): a track per rank, each step's phases in order
     names = process_names(out / "trace.json")
     assert sorted(names) == [0, 1] and all("train + rollout · dp" in n for n in names.values()), names
     tracks = trace_tracks(out / "trace.json")
     for rank in (0, 1):
-        assert step_phases(tracks[(rank, 0)]) == {k: ["plan", "gen", "old_log_prob", "adv", "update", "sync"]
-                                                  for k in (1, 2)}, rank
+        main = tracks[(rank, 0)]
+        assert step_phases(main) == {k: ["plan", "gen", "old_log_prob", "adv", "update", "sync"]
+                                     for k in (1, 2)}, rank
+        for r in logged:
+            phase = {e["name"]: e for e in main if e["args"].get("step") == r["step"]}
+            minis = spans_in(main, phase["update"], "actor mini-batch")  # 16 sequences over DP 2, mini-batch 8
+            assert [(m["args"]["epoch"], m["args"]["index"], m["args"]["sequences"]) for m in minis] == [(0, 0, 8)]
+            check_buckets(main, phase["sync"], r)  # (the 0.5 MB model: one bucket of the default 512 MiB)
+            scored = spans_in(main, phase["gen"], "score")  # each rank is a rollout replica: it scores its share
+            assert scored and all(e["args"]["items"] > 0 for e in scored), scored
+        assert [e["args"]["step"] for e in main if e["name"] == "validation"] == [2]
     for r in logged:
         assert r["dynamic_sampling/informative_groups"] >= 4 and r["dynamic_sampling/num_gen_batches"] >= 1
         assert r["dynamic_sampling/drawn_groups"] == 4 * r["dynamic_sampling/num_gen_batches"]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import step_phases, trace_tracks
+from e2e_helpers import spans_in, step_phases, trace_tracks
 
 from rlhf_mcore import trace
 from rlhf_mcore.trainer.hooks import PhaseTimer
@@ -63,6 +63,71 @@ def test_phase_timer_spans_nest_in_order_with_their_arguments(tracing):
 def _score_once():
     with trace.span("score", items=3):
         pass
+
+
+def test_each_item_of_a_stream_is_a_span_and_is_not_held_after_its_turn(tracing):
+    """`trace.each` (the weight sync's buckets): one span per item from its pull (the stream's own work) to the end
+    of the loop's body, numbered, with what the body added; an item is not referenced by the loop once its turn
+    ended (a sync holds one bucket at a time); a loop left early ends its span there; no span for the pull that
+    found the stream empty. Mutation: `each` keeps its `item` across the next pull (no `del item`) -> fails."""
+    import weakref
+
+    class Bucket:
+        pass
+
+    alive = []
+
+    def stream(n):
+        for _ in range(n):
+            assert all(r() is None for r in alive), "an earlier bucket still held while the next one is made"
+            time.sleep(0.002)  # the export's work: inside the item's span
+            yield Bucket()
+
+    with trace.span("sync", step=1):
+        for s, b in trace.each("weight bucket", stream(3), version=7):
+            alive.append(weakref.ref(b))
+            s.args["bytes"] = 100
+            del b
+    with trace.span("sync", step=2):
+        for _s, _b in trace.each("weight bucket", stream(3)):
+            break
+    del s, _s, _b
+    track = trace_tracks(trace.close_trace(wait_s=0))[(0, 0)]  # (tracks nest)
+    buckets = [e for e in track if e["name"] == "weight bucket"]
+    assert [e["args"] for e in buckets] == [{"index": 0, "version": 7, "bytes": 100},
+                                             {"index": 1, "version": 7, "bytes": 100},
+                                             {"index": 2, "version": 7, "bytes": 100}, {"index": 0}]
+    assert all(e["dur"] >= 2000 for e in buckets)  # the pull's work counted
+    assert [len(spans_in(track, e, "weight bucket")) for e in track if e["name"] == "sync"] == [3, 1]
+
+
+def test_the_reference_and_critic_passes_are_spans_inside_old_log_prob(tracing):
+    """The learner's forward passes on the trace (no launched test runs a reference or a critic with the trace on):
+    the reference's log-probs and the critic's values, each a span inside the step's `old_log_prob` phase. Mutation:
+    the critic's pass not timed (`forward_passes`' `with span("values")` removed) -> fails."""
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.trainer.learner import Learner
+
+    class Engine:
+        def compute_log_probs(self, batch):
+            return "log-probs", "entropy"
+
+        def compute_values(self, batch):
+            return "values"
+
+    learner = Learner(load_config(None, ["actor_rollout_ref.model.path=/m"]), None, Engine(), critic=Engine(),
+                      ref=Engine())
+    t, batch = PhaseTimer(4), {}
+    with t("step"):
+        with t("old_log_prob"):
+            learner.forward_passes(batch)
+    assert batch == {"old_log_probs": "log-probs", "old_entropy": "entropy", "ref_log_prob": "log-probs",
+                     "values": "values"}
+    track = trace_tracks(trace.close_trace(wait_s=0))[(0, 0)]
+    assert step_phases(track) == {4: ["old_log_prob"]}
+    olp = next(e for e in track if e["name"] == "old_log_prob")
+    assert [e["name"] for e in track if e["name"] in ("reference", "values") and e in spans_in(track, olp, e["name"])] \
+        == ["reference", "values"]
 
 
 def test_a_killed_rank_leaves_a_part_that_merges(tmp_path):
@@ -212,6 +277,50 @@ def test_ranks_other_than_0_say_only_their_errors():
     assert out["0"].stdout.strip() == out["1"].stdout.strip() == "1"  # stderr is a pipe here
 
 
+def test_a_terminals_bar_names_the_steps_phase_and_the_tokens_so_far(tmp_path, monkeypatch, capsys):
+    """In a terminal the console's bar names the step's phase running now and, while the rollout generates, its
+    tokens so far (the rollout engines report them: tests/test_reward_stream.py checks the native engine's count);
+    spans inside a phase (scoring, a bucket) and other threads leave it alone; redrawn at most 4 times a second.
+    Not a terminal: no bar and no indicator (tests/e2e_helpers.check_plain_log checks the launched runs' logs).
+    Mutation: `_show_phase` without its `step is not None` filter (the inner `score` span takes the bar) -> fails."""
+    import io
+
+    from rlhf_mcore.trainer.logging import MetricLogger
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    logger = MetricLogger(["console"], tmp_path, total_steps=2)
+    bar = logger._bar
+    try:
+        with trace.span("gen", step=1):
+            assert bar.postfix == "gen (step 1) ..."
+            with trace.span("score", items=4):
+                pass
+            worker = threading.Thread(target=lambda: trace.progress(tokens=5))
+            worker.start()
+            worker.join()
+            assert bar.postfix == "gen (step 1) ..."
+            trace.progress(tokens=1234)
+            assert bar.postfix == "gen (step 1) ... 1,234 tokens"
+            trace.progress(tokens=1300)  # within a quarter of a second: not redrawn
+            assert bar.postfix == "gen (step 1) ... 1,234 tokens"
+            logger._shown_at -= 0.25
+            trace.progress(tokens=2048)
+            assert bar.postfix == "gen (step 1) ... 2,048 tokens"
+        logger.log(1, {"critic/score/mean": 0.5, "timing_s/step": 2.0})
+        assert capsys.readouterr().out == "step 1/2 | reward 0.500 | s 2.0\n" and bar.n == 1  # above the bar
+    finally:
+        logger.close()
+    assert trace._ON_PHASE is None and trace._ON_PROGRESS is None
+    monkeypatch.undo()
+    plain = MetricLogger(["console"], tmp_path, total_steps=2)  # pytest's stderr is no terminal
+    assert plain._bar is None and trace._ON_PHASE is None
+    plain.close()
+
+
 # ------------------------------------------------------------------------------------------------ summary
 def test_end_of_run_summary_says_what_metrics_jsonl_says(tmp_path):
     """The summary of the recorded fully asynchronous run (8 steps, validations at steps 0 and 8): its numbers
@@ -225,6 +334,7 @@ def test_end_of_run_summary_says_what_metrics_jsonl_says(tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "global_step_8").mkdir(parents=True)
     (out / "checkpoints" / "global_step_10").mkdir()
+    (out / "hf_final").mkdir()
     shutil.copy(ROOT / "tests" / "data" / "metrics_fully_async.jsonl", out / "metrics.jsonl")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "kind": "tr')  # a record cut by a kill: skipped
@@ -238,3 +348,5 @@ def test_end_of_run_summary_says_what_metrics_jsonl_says(tmp_path):
         "  held-out accuracy   openai/gsm8k: best 0.0000 (step 0), last 0.0000 (step 8)",
         "  held-out accuracy   all: best 0.5070 (step 8), last 0.5070 (step 8)"]
     assert f"  checkpoints         {out / 'checkpoints'} (newest global_step_10)" in lines
+    assert f"  final actor (HF)    {out / 'hf_final'}" in lines
+    assert f"  metrics             {out / 'metrics.jsonl'}" in lines

@@ -50,14 +50,23 @@ def test_stream_raises_the_scorers_error_on_finish():
     assert scores == {0: 0.0, 1: 0.0} and stats["num_exceptions"] == 2  # counted; the caller applies the ratio
 
 
-def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model_dir):
+def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model_dir, tmp_path):
     """The native engine's samples are scored as they finish: with a reward that sleeps 50 ms an item and 4
     reward workers, the scores equal a separate scoring of the same responses and the scoring left after the last
     sample is less than scoring them all in series. The ratio of generate + score streamed to generation and
     scoring one after the other is printed, not asserted (wall clock on a shared machine): 0.45-0.72 measured on
-    an idle 2-core machine, 1.38 once on a loaded one."""
+    an idle 2-core machine, 1.38 once on a loaded one.
+
+    What the console and the trace see of the first pass (rlhf_mcore/trace.py): the engine's tokens so far, rising
+    to the tokens of all the rows (the phase indicator's count); each reward worker process on a track of its own
+    (e2e_helpers.check_reward_workers: every item on one, inside a `score` span, one at a time per worker).
+    Mutations: the engine counting a decode step's tokens after finished rows left (`_sampled += len(self._rows)`
+    after `_decode_once`) -> fails; a reward item recorded at its worker's previous item's time (`worker.sent` not
+    set at the send) -> fails."""
+    from e2e_helpers import check_reward_workers
     from transformers import AutoTokenizer
 
+    from rlhf_mcore import trace
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
     from rlhf_mcore.trainer.rollout_phase import generate_and_score
@@ -74,10 +83,20 @@ def test_generate_and_score_scores_samples_while_the_engine_generates(tiny_model
         scorer.score(["s"] * 4, ["warm"] * 4, ["x"] * 4, [None] * 4)  # workers started and the function loaded
         engine.generate(prompts, params, request_ids=list(range(16)), max_new_tokens=caps)  # warm
         together, gen_s, score_s = [], [], []
-        for _ in range(2):  # the best of two of each: a busy machine slows single runs, not the comparison
+        for k in range(2):  # the best of two of each: a busy machine slows single runs, not the comparison
+            if k == 0:  # the first pass traced, its progress reports kept
+                trace.open_trace(tmp_path / "trace.json", rank=0, role="test")
+                progress = []
+                trace.on_phase(None, progress.append)
             t0 = time.monotonic()
             rows, stats = generate_and_score(engine, scorer, prompts, meta, params, tok, rollout_tp=1)
             together.append(time.monotonic() - t0)
+            if k == 0:
+                trace.on_phase(None)
+                traced = trace.close_trace(wait_s=0)
+                tokens = [c["tokens"] for c in progress]
+                assert tokens == sorted(tokens) and tokens[-1] == sum(len(r.response_ids) for r in rows), tokens[-5:]
+                check_reward_workers(traced, 0, workers=4)
             t0 = time.monotonic()
             outs = engine.generate(prompts, params, request_ids=list(range(16)), max_new_tokens=caps)
             gen_s.append(time.monotonic() - t0)

@@ -99,6 +99,11 @@ def choice_hint(cls: type, name: str) -> Optional[str]:
     return next((f.metadata.get(_HINT) for f in fields(cls) if f.name == name), None)
 
 
+def field_rule(cls: Optional[type], name: str) -> Optional[Rule]:
+    """The :func:`checked` rule on field `name` of dataclass `cls`, if any."""
+    return next((f.metadata.get(_RULE) for f in fields(cls) if f.name == name), None) if cls is not None else None
+
+
 def check_sections(node: Any, prefix: str = "") -> None:
     """Apply every field's rule in the tree under `node` (dataclass instances, nested to any depth); raise a
     :class:`ConfigError` on the first value a rule refuses, named by its full dotted key."""

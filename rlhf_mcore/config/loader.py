@@ -10,12 +10,12 @@ import os
 from dataclasses import fields, is_dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlhf_mcore.config.checks import check_sections, choice_error, choice_hint, literal_choices
+from rlhf_mcore.config.checks import check_sections, choice_error, choice_hint, field_rule, literal_choices, value_error
 from rlhf_mcore.config.cross import check_relations
 from rlhf_mcore.config.errors import ConfigError
 from rlhf_mcore.config.schema import RLConfig
@@ -154,6 +154,9 @@ def _omegaconf_message(err: OmegaConfBaseException) -> ConfigError:
     choices = literal_choices(expected)
     if choices is not None:  # a value outside a Literal: the same message as the walker's
         return choice_error(str(key), value, choices, choice_hint(section, name))
+    rule = field_rule(section, name)
+    if rule is not None and get_origin(expected) is Union:  # `trainer.trace=1`: what it must be, not "a valid Union"
+        return value_error(str(key), value, rule.what)
     expected_name = getattr(expected, "__name__", "?" if expected is None else str(expected))
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
     if "Value" in first or "cannot be converted" in first or "Invalid" in first or "type" in first.lower():

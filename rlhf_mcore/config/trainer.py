@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
 from rlhf_mcore.config.checks import above, at_least, checked, unset_or
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 UNSET_OR_ONE = dict(ok=unset_or(at_least(1)), what="unset or >= 1")
+
+
+def _trace_setting(value: Any) -> bool:
+    """`trainer.trace`: a bool, or the path of a file (not empty, not a directory: the trace is one JSON file)."""
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, str) and value.strip() != "" and not value.endswith("/") and not Path(value).is_dir()
 
 
 @dataclass
@@ -46,7 +54,10 @@ class TrainerConfig:
     rollout_logprob_gap_action: Literal["error", "warn"] = "error"
     # the run's timeline, every rank's phases as a Chrome-trace / Perfetto JSON (rlhf_mcore/trace.py; opens in
     # ui.perfetto.dev): true -> <default_local_dir>/trace.json, a path -> that file, false -> none
-    trace: Union[bool, str] = False
+    trace: Union[bool, str] = checked(False, ok=_trace_setting,
+                                      what="true (writes <default_local_dir>/trace.json), false (no trace) or the path "
+                                           "of the JSON file to write (not a directory), e.g. "
+                                           "trainer.trace=/runs/a/trace.json")
     seed: int = 1
     deterministic: bool = False  # torch.use_deterministic_algorithms (warn where an op has no deterministic kernel)
     # Python files (.py) or importable modules loaded on every rank before anything is built: the place to

@@ -55,6 +55,7 @@ from rlhf_mcore.engine.optim import (
     use_fused_adam,
     wrap_ddp,
 )
+from rlhf_mcore.trace import span
 
 __all__ = ["TrainEngine"]
 
@@ -245,12 +246,15 @@ class TrainEngine:
         for epoch in range(self.cfg.ppo_epochs):
             order = self._epoch_order(B, epoch)
             for first in range(0, B, mini):
-                sub = select_rows(batch, order[first:first + mini])
-                metrics, seqlens = self.forward_backward(sub)
-                if math.isfinite(metrics.get("loss", 0.0)):
-                    ok, grad_norm, _ = self.optimizer.step()
-                else:  # a NaN/inf loss (reduced, so every rank agrees) poisons the gradients: skip this step
-                    ok, grad_norm = False, None
+                with span(f"{self.cfg.role} mini-batch", epoch=epoch, index=first // mini,  # the run's trace
+                          sequences=mini) as s:
+                    sub = select_rows(batch, order[first:first + mini])
+                    metrics, seqlens = self.forward_backward(sub)
+                    if math.isfinite(metrics.get("loss", 0.0)):
+                        ok, grad_norm, _ = self.optimizer.step()
+                    else:  # a NaN/inf loss (reduced, so every rank agrees) poisons the gradients: skip this step
+                        ok, grad_norm = False, None
+                    s.args.update(micro_batches=int(metrics.get("num_micro_batches", 0)), tokens=sum(seqlens))
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 metrics["update_skipped"] = 0.0 if ok else 1.0
                 steps.append(metrics)

@@ -57,7 +57,7 @@ from rlhf_mcore.rewards.errors import RewardFunctionError
 from rlhf_mcore.rewards.inline import InlineScorer
 from rlhf_mcore.rewards.outcome import FAILURE_KINDS, call_reward_fn, failure
 from rlhf_mcore.rewards.registry import RegistryDispatch
-from rlhf_mcore.trace import span
+from rlhf_mcore.trace import interval, span
 
 __all__ = ["RewardScorer", "score_batch", "failure_error", "reward_metrics"]
 
@@ -105,9 +105,10 @@ _WORKER_CMD = ("import sys; from rlhf_mcore.lifetime import die_with_parent; die
 
 
 class _Worker:
-    """One worker process and the parent's end of its socket."""
+    """One worker process and the parent's end of its socket; `slot`: its place in the pool (a replacement takes
+    the slot of the worker it replaces), and its track in the run's trace."""
 
-    def __init__(self, init_message: bytes):
+    def __init__(self, init_message: bytes, slot: int):
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
@@ -124,6 +125,13 @@ class _Worker:
         self.ready = False  # its _READY message has been received
         self.item: int | None = None
         self.deadline = math.inf
+        self.track = f"reward worker {slot}"
+        self.slot = slot
+        self.sent = 0.0  # when its item reached it, by the trace's clock (rlhf_mcore.trace)
+
+    def traced(self, item: int, status: str) -> None:
+        """Its item, from its arrival until now, on the worker's track of the run's trace (none open: nothing)."""
+        interval("reward item", self.sent, time.perf_counter(), self.track, item=item, status=status, pid=self.proc.pid)
 
     def item_deadline(self, timeout_s: float) -> float:
         """When the current item (sent now, or the ready message received now) is overdue."""
@@ -189,7 +197,7 @@ class RewardScorer:
                     f"reward fn {self.fn!r} cannot be sent to worker processes ({exc}); use module-level functions "
                     "(also for @register_reward), load_custom_reward_fn(path, name), or num_workers=0"
                 ) from None
-            self._workers = [_Worker(self._init_message) for _ in range(num_workers)]
+            self._workers = [_Worker(self._init_message, k) for k in range(num_workers)]
             _LIVE_SCORERS.add(self)
 
     # ----------------------------------------------------------------------------------------- public API
@@ -293,6 +301,7 @@ class RewardScorer:
                     idle.append(self._replace(worker))
                     continue
                 worker.item, worker.deadline = item, worker.item_deadline(self.timeout_s)
+                worker.sent = time.perf_counter()
                 busy[worker.conn] = worker
             if not busy:
                 continue
@@ -304,6 +313,7 @@ class RewardScorer:
                     if message == _READY:  # a new worker finished starting: its item's time starts now
                         worker.ready = True
                         worker.deadline = worker.item_deadline(self.timeout_s)
+                        worker.sent = time.perf_counter()  # the item sent before: the worker's from here (traced)
                         busy[conn] = worker
                         continue
                     item, status, payload = message
@@ -314,9 +324,11 @@ class RewardScorer:
                         code = None
                     results[worker.item] = ("exception", failure(f"the worker process died (exit code {code})",
                                                                   "WorkerDied"))
+                    worker.traced(worker.item, "died")
                     idle.append(self._replace(worker))
                     continue
                 results[item] = (status, payload)
+                worker.traced(item, status)
                 idle.append(worker)
             now = time.monotonic()
             for conn, worker in list(busy.items()):
@@ -333,11 +345,12 @@ class RewardScorer:
                             first_failure=None)
                     results[worker.item] = ("timeout", failure(
                         f"no result within reward.timeout_s={self.timeout_s:g}; the worker was killed and replaced"))
+                    worker.traced(worker.item, "timeout")
                     idle.append(self._replace(worker))
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self._init_message)
+        fresh = _Worker(self._init_message, worker.slot)
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 

@@ -14,6 +14,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from rlhf_mcore import trace
+
 from .base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -99,8 +101,12 @@ class HFRolloutEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
+            tokens = 0
             for start in chunks:
-                outputs += self._generate_batch(prompts[start:start + self.batch_size], params)
+                batch = self._generate_batch(prompts[start:start + self.batch_size], params)
+                outputs += batch
+                tokens += sum(len(s.token_ids) for out in batch for s in out.samples)
+                trace.progress(tokens=tokens)  # the console's phase indicator: tokens so far
         return outputs
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:

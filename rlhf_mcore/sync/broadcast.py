@@ -21,6 +21,8 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore import trace
+
 from .buckets import BucketPacker, FlatBucket, NamedTensor
 from .memory import MemoryTracker
 from .metrics import SyncStats
@@ -61,10 +63,11 @@ class BroadcastSender(WeightSender):
         tap = ChecksumTap() if self.checksums else None
         stream = tap.wrap(named_tensors) if tap else named_tensors
         packer = BucketPacker(self.bucket_bytes, self.device, wrap_large=True, tracker=self.tracker)
-        for bucket in packer.buckets(stream):
+        for s, bucket in trace.each("weight bucket", packer.buckets(stream)):  # its export, packing and broadcast
             self.stats.add_group(bucket.unpack())
             self.comm.broadcast_object((bucket.metas, bucket.nbytes), self.src)
             self.comm.broadcast(bucket.buffer, self.src)
+            s.args.update(tensors=len(bucket.metas), bytes=sum(m.nbytes for m in bucket.metas))
             del bucket
         packer.release()
         self.comm.broadcast_object((None, tap.sums if tap else None), self.src)

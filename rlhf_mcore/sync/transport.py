@@ -22,8 +22,10 @@ from typing import Iterable, Iterator
 
 import torch
 
+from rlhf_mcore import trace
+
 from .buckets import NamedTensor, group_by_bytes
-from .memory import MemoryTracker
+from .memory import MemoryTracker, tensor_nbytes
 from .metrics import SyncStats
 
 
@@ -92,9 +94,11 @@ class InProcessChannel(WeightSender, WeightReceiver):
 
 def load_buckets_into(engine, buckets: Iterable[list[NamedTensor]]) -> dict[str, float]:
     """Call `engine.update_weights` once per bucket, dropping each bucket before the next arrives, then the
-    engine's `finish_weight_update` (where it has one); returns that call's metrics (unprefixed)."""
-    for group in buckets:
+    engine's `finish_weight_update` (where it has one); returns that call's metrics (unprefixed). Each bucket is a
+    span of the run's trace ("weight bucket": its arrival -- the export's work, or the broadcast -- and its load)."""
+    for s, group in trace.each("weight bucket", buckets):
         engine.update_weights(group)
+        s.args.update(tensors=len(group), bytes=sum(tensor_nbytes(t) for _, t in group))
         del group
     finish = getattr(engine, "finish_weight_update", None)
     return dict(finish()) if finish is not None else {}

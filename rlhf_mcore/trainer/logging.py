@@ -146,7 +146,8 @@ class MetricLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, leave=True)
-            trace.on_phase(self._show_phase)
+            self._phase, self._shown_at = "", 0.0  # the running phase's words; when its progress was last drawn
+            trace.on_phase(self._show_phase, self._show_progress)
         self._t0 = time.time()
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
@@ -181,10 +182,19 @@ class MetricLogger:
             print(message, flush=True)
 
     def _show_phase(self, s) -> None:
-        """A terminal's bar names the phase running now (the first step's long generation is not silent)."""
-        if threading.current_thread() is threading.main_thread():
-            step = s.args.get("step")
-            self._bar.set_postfix_str(f"{s.name}" + (f" (step {step})" if step is not None else "") + " ...")
+        """A terminal's bar names the step's phase running now (the first step's long generation is not silent):
+        the spans with a step number (the step's phases, validation, checkpoint), not those inside them."""
+        step = s.args.get("step")
+        if step is not None and threading.current_thread() is threading.main_thread():
+            self._phase = f"{s.name} (step {step}) ..."
+            self._bar.set_postfix_str(self._phase)
+
+    def _show_progress(self, counts: dict[str, Any]) -> None:
+        """... and how far it got (the rollout engine's tokens so far), redrawn at most 4 times a second."""
+        now = time.monotonic()
+        if threading.current_thread() is threading.main_thread() and now - self._shown_at >= 0.25:
+            self._shown_at = now
+            self._bar.set_postfix_str(f"{self._phase} " + ", ".join(f"{v:,} {k}" for k, v in counts.items()))
 
     def close(self) -> None:
         if self._bar is not None:

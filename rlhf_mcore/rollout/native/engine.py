@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_mcore import trace
 from rlhf_mcore.models.hf_config import ModelShape
 
 from ..base import (
@@ -406,6 +407,7 @@ class NativeRolloutEngine(RolloutEngine):
         if self.quantization is not None:
             self._stats["fp8_quantize_s"] = quantize_s
         self._t_open = time.perf_counter()
+        self._sampled = 0  # new tokens sampled in this stream so far (the console's progress: trace.progress)
         self._stream_open = True
 
     def submit(self, requests: Sequence[Request]) -> None:
@@ -430,15 +432,19 @@ class NativeRolloutEngine(RolloutEngine):
         stats = self._stats
         if self._waiting and self._should_admit(len(self._waiting)):
             t0 = time.perf_counter()
+            running = len(self._rows)
             done = self._admit()
             stats["prefill_s"] += time.perf_counter() - t0
+            self._sampled += len(self._rows) - running + len(done)  # each admitted sequence's first token
             finished += self._collect(done)
         if self._rows:
             t0 = time.perf_counter()
+            self._sampled += len(self._rows)  # a token for each running sequence
             done = self._decode_once()
             stats["decode_s"] += time.perf_counter() - t0
             stats["decode_steps"] += 1
             finished += self._collect(done)
+        trace.progress(tokens=self._sampled)
         return finished
 
     def abort(self) -> list[Finished]:
