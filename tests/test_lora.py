@@ -210,6 +210,14 @@ def test_a_peft_made_adapter_loads_as_the_start(env, tmp_path):
      ["lora_adapter_path", "lora_rank=0"]),
     (["critic.model.lora_alpha=0"], ["critic.model.lora_alpha", "> 0"]),
     (["actor_rollout_ref.actor.megatron.sequence_parallel=true"], ["sequence_parallel", "lora_rank > 0"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "async_training.mode=one_step_off"],
+     ["lora_sync", "adapter_only", "merged", "one_step_off", "broadcast"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "actor_rollout_ref.rollout.sleep_level=2"],
+     ["lora_sync", "merged", "sleep_level=2"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "actor_rollout_ref.rollout.sync_verify=true"],
+     ["lora_sync", "merged", "sync_verify"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "actor_rollout_ref.model.lora_rank=0"],
+     ["lora_sync", "merged", "lora_rank=0"]),
 ])
 def test_bad_lora_configs_name_the_key_and_the_fix(tmp_path, overrides, words):
     from rlhf_mcore.config import ConfigError
@@ -424,27 +432,30 @@ def test_critic_lora_trains_adapters_and_its_value_head(env):
 
 
 def test_adapter_only_sync_leaves_the_rollout_with_the_merged_weights(env, actor):
-    """The trainer's sync of a LoRA actor (roles.sync_weights): full and merged the first time, adapter-only after
-    (`sync.lora`: the adapters cross, the native engine's side merges them into its host copy of the base), unless
-    `sync_verify` asks for full syncs. The adapter-only engine ends with the merged sync's weights (1e-6, fp32 merge
-    order) having received only the adapters' bytes. Mutation: `BaseWeights.merged` drops `scale` -> fails."""
+    """The trainer's sync of a LoRA actor (roles.sync_weights) with `rollout.lora_sync=adapter_only`: full and merged
+    the first time, adapter-only after (`sync.lora`: the adapters cross, the native engine's side merges them into
+    its host copy of the base); the default (`merged`) sends every weight every time. The adapter-only engine ends
+    with the merged sync's weights (1e-6, fp32 merge order) having received only the adapters' bytes.
+    Mutation: `BaseWeights.merged` drops `scale` -> fails; `_adapter_only_sync` ignores `lora_sync` -> fails."""
     from rlhf_mcore.models.lora import adapter_tensors
     from rlhf_mcore.rollout import build_rollout_engine
     from rlhf_mcore.sync import engine_hf_shards
     from rlhf_mcore.trainer import roles
 
     state, model_dir = env
-    plain = config(model_dir).actor_rollout_ref.rollout
-    verified = config(model_dir, "actor_rollout_ref.rollout.sync_verify=true").actor_rollout_ref.rollout
+    default = config(model_dir).actor_rollout_ref.rollout
+    assert default.lora_sync == "merged"
+    adapter_only = config(model_dir, "actor_rollout_ref.rollout.lora_sync=adapter_only").actor_rollout_ref.rollout
     merged_engine, adapter_engine = (build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16,
                                                           load_weights=False) for _ in range(2))
-    first = roles.sync_weights(actor, adapter_engine, state, plain)
+    first = roles.sync_weights(actor, adapter_engine, state, adapter_only)
     assert "sync/adapter_bytes" not in first and first["sync/tensors"] > 2 * 7  # the first sync is full
+    assert "sync/adapter_bytes" not in roles.sync_weights(actor, adapter_engine, state, default)  # merged: full
     batch = make_batch()
     old, _ = actor.compute_log_probs(batch)
     actor.update_policy({**batch, "old_log_probs": old})
-    metrics = roles.sync_weights(actor, adapter_engine, state, plain)
-    assert "sync/adapter_bytes" not in roles.sync_weights(actor, merged_engine, state, verified)
+    metrics = roles.sync_weights(actor, adapter_engine, state, adapter_only)
+    assert "sync/adapter_bytes" not in roles.sync_weights(actor, merged_engine, state, default)
     adapters = adapter_tensors(actor.chunks, state)
     assert metrics["sync/adapter_bytes"] == sum(t.numel() * 4 for t in adapters.values())
     assert metrics["sync/load/tensors"] == 2 * 7
