@@ -465,6 +465,77 @@ def test_adapter_only_sync_leaves_the_rollout_with_the_merged_weights(env, actor
         torch.testing.assert_close(got[name].tensor, want[name].tensor, atol=1e-6, rtol=0, msg=name)
 
 
+class _Loopback:
+    """Both ends of the asynchronous trainers' weights link in one process: the sending end queues what it
+    broadcasts, the receiving end takes it back in order (rlhf_mcore.sync.broadcast's comm protocol)."""
+
+    def __init__(self, queue, sending: bool):
+        self.queue, self.sending, self.device = queue, sending, torch.device("cpu")
+
+    def broadcast(self, tensor, src):
+        if self.sending:
+            self.queue.append(tensor.clone())
+        else:
+            tensor.copy_(self.queue.popleft())
+
+    def broadcast_object(self, obj, src):
+        if self.sending:
+            self.queue.append(obj)
+            return obj
+        return self.queue.popleft()
+
+
+def test_async_modes_weight_push_leaves_the_rollout_pool_with_the_merged_weights(env, actor, tmp_path):
+    """`one_step_off` and `fully_async` (veRL #7495: the adapter never reached the rollout in async mode): the
+    training pool's push (TrainingPool.push_weights) into a rollout worker's engine (RolloutWorker.receive_weights),
+    over a loopback link, after an update: the engine holds peft's merge_and_unload weights (1e-6 for the merged
+    linears, the rest bitwise). With `sync_verify` the receiver reads its engine back: an engine that drops a tensor
+    is named. Mutation: push_weights exports inside `adapters_disabled` (the base crosses) -> fails; receive_weights
+    without the EngineVerifier -> the dropped tensor passes unseen, fails."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rlhf_mcore.models.lora import save_peft_adapter
+    from rlhf_mcore.rollout import build_rollout_engine
+    from rlhf_mcore.sync import WeightSyncError, engine_hf_shards
+    from rlhf_mcore.trainer.rollout_worker import RolloutWorker
+    from rlhf_mcore.trainer.training_pool import TrainingPool
+
+    state, model_dir = env
+    cfg = config(model_dir, "actor_rollout_ref.rollout.sync_verify=true")
+    batch = make_batch()
+    old, _ = actor.compute_log_probs(batch)
+    actor.update_policy({**batch, "old_log_probs": old})
+    link = deque()
+
+    def push_and_receive(engine):
+        pool = TrainingPool(SimpleNamespace(cfg=cfg, state=state), SimpleNamespace(
+            layout=SimpleNamespace(rollout_ranks=[]), mailbox=lambda name: None, weights=_Loopback(link, True)), [[0]])
+        pool.push_weights(actor, version=1)
+        worker = SimpleNamespace(cfg=cfg, engine=engine, pools=SimpleNamespace(weights=_Loopback(link, False)))
+        RolloutWorker.receive_weights(worker, 1)
+        assert not link and worker.version == 1
+
+    rollout = build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=False)
+    push_and_receive(rollout)
+    save_peft_adapter(actor.chunks, state, tmp_path / "adapter", actor.lora, str(model_dir))
+    merged = peft_model(model_dir, tmp_path / "adapter").merge_and_unload().state_dict()
+    held = engine_hf_shards(rollout)
+    assert "model.layers.1.self_attn.q_proj.weight" in held
+    for name, shard in held.items():
+        if "proj" in name and name.endswith("weight"):
+            torch.testing.assert_close(shard.tensor, merged[name], atol=1e-6, rtol=0, msg=name)
+        else:
+            assert torch.equal(shard.tensor, merged[name]), name
+
+    lossy = build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=False)
+    load = lossy.update_weights
+    lossy.update_weights = lambda group: load([(n, t) for n, t in group if n != "model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(WeightSyncError, match="model.layers.0.mlp.up_proj.weight"):
+        push_and_receive(lossy)
+    link.clear()
+
+
 def test_lora_turns_the_train_engines_cuda_graphs_off(env, actor):
     """A captured decoder graph would not see the reference pass switch the adapters off: with LoRA the graphs are
     off, and asking for them is refused with the key. Mutation: drop the `cuda_graphs=False` replace -> fails."""
