@@ -118,6 +118,25 @@ def test_forward_equals_peft_and_the_exported_adapter_loads_in_peft(env, actor, 
     assert (ours - base).abs().max() > 1e-2  # the adapters change the model
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_llama_and_qwen3_adapters_use_pefts_names(env, tiny_model_dir, tmp_path, arch):
+    """PEFT's module names of Llama (no QKV bias, untied head) and Qwen3 (QK-norm after q_proj / k_proj): our
+    adapter directory loads in peft with no missing or unexpected tensor and gives our log-probs (1e-5).
+    Mutation: `peft_name` writes `attn` for `self_attn` -> fails (peft loads no q/k/v/o adapter)."""
+    from rlhf_mcore.models.lora import save_peft_adapter
+    from rlhf_mcore.trainer import roles
+
+    state, _ = env
+    model_dir = tiny_model_dir(arch=arch, vocab=1000, layers=2, heads=4, kv_heads=2)
+    engine = roles.build_actor(config(model_dir), state, total_steps=2)
+    randomize_adapters(engine.chunks, seed=2)
+    save_peft_adapter(engine.chunks, state, tmp_path / "adapter", engine.lora, str(model_dir))
+    batch = make_batch()
+    ours, _ = engine.compute_log_probs(batch)
+    torch.testing.assert_close(ours, hf_log_probs(peft_model(model_dir, tmp_path / "adapter"), batch), atol=1e-5,
+                               rtol=0)
+
+
 def test_reference_is_the_base_model_bitwise(env, actor):
     """The reference of a LoRA run is the actor with its adapters off: bitwise a separately built base model.
     Mutation: `adapters_disabled` leaves `enabled` True -> fails."""
