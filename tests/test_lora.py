@@ -5,13 +5,14 @@ In one process (TP=PP=1):
   `peft.PeftModel.from_pretrained`), and a peft-made adapter (q/v/down only: partly fused layers) loads as the start;
 - only the adapters get gradients, optimizer state and updates; the base stays bitwise as loaded;
 - the reference (adapters off) equals a separately built base model's log-probs bitwise;
+- Llama's and Qwen3's adapters load in peft under PEFT's module names;
 - the exported (synced) weights are peft's `merge_and_unload` weights, and the rollout holds them after the
-  trainer's sync, merged or adapter-only;
+  trainer's sync, merged (the default) or adapter-only, and after the asynchronous modes' broadcast push;
 - checkpoints hold the adapters and their optimizer state, resume bitwise, refuse another base;
 - the critic's LoRA trains its adapters and value head; config errors name the key, the value and the fix.
 One 2-process launch (tests/scripts/lora_cases.py): TP=2 and PP=2 against peft and TP=1, a TP=2 checkpoint loaded
-at PP=2. One 2-process `one_step_off` training run: merged weights verified at every sync, the PEFT and merged
-exports, convert_checkpoint.py's LoRA path.
+at PP=2. One 2-process `one_step_off` training run: merged weights verified at every sync (the rollout pool's
+engine read back), the PEFT and merged exports, convert_checkpoint.py's LoRA path.
 """
 import json
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.cost(55)  # one 2-process launch (TP=2, PP=2) and one 2-process training run
+pytestmark = pytest.mark.cost(65)  # one 2-process launch (TP=2, PP=2) and one 2-process training run
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, ALPHA = 4, 8.0
