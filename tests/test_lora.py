@@ -5,13 +5,14 @@ In one process (TP=PP=1):
   `peft.PeftModel.from_pretrained`), and a peft-made adapter (q/v/down only: partly fused layers) loads as the start;
 - only the adapters get gradients, optimizer state and updates; the base stays bitwise as loaded;
 - the reference (adapters off) equals a separately built base model's log-probs bitwise;
+- Llama's and Qwen3's adapters load in peft under PEFT's module names;
 - the exported (synced) weights are peft's `merge_and_unload` weights, and the rollout holds them after the
-  trainer's sync, merged or adapter-only;
+  trainer's sync, merged (the default) or adapter-only, and after the asynchronous modes' broadcast push;
 - checkpoints hold the adapters and their optimizer state, resume bitwise, refuse another base;
 - the critic's LoRA trains its adapters and value head; config errors name the key, the value and the fix.
 One 2-process launch (tests/scripts/lora_cases.py): TP=2 and PP=2 against peft and TP=1, a TP=2 checkpoint loaded
-at PP=2. One 2-process `one_step_off` training run: merged weights verified at every sync, the PEFT and merged
-exports, convert_checkpoint.py's LoRA path.
+at PP=2. One 2-process `one_step_off` training run: merged weights verified at every sync (the rollout pool's
+engine read back), the PEFT and merged exports, convert_checkpoint.py's LoRA path.
 """
 import json
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.cost(55)  # one 2-process launch (TP=2, PP=2) and one 2-process training run
+pytestmark = pytest.mark.cost(65)  # one 2-process launch (TP=2, PP=2) and one 2-process training run
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, ALPHA = 4, 8.0
@@ -118,6 +119,25 @@ def test_forward_equals_peft_and_the_exported_adapter_loads_in_peft(env, actor, 
     assert (ours - base).abs().max() > 1e-2  # the adapters change the model
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_llama_and_qwen3_adapters_use_pefts_names(env, tiny_model_dir, tmp_path, arch):
+    """PEFT's module names of Llama (no QKV bias, untied head) and Qwen3 (QK-norm after q_proj / k_proj): our
+    adapter directory loads in peft with no missing or unexpected tensor and gives our log-probs (1e-5).
+    Mutation: `peft_name` writes `attn` for `self_attn` -> fails (peft loads no q/k/v/o adapter)."""
+    from rlhf_mcore.models.lora import save_peft_adapter
+    from rlhf_mcore.trainer import roles
+
+    state, _ = env
+    model_dir = tiny_model_dir(arch=arch, vocab=1000, layers=2, heads=4, kv_heads=2)
+    engine = roles.build_actor(config(model_dir), state, total_steps=2)
+    randomize_adapters(engine.chunks, seed=2)
+    save_peft_adapter(engine.chunks, state, tmp_path / "adapter", engine.lora, str(model_dir))
+    batch = make_batch()
+    ours, _ = engine.compute_log_probs(batch)
+    torch.testing.assert_close(ours, hf_log_probs(peft_model(model_dir, tmp_path / "adapter"), batch), atol=1e-5,
+                               rtol=0)
+
+
 def test_reference_is_the_base_model_bitwise(env, actor):
     """The reference of a LoRA run is the actor with its adapters off: bitwise a separately built base model.
     Mutation: `adapters_disabled` leaves `enabled` True -> fails."""
@@ -210,6 +230,14 @@ def test_a_peft_made_adapter_loads_as_the_start(env, tmp_path):
      ["lora_adapter_path", "lora_rank=0"]),
     (["critic.model.lora_alpha=0"], ["critic.model.lora_alpha", "> 0"]),
     (["actor_rollout_ref.actor.megatron.sequence_parallel=true"], ["sequence_parallel", "lora_rank > 0"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "async_training.mode=one_step_off"],
+     ["lora_sync", "adapter_only", "merged", "one_step_off", "broadcast"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "actor_rollout_ref.rollout.sleep_level=2"],
+     ["lora_sync", "merged", "sleep_level=2"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "actor_rollout_ref.rollout.sync_verify=true"],
+     ["lora_sync", "merged", "sync_verify"]),
+    (["actor_rollout_ref.rollout.lora_sync=adapter_only", "actor_rollout_ref.model.lora_rank=0"],
+     ["lora_sync", "merged", "lora_rank=0"]),
 ])
 def test_bad_lora_configs_name_the_key_and_the_fix(tmp_path, overrides, words):
     from rlhf_mcore.config import ConfigError
@@ -424,27 +452,30 @@ def test_critic_lora_trains_adapters_and_its_value_head(env):
 
 
 def test_adapter_only_sync_leaves_the_rollout_with_the_merged_weights(env, actor):
-    """The trainer's sync of a LoRA actor (roles.sync_weights): full and merged the first time, adapter-only after
-    (`sync.lora`: the adapters cross, the native engine's side merges them into its host copy of the base), unless
-    `sync_verify` asks for full syncs. The adapter-only engine ends with the merged sync's weights (1e-6, fp32 merge
-    order) having received only the adapters' bytes. Mutation: `BaseWeights.merged` drops `scale` -> fails."""
+    """The trainer's sync of a LoRA actor (roles.sync_weights) with `rollout.lora_sync=adapter_only`: full and merged
+    the first time, adapter-only after (`sync.lora`: the adapters cross, the native engine's side merges them into
+    its host copy of the base); the default (`merged`) sends every weight every time. The adapter-only engine ends
+    with the merged sync's weights (1e-6, fp32 merge order) having received only the adapters' bytes.
+    Mutation: `BaseWeights.merged` drops `scale` -> fails; `_adapter_only_sync` ignores `lora_sync` -> fails."""
     from rlhf_mcore.models.lora import adapter_tensors
     from rlhf_mcore.rollout import build_rollout_engine
     from rlhf_mcore.sync import engine_hf_shards
     from rlhf_mcore.trainer import roles
 
     state, model_dir = env
-    plain = config(model_dir).actor_rollout_ref.rollout
-    verified = config(model_dir, "actor_rollout_ref.rollout.sync_verify=true").actor_rollout_ref.rollout
+    default = config(model_dir).actor_rollout_ref.rollout
+    assert default.lora_sync == "merged"
+    adapter_only = config(model_dir, "actor_rollout_ref.rollout.lora_sync=adapter_only").actor_rollout_ref.rollout
     merged_engine, adapter_engine = (build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16,
                                                           load_weights=False) for _ in range(2))
-    first = roles.sync_weights(actor, adapter_engine, state, plain)
+    first = roles.sync_weights(actor, adapter_engine, state, adapter_only)
     assert "sync/adapter_bytes" not in first and first["sync/tensors"] > 2 * 7  # the first sync is full
+    assert "sync/adapter_bytes" not in roles.sync_weights(actor, adapter_engine, state, default)  # merged: full
     batch = make_batch()
     old, _ = actor.compute_log_probs(batch)
     actor.update_policy({**batch, "old_log_probs": old})
-    metrics = roles.sync_weights(actor, adapter_engine, state, plain)
-    assert "sync/adapter_bytes" not in roles.sync_weights(actor, merged_engine, state, verified)
+    metrics = roles.sync_weights(actor, adapter_engine, state, adapter_only)
+    assert "sync/adapter_bytes" not in roles.sync_weights(actor, merged_engine, state, default)
     adapters = adapter_tensors(actor.chunks, state)
     assert metrics["sync/adapter_bytes"] == sum(t.numel() * 4 for t in adapters.values())
     assert metrics["sync/load/tensors"] == 2 * 7
@@ -452,6 +483,77 @@ def test_adapter_only_sync_leaves_the_rollout_with_the_merged_weights(env, actor
     assert set(want) == set(got)
     for name in want:
         torch.testing.assert_close(got[name].tensor, want[name].tensor, atol=1e-6, rtol=0, msg=name)
+
+
+class _Loopback:
+    """Both ends of the asynchronous trainers' weights link in one process: the sending end queues what it
+    broadcasts, the receiving end takes it back in order (rlhf_mcore.sync.broadcast's comm protocol)."""
+
+    def __init__(self, queue, sending: bool):
+        self.queue, self.sending, self.device = queue, sending, torch.device("cpu")
+
+    def broadcast(self, tensor, src):
+        if self.sending:
+            self.queue.append(tensor.clone())
+        else:
+            tensor.copy_(self.queue.popleft())
+
+    def broadcast_object(self, obj, src):
+        if self.sending:
+            self.queue.append(obj)
+            return obj
+        return self.queue.popleft()
+
+
+def test_async_modes_weight_push_leaves_the_rollout_pool_with_the_merged_weights(env, actor, tmp_path):
+    """`one_step_off` and `fully_async` (veRL #7495: the adapter never reached the rollout in async mode): the
+    training pool's push (TrainingPool.push_weights) into a rollout worker's engine (RolloutWorker.receive_weights),
+    over a loopback link, after an update: the engine holds peft's merge_and_unload weights (1e-6 for the merged
+    linears, the rest bitwise). With `sync_verify` the receiver reads its engine back: an engine that drops a tensor
+    is named. Mutation: push_weights exports inside `adapters_disabled` (the base crosses) -> fails; receive_weights
+    without the EngineVerifier -> the dropped tensor passes unseen, fails."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rlhf_mcore.models.lora import save_peft_adapter
+    from rlhf_mcore.rollout import build_rollout_engine
+    from rlhf_mcore.sync import WeightSyncError, engine_hf_shards
+    from rlhf_mcore.trainer.rollout_worker import RolloutWorker
+    from rlhf_mcore.trainer.training_pool import TrainingPool
+
+    state, model_dir = env
+    cfg = config(model_dir, "actor_rollout_ref.rollout.sync_verify=true")
+    batch = make_batch()
+    old, _ = actor.compute_log_probs(batch)
+    actor.update_policy({**batch, "old_log_probs": old})
+    link = deque()
+
+    def push_and_receive(engine):
+        pool = TrainingPool(SimpleNamespace(cfg=cfg, state=state), SimpleNamespace(
+            layout=SimpleNamespace(rollout_ranks=[]), mailbox=lambda name: None, weights=_Loopback(link, True)), [[0]])
+        pool.push_weights(actor, version=1)
+        worker = SimpleNamespace(cfg=cfg, engine=engine, pools=SimpleNamespace(weights=_Loopback(link, False)))
+        RolloutWorker.receive_weights(worker, 1)
+        assert not link and worker.version == 1
+
+    rollout = build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=False)
+    push_and_receive(rollout)
+    save_peft_adapter(actor.chunks, state, tmp_path / "adapter", actor.lora, str(model_dir))
+    merged = peft_model(model_dir, tmp_path / "adapter").merge_and_unload().state_dict()
+    held = engine_hf_shards(rollout)
+    assert "model.layers.1.self_attn.q_proj.weight" in held
+    for name, shard in held.items():
+        if "proj" in name and name.endswith("weight"):
+            torch.testing.assert_close(shard.tensor, merged[name], atol=1e-6, rtol=0, msg=name)
+        else:
+            assert torch.equal(shard.tensor, merged[name]), name
+
+    lossy = build_rollout_engine("native", model_dir, max_num_seqs=2, max_model_len=16, load_weights=False)
+    load = lossy.update_weights
+    lossy.update_weights = lambda group: load([(n, t) for n, t in group if n != "model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(WeightSyncError, match="model.layers.0.mlp.up_proj.weight"):
+        push_and_receive(lossy)
+    link.clear()
 
 
 def test_lora_turns_the_train_engines_cuda_graphs_off(env, actor):

@@ -3,6 +3,7 @@
     python launch/bench/bench_ppo_step.py --workload gsm8k_ppo [--steps 1] [--profile] [--out FILE.json]
     python launch/bench/bench_ppo_step.py --workload trl_grpo  [--steps 2] [--out FILE.json]
     python launch/bench/bench_ppo_step.py --workload trl_grpo_7b --steps 1   # a whole 7B GRPO step, one H200
+    python launch/bench/bench_ppo_step.py --workload trl_grpo_7b_lora --steps 2   # the same with LoRA, no offload
     python launch/bench/bench_ppo_step.py --workload gsm8k_ppo --tiny            # CPU smoke run on a tiny shape
 
 What runs: `rlhf_mcore.trainer.RLTrainer`, unchanged, on one GPU, for 1 warm-up step + `--steps` timed steps
@@ -30,6 +31,8 @@ Workloads:
 - `trl_grpo_7b`: the same workload at the Qwen2.5-7B shape (vocabulary 152,064) with the one-GPU memory plan
   (`rollout.sleep_level=2`, the actor's gradients and optimizer state offloaded while it generates, full
   recomputation, 4k-token micro-batches); the report's per-step `peak_mem_gib` is the trainer's own peak.
+- `trl_grpo_7b_lora`: the same 7B workload with LoRA (rank 16, every linear) and no offload plan: sleep level 1,
+  nothing offloaded, no recomputation, the same 4k-token micro-batches.
 
 Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rollout/reward`, `rollout/offload`
 + `rollout/onload` (training state off/on the GPU around generation; only
@@ -76,6 +79,19 @@ WORKLOADS = {
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"]},
+    # the same 7B workload with LoRA (rank 16, alpha 32, every linear) and no offload: the frozen bf16 base has no
+    # gradient buffer, fp32 master or Adam state, so the actor, the rollout's weights (kept: sleep level 1) and the
+    # activations (no recomputation) fit together; the weight sync is the lora_sync default
+    "trl_grpo_7b_lora": {"config": "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "vocab": None, "shape": "qwen2.5-7b",
+                         "overrides": [
+        "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8", "data.max_response_length=256",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.rollout.max_num_seqs=512", "actor_rollout_ref.model.lora_rank=16",
+        "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.model.target_modules=all-linear",
+        "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"]},
 }
 # the CPU smoke run: same code, tiny everything
 TINY_OVERRIDES = {
@@ -89,7 +105,7 @@ TINY_OVERRIDES = {
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024"],
 }
-TINY_OVERRIDES["trl_grpo_7b"] = TINY_OVERRIDES["trl_grpo"]
+TINY_OVERRIDES["trl_grpo_7b"] = TINY_OVERRIDES["trl_grpo_7b_lora"] = TINY_OVERRIDES["trl_grpo"]
 
 
 def _sync():

@@ -134,6 +134,11 @@ class RolloutConfig:
     # Weight sync (actor -> rollout after every update)
     sync_bucket_mb: int = checked(512, **AT_LEAST_ONE)
     sync_verify: bool = False
+    # a LoRA actor's sync into the colocated native engine: merged (every weight, `W + (alpha / r) B @ A` formed on
+    # the training side; the faster one on the H200, BENCHMARKS.md) or adapter_only (after a first full sync the
+    # adapters cross and the engine's side merges them into its host copy of the base: fewer bytes, but that copy
+    # goes host -> device at every sync; rlhf_mcore.sync.lora)
+    lora_sync: Literal["merged", "adapter_only"] = "merged"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 

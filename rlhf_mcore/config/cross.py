@@ -137,6 +137,16 @@ def _check_lora(cfg: RLConfig, need) -> None:
              f"false with {model}.lora_rank > 0 (the LoRA adapters take the full sequence)")
         need(f"{megatron}.fp8", rank == 0 or value_at(cfg, f"{megatron}.fp8") is None,
              f"null with {model}.lora_rank > 0 (the FP8 linear carries no LoRA adapters)")
+    r, k = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.lora_sync"
+    if r.lora_sync == "adapter_only":  # the adapter-only sync needs an engine that keeps its weights between syncs
+        need(k, lora_enabled(cfg), "merged with actor_rollout_ref.model.lora_rank=0 (no adapters to send)")
+        need(k, r.name == "native", f"merged with rollout.name={r.name}: only the native engine takes partial "
+                                    "weight updates")
+        need(k, cfg.async_training.mode == "off", f"merged with async_training.mode={cfg.async_training.mode}: the "
+                                                  "rollout pool gets the merged weights by broadcast (README, LoRA)")
+        need(k, not (r.free_cache_engine and r.sleep_level == 2),
+             "merged with rollout.sleep_level=2: the engine drops its weights after generating, so every sync is full")
+        need(k, not r.sync_verify, "merged with rollout.sync_verify=true: the verification checks full syncs")
 
 
 def _check_multi_turn(cfg: RLConfig, need) -> None:

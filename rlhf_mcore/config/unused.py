@@ -71,6 +71,8 @@ _RULES: tuple[_Rule, ...] = (
        lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
     *((f"{m}.target_modules", (), lambda c, m=m: value_at(c, f"{m}.lora_rank") == 0,
        lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
+    ("actor_rollout_ref.rollout.lora_sync", (), lambda c: not lora_enabled(c),
+     lambda c: "actor_rollout_ref.model.lora_rank=0: the actor has no adapters"),
 )
 # Keys holding a file or directory path: one that does not exist is named in the notice.
 _PATH_KEYS = ("critic.model.path", "reward.reward_model.model.path", "reward.reward_model.model.input_tokenizer",

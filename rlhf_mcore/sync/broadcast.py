@@ -27,7 +27,7 @@ from .buckets import BucketPacker, FlatBucket, NamedTensor
 from .memory import MemoryTracker
 from .metrics import SyncStats
 from .transport import Stopwatch, WeightReceiver, WeightSender, load_buckets_into
-from .verify import ChecksumTap, compare_checksums
+from .verify import ChecksumTap, EngineVerifier, compare_checksums
 
 
 class GroupComm:
@@ -128,9 +128,19 @@ def broadcast_weights(comm, src: int, named_tensors: Iterable[NamedTensor], *, b
 
 
 def receive_weights(comm, src: int, engine, *, device, verify: bool = False) -> dict[str, float]:
-    """A receiver's side: every bucket into `engine.update_weights`; returns `sync/*` metrics."""
+    """A receiver's side: every bucket into `engine.update_weights`; returns `sync/*` metrics.
+    verify: the received bytes are checked against the source's checksums, then the engine is read back and
+    checked against what it received (`verify.EngineVerifier`, as the colocated sync does)."""
     receiver = BroadcastReceiver(comm, src, device, verify=verify)
+    verifier = EngineVerifier(engine) if verify else None
+    buckets = receiver.receive_buckets()
+    if verifier is not None:
+        buckets = (list(verifier.wrap(group)) for group in buckets)
     with Stopwatch(receiver.device) as watch:
-        finished = load_buckets_into(engine, receiver.receive_buckets())
+        finished = load_buckets_into(engine, buckets)
     receiver.stats.seconds = watch.seconds
+    if verifier is not None:
+        with Stopwatch(receiver.device) as check:
+            verifier.verify()
+        receiver.stats.verify_seconds = verifier.seconds + check.seconds
     return {**receiver.stats.as_metrics(), **{f"sync/{k}": v for k, v in finished.items()}}

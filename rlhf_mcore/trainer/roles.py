@@ -202,9 +202,10 @@ def sync_weights(actor, rollout, state: ParallelState, rollout_cfg) -> dict[str,
     """Actor -> rollout: the actor's weights as full HF-named tensors, streamed in buckets, resharded to the
     rollout's layout. Returns the sync's metrics (`sync/*`).
 
-    A LoRA actor syncs adapter-only into the native engine once that engine holds a full copy (after the first sync;
-    never at sleep level 2, whose engine drops its weights, nor with `sync_verify`, which checks full syncs):
-    :func:`rlhf_mcore.sync.lora.sync_adapters_to_rollout`, faster than the merged sync on CPU (BENCHMARKS.md)."""
+    A LoRA actor sends its merged weights (`W + (alpha / r) B @ A`, formed per tensor by the export), unless
+    `rollout.lora_sync=adapter_only`: then, once the native engine holds a full copy (after the first sync), only
+    the adapters cross (:func:`rlhf_mcore.sync.lora.sync_adapters_to_rollout`; config/cross.py refuses it where the
+    engine does not keep its weights between syncs)."""
     from rlhf_mcore.sync import sync_actor_to_rollout
 
     if _adapter_only_sync(actor, rollout, rollout_cfg):
@@ -220,11 +221,7 @@ def sync_weights(actor, rollout, state: ParallelState, rollout_cfg) -> dict[str,
 
 
 def _adapter_only_sync(actor, rollout, rollout_cfg) -> bool:
-    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
-
-    if getattr(actor, "lora", None) is None or not isinstance(rollout, NativeRolloutEngine) or rollout_cfg.sync_verify:
-        return False
-    if (rollout_cfg.free_cache_engine and rollout_cfg.sleep_level == 2) or \
+    if getattr(actor, "lora", None) is None or rollout_cfg.lora_sync != "adapter_only" or \
             getattr(actor, "lora_full_sync_of", None) != id(rollout):
         return False
     if getattr(actor, "lora_base_weights", None) is None:
