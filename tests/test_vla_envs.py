@@ -180,6 +180,7 @@ class _Recorder:
 
     def __init__(self, name, log, num_envs=2, done_after=3):
         self.name, self.log, self.num_envs, self.done_after, self.k = name, log, num_envs, done_after, 0
+        self.last_step_s = 0.0
         self.env = ReachPush(num_envs, tasks=("reach",))
 
     def reset(self, ids):

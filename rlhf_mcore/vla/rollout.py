@@ -46,7 +46,9 @@ class Rollout:
     terminated: np.ndarray  # (B, T, C) bool, sticky
     truncated: np.ndarray  # (B, T, C) bool, sticky
     success: np.ndarray  # (B,) bool: the env's `success` at the episode's end
-    stats: dict = field(default_factory=dict)  # policy_s, env_wait_s, env_steps, chunk_steps, wall_s
+    # policy_s: in the policy; env_s: the envs stepping (per stage and chunk, the slowest worker); env_wait_s: the
+    # rollout blocked on the envs (what the overlap did not hide); env_steps: env steps run; chunk_steps; wall_s
+    stats: dict = field(default_factory=dict)
 
     @property
     def episode_length(self) -> np.ndarray:
@@ -56,14 +58,21 @@ class Rollout:
 
 
 def _send(env, actions):
+    """None for an env stepping in the background; else (an in-process batch env: it steps now) the result and
+    its seconds."""
     if hasattr(env, "chunk_step_async"):
         env.chunk_step_async(actions)
         return None
-    return env.chunk_step(actions)  # an in-process batch env: it steps now
+    start = time.perf_counter()
+    res = env.chunk_step(actions)
+    return res, time.perf_counter() - start
 
 
 def _wait(env, stepped):
-    return env.chunk_step_wait() if stepped is None else stepped
+    """(result, seconds the env spent stepping)."""
+    if stepped is None:
+        return env.chunk_step_wait(), env.last_step_s
+    return stepped
 
 
 def rollout(stages: Sequence[Any], policy: Callable[[dict, np.ndarray, int], dict], state_ids: Any, *,
@@ -75,7 +84,7 @@ def rollout(stages: Sequence[Any], policy: Callable[[dict, np.ndarray, int], dic
         raise ValueError(f"rollout: {len(state_ids)} state ids for stages of {bounds[-1]} envs in all")
     rows = [np.arange(bounds[s], bounds[s + 1]) for s in range(len(stages))]
     start = time.perf_counter()
-    policy_s = env_wait_s = 0.0
+    policy_s = env_s = env_wait_s = 0.0
     obs = [env.reset(state_ids[r]) for env, r in zip(stages, rows)]
     instructions = [text for o in obs for text in o["instruction"]]
     recs: list[list[dict]] = [[] for _ in stages]  # per stage, per chunk step
@@ -84,10 +93,11 @@ def rollout(stages: Sequence[Any], policy: Callable[[dict, np.ndarray, int], dic
     env_steps = 0
 
     def finish(s: int, stepped) -> None:
-        nonlocal env_wait_s, env_steps
+        nonlocal env_s, env_wait_s, env_steps
         t0 = time.perf_counter()
-        res = _wait(stages[s], stepped)
+        res, seconds = _wait(stages[s], stepped)
         env_wait_s += time.perf_counter() - t0
+        env_s += seconds
         rec = recs[s][-1]
         prev = rec["prev_done"]  # (b,) done before this chunk
         now = res.terminated | res.truncated  # (b, C)
@@ -122,7 +132,7 @@ def rollout(stages: Sequence[Any], policy: Callable[[dict, np.ndarray, int], dic
     while in_flight:
         finish(*in_flight.popleft())
     return _assemble(state_ids, instructions, recs, rows, {
-        "policy_s": policy_s, "env_wait_s": env_wait_s, "env_steps": env_steps,
+        "policy_s": policy_s, "env_s": env_s, "env_wait_s": env_wait_s, "env_steps": env_steps,
         "chunk_steps": max(len(r) for r in recs),
         "wall_s": time.perf_counter() - start})
 

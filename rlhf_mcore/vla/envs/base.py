@@ -13,7 +13,8 @@ state, whichever env slot or worker process runs it.
 
 A *batch env* (a class with `num_envs`, `spec`, `reset`, `chunk_step`, `close`) implements this in one process;
 :class:`rlhf_mcore.vla.envs.subproc.SubprocVectorEnv` runs batch envs in worker processes behind the same
-interface, plus `chunk_step_async` / `chunk_step_wait` (the rollout overlaps them with the policy).
+interface, plus `chunk_step_async` / `chunk_step_wait` (the rollout overlaps them with the policy) and
+`last_step_s` (the seconds the last chunk step took in the workers).
 :func:`step_chunk` runs a chunk from a per-step function with the rules above, for every env that has one.
 """
 from __future__ import annotations

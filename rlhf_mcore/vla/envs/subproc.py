@@ -72,6 +72,7 @@ class SubprocVectorEnv:
         self._instructions: list[str] = [""] * num_envs
         self._pending = False
         self._closed = False
+        self.last_step_s = 0.0  # seconds the slowest worker spent in the last chunk step (rollout's env_s)
         try:
             self._start(env_fn, sizes, start_timeout_s)
         except BaseException:
@@ -152,8 +153,9 @@ class SubprocVectorEnv:
         if not self._pending:
             raise RuntimeError("chunk_step_wait: no chunk step in flight")
         self._pending = False
-        parts = [self._recv(i) for i in range(self.num_workers)]  # (reward, terminated, truncated, info) each
+        parts = [self._recv(i) for i in range(self.num_workers)]  # (reward, terminated, truncated, info, s) each
         info = {k: np.concatenate([p[3][k] for p in parts]) for k in parts[0][3]}
+        self.last_step_s = max(p[4] for p in parts)  # the workers step in parallel: the slowest one's seconds
         return ChunkResult(self._obs(), *(np.concatenate([p[j] for p in parts]) for j in range(3)), info)
 
     def chunk_step(self, actions: Any) -> ChunkResult:

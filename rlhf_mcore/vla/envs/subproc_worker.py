@@ -2,14 +2,15 @@
 rlhf_mcore.vla.envs.subproc_worker FD PARENT_PID`, FD a socket to the parent. The protocol, in order: the parent's
 `sys.path`; `(env_fn, num_envs)`; this worker answers `("ok", (spec, bytes))` and sends the descriptor of its shared
 block (a memfd); then commands `("reset", state_ids)` -> `("ok", instructions)`, `("step", actions)` ->
-`("ok", (reward, terminated, truncated, info))`, `("close", None)`; a failure answers `("error", traceback)` and
-exits."""
+`("ok", (reward, terminated, truncated, info, seconds stepping))`, `("close", None)`; a failure answers
+`("error", traceback)` and exits."""
 from __future__ import annotations
 
 import mmap
 import os
 import socket
 import sys
+import time
 import traceback
 
 
@@ -50,9 +51,10 @@ def main(fd: int, parent: int) -> None:
                 obs = env.reset(arg)
                 reply = obs["instruction"]
             elif cmd == "step":
+                start = time.perf_counter()
                 res = env.chunk_step(arg)
                 obs = res.obs
-                reply = (res.reward, res.terminated, res.truncated, res.info)
+                reply = (res.reward, res.terminated, res.truncated, res.info, time.perf_counter() - start)
             else:
                 raise ValueError(f"unknown command {cmd!r}")
             views["image"][...] = obs["image"]
