@@ -129,9 +129,17 @@ def test_close_ends_the_workers():
     assert [p.returncode for p in env._procs] == [0, 0]
 
 
-def test_worker_errors_reach_the_parent():
+def test_worker_errors_reach_the_parent(tmp_path):
+    """An env that fails in its worker raises there with its traceback; a step past step_timeout_s raises and
+    kills the hung worker."""
     with pytest.raises(RuntimeError, match="(?s)env worker 0 failed.*ReachPush: tasks"):
         SubprocVectorEnv(functools.partial(ReachPush, tasks=("juggle",)), 1, 1)
+    env = SubprocVectorEnv(functools.partial(GatedReachPush, gate_dir=str(tmp_path), name="never", timeout_s=60), 1,
+                           1, step_timeout_s=0.5)
+    env.reset([0])
+    with pytest.raises(RuntimeError, match="did not answer within step_timeout_s=0.5"):
+        env.chunk_step(np.zeros((1, 1, 2)))
+    assert env._procs[0].returncode is not None
 
 
 PARENT = """

@@ -16,9 +16,10 @@ slice's images and states and hands the descriptor to the parent over the socket
 anywhere and nothing can leak, whoever dies; rewards, flags and instructions (small) go over the socket, pickled.
 
 Lifetime: a worker arms the parent-death signal first thing (:func:`rlhf_mcore.lifetime.die_with_parent`), so a
-SIGKILLed parent takes its workers along; a worker also exits when its socket closes. :meth:`close` asks the
-workers to exit, waits, and kills the ones that do not. A worker's exception is re-raised in the parent as a
-`RuntimeError` with the worker's traceback, and the env closes.
+SIGKILLed parent takes its workers along; a worker also exits when its socket closes. The signal fires when the
+*thread* that started the worker exits: build the env from the main thread (or one that outlives it). :meth:`close`
+asks the workers to exit, waits, and kills the ones that do not. A worker's exception is re-raised in the parent as
+a `RuntimeError` with the worker's traceback, and the env closes; so does an answer slower than `step_timeout_s`.
 """
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ class SubprocVectorEnv:
     """`num_envs` envs in `num_workers` processes behind the chunk interface (module docstring)."""
 
     def __init__(self, env_fn: Callable[..., Any], num_envs: int, num_workers: int = 2, *,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, step_timeout_s: float | None = None):
+        """`step_timeout_s`: a reset or chunk step whose answer takes longer raises (and closes the env); None
+        waits for ever."""
         if not (1 <= num_workers <= num_envs):
             raise ValueError(f"SubprocVectorEnv: num_workers={num_workers} must be in [1, num_envs={num_envs}]")
-        self.num_envs, self.num_workers = num_envs, num_workers
+        self.num_envs, self.num_workers, self.step_timeout_s = num_envs, num_workers, step_timeout_s
         sizes = [num_envs // num_workers + (i < num_envs % num_workers) for i in range(num_workers)]
         self._bounds = np.cumsum([0] + sizes)
         self._conns: list[Connection] = []
@@ -101,7 +104,7 @@ class SubprocVectorEnv:
         for i, conn in enumerate(self._conns):
             if not conn.poll(timeout_s):
                 raise RuntimeError(f"env worker {i} (pid {self._procs[i].pid}) did not start within {timeout_s:.0f} s")
-            spec, size = self._recv(i)
+            spec, size = self._recv(i, timeout_s=None)
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                 fd = socket.recv_fds(sock, 1, 1)[1][0]
             self._maps.append(mmap.mmap(fd, size))
@@ -112,7 +115,12 @@ class SubprocVectorEnv:
             raise RuntimeError(f"env workers disagree on the env spec: {specs}")
         self.spec: EnvSpec = specs[0]
 
-    def _recv(self, i: int):
+    def _recv(self, i: int, timeout_s: float | None = -1.0):
+        timeout_s = self.step_timeout_s if timeout_s == -1.0 else timeout_s
+        if timeout_s is not None and not self._conns[i].poll(timeout_s):
+            pid = self._procs[i].pid
+            self.close(timeout_s=0.0)
+            raise RuntimeError(f"env worker {i} (pid {pid}) did not answer within step_timeout_s={timeout_s}")
         try:
             kind, payload = self._conns[i].recv()
         except EOFError:
@@ -194,4 +202,7 @@ class SubprocVectorEnv:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # at interpreter exit; the workers die with this process anyway
+                pass
