@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # The packages below the trainer: they never import `rlhf_mcore.trainer` or the launchers.
-COMPONENTS = ("data", "parallel", "algos", "rewards", "models", "engine", "rollout", "sync", "agents")
+COMPONENTS = ("data", "parallel", "algos", "rewards", "models", "engine", "rollout", "sync", "agents", "vla")
 
 
 @dataclass(frozen=True)
