@@ -20,7 +20,7 @@ import torch
 from rlhf_mcore.models.hf_config import ModelShape
 from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, model_weight_files
-from rlhf_mcore.models.weight_map import read_shard, rule_for_param
+from rlhf_mcore.models.weight_map import chunk_param_rule, read_shard, rule_shape
 
 __all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "layer_numbers", "load_hf_weights", "unwrap_model"]
 
@@ -139,10 +139,10 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
             layers = layer_numbers(chunk)
             first_expert = expert_offset(shape, getattr(state, "ep_rank", 0), getattr(state.dims, "ep", 1))
             for name, param in chunk.named_parameters():
-                rule = rule_for_param(name, layers, shape, role, first_expert)
+                rule = chunk_param_rule(chunk, name, layers, shape, role, first_expert)
                 if rule.optional and not all(n in ckpt for n in rule.hf_names):
                     continue
-                shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, shape, param.dtype)
+                shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, rule_shape(rule, shape), param.dtype)
                 if shard.shape != param.shape:
                     raise ValueError(f"{name}: assembled {tuple(shard.shape)} from {rule.hf_names} but the "
                                      f"parameter is {tuple(param.shape)}; does config.json match the weights?")

@@ -1,0 +1,218 @@
+"""The vision-language policy (rlhf_mcore/models/vision/) against transformers' LlavaForConditionalGeneration, fp32.
+
+A tiny LLaVA (SigLIP tower of 3 layers with its pooling head, features from layer -2, a 2-layer Qwen2, the locally
+trained tokenizer with `<image>`) is built by `make_tiny_llava`. One 2-process launch (tests/scripts/vision_check.py)
+runs the Megatron side at TP=1 (two data-parallel replicas), TP=2 and PP=2; pytest runs transformers here on the
+same directory and compares:
+- logits of a batch with images as a prefix and in the middle of a row, and of the documents packed as THD, 1e-5;
+- the export: every checkpoint tensor bitwise, names included (the tensors no parameter holds carried through), and
+  a saved directory that transformers loads to the same logits bitwise;
+- gradients of every parameter of sum(logits * w), end to end and with `freeze_vision` (tower frozen, projector and
+  text model train), 1e-5;
+- where the tower lives at PP=2 (the first stage only);
+and in-process, the config errors (the key, the value, what is supported).
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import CPU, run
+
+pytestmark = pytest.mark.cost(30)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "scripts" / "vision_check.py"
+ATOL = 1e-5
+SEQ = 28
+LAYOUTS = [dict(name="1x1", tp=1, pp=1, extras=["grads", "save_hf"]),
+           dict(name="2x1", tp=2, pp=1, extras=["grads"]),
+           dict(name="1x2", tp=1, pp=2)]
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    from rlhf_mcore.models.vision.tiny import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny_llava"))
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def batch(hf):
+    """Row 0: image tokens first (a policy's prompt); row 1: text, the image, text. Two packed documents, each an
+    image prefix and text. `weights` (B, S, V) of the gradient checks' loss."""
+    cfg = hf.config
+    n = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2
+    size = cfg.vision_config.image_size
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 900, (2, SEQ), generator=g)
+    ids[0, :n] = cfg.image_token_id
+    ids[1, 5:5 + n] = cfg.image_token_id
+    docs = [torch.cat([torch.full((n,), cfg.image_token_id), torch.randint(1, 900, (k,), generator=g)])
+            for k in (6, 11)]
+    return {"ids": ids, "pixel_values": torch.randn(2, 3, size, size, generator=g), "docs": docs,
+            "doc_images": list(torch.randn(2, 3, size, size, generator=g)),
+            "weights": torch.randn(2, SEQ, cfg.text_config.vocab_size, generator=g)}
+
+
+@pytest.fixture(scope="module")
+def worker(llava_dir, batch, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vision_worker")
+    torch.save(batch, out / "batch.pt")
+    spec = {"model": str(llava_dir), "batch": str(out / "batch.pt"), "layouts": LAYOUTS}
+    (out / "spec.json").write_text(json.dumps(spec))
+    run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=2, timeout=600,
+        env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
+    return json.loads((out / "results.json").read_text()), out
+
+
+def hf_logits(hf, ids, pixel_values):
+    with torch.no_grad():
+        return hf(input_ids=ids, pixel_values=pixel_values).logits
+
+
+@pytest.mark.parametrize("layout", [lay["name"] for lay in LAYOUTS])
+def test_logits_match_transformers(worker, hf, batch, layout):
+    """Mutations tried: image features scattered in (S, B) order instead of row by row (row 1's image lands in row
+    0: fails here), the tower's `ln_post` kept as a LayerNorm (fails), causal attention in the tower (fails)."""
+    saved = torch.load(worker[1] / f"{layout}.pt")
+    ref = hf_logits(hf, batch["ids"], batch["pixel_values"])
+    err = (saved["logits"] - ref).abs().max().item()
+    assert err < ATOL, f"{layout}: max |Megatron - transformers| = {err:.3g}"
+    if "packed" in saved:  # each document alone through transformers
+        cu = saved["cu"].tolist()
+        for doc, image, a, b in zip(batch["docs"], batch["doc_images"], cu[:-1], cu[1:]):
+            want = hf_logits(hf, doc[None], image[None])[0]
+            err = (saved["packed"][a:b] - want).abs().max().item()
+            assert err < ATOL, f"{layout} packed: max |Megatron - transformers| = {err:.3g}"
+
+
+def test_images_change_the_logits(hf, batch):
+    """The comparison above is not blind to the images: another image changes transformers' logits at and after the
+    image tokens of that row."""
+    other = batch["pixel_values"].clone()
+    other[1] += 0.5
+    diff = (hf_logits(hf, batch["ids"], other) - hf_logits(hf, batch["ids"], batch["pixel_values"])).abs()
+    assert diff[0].max() == 0 and diff[1, 5:].max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", [lay["name"] for lay in LAYOUTS])
+def test_hf_megatron_hf_roundtrip_is_bitwise(worker, layout):
+    assert worker[0][layout]["roundtrip"] == []
+
+
+def test_vision_tower_on_the_first_stage_only(worker):
+    assert sorted(map(tuple, worker[0]["1x2"]["vision_on_stage"])) == [(0, True), (1, False)]
+    assert all(held for _, held in worker[0]["2x1"]["vision_on_stage"])
+
+
+def test_saved_directory_loads_with_transformers(worker, hf, batch, llava_dir):
+    from transformers import LlavaForConditionalGeneration
+
+    saved = worker[1] / "1x1_hf"
+    assert json.loads((saved / "config.json").read_text())["architectures"] == ["LlavaForConditionalGeneration"]
+    assert (saved / "processor_config.json").is_file() and (saved / "tokenizer.json").is_file()
+    loaded = LlavaForConditionalGeneration.from_pretrained(saved, dtype=torch.float32).eval()
+    assert torch.equal(hf_logits(loaded, batch["ids"], batch["pixel_values"]),
+                       hf_logits(hf, batch["ids"], batch["pixel_values"]))
+
+
+@pytest.fixture(scope="module")
+def hf_grads(hf, batch, llava_dir):
+    """transformers' gradients of sum(logits * w), by checkpoint tensor name (None: not reached by the loss)."""
+    from rlhf_mcore.models.vision.weights import LlavaNames
+
+    names = LlavaNames.detect(llava_dir)
+    hf.zero_grad(set_to_none=True)
+    logits = hf(input_ids=batch["ids"], pixel_values=batch["pixel_values"]).logits
+    (logits * batch["weights"]).sum().backward()
+    prefixes = [("model.language_model.", names.text), ("model.vision_tower.", names.tower),
+                ("model.multi_modal_projector.", names.projector)]
+    out = {}
+    for name, p in hf.named_parameters():
+        for runtime, saved in prefixes:
+            if name.startswith(runtime):
+                out[saved + name[len(runtime):]] = None if p.grad is None else p.grad.clone()
+    hf.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["1x1", "2x1"])
+def test_gradients_match_transformers(worker, hf_grads, layout):
+    """End to end, every parameter's gradient is transformers' (the tower's too); with freeze_vision the tower has
+    none and the projector's and text model's are unchanged. Tolerance: 1e-5 of the tensor's largest gradient, at
+    least of 1% of the model's (the tower's key bias has a zero gradient in exact arithmetic, softmax ignoring a
+    per-query constant: it carries rounding noise only, ~1e-7 of the model's largest). Mutations tried:
+    freeze_vision a no-op (fails), the projector's fc1 bias read as "replicated" at TP=2 (fails)."""
+    saved = torch.load(worker[1] / f"{layout}.pt")
+    scale = max(g.abs().max().item() for g in hf_grads.values() if g is not None)
+    for key in ("grads", "grads_frozen"):
+        got = saved[key]
+        assert got, key
+        for name, grad in got.items():
+            want = hf_grads[name]
+            if key == "grads_frozen" and ".vision_tower." in f".{name}":
+                assert grad is None, f"{layout} {name}: the frozen tower has a gradient"
+                continue
+            assert grad is not None and want is not None, f"{layout} {key} {name}"
+            err = (grad - want).abs().max().item()
+            tol = ATOL * max(want.abs().max().item(), 0.01 * scale)
+            assert err < tol, f"{layout} {key} {name}: {err:.3g} (tolerance {tol:.3g})"
+        # what no parameter holds (the tower's last layer, post_layernorm, head) gets no gradient in transformers
+        for name in set(hf_grads) - set(got):
+            assert hf_grads[name] is None or not hf_grads[name].any(), name
+    assert any(".vision_tower." in f".{n}" for n in saved["grads"]), "the tower's gradients were not compared"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config errors (in-process, no model built)
+
+
+def _llava_config(llava_dir, **changes):
+    cfg = json.loads((Path(llava_dir) / "config.json").read_text())
+    for key, value in changes.items():
+        section, _, field = key.rpartition(".")
+        (cfg[section] if section else cfg)[field] = value
+    return cfg
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"vision_config.model_type": "clip_vision_model"}, "vision_config.model_type='clip_vision_model'"),
+    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer=[-2, -1]"),
+    ({"vision_feature_layer": -4}, "select at least one"),
+    ({"vision_feature_select_strategy": "default"}, "vision_feature_select_strategy='default'"),
+    ({"projector_hidden_act": "relu"}, "projector_hidden_act='relu'"),
+    ({"text_config.model_type": "mistral"}, "text_config.model_type='mistral'"),
+])
+def test_unsupported_llava_configs_fail_with_the_key(llava_dir, changes, message):
+    from rlhf_mcore.models import ModelShape, UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ModelShape.from_config_dict(_llava_config(llava_dir, **changes))
+
+
+def test_shape_and_layout_checks(llava_dir):
+    from dataclasses import replace
+
+    from rlhf_mcore.models import ModelShape
+    from rlhf_mcore.models.hf_config import validate_parallel_layout
+    from rlhf_mcore.models.pipeline_layout import PipelineLayoutError
+
+    shape = ModelShape.from_hf_dir(llava_dir)
+    assert shape.family == "qwen2" and shape.vision.used_layers == 2 and shape.vision.tokens_per_image == 16
+    with pytest.raises(PipelineLayoutError, match="vision_config.num_attention_heads=4"):
+        validate_parallel_layout(replace(shape, num_attention_heads=8, num_kv_heads=8), 8, 1, None)
+
+
+def test_build_model_refuses_other_roles(llava_dir):
+    from rlhf_mcore.models import build_model
+
+    with pytest.raises(ValueError, match="role='critic'"):
+        build_model(llava_dir, None, role="critic")
