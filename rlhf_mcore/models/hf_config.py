@@ -159,10 +159,10 @@ class ModelShape:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch == LLAVA_ARCHITECTURE:  # the text model's shape, with the tower and the projector beside it
-            text = cls.from_config_dict(text_config_dict(cfg))
+            text = cls.from_config_dict(text_config_dict(cfg, UnsupportedModelError))
             if text.is_moe:
                 raise UnsupportedModelError("a LLaVA model with a mixture-of-experts text model is not supported.")
-            return replace(text, architecture=arch, vision=VisionShape.from_llava_config(cfg))
+            return replace(text, architecture=arch, vision=VisionShape.from_llava_config(cfg, UnsupportedModelError))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {arch!r} (config.json 'architectures') is not supported; supported: "

@@ -33,12 +33,11 @@ from rlhf_mcore.models.hf_config import (
     SEQUENCE_CLASSIFICATION_ARCHITECTURE,
     TOKEN_CLASSIFICATION_ARCHITECTURE,
 )
-from rlhf_mcore.models.hf_loader import INDEX_FILE, layer_numbers, unwrap_model
+from rlhf_mcore.models.hf_loader import INDEX_FILE, chunk_param_rule, layer_numbers, unwrap_model
 from rlhf_mcore.models.lora import merged_weight
 from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.weight_map import (
     WeightRule,
-    chunk_param_rule,
     full_shape,
     join_tp_shards,
     rule_shape,

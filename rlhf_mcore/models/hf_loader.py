@@ -20,9 +20,10 @@ import torch
 from rlhf_mcore.models.hf_config import ModelShape
 from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, model_weight_files
-from rlhf_mcore.models.weight_map import chunk_param_rule, read_shard, rule_shape
+from rlhf_mcore.models.weight_map import WeightRule, read_shard, rule_for_param, rule_shape
 
-__all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "layer_numbers", "load_hf_weights", "unwrap_model"]
+__all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "chunk_param_rule", "layer_numbers", "load_hf_weights",
+           "unwrap_model"]
 
 
 @dataclass
@@ -121,6 +122,20 @@ def layer_numbers(chunk) -> dict:
     if ids is None:
         ids = [layer.layer_number - 1 for layer in chunk.decoder.layers]
     return dict(enumerate(ids))
+
+
+def chunk_param_rule(chunk, name: str, layers: dict, shape: ModelShape, role: str, expert_offset: int = 0
+                     ) -> WeightRule:
+    """`rule_for_param` for a parameter of `chunk`; a LLaVA chunk's (`hf_layout` set) text rules carry the
+    checkpoint's text prefix, and its tower and projector have rules of their own (`vision.weights`)."""
+    names = getattr(chunk, "hf_layout", None)
+    if names is None:
+        return rule_for_param(name, layers, shape, role, expert_offset)
+    from rlhf_mcore.models.vision.weights import text_rule, vision_rule
+
+    if name.startswith(("vision_model.", "vision_projection.")):
+        return vision_rule(name, names)
+    return text_rule(rule_for_param(name, layers, shape, role, expert_offset), names)
 
 
 def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = None) -> ReadLog:

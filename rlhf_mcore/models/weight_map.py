@@ -146,20 +146,6 @@ def rule_for_param(name: str, layer_numbers: dict, shape: ModelShape, role: str,
     raise ValueError(f"no HF mapping for Megatron parameter {name!r}")
 
 
-def chunk_param_rule(chunk, name: str, layer_numbers: dict, shape: ModelShape, role: str, expert_offset: int = 0
-                     ) -> WeightRule:
-    """`rule_for_param` for a parameter of `chunk`; a LLaVA chunk's (`hf_layout` set) text rules carry the
-    checkpoint's text prefix, and its tower and projector have rules of their own (`vision.weights`)."""
-    names = getattr(chunk, "hf_layout", None)
-    if names is None:
-        return rule_for_param(name, layer_numbers, shape, role, expert_offset)
-    from rlhf_mcore.models.vision.weights import text_rule, vision_rule
-
-    if name.startswith(("vision_model.", "vision_projection.")):
-        return vision_rule(name, names)
-    return text_rule(rule_for_param(name, layer_numbers, shape, role, expert_offset), names)
-
-
 def rule_shape(rule: WeightRule, shape: ModelShape):
     """The shape whose layout `rule` follows: the vision tower's (`shape.vision`) for its rules, else `shape`."""
     if rule.key.startswith(("vision.", "projector.")):

@@ -83,8 +83,8 @@ def roundtrip(chunks, state, hf_dir):
 
 def hf_named_grads(chunk, state):
     """{checkpoint tensor name: gradient (TP-gathered) or None} for every parameter of a PP=1 chunk."""
-    from rlhf_mcore.models.hf_loader import layer_numbers
-    from rlhf_mcore.models.weight_map import chunk_param_rule, join_tp_shards, rule_shape, split_to_hf
+    from rlhf_mcore.models.hf_loader import chunk_param_rule, layer_numbers
+    from rlhf_mcore.models.weight_map import join_tp_shards, rule_shape, split_to_hf
 
     out = {}
     layers = layer_numbers(chunk)

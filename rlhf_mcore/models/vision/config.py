@@ -26,12 +26,6 @@ VISION_MODEL_TYPES = ("siglip_vision_model",)
 GELU_APPROXIMATE = {"gelu": "none", "gelu_pytorch_tanh": "tanh"}
 
 
-def _unsupported(message: str):
-    from rlhf_mcore.models.hf_config import UnsupportedModelError
-
-    return UnsupportedModelError(message)
-
-
 @dataclass(frozen=True)
 class VisionShape:
     """The SigLIP tower, the projector and LLaVA's glue, as read from a LLaVA config.json.
@@ -76,7 +70,10 @@ class VisionShape:
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod
-    def from_llava_config(cls, cfg: dict) -> "VisionShape":
+    def from_llava_config(cls, cfg: dict, error=ValueError) -> "VisionShape":
+        """Parsed from a LLaVA config dict; an unsupported setting raises `error` (hf_config passes its
+        UnsupportedModelError) naming the key and the value."""
+        _unsupported = error
         vision = cfg.get("vision_config") or {}
         vtype = vision.get("model_type")
         if vtype not in VISION_MODEL_TYPES:
@@ -122,8 +119,9 @@ class VisionShape:
             projector_bias=bool(cfg.get("multimodal_projector_bias", True)), image_token_id=int(token))
 
 
-def text_config_dict(cfg: dict) -> dict:
+def text_config_dict(cfg: dict, error=ValueError) -> dict:
     """The LLaVA config's text model as a causal-LM config dict that `ModelShape.from_config_dict` parses."""
+    _unsupported = error
     text = dict(cfg.get("text_config") or {})
     mtype = text.get("model_type")
     if mtype not in TEXT_MODEL_TYPES:
