@@ -7,7 +7,9 @@ the HF directory and
   TP-gathered logits; at PP=1 also the documents packed as THD, and at PP=2 through Megatron's pipeline schedule;
 - ("grads") the gradients of sum(logits * w) of every parameter, TP-gathered and named as the checkpoint's
   tensors, end to end and with `freeze_vision`;
-- ("save_hf") writes an HF directory with `save_hf_checkpoint`.
+- ("save_hf") writes an HF directory with `save_hf_checkpoint`;
+- ("decode") the colocated rollout (`vision.decode.decode`): greedy and sampled tokens restricted to the last ids
+  after left-padded prompts with images, and their log-probs.
 pytest compares the logits and gradients with transformers run on the same model.
 
 Usage: torchrun --nproc_per_node=2 tests/scripts/vision_check.py --spec SPEC.json --out DIR
@@ -148,6 +150,14 @@ def run_layout(layout, spec, out: Path, results: dict):
     extras = layout.get("extras", [])
     if "save_hf" in extras:
         save_hf_checkpoint(chunks, state, out / f"{name}_hf", hf_dir)
+    if "decode" in extras:
+        from rlhf_mcore.models.vision.decode import decode
+
+        d = batch["decode"]
+        kw = dict(new_tokens=d["new_tokens"], token_range=tuple(d["token_range"]), prompt_mask=d["prompt_mask"])
+        saved["greedy"] = decode(chunks, state, d["ids"], d["pixel_values"], temperature=0.0, **kw)
+        saved["sampled"] = decode(chunks, state, d["ids"], d["pixel_values"], temperature=d["temperature"],
+                                  generator=torch.Generator().manual_seed(7), **kw)
     del chunks
     if "grads" in extras:
         saved["grads"] = grads(state, hf_dir, ids, pix, batch["weights"], freeze=False)

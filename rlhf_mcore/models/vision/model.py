@@ -12,7 +12,8 @@ Both shard over the language model's TP group (column-parallel QKV / fc1 / linea
 linear_2, as a text layer); they are not pipelined: the tower is small next to the text model, and the stage that
 embeds the prompt needs its output.
 
-Forward: `chunk(input_ids (B, S), position_ids, attention_mask, pixel_values=(N, C, H, W), ...)`. Every position of
+Forward: `chunk(input_ids (B, S), position_ids, attention_mask, pixel_values=(N, C, H, W), ...)` (or
+`image_features=` the first stage's `image_embeddings(pixel_values)`, computed once). Every position of
 `input_ids` holding `image_token_id` receives one image feature: the N images' `tokens_per_image` features each, in
 the order the positions appear row by row (HF LLaVA's `masked_scatter`). A policy's prompt puts its image tokens
 first (images as prefix embeddings); anywhere else works the same. Without `pixel_values` (or on a later stage) the
@@ -118,11 +119,12 @@ class VisionLanguageModel(GPTModel):
         features = self.vision_model(pixel_values.to(device=conv.device, dtype=conv.dtype))  # (N, P, H_vision)
         return self.vision_projection(features)  # (N, P, H_text)
 
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor
-              ) -> torch.Tensor:
-        """The decoder's input (S, B, H): token embeddings with the image features at the image-token positions."""
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,
+              image_features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The decoder's input (S, B, H): token embeddings with the image features at the image-token positions.
+        `image_features` (N, P, H): `image_embeddings(pixel_values)` computed before (a decode loop reuses them)."""
         text = self.embedding(input_ids=input_ids, position_ids=position_ids)  # (S, B, H)
-        images = self.image_embeddings(pixel_values)  # (N, P, H)
+        images = self.image_embeddings(pixel_values) if image_features is None else image_features  # (N, P, H)
         where = (input_ids == self.vision.image_token_id).nonzero()  # (N * P, 2) as (b, s), row by row
         if where.size(0) != images.size(0) * images.size(1):
             raise ValueError(f"{where.size(0)} image tokens (id {self.vision.image_token_id}) in input_ids but "
@@ -131,9 +133,10 @@ class VisionLanguageModel(GPTModel):
         return text.index_put((where[:, 1], where[:, 0]), images.reshape(-1, images.size(-1)).to(text.dtype))
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
-                pixel_values: Optional[torch.Tensor] = None, **kwargs):
-        if pixel_values is not None and self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, position_ids, pixel_values)
+                pixel_values: Optional[torch.Tensor] = None, image_features: Optional[torch.Tensor] = None,
+                **kwargs):
+        if (pixel_values is not None or image_features is not None) and self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, position_ids, pixel_values, image_features)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 
