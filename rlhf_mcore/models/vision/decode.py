@@ -8,10 +8,10 @@ tower at any TP/PP, need no weight sync, and give log-probs that are the trainer
 token through Megatron's pipeline schedule (no KV cache: every step re-reads the whole row; the tower runs once, its
 projected features are reused), samples each token from the last position's logits restricted to ids
 `lo <= id < hi` (an action vocabulary on the last K ids; None: the whole vocabulary) at `temperature` (0: greedy),
-and returns the tokens (B, n) and their log-probabilities under that restricted, tempered distribution (B, n) —
-the trainer must score actions the same way. A collective over the replica's TP x PP ranks (every rank passes the
-same rows and a generator in the same state); rows may be left-padded (`prompt_mask` False on the padding).
-Virtual pipeline stages are refused.
+and returns the tokens (B, n) and their log-probabilities under that restricted, tempered distribution (B, n;
+greedy: untempered) — the trainer must score actions the same way. A collective over the replica's TP x PP ranks
+(every rank passes the same rows and a generator in the same state); rows may be left-padded (`prompt_mask` False on
+the padding). Virtual pipeline stages are refused.
 """
 from __future__ import annotations
 
