@@ -290,3 +290,24 @@ def test_text_trainer_refuses_a_llava_policy(llava_dir):
     cfg = load_config(None, [f"actor_rollout_ref.model.path={llava_dir}"])
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.* is a LlavaForConditionalGeneration"):
         validate_config(cfg, 1)
+
+
+@pytest.mark.parametrize("layout,want", [
+    ("transformers4", ("language_model.model.", "language_model.lm_head.weight", "vision_tower.vision_model.",
+                       "multi_modal_projector.")),
+    ("in_memory", ("model.language_model.", "lm_head.weight", "model.vision_tower.", "model.multi_modal_projector.")),
+])
+def test_llava_names_are_read_from_the_checkpoint(tmp_path, layout, want):
+    """Hub checkpoints written by transformers 4 and the in-memory names of transformers 5 (the tiny model above has
+    transformers 5's saved names): the prefixes come from the checkpoint's index, and text names move under them."""
+    from rlhf_mcore.models.vision.weights import LlavaNames
+
+    text, head, tower, projector = want
+    names = [f"{text}embed_tokens.weight", f"{text}layers.0.self_attn.q_proj.weight", head,
+             f"{tower}embeddings.patch_embedding.weight", f"{tower}post_layernorm.weight",
+             f"{projector}linear_1.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "x")}))
+    got = LlavaNames.detect(tmp_path)
+    assert (got.text, got.lm_head, got.tower, got.projector) == want
+    assert got.text_name("model.layers.0.self_attn.q_proj.weight") == names[1]
+    assert got.text_name("lm_head.weight") == head
