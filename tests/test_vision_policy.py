@@ -108,6 +108,24 @@ def test_logits_match_transformers(worker, hf, batch, layout):
             assert err < ATOL, f"{layout} packed: max |Megatron - transformers| = {err:.3g}"
 
 
+def test_the_processor_makes_what_the_model_reads(llava_dir):
+    """The tiny directory's LlavaProcessor expands `<image>` into tokens_per_image image tokens before the
+    instruction and makes (1, 3, 16, 16) pixel values: a policy prompt in the layout the comparisons above use."""
+    import numpy as np
+    from transformers import AutoProcessor
+
+    from rlhf_mcore.models import ModelShape
+
+    vision = ModelShape.from_hf_dir(llava_dir).vision
+    image = (np.random.default_rng(0).random((16, 16, 3)) * 255).astype(np.uint8)
+    out = AutoProcessor.from_pretrained(llava_dir)(images=image, text="<image>Push the red block left.",
+                                                    return_tensors="pt")
+    ids = out["input_ids"][0]
+    assert ids[:vision.tokens_per_image].eq(vision.image_token_id).all()
+    assert ids.eq(vision.image_token_id).sum() == vision.tokens_per_image == 16
+    assert out["pixel_values"].shape == (1, 3, 16, 16)
+
+
 def test_images_change_the_logits(hf, batch):
     """The comparison above is not blind to the images: another image changes transformers' logits at and after the
     image tokens of that row."""
