@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from rlhf_mcore.config.algorithm import FILTER_METRICS
 from rlhf_mcore.config.checks import check_sections, value_at, value_error
 from rlhf_mcore.config.errors import ConfigError
-from rlhf_mcore.config.hf import model_num_layers
+from rlhf_mcore.config.hf import model_architecture, model_num_layers
 from rlhf_mcore.config.plugins import load_plugins
 from rlhf_mcore.config.trainer import AsyncTrainingConfig
 
@@ -95,6 +95,17 @@ def check_relations(cfg: RLConfig) -> None:
     _check_multi_turn(cfg, need)
     _check_fp8(cfg, need)
     _check_lora(cfg, need)
+
+
+def _check_vision(cfg: RLConfig) -> None:
+    """A vision-language model (LLaVA) as a text trainer's policy: refused until the VLA trainer feeds it images."""
+    for key in ("actor_rollout_ref.model.path", "critic.model.path"):
+        path = value_at(cfg, key)
+        arch = model_architecture(path) if path else None
+        require(arch != "LlavaForConditionalGeneration",
+                f"{key}={path} is a {arch} (a vision-language policy): this trainer feeds it no images and its rollout "
+                "engines run text models. The VLA trainer (issue 37) is in progress: rlhf_mcore.models.vision builds "
+                "the model and rlhf_mcore.models.vision.decode rolls it out; point this trainer at a text model.")
 
 
 def _check_fp8(cfg: RLConfig, need) -> None:
@@ -414,6 +425,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
         require(pp > 1, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size needs "
                         "pipeline_model_parallel_size > 1.")
     if read_model:
+        _check_vision(cfg)
         _check_pipeline_split(cfg, pp, vpp)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)

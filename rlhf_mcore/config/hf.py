@@ -6,11 +6,29 @@ from pathlib import Path
 from typing import Optional
 
 
-def _read(model_path: str, key: str) -> Optional[int]:
+def _config(model_path: str) -> Optional[dict]:
     try:
-        return int(json.loads((Path(model_path) / "config.json").read_text())[key])
-    except (OSError, KeyError, ValueError, TypeError):
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
         return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _read(model_path: str, key: str) -> Optional[int]:
+    """`key` of the config, or of its `text_config` (a vision-language model's text model)."""
+    cfg = _config(model_path) or {}
+    if key not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    try:
+        return int(cfg[key])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def model_architecture(model_path: str) -> Optional[str]:
+    """The first of config.json's `architectures`, or None where it cannot be read."""
+    archs = (_config(model_path) or {}).get("architectures")
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
 
 
 def model_max_positions(model_path: str) -> Optional[int]:

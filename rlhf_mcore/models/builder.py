@@ -20,6 +20,10 @@ its decoder layers, from `pipeline_layout.chunk_layers`, checked against Megatro
 read them (through DDP-style wrappers too). When PP does not divide the layers and
 `num_layers_in_first/last_pipeline_stage` are not in `config_overrides`, a split is chosen
 (`pipeline_layout.choose_split`); rank 0 prints an uneven split once.
+
+A LLaVA directory (`LlavaForConditionalGeneration`, SigLIP tower) builds `vision.model.VisionLanguageModel` chunks:
+GPTModels whose first stage also holds the tower and the projector, called with `pixel_values=` (see there);
+`hf_layout` on each chunk names the checkpoint's tensor prefixes (`vision.weights.LlavaNames`).
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dtype] = None,
                 load_weights: bool = True, attention_backend: str = "auto", config_overrides: Optional[dict] = None,
-                vocab_divisor: int = 128, fused_kernels: Optional[bool] = None, lora=None, lora_seed: int = 0) -> list:
+                vocab_divisor: int = 128, fused_kernels: Optional[bool] = None, lora=None, lora_seed: int = 0,
+                freeze_vision: bool = False) -> list:
     """GPTModel chunks (one per virtual pipeline stage of this rank) for the HF model in `hf_dir`.
 
     role: "actor" / "ref" (language-model head, tied to the embedding when the checkpoint ties them),
@@ -58,6 +63,7 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     on the "sdpa" backend when triton is installed.
     lora: a `lora.LoraSpec` (None: no adapters): adapters on the base weights once loaded, everything else frozen
     (see `rlhf_mcore.models.lora.apply_lora`; `lora_seed` seeds their initialisation).
+    freeze_vision (LLaVA models): the vision tower gets no gradients (`vision.model.freeze_vision`).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -67,6 +73,14 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     if role not in ROLES:
         raise ValueError(f"role={role!r}; choose one of {ROLES}.")
     shape = ModelShape.from_hf_dir(hf_dir)
+    vision = shape.vision
+    if vision is not None and (role not in ("actor", "ref") or lora is not None):
+        raise ValueError(f"{shape.architecture} builds as a policy (role actor or ref) without LoRA; got role={role!r}"
+                         f"{', LoRA' if lora is not None else ''}: critics, reward models and adapters of "
+                         "vision-language models are not supported yet.")
+    if freeze_vision and vision is None:
+        raise ValueError(f"freeze_vision=True but {hf_dir} is a text model ({shape.architecture}): it has no vision "
+                         "tower to freeze; set it to false.")
     dtype = dtype or default_dtype(state.device)
     dims = state.dims
     on_cpu = state.device.type == "cpu"
@@ -88,6 +102,14 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
                          "or install Transformer Engine.")
     spec = layer_spec(shape, backend, fused_swiglu=bool(fused_kernels))
     install_packed_rope()
+    model_cls, extra = GPTModel, {}
+    if vision is not None:
+        from rlhf_mcore.models.vision.model import VisionLanguageModel
+        from rlhf_mcore.models.vision.weights import LlavaNames
+
+        model_cls = VisionLanguageModel
+        extra = dict(vision=vision, dtype=dtype, on_cpu=on_cpu, perform_initialization=not load_weights)
+        layout = LlavaNames.detect(hf_dir)
     n_virtual = dims.vpp or 1
     chunks = []
     for vp in range(n_virtual):
@@ -95,9 +117,11 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
         post = state.is_last_stage and vp == n_virtual - 1
         if shape.is_moe:  # dense and MoE layers: a block spec per (virtual) stage
             spec = moe_block_spec(config, backend, vp if dims.vpp else None, state.pp_rank)
-        model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre, post_process=post,
-                         pg_collection=state.pg_collection, vp_stage=vp if dims.vpp else None,
-                         **gpt_model_kwargs(shape, tp=dims.tp, role=role, vocab_divisor=vocab_divisor))
+        model = model_cls(config=config, transformer_layer_spec=spec, pre_process=pre, post_process=post,
+                          pg_collection=state.pg_collection, vp_stage=vp if dims.vpp else None,
+                          **gpt_model_kwargs(shape, tp=dims.tp, role=role, vocab_divisor=vocab_divisor), **extra)
+        if vision is not None:
+            model.hf_layout = layout
         install_rope(model, shape, state.device)
         if role in ("critic", "reward") and post:
             model.output_layer = ValueHead(shape.hidden_size, dtype=dtype, device=state.device, bias=role == "critic")
@@ -112,6 +136,10 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
         from rlhf_mcore.models.lora import apply_lora
 
         apply_lora(chunks, lora, state, seed=lora_seed)
+    if freeze_vision:
+        from rlhf_mcore.models.vision.model import freeze_vision as freeze
+
+        freeze(chunks)
     return chunks
 
 

@@ -10,6 +10,10 @@ Five families are supported, each with exactly the features Megatron's GPTModel 
   the attention of Qwen3 / Qwen2, and mixture-of-experts MLPs (softmax top-k routing, `norm_topk_prob`, dense layers
   from `mlp_only_layers` / `decoder_sparse_step`); see `rlhf_mcore.models.moe`.
 
+A LLaVA model (`LlavaForConditionalGeneration` with a SigLIP tower and one of the dense text models above) parses to
+its text model's shape with `vision` set (`rlhf_mcore.models.vision.config.VisionShape`): everything that reads the
+language model's shape keeps working, and `build_model` puts the tower and the projector in front of it.
+
 Everything else (another architecture, sliding-window attention, another RoPE scaling, biases where Megatron
 would put them elsewhere) fails here with a message naming the key and what is supported, before any model is
 built. The config is parsed from the raw JSON so both transformers 4 (`rope_theta` + `rope_scaling`) and
@@ -18,13 +22,14 @@ transformers 5 (`rope_parameters`) layouts work.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rlhf_mcore.models.moe import moe_config_kwargs, moe_shape_fields, validate_expert_layout
+from rlhf_mcore.models.vision.config import LLAVA_ARCHITECTURE, VisionShape, text_config_dict, validate_vision_layout
 
 # HF architecture name -> family. The token-classification names are what `save_hf_checkpoint` writes for a
 # critic (a width-1 `score` head), so a saved critic can be loaded again.
@@ -139,6 +144,7 @@ class ModelShape:
     norm_topk_prob: bool = False
     moe_layers: tuple = ()
     shared_expert_ffn_hidden_size: int = 0
+    vision: Optional[VisionShape] = None  # a LLaVA model's tower and projector (the fields above: its text model)
 
     @property
     def is_moe(self) -> bool:
@@ -152,11 +158,17 @@ class ModelShape:
     def from_config_dict(cls, cfg: dict) -> "ModelShape":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch == LLAVA_ARCHITECTURE:  # the text model's shape, with the tower and the projector beside it
+            text = cls.from_config_dict(text_config_dict(cfg, UnsupportedModelError))
+            if text.is_moe:
+                raise UnsupportedModelError("a LLaVA model with a mixture-of-experts text model is not supported.")
+            return replace(text, architecture=arch, vision=VisionShape.from_llava_config(cfg, UnsupportedModelError))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {arch!r} (config.json 'architectures') is not supported; supported: "
                 f"{sorted(CAUSAL_LM_ARCHITECTURE.values())} "
-                f"(and their *ForTokenClassification critics and *ForSequenceClassification reward models).")
+                f"(and their *ForTokenClassification critics and *ForSequenceClassification reward models), and "
+                f"{LLAVA_ARCHITECTURE} with a SigLIP vision tower.")
         family = SUPPORTED_ARCHITECTURES[arch]
 
         def need(key):
@@ -254,6 +266,8 @@ def validate_parallel_layout(shape: ModelShape, tp: int, pp: int, vpp: Optional[
         raise PipelineLayoutError(f"tensor parallel size {tp} must divide intermediate_size={shape.ffn_hidden_size}")
     if shape.is_moe or ep > 1:
         validate_expert_layout(shape, tp, ep)
+    if shape.vision is not None:
+        validate_vision_layout(shape.vision, tp)
     return resolve_split(shape.num_layers, pp, vpp, first, last)
 
 

@@ -33,10 +33,16 @@ from rlhf_mcore.models.hf_config import (
     SEQUENCE_CLASSIFICATION_ARCHITECTURE,
     TOKEN_CLASSIFICATION_ARCHITECTURE,
 )
-from rlhf_mcore.models.hf_loader import INDEX_FILE, layer_numbers, unwrap_model
+from rlhf_mcore.models.hf_loader import INDEX_FILE, chunk_param_rule, layer_numbers, unwrap_model
 from rlhf_mcore.models.lora import merged_weight
 from rlhf_mcore.models.moe import expert_offset
-from rlhf_mcore.models.weight_map import WeightRule, full_shape, join_tp_shards, rule_for_param, split_to_hf
+from rlhf_mcore.models.weight_map import (
+    WeightRule,
+    full_shape,
+    join_tp_shards,
+    rule_shape,
+    split_to_hf,
+)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
@@ -57,7 +63,7 @@ def _local_params(chunks, state) -> dict:
         for name, param in chunk.named_parameters():
             if ".lora." in name:  # LoRA adapters: folded into their base weight (lora.merged_weight)
                 continue
-            rule = rule_for_param(name, layers, chunk.hf_shape, chunk.model_role, first_expert)
+            rule = chunk_param_rule(chunk, name, layers, chunk.hf_shape, chunk.model_role, first_expert)
             out[rule.key] = (rule, param)
     return out
 
@@ -127,8 +133,30 @@ def export_hf_weights(model_chunks, state, *, dtype: Optional[torch.dtype] = Non
             if owner == state.pp_rank:
                 full = full.contiguous()
             dist.broadcast(full, src=pp_ranks[owner], group=state.pp_group)
-        for name, tensor in split_to_hf(full, rule, shape):
+        for name, tensor in split_to_hf(full, rule, rule_shape(rule, shape)):
             yield name, tensor if dtype is None else tensor.to(dtype)
+    if getattr(chunks[0], "hf_layout", None) is not None:  # a LLaVA tower's tensors that no parameter holds
+        for name, tensor in _passthrough_tensors(chunks[0]):
+            yield name, tensor.to(dtype or plan[0][4])  # in the parameters' dtype, as the rest
+
+
+def _passthrough_tensors(chunk) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source checkpoint's tensors that LLaVA's forward never reads (`vision.weights.passthrough_names`), as
+    they are there: no gradient reaches them, so they cannot have changed. None when the source directory holds no
+    weights (a Megatron checkpoint's `hf_meta/`): the export then lacks them (transformers initialises them afresh,
+    which changes no output)."""
+    from rlhf_mcore.models.hf_loader import SafetensorsCheckpoint
+    from rlhf_mcore.models.safetensors_check import model_weight_files
+    from rlhf_mcore.models.vision.weights import passthrough_names
+
+    if not model_weight_files(Path(chunk.hf_dir)):
+        return
+    ckpt = SafetensorsCheckpoint(chunk.hf_dir)
+    try:
+        for name in passthrough_names(chunk.hf_shape.vision, chunk.hf_layout, ckpt.weight_map):
+            yield name, ckpt.read(name, (slice(None),))
+    finally:
+        ckpt.close()
 
 
 def _hf_config_for_export(src_hf_dir, shape, role: str, dtype: torch.dtype) -> dict:
@@ -139,7 +167,7 @@ def _hf_config_for_export(src_hf_dir, shape, role: str, dtype: torch.dtype) -> d
         cfg["architectures"] = [heads[shape.family]]
         cfg["num_labels"] = 1
         cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
-    elif cfg.get("architectures", [None])[0] not in CAUSAL_LM_ARCHITECTURE.values():
+    elif shape.vision is None and cfg.get("architectures", [None])[0] not in CAUSAL_LM_ARCHITECTURE.values():
         cfg["architectures"] = [CAUSAL_LM_ARCHITECTURE[shape.family]]
     name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = name

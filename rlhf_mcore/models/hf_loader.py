@@ -20,9 +20,10 @@ import torch
 from rlhf_mcore.models.hf_config import ModelShape
 from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, model_weight_files
-from rlhf_mcore.models.weight_map import read_shard, rule_for_param
+from rlhf_mcore.models.weight_map import WeightRule, read_shard, rule_for_param, rule_shape
 
-__all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "layer_numbers", "load_hf_weights", "unwrap_model"]
+__all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "chunk_param_rule", "layer_numbers", "load_hf_weights",
+           "unwrap_model"]
 
 
 @dataclass
@@ -123,6 +124,20 @@ def layer_numbers(chunk) -> dict:
     return dict(enumerate(ids))
 
 
+def chunk_param_rule(chunk, name: str, layers: dict, shape: ModelShape, role: str, expert_offset: int = 0
+                     ) -> WeightRule:
+    """`rule_for_param` for a parameter of `chunk`; a LLaVA chunk's (`hf_layout` set) text rules carry the
+    checkpoint's text prefix, and its tower and projector have rules of their own (`vision.weights`)."""
+    names = getattr(chunk, "hf_layout", None)
+    if names is None:
+        return rule_for_param(name, layers, shape, role, expert_offset)
+    from rlhf_mcore.models.vision.weights import text_rule, vision_rule
+
+    if name.startswith(("vision_model.", "vision_projection.")):
+        return vision_rule(name, names)
+    return text_rule(rule_for_param(name, layers, shape, role, expert_offset), names)
+
+
 def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = None) -> ReadLog:
     """Fill every parameter of this rank's chunks from the HF checkpoint in `hf_dir`; returns the ReadLog.
 
@@ -139,10 +154,10 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
             layers = layer_numbers(chunk)
             first_expert = expert_offset(shape, getattr(state, "ep_rank", 0), getattr(state.dims, "ep", 1))
             for name, param in chunk.named_parameters():
-                rule = rule_for_param(name, layers, shape, role, first_expert)
+                rule = chunk_param_rule(chunk, name, layers, shape, role, first_expert)
                 if rule.optional and not all(n in ckpt for n in rule.hf_names):
                     continue
-                shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, shape, param.dtype)
+                shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, rule_shape(rule, shape), param.dtype)
                 if shard.shape != param.shape:
                     raise ValueError(f"{name}: assembled {tuple(shard.shape)} from {rule.hf_names} but the "
                                      f"parameter is {tuple(param.shape)}; does config.json match the weights?")

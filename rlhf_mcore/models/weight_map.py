@@ -78,10 +78,13 @@ class WeightRule:
     hf_names: tuple
     optional: bool = False  # may be absent from an HF checkpoint (the critic head: then it keeps its init)
     exported: bool = True  # False for the tied output layer: HF stores the embedding once
+    sort: tuple = ()  # an explicit `order` (a LLaVA tower's and projector's rules: before the text model's)
 
     @property
     def order(self) -> tuple:
         """Sort key giving HF's tensor order: embedding, layers in order (experts in order), final norm, head."""
+        if self.sort:
+            return self.sort
         if self.key == "embedding":
             return (0, 0, 0, 0)
         if self.key.startswith("layers."):
@@ -141,6 +144,13 @@ def rule_for_param(name: str, layer_numbers: dict, shape: ModelShape, role: str,
         return WeightRule(f"layers.{g}.{template.format(e=e)}", kind,
                           tuple(f"model.layers.{g}.{s.format(e=e)}" for s in hf_suffixes))
     raise ValueError(f"no HF mapping for Megatron parameter {name!r}")
+
+
+def rule_shape(rule: WeightRule, shape: ModelShape):
+    """The shape whose layout `rule` follows: the vision tower's (`shape.vision`) for its rules, else `shape`."""
+    if rule.key.startswith(("vision.", "projector.")):
+        return shape.vision
+    return shape
 
 
 # ---------------------------------------------------------------------------------------------------------
