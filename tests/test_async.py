@@ -32,7 +32,7 @@ from rlhf_mcore.config import ConfigError, load_config, validate_config
 from rlhf_mcore.parallel.pools import Mailbox, PoolLayout
 from rlhf_mcore.trainer.databus import GroupMeta, Ledger, pull_orders, send_orders, staleness_metrics
 
-pytestmark = pytest.mark.cost(165)
+pytestmark = pytest.mark.cost(110)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from launcher import run
 
-pytestmark = pytest.mark.cost(95)
+pytestmark = pytest.mark.cost(50)
 
 
 ROOT = Path(__file__).resolve().parents[1]

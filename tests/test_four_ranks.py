@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from launcher import CPU, QUIET, start, wait_all
 
-pytestmark = pytest.mark.cost(170)
+pytestmark = pytest.mark.cost(150)
 
 ROOT = Path(__file__).resolve().parents[1]
 REL, ABS = 1e-4, 1e-6

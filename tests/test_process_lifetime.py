@@ -27,7 +27,7 @@ from launcher import env as child_env
 
 from rlhf_mcore.trainer.run_lock import LOCK_NAME, RunLock, RunLockError, _boot_id, _start_ticks
 
-pytestmark = pytest.mark.cost(70)
+pytestmark = pytest.mark.cost(40)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

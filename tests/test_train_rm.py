@@ -21,7 +21,7 @@ import pytest
 import torch
 from launcher import QUIET, run
 
-pytestmark = pytest.mark.cost(85)
+pytestmark = pytest.mark.cost(30)
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO_STEPS = 3
