@@ -341,6 +341,9 @@ def parse_layout(text: str):
 
 
 def main():
+    from rlhf_mcore.startup import pause_gc
+
+    pause_gc()  # the worker's start-up without the cyclic collector, as the launch scripts' (rlhf_mcore/startup.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)

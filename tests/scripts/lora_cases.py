@@ -59,6 +59,9 @@ def run_layout(name: str, tp: int, pp: int, args) -> None:
 
 
 def main() -> None:
+    from rlhf_mcore.startup import pause_gc
+
+    pause_gc()  # the worker's start-up without the cyclic collector, as the launch scripts' (rlhf_mcore/startup.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--adapter", required=True)

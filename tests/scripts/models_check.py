@@ -282,6 +282,9 @@ def padded_vs_packed_grads(chunks, state, docs):
 def main(run_layout=run_layout):
     """`--spec SPEC --out DIR`: `run_layout(layout, spec, out, results)` for each of the spec's layouts, then rank 0
     writes DIR/results.json (tests/scripts/moe_check.py runs its own layouts through this too)."""
+    from rlhf_mcore.startup import pause_gc
+
+    pause_gc()  # the worker's start-up without the cyclic collector, as the launch scripts' (rlhf_mcore/startup.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)

@@ -231,6 +231,9 @@ def case_collectives() -> dict:
 
 
 def main():
+    from rlhf_mcore.startup import pause_gc
+
+    pause_gc()  # the worker's start-up without the cyclic collector, as the launch scripts' (rlhf_mcore/startup.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--model3", required=True, help="a 3-layer model: uneven stages at PP=2")

@@ -75,6 +75,9 @@ def rollout_process(channel, model_dir, results, raw):
 
 
 def main():
+    from rlhf_mcore.startup import pause_gc
+
+    pause_gc()  # the worker's start-up without the cyclic collector, as the launch scripts' (rlhf_mcore/startup.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
