@@ -15,14 +15,13 @@ pytest compares the logits and gradients with transformers run on the same model
 
 Usage: torchrun --nproc_per_node=2 tests/scripts/vision_check.py --spec SPEC.json --out DIR
 """
-import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from models_check import main as run_spec
 
-from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.parallel import init_distributed
 
 
 def gather_vocab(out, state):
@@ -190,20 +189,5 @@ def run_layout(layout, spec, out: Path, results: dict):
     mpu.destroy_model_parallel()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
-    out = Path(args.out)
-    results = {}
-    for layout in spec["layouts"]:
-        run_layout(layout, spec, out, results)
-    if dist.get_rank() == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    destroy_distributed()
-
-
 if __name__ == "__main__":
-    main()
+    run_spec(run_layout)

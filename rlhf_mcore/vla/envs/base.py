@@ -85,3 +85,20 @@ def step_chunk(step: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.nda
             truncated |= live & ~terminated & (steps >= max_steps)
         term[:, c], trunc[:, c] = terminated, truncated
     return reward, term, trunc
+
+
+class SteppedEnv:
+    """`chunk_step` for a batch env that steps one action at a time: a subclass keeps `num_envs`, `spec`, the running
+    `terminated` / `truncated` / `steps` arrays and `_obs()`, and defines `_step(a (B, A), live) -> (reward,
+    terminated)` (the contract of `step_chunk`); `action_dtype` (None: as given) is the dtype its `_step` takes."""
+
+    action_dtype: Any = None
+
+    def chunk_step(self, actions: Any) -> ChunkResult:
+        a = check_actions(actions, self.num_envs, self.spec.action_dim)
+        if self.action_dtype is not None:
+            a = a.astype(self.action_dtype)
+        reward, term, trunc = step_chunk(self._step, a, self.terminated, self.truncated, self.steps,
+                                         self.spec.max_steps)
+        return ChunkResult(self._obs(), reward, term, trunc, {"success": self.terminated.copy(),
+                                                               "episode_steps": self.steps.copy()})

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_mcore.vla.envs.base import ChunkResult, EnvSpec, check_actions, check_state_ids, step_chunk
+from rlhf_mcore.vla.envs.base import EnvSpec, SteppedEnv, check_state_ids
 
 __all__ = ["LiberoEnv", "MAX_STEPS", "quat_to_axis_angle", "task_and_init"]
 
@@ -50,7 +50,7 @@ def task_and_init(state_id: int, init_counts: list[int]) -> tuple[int, int]:
     return task, (state_id // len(init_counts)) % init_counts[task]
 
 
-class LiberoEnv:
+class LiberoEnv(SteppedEnv):
     def __init__(self, num_envs: int, *, suite: str = "libero_spatial", image_size: int = 128, seed: int = 0,
                  num_steps_wait: int = 10, max_steps: int | None = None):
         from libero.libero import benchmark, get_libero_path
@@ -113,13 +113,6 @@ class LiberoEnv:
             self._take(i, obs)
             success[i] = bool(done)
         return success.astype(np.float32), success
-
-    def chunk_step(self, actions: Any) -> ChunkResult:
-        a = check_actions(actions, self.num_envs, self.spec.action_dim)
-        reward, term, trunc = step_chunk(self._step, a, self.terminated, self.truncated, self.steps,
-                                         self.spec.max_steps)
-        return ChunkResult(self._obs(), reward, term, trunc, {"success": self.terminated.copy(),
-                                                               "episode_steps": self.steps.copy()})
 
     def close(self) -> None:
         for env in self._envs:

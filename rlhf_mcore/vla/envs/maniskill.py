@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_mcore.vla.envs.base import ChunkResult, EnvSpec, check_actions, check_state_ids, step_chunk
+from rlhf_mcore.vla.envs.base import EnvSpec, SteppedEnv, check_state_ids
 
 __all__ = ["ManiSkillEnv"]
 
 
-class ManiSkillEnv:
+class ManiSkillEnv(SteppedEnv):
     def __init__(self, num_envs: int, *, env_id: str = "PickCube-v1", instruction: str = "pick up the cube",
                  camera: str = "base_camera", image_size: int = 128, control_mode: str = "pd_ee_delta_pose",
                  max_steps: int | None = None, seed: int = 0, sim_backend: str = "auto"):
@@ -76,13 +76,6 @@ class ManiSkillEnv:
         success = info["success"]
         success = success.cpu().numpy() if hasattr(success, "cpu") else np.asarray(success)
         return success.astype(np.float32), success.astype(bool)
-
-    def chunk_step(self, actions: Any) -> ChunkResult:
-        a = check_actions(actions, self.num_envs, self.spec.action_dim)
-        reward, term, trunc = step_chunk(self._step, a, self.terminated, self.truncated, self.steps,
-                                         self.spec.max_steps)
-        return ChunkResult(self._obs(), reward, term, trunc, {"success": self.terminated.copy(),
-                                                               "episode_steps": self.steps.copy()})
 
     def close(self) -> None:
         self._env.close()

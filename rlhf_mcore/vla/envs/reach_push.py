@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rlhf_mcore.vla.envs.base import ChunkResult, EnvSpec, check_actions, check_state_ids, step_chunk
+from rlhf_mcore.vla.envs.base import EnvSpec, SteppedEnv, check_state_ids
 
 __all__ = ["ReachPush", "COLORS", "DIRECTIONS", "collect_demos", "held_out_state_ids"]
 
@@ -44,8 +44,10 @@ def held_out_state_ids(n: int) -> np.ndarray:
     return np.arange(HELD_OUT_OFFSET, HELD_OUT_OFFSET + n, dtype=np.int64)
 
 
-class ReachPush:
+class ReachPush(SteppedEnv):
     """A batch env of `num_envs` reach-and-push scenes (the interface of :mod:`rlhf_mcore.vla.envs.base`)."""
+
+    action_dtype = np.float64
 
     def __init__(self, num_envs: int, *, seed: int = 0, image_size: int = 32, max_steps: int = 48,
                  speed: float = 0.06, tasks: Sequence[str] = ("reach", "push"),
@@ -85,13 +87,6 @@ class ReachPush:
         self.truncated[:] = False
         self.steps[:] = 0
         return self._obs()
-
-    def chunk_step(self, actions: Any) -> ChunkResult:
-        a = check_actions(actions, self.num_envs, self.spec.action_dim)
-        reward, term, trunc = step_chunk(self._step, a.astype(np.float64), self.terminated, self.truncated,
-                                         self.steps, self.spec.max_steps)
-        return ChunkResult(self._obs(), reward, term, trunc, {"success": self.terminated.copy(),
-                                                               "episode_steps": self.steps.copy()})
 
     def close(self) -> None:
         pass
