@@ -9,7 +9,6 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
 - per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise);
 - per layout "load_mcore": loads a Megatron checkpoint saved under another layout, exports it bitwise, and
   converts it to HF (`convert_checkpoint.mcore_to_hf`);
-- per layout "replay": routing replay (R3, R2) against perturbed routing (`replay_check`);
 - per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
   (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
 
@@ -73,70 +72,6 @@ def aux_losses(hf_dir, state, ids, pos) -> dict:
                       "actor/moe_z_loss": sum(z for _, z in naive) / len(naive)}}
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """log p(next token) (B, S - 1) from (B, S, V_padded) logits."""
-    logp = torch.log_softmax(logits[..., :vocab].float(), -1)
-    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
-def biased(gating, bias: torch.Tensor):
-    """A router's gating with `bias` (S, B, experts) added to its logits."""
-    return lambda x: gating(x) + bias
-
-
-def replay_check(hf_dir, state, ids, pos) -> dict:
-    """Routing replay against perturbed routing. The "rollout" routes are transformers' (the native engine's equal
-    them: tests/test_moe_rollout.py); the perturbation adds +50 to the router logit of one expert outside each
-    token's rollout set, in every MoE layer, so every token's routes flip without replay while the replayed
-    experts' logits stay as they were."""
-    import transformers
-
-    from rlhf_mcore.models import build_model
-    from rlhf_mcore.models.routing_replay import recording, replay_config_overrides, replaying, routing_mismatch
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        hf_out = hf(ids, output_router_logits=True)
-    k = hf.config.num_experts_per_tok
-    b, s = ids.shape
-    rollout = [lg.topk(k, dim=-1).indices.reshape(b, s, k) for lg in hf_out.router_logits]  # per layer (B, S, k)
-    vocab = hf.config.vocab_size
-    ref = token_logprobs(hf_out.logits, ids, vocab)
-    chunks = build_model(hf_dir, state, config_overrides=replay_config_overrides())
-    model = chunks[0]
-    mask = torch.ones(b, s)
-    with torch.no_grad():
-        with recording(chunks, b) as trainer_routes:
-            plain = token_logprobs(model(ids, pos, None), ids, vocab)
-        routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
-        for router, routes in zip(routers, rollout):
-            flat = routes.transpose(0, 1).reshape(-1, k)  # Megatron's (S B) order
-            outside = torch.ones(flat.shape[0], router.weight.shape[0], dtype=torch.bool)
-            outside[torch.arange(flat.shape[0])[:, None], flat] = False
-            bias = torch.zeros(outside.shape)
-            bias[torch.arange(flat.shape[0]), outside.float().argmax(-1)] = 50.0  # the first expert not routed to
-            router.gating = biased(router.gating, bias.view(s, b, -1))  # the gating's logits are (S, B, E)
-        with recording(chunks, b) as perturbed_routes:
-            perturbed = token_logprobs(model(ids, pos, None), ids, vocab)
-        with replaying(chunks, rollout):  # R3: the rollout's routes
-            r3 = token_logprobs(model(ids, pos, None), ids, vocab)
-        with replaying(chunks, trainer_routes):  # R2: the routes an earlier (old-log-prob) pass recorded
-            r2 = token_logprobs(model(ids, pos, None), ids, vocab)
-    with replaying(chunks, rollout):  # the update pass: gradients flow through replayed routes
-        model.train()
-        r3_grad = token_logprobs(model(ids, pos, None), ids, vocab)
-        r3_grad.sum().backward()
-        model.eval()
-    grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    return {"plain_vs_hf": (plain - ref).abs().max().item(),
-            "trainer_vs_rollout_routes": routing_mismatch(trainer_routes, rollout, mask),
-            "perturbed_vs_rollout_routes": routing_mismatch(perturbed_routes, rollout, mask),
-            "perturbed_vs_hf": (perturbed - ref).abs().max().item(), "r3_vs_hf": (r3 - ref).abs().max().item(),
-            "r2_vs_plain": (r2 - plain).abs().max().item(),
-            "r3_grad_vs_hf": (r3_grad.detach() - ref).abs().max().item(),
-            "grads_finite": bool(grads_finite)}
-
-
 def run_layout(layout, spec, out: Path, results: dict):
     from megatron.core import parallel_state as mpu
 
@@ -169,9 +104,6 @@ def run_layout(layout, spec, out: Path, results: dict):
         if model_name in layout.get("aux", []):
             ids, pos, _ = cases["plain"]
             res[f"{model_name}/aux"] = aux_losses(hf_dir, state, ids, pos)
-        if model_name in layout.get("replay", []):
-            ids, pos, _ = cases["plain"]
-            res[f"{model_name}/replay"] = replay_check(hf_dir, state, ids, pos)
         if model_name in layout.get("save_hf", []):
             save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
         del chunks
