@@ -749,10 +749,9 @@ class NativeRolloutEngine(RolloutEngine):
         """One decode step on rows [0, bb): everything here is captured into the CUDA graph."""
         slots, steps = self.r_slot[:bb], self.r_step[:bb]
         self._start_routes()
-        positions = self.r_pos[:bb].clone() if self.record_routes else None  # the step advances r_pos in place
         logits = self.model.decode(self.r_tokens[:bb], self.r_pos[:bb], slots, self.cache, self.attention,
                                    attn_len, num_splits)
-        self._keep_routes(slots, positions)
+        self._keep_routes(slots, self.r_pos[:bb])  # the fed tokens' positions (advanced below)
         tok, lp = self._sample(logits, self.r_key[:bb], steps, self.r_inv_temp[:bb], self.r_greedy[:bb])
         if self.fused_kernels:
             from .triton_kernels import advance_rows
