@@ -30,8 +30,8 @@ MODELS = {"qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, **TINY)
 LAYOUTS = [
     dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS)),
     dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"],
-         aux=["qwen3_moe"]),
-    dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS)),
+         aux=["qwen3_moe"], replay=["qwen3_moe"]),
+    dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS), replay=["qwen3_moe"]),
 ]
 FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS for m in lay["models"]
                  for case in ("plain", "left_padded", "thd")]
@@ -136,6 +136,19 @@ def test_logged_moe_losses_equal_the_naive_ones(worker):
     for key, want in aux["naive"].items():
         assert aux["logged"][key] == pytest.approx(want, rel=1e-5), key
     assert aux["again"] == {}
+
+
+@pytest.mark.parametrize("layout", ["1x1x2", "1x2x1"])
+def test_r3_replay_is_exact_at_ep2_and_pp2(worker, layout):
+    """R3 through the train engine and the learner at EP=2 (each rank's tokens routed to the other's experts) and
+    PP=2 (the MoE layer on the second stage): with every token's routes flipped, the replaying old-log-prob pass
+    equals transformers' log-probs, the pass without replay does not, and the metric reduced over the ranks (and
+    stages) sees every token flipped. Mutation: Learner.routing_metrics without the reduction over the pipeline
+    group -> the PP=2 mismatch reads 0 on the first stage's rank -> fails."""
+    results, _ = worker
+    r = results[layout]["qwen3_moe/replay"]
+    assert r["r3_vs_hf"] < ATOL and r["plain_vs_hf"] > 1e-2
+    assert r["mismatch"] == 1.0 and r["load"] >= 1.0
 
 
 def test_routing_counts_equal_naive_ones():

@@ -4,17 +4,23 @@ fully asynchronous stream's pause and continue), the train engine replaying them
 update passes, the learner's routing metrics.
 
 The trainer's routing is perturbed so that every token's routes flip: each router's logits get +50 on the first
-expert outside the token's own top-k (`flipped_routing`), which leaves the logits of the experts the token routed to
-unchanged -- so with Qwen3-MoE's renormalised top-k a replayed pass computes exactly what the unperturbed model does.
+expert outside the token's own top-k (`flipped_routing`, tests/scripts/moe_check.py), which leaves the logits of the
+experts the token routed to unchanged -- so with Qwen3-MoE's renormalised top-k a replayed pass computes exactly what
+the unperturbed model does. tests/test_moe.py checks R3 the same way at EP=2 and PP=2 (its 2-process worker).
 """
+import sys
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from test_rollout_native import make_prompts
 
 from rlhf_mcore.algos import get_policy_loss, register_policy_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from moe_check import flipped_routing  # noqa: E402  (the EP=2 / PP=2 replay check flips routing the same way)
 
 pytestmark = pytest.mark.cost(15)
 
@@ -102,30 +108,6 @@ def mode(engine, name: str, **cfg):
         yield engine
     finally:
         engine.cfg = saved
-
-
-@contextmanager
-def flipped_routing(*engines):
-    """Every router's logits + 50 on the first expert outside each token's own top-k (see the module docstring)."""
-    from rlhf_mcore.models.routing_replay import chunk_routers
-
-    routers = [r for e in engines for c in e.chunks for _, r in chunk_routers(c)]
-
-    def flip(gating, k):
-        def gate(x):
-            logits = gating(x)  # (S, B, E)
-            top = logits.topk(k, dim=-1).indices
-            outside = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
-            return logits + 50.0 * torch.nn.functional.one_hot(outside.float().argmax(-1), logits.shape[-1])
-        return gate
-
-    for r in routers:
-        r.gating = flip(r.gating, r.topk)
-    try:
-        yield
-    finally:
-        for r in routers:
-            del r.gating  # back to the class's method
 
 
 def masked_gap(a, b, mask) -> float:

@@ -9,12 +9,16 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
 - per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise);
 - per layout "load_mcore": loads a Megatron checkpoint saved under another layout, exports it bitwise, and
   converts it to HF (`convert_checkpoint.mcore_to_hf`);
+- per layout "replay": routing replay R3 through the train engine and the learner against flipped routing
+  (`replay_check`; tests/test_moe_replay.py does the same in one process, with the native engine's routes);
 - per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
   (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
 
 Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
 """
 import re
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,6 +76,81 @@ def aux_losses(hf_dir, state, ids, pos) -> dict:
                       "actor/moe_z_loss": sum(z for _, z in naive) / len(naive)}}
 
 
+@contextmanager
+def flipped_routing(*engines):
+    """Every router of the engines' chunks gets +50 on the logit of the first expert outside each token's own top-k:
+    every token's routes flip, while the logits of the experts it routed to stay as they were (so a pass replaying
+    the unperturbed routes of a Qwen3-MoE model computes exactly what the unperturbed model does)."""
+    from rlhf_mcore.models.routing_replay import chunk_routers
+
+    routers = [r for e in engines for c in e.chunks for _, r in chunk_routers(c)]
+
+    def flip(gating, k):
+        def gate(x):
+            logits = gating(x)  # (S, B, E)
+            top = logits.topk(k, dim=-1).indices
+            outside = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+            return logits + 50.0 * torch.nn.functional.one_hot(outside.float().argmax(-1), logits.shape[-1])
+        return gate
+
+    for r in routers:
+        r.gating = flip(r.gating, r.topk)
+    try:
+        yield
+    finally:
+        for r in routers:
+            del r.gating  # back to the class's method
+
+
+def replay_check(hf_dir, state, docs) -> dict:
+    """R3 at this layout: a batch whose rows carry transformers' routes (what the native engine records: its equality
+    is tests/test_moe_rollout.py's) and log-probs as the rollout's; each rank its own rows (EP: tokens cross ranks).
+    With routing flipped, the learner's old-log-prob pass (replaying) gives transformers' log-probs and sees every
+    token's routes flipped; the engine without replay does not. Returns the largest gaps over ranks."""
+    import transformers
+
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.data.batch import build_batch
+    from rlhf_mcore.trainer import roles
+    from rlhf_mcore.trainer.learner import Learner
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    k = hf.config.num_experts_per_tok
+    mine = docs[state.dp_rank:] + docs[:state.dp_rank]  # another order (and shapes) on each DP rank
+    prompts, responses, logprobs, routes = [], [], [], []
+    for d in mine:
+        with torch.no_grad():
+            out = hf(d[None], output_router_logits=True)
+        lp = torch.log_softmax(out.logits[0].float(), -1)[:-1].gather(-1, d[1:, None])[:, 0]  # (n - 1,)
+        prompts.append(d[:4].tolist())
+        responses.append(d[4:].tolist())
+        logprobs.append(lp[3:].tolist())
+        routes.append(torch.stack([lg.topk(k, -1).indices for lg in out.router_logits], 1)[:-1].to(torch.uint8))
+    batch = build_batch(prompts, responses, logprobs, ["stop"] * len(mine), list(range(len(mine))), {},
+                        pad_token_id=0, routes=routes)
+    n = len(mine) * state.dims.dp
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={hf_dir}", "trainer.device=cpu",
+                             f"data.train_batch_size={n}", "actor_rollout_ref.rollout.n=1",
+                             f"actor_rollout_ref.actor.ppo_mini_batch_size={n}",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                             "actor_rollout_ref.actor.router_replay.mode=R3"])
+    actor = roles.build_actor(cfg, state, total_steps=1)
+    want, mask = batch["rollout_log_probs"], batch["response_mask"]
+    with flipped_routing(actor):
+        b = dict(batch)
+        metrics = Learner(cfg, state, actor).forward_passes(b)
+        saved = actor.cfg
+        actor.cfg = replace(saved, router_replay="disabled")
+        plain, _ = actor.compute_log_probs(batch)
+        actor.cfg = saved
+    gaps = torch.tensor([float(((b["old_log_probs"] - want).abs() * mask).max()),
+                         -float(((plain - want).abs() * mask).max())])
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    return {"r3_vs_hf": gaps[0].item(), "plain_vs_hf": -gaps[1].item(),
+            "mismatch": metrics["actor/moe_routing_mismatch/mean"], "load": metrics["actor/moe_expert_load/mean"]}
+
+
 def run_layout(layout, spec, out: Path, results: dict):
     from megatron.core import parallel_state as mpu
 
@@ -104,6 +183,8 @@ def run_layout(layout, spec, out: Path, results: dict):
         if model_name in layout.get("aux", []):
             ids, pos, _ = cases["plain"]
             res[f"{model_name}/aux"] = aux_losses(hf_dir, state, ids, pos)
+        if model_name in layout.get("replay", []):
+            res[f"{model_name}/replay"] = replay_check(hf_dir, state, docs)
         if model_name in layout.get("save_hf", []):
             save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
         del chunks
