@@ -16,7 +16,7 @@ from launcher import CPU, run
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError
 
-pytestmark = pytest.mark.cost(50)
+pytestmark = pytest.mark.cost(55)  # one 2-process worker (R3 engines at EP=2 and PP=2 included) and one conversion
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "moe_check.py"
