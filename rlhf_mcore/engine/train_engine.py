@@ -163,6 +163,8 @@ class TrainEngine:
         """
         if self.cfg.role in ("critic", "reward"):
             raise RuntimeError(f"a {self.cfg.role} engine has no log-probs (its head is a width-1 score)")
+        if record_routes and self.moe_shape is None:
+            raise ValueError("record_routes=True needs a mixture-of-experts model (this one has no routers)")
         with_entropy = self.cfg.role == "actor" if with_entropy is None else with_entropy
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
 
@@ -250,8 +252,6 @@ class TrainEngine:
         from rlhf_mcore.models.routing_replay import route_dtype
 
         shape = self.moe_shape
-        if shape is None:
-            raise ValueError("record_routes needs a mixture-of-experts model")
         mask = batch["attention_mask"]
         n, k, dtype = len(shape.moe_layers), shape.moe_top_k, route_dtype(shape.num_experts)
         routes = torch.empty(*mask.shape, n, k, dtype=dtype, device=mask.device)
@@ -420,7 +420,9 @@ class TrainEngine:
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from rlhf_mcore.models.routing_replay import routed
+        from rlhf_mcore.models.routing_replay import route_dtype, routed
+
+        compact = route_dtype(self.moe_shape.num_experts) if record_routes else None  # kept until the pass ends
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -428,7 +430,7 @@ class TrainEngine:
             replay = mb.routes is not None or record_routes
             with routed(model, mb.routes, record_routes) if replay else nullcontext({}) as recorded:
                 output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params)
-            mb.recorded.update(recorded)
+            mb.recorded.update({j: ids.to(compact) for j, ids in recorded.items()})
             return output, partial(loss_func, mb)
 
         iterators = [iter(mbs) for _ in self.modules] if len(self.modules) > 1 else iter(mbs)
