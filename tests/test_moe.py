@@ -16,7 +16,7 @@ from launcher import CPU, run
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError
 
-pytestmark = pytest.mark.cost(50)
+pytestmark = pytest.mark.cost(55)  # one 2-process worker (R3 engines at EP=2 and PP=2 included) and one conversion
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "moe_check.py"
@@ -28,10 +28,10 @@ TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top
 MODELS = {"qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, **TINY),
           "qwen2_moe": dict(arch="qwen2_moe", **TINY)}
 LAYOUTS = [
-    dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS), replay=["qwen3_moe"]),
+    dict(name="1x1x1", tp=1, pp=1, ep=1, models=list(MODELS)),
     dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"],
-         aux=["qwen3_moe"]),
-    dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS)),
+         aux=["qwen3_moe"], replay=["qwen3_moe"]),
+    dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS), replay=["qwen3_moe"]),
 ]
 FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS for m in lay["models"]
                  for case in ("plain", "left_padded", "thd")]
@@ -138,45 +138,53 @@ def test_logged_moe_losses_equal_the_naive_ones(worker):
     assert aux["again"] == {}
 
 
-def test_replayed_routes_survive_perturbed_routing(worker):
-    """R3 and R2 are exact: with one expert outside each token's rollout routes pushed up by +50 in every MoE layer,
-    every token's top-k set flips without replay and the log-probs move; replaying the rollout's routes (R3) gives
-    transformers' log-probs, in the forward and in a training pass with gradients, and replaying the routes a
-    pass recorded before the perturbation (R2) gives that pass's log-probs. Mutations: routing_replay.replaying's
-    set_router_replay_action(REPLAY_FORWARD) dropped -> r3/r2 differ -> fails; _to_router_order without its
-    transpose (batch-major ids) -> fails."""
+@pytest.mark.parametrize("layout", ["1x1x2", "1x2x1"])
+def test_r3_replay_is_exact_at_ep2_and_pp2(worker, layout):
+    """R3 through the train engine and the learner at EP=2 (each rank's tokens routed to the other's experts) and
+    PP=2 (the MoE layer on the second stage): with every token's routes flipped, the replaying old-log-prob pass
+    equals transformers' log-probs, the pass without replay does not, and the metric reduced over the ranks (and
+    stages) sees every token flipped. Mutation: Learner.routing_metrics without the reduction over the pipeline
+    group -> the PP=2 mismatch reads 0 on the first stage's rank -> fails."""
     results, _ = worker
-    r = results["1x1x1"]["qwen3_moe/replay"]
-    assert r["plain_vs_hf"] < ATOL
-    assert r["trainer_vs_rollout_routes"]["max"] == 0.0
-    assert r["perturbed_vs_rollout_routes"]["mean"] == 1.0  # every token of every MoE layer flipped
-    assert r["perturbed_vs_hf"] > 1e-2
-    assert r["r3_vs_hf"] < ATOL and r["r3_grad_vs_hf"] < ATOL and r["grads_finite"]
-    assert r["r2_vs_plain"] < ATOL
+    r = results[layout]["qwen3_moe/replay"]
+    assert r["r3_vs_hf"] < ATOL and r["plain_vs_hf"] > 1e-2
+    assert r["mismatch"] == 1.0 and r["load"] >= 1.0
 
 
-def test_routing_mismatch_equals_a_naive_count():
-    from rlhf_mcore.models.routing_replay import routing_mismatch
+def test_routing_counts_equal_naive_ones():
+    """mismatch_counts (top-k SETS compared: another order is no mismatch), expert_counts and the summary against
+    loops. Mutation: mismatch_counts without the sort -> the reordered routes count as flips -> fails."""
+    from rlhf_mcore.models.routing_replay import expert_counts, mismatch_counts, routing_summary
 
     g = torch.Generator().manual_seed(0)
-    a = [torch.randint(0, 4, (3, 5, 2), generator=g) for _ in range(2)]
-    b = [x.flip(-1).clone() for x in a]  # the same sets in another order: no mismatch
-    b[1][0, 0] = torch.tensor([7, 8])
-    b[1][2, 4] = torch.tensor([7, 8])
-    mask = torch.ones(3, 5)
-    mask[2, 4] = 0  # not counted
-    got = routing_mismatch(a, b, mask)
-    want = []
-    for x, y in zip(a, b):
-        n = differ = 0
+    a = torch.randint(0, 4, (3, 5, 2, 2), generator=g)  # (B, S, n layers, k)
+    b = a.flip(-1).clone()  # the same sets in another order: no mismatch
+    b[0, 0, 1] = torch.tensor([7, 8])
+    b[2, 4, 1] = torch.tensor([7, 8])
+    valid = torch.ones(3, 5, dtype=torch.bool)
+    valid[2, 4] = False  # not counted
+    got = mismatch_counts(a, b, valid)
+    want_diff = [[0, 0], [0, 0]]
+    for layer in range(2):
         for i in range(3):
             for j in range(5):
-                if mask[i, j]:
-                    n += 1
-                    differ += set(x[i, j].tolist()) != set(y[i, j].tolist())
-        want.append(differ / n)
-    assert got["per_layer"] == want == [0.0, 1 / 14]
-    assert got["mean"] == pytest.approx(1 / 28) and got["max"] == 1 / 14
+                if valid[i, j]:
+                    want_diff[layer][1] += 1
+                    want_diff[layer][0] += set(a[i, j, layer].tolist()) != set(b[i, j, layer].tolist())
+    assert got.tolist() == want_diff == [[0, 14], [1, 14]]
+    counts = expert_counts(a, valid, 4)
+    naive = torch.zeros(2, 4, dtype=torch.long)
+    for i, j in valid.nonzero().tolist():
+        for layer in range(2):
+            for e in a[i, j, layer].tolist():
+                naive[layer, e] += 1
+    assert torch.equal(counts, naive)
+    m = routing_summary(got, counts, "actor/")
+    assert m["actor/moe_routing_mismatch/mean"] == pytest.approx(1 / 28)
+    assert m["actor/moe_routing_mismatch/max"] == 1 / 14
+    load = [float(c.max()) / float(c.float().mean()) for c in naive]
+    assert m["actor/moe_expert_load/mean"] == pytest.approx(sum(load) / 2)
+    assert m["actor/moe_expert_load/max"] == pytest.approx(max(load))
 
 
 def test_megatron_checkpoint_saved_at_ep2_loads_at_pp2(worker, model_dirs):
@@ -328,3 +336,54 @@ def test_flops_count_the_active_parameters():
     attn = h * 8 * (2 + 2 * 1) + 2 * 8 * h  # q (2 heads) + k, v (1 group) of head_dim 8, and o
     want = 3 * attn + 3 * h * 24 + 2 * (3 * h * (2 * 8 + 12) + h * 4)  # 1 dense + 2 MoE layers (top-2 of 4, shared)
     assert flop.matmul_params == want
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config keys: veRL's actor.router_replay.mode and rollout.enable_rollout_routing_replay
+
+RR = "actor_rollout_ref.actor.router_replay.mode"
+REC = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+
+
+def test_the_rollout_records_routes_for_r3_or_when_asked():
+    from rlhf_mcore.config import load_config, rollout_records_routes
+
+    assert not rollout_records_routes(load_config(None, MODEL))
+    assert rollout_records_routes(load_config(None, MODEL + [f"{RR}=R3"]))
+    assert not rollout_records_routes(load_config(None, MODEL + [f"{RR}=R2"]))
+    assert rollout_records_routes(load_config(None, MODEL + [f"{RR}=R2", f"{REC}=true"]))  # measured, not replayed
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ([f"{RR}=R3", "actor_rollout_ref.rollout.name=hf"], f"'{RR}' has value 'R3'; it must be R2 or disabled with "
+                                                        "rollout.name=hf: only the native engine records"),
+    ([f"{REC}=true", "actor_rollout_ref.rollout.name=sglang"], f"'{REC}' has value True; it must be unset or false "
+                                                               "with rollout.name=sglang"),
+    ([f"{RR}=R3", f"{REC}=false"], f"'{REC}' has value False; it must be unset or true with router_replay.mode=R3"),
+    ([f"{RR}=R3", "actor_rollout_ref.rollout.multi_turn.enable=true"], "with rollout.multi_turn.enable=true"),
+    ([f"{RR}=R2", "actor_rollout_ref.actor.use_rollout_log_probs=true"], "R3 or disabled with "
+                                                                         "actor.use_rollout_log_probs=true"),
+    ([f"{RR}=R3", "actor_rollout_ref.model.enable_gradient_checkpointing=true"], "would route again"),
+    ([f"{RR}=R2", f"{A}sequence_parallel=true"], "not split over the tensor-parallel ranks"),
+    ([f"{RR}=R3", f"{A}cuda_graphs=true"], "keep the first micro-batch's routes"),
+    ([f"{RR}=R5"], "choose one of disabled, R2, R3"),
+])
+def test_router_replay_where_it_cannot_apply_is_refused(overrides, words):
+    from rlhf_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(None, MODEL + overrides)
+
+
+def test_router_replay_on_a_dense_model_is_refused(tmp_path):
+    """validate_config reads the policy's config.json: a dense model has no experts to route."""
+    from rlhf_mcore.config import ConfigError, load_config, validate_config
+
+    for name, arch in (("dense", "Qwen3ForCausalLM"), ("moe", "Qwen3MoeForCausalLM")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**_config(), "architectures": [arch]}))
+    for key in (f"{RR}=R3", f"{REC}=true"):
+        with pytest.raises(ConfigError, match=f"{tmp_path / 'dense'} is a dense model"):
+            validate_config(load_config(None, MODEL + [key, f"actor_rollout_ref.model.path={tmp_path / 'dense'}"]),
+                            1)
+        validate_config(load_config(None, MODEL + [key, f"actor_rollout_ref.model.path={tmp_path / 'moe'}"]), 1)

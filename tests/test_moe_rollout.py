@@ -39,21 +39,24 @@ def test_moe_greedy_tokens_and_logprobs_equal_transformers(models, name):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_routed_expert_ids_equal_transformers(models, name):
-    """The expert ids each MoE layer routes a prompt's tokens to (what R3 records) equal the top-k of transformers'
-    router logits, token by token."""
+def test_recorded_routes_equal_transformers(models, name):
+    """The routes the engine records (record_routes, what R3 replays): for every token it fed -- the prompt's in
+    the prefill, the response's but the last in decode steps -- each MoE layer's expert ids equal the top-k of
+    transformers' router logits over prompt + response in one forward. Mutation: the decode step's routes written
+    one position on (at the advanced positions) -> fails."""
     hf_dir, hf = models[name]
-    prompt = make_prompts(1, seed=4, lengths=(20, 21))[0]
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), output_router_logits=True)
-    want = [logits.topk(2, dim=-1).indices.sort(-1).values for logits in out.router_logits]  # per MoE layer (T, k)
-    engine = build_rollout_engine("native", hf_dir, max_num_seqs=2, max_model_len=64, device="cpu")
-    engine.model.routing = []
-    engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=1, stop_token_ids=()))
-    got = [ids.sort(-1).values for ids in engine.model.routing[:len(want)]]  # the prefill's layers
-    assert len(got) == len(want) == len(engine.spec.moe_layers)
-    for g, w in zip(got, want):
-        assert torch.equal(g[-len(prompt):], w)
+    prompts = make_prompts(2, seed=4, lengths=(8, 21))
+    engine = build_rollout_engine("native", hf_dir, max_num_seqs=4, max_model_len=64, device="cpu",
+                                  record_routes=True)
+    outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=5, stop_token_ids=(), seed=1))
+    for p, o in zip(prompts, outs):
+        for s in o.samples:
+            fed = p + s.token_ids[:-1]
+            with torch.no_grad():
+                out = hf(torch.tensor([fed]), output_router_logits=True)
+            want = torch.stack([lg.topk(2, dim=-1).indices for lg in out.router_logits], 1)  # (T, MoE layers, k)
+            assert s.routes.shape == want.shape == (len(fed), len(engine.spec.moe_layers), 2)
+            assert torch.equal(s.routes.long().sort(-1).values, want.sort(-1).values)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

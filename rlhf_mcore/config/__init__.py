@@ -44,6 +44,7 @@ from rlhf_mcore.config.cross import (
     pool_sizes,
     prime_enabled,
     reference_enabled,
+    rollout_records_routes,
     validate_config,
 )
 from rlhf_mcore.config.data import DataConfig
@@ -66,7 +67,7 @@ from rlhf_mcore.config.trainer import AsyncTrainingConfig, RolloutPoolConfig, Tr
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
     "lora_enabled", "parallel_layout", "pipeline_split", "expert_parallel_size", "moe_overrides",
-    "pool_sizes", "model_max_positions", "model_num_layers", "to_yaml",
+    "pool_sizes", "rollout_records_routes", "model_max_positions", "model_num_layers", "to_yaml",
     "to_dict", "load_plugins", "FILTER_METRICS",
     # the sections
     "DataConfig", "ActorRolloutRefConfig", "ModelConfig", "ActorConfig", "RolloutConfig", "SamplingKwargs",

@@ -42,6 +42,16 @@ class ModelConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """veRL's `actor_rollout_ref.actor.router_replay` (mixture-of-experts models; rlhf_mcore.models.routing_replay):
+    the training passes route each token to the experts another pass chose. disabled: each pass routes by itself;
+    R2: the old-log-prob pass's routes are replayed in the update passes; R3: the rollout's routes (recorded by the
+    native engine) are replayed in the old-log-prob, reference and update passes."""
+
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+
+
+@dataclass
 class ActorConfig:
     strategy: Strategy = "megatron"
     ppo_mini_batch_size: int = 256  # prompts per optimizer step
@@ -68,6 +78,7 @@ class ActorConfig:
     # the rollout's log-probs are the old policy: no old-log-prob forward pass (veRL's bypass mode)
     use_rollout_log_probs: bool = False
     logprob_backend: str = "auto"  # log-prob/entropy kernel: auto (triton on CUDA if installed) | torch | triton
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -139,6 +150,10 @@ class RolloutConfig:
     # adapters cross and the engine's side merges them into its host copy of the base: fewer bytes, but that copy
     # goes host -> device at every sync; rlhf_mcore.sync.lora)
     lora_sync: Literal["merged", "adapter_only"] = "merged"
+    # veRL's key: the native engine records every token's top-k expert ids per MoE layer and returns them with the
+    # samples (what router_replay.mode=R3 replays; with another mode the trainer only measures the routing mismatch).
+    # null: on exactly when actor.router_replay.mode=R3
+    enable_rollout_routing_replay: Optional[bool] = None
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 

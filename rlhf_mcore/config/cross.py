@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from rlhf_mcore.config.algorithm import FILTER_METRICS
 from rlhf_mcore.config.checks import check_sections, value_at, value_error
 from rlhf_mcore.config.errors import ConfigError
-from rlhf_mcore.config.hf import model_architecture, model_num_layers
+from rlhf_mcore.config.hf import model_architecture, model_is_moe, model_num_layers
 from rlhf_mcore.config.plugins import load_plugins
 from rlhf_mcore.config.trainer import AsyncTrainingConfig
 
@@ -95,6 +95,45 @@ def check_relations(cfg: RLConfig) -> None:
     _check_multi_turn(cfg, need)
     _check_fp8(cfg, need)
     _check_lora(cfg, need)
+    _check_router_replay(cfg, need)
+
+
+def rollout_records_routes(cfg: RLConfig) -> bool:
+    """Whether the rollout records each token's experts (`rollout.enable_rollout_routing_replay`; unset: exactly
+    when `actor.router_replay.mode=R3`, which replays them)."""
+    on = cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay
+    return cfg.actor_rollout_ref.actor.router_replay.mode == "R3" if on is None else on
+
+
+def _check_router_replay(cfg: RLConfig, need) -> None:
+    """Routing replay where it cannot apply is refused (the model's experts are checked in validate_config)."""
+    arr = cfg.actor_rollout_ref
+    mode, key = arr.actor.router_replay.mode, "actor_rollout_ref.actor.router_replay.mode"
+    records, rk = rollout_records_routes(cfg), "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+    if mode == "R3":
+        need(rk, records, "unset or true with router_replay.mode=R3: R3 replays the routes the rollout records")
+    if records:  # named by the key that asked for it: the explicit one, else the mode (R3)
+        asked, fix = (rk, "unset or false") if arr.rollout.enable_rollout_routing_replay else (key, "R2 or disabled")
+        need(asked, arr.rollout.name == "native",
+             f"{fix} with rollout.name={arr.rollout.name}: only the native engine records each token's experts "
+             "(set actor_rollout_ref.rollout.name=native)")
+        need(asked, not arr.rollout.multi_turn.enable,
+             f"{fix} with rollout.multi_turn.enable=true: a trajectory's routes are not assembled across its turns "
+             "(the engine reuses a session's cached tokens without routing them again)")
+    if mode == "disabled":
+        return
+    need(key, not (mode == "R2" and arr.actor.use_rollout_log_probs),
+         "R3 or disabled with actor.use_rollout_log_probs=true: R2 records the routes of the old-log-prob pass, "
+         "which that setting skips")
+    need(key, not arr.model.enable_gradient_checkpointing,
+         f"disabled with model.enable_gradient_checkpointing=true: the recomputation in the backward pass would "
+         f"route again without the replayed routes (mode={mode} needs activation recompute off)")
+    need(key, not arr.actor.megatron.sequence_parallel,
+         "disabled with actor.megatron.sequence_parallel=true: the replayed routes are not split over the "
+         "tensor-parallel ranks' sequence shards")
+    need(key, arr.actor.megatron.cuda_graphs is not True,
+         "disabled with actor.megatron.cuda_graphs=true: a captured decoder would keep the first micro-batch's "
+         "routes")
 
 
 def _check_vision(cfg: RLConfig) -> None:
@@ -363,6 +402,19 @@ def _check_pipeline_split(cfg: RLConfig, pp: int, vpp: Optional[int]) -> None:
                 + f": {e} (keys under actor_rollout_ref.actor.megatron.override_transformer_config)") from None
 
 
+def _check_router_replay_model(cfg: RLConfig) -> None:
+    """Routing replay and route recording need a mixture-of-experts policy (config.json read; unreadable: the
+    model's build reports it)."""
+
+    arr = cfg.actor_rollout_ref
+    if model_is_moe(arr.model.path) is not False:
+        return
+    for key, on in (("actor_rollout_ref.actor.router_replay.mode", arr.actor.router_replay.mode != "disabled"),
+                    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", rollout_records_routes(cfg))):
+        require(not on, f"config key '{key}' has value {value_at(cfg, key)!r}, but actor_rollout_ref.model.path="
+                        f"{arr.model.path} is a dense model (no experts to route): remove it (disabled / unset).")
+
+
 def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> None:
     """`megatron.cuda_graphs=true` where graphs cannot run is refused here, before anything is built (the engine
     checks again with the built model: `rlhf_mcore.engine.cuda_graphs.graphs_supported`)."""
@@ -427,6 +479,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     if read_model:
         _check_vision(cfg)
         _check_pipeline_split(cfg, pp, vpp)
+        _check_router_replay_model(cfg)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
     ep = expert_parallel_size(cfg)

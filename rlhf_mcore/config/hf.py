@@ -39,3 +39,13 @@ def model_max_positions(model_path: str) -> Optional[int]:
 def model_num_layers(model_path: str) -> Optional[int]:
     """num_hidden_layers from an HF config.json, or None where it cannot be read."""
     return _read(model_path, "num_hidden_layers")
+
+
+def model_is_moe(model_path: str) -> Optional[bool]:
+    """Whether an HF config.json's architecture is a mixture-of-experts one (Qwen3MoeForCausalLM, ...), or None where
+    it cannot be read."""
+    try:
+        archs = json.loads((Path(model_path) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return any("Moe" in a for a in archs) if archs else None

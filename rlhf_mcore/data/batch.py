@@ -8,6 +8,8 @@
     response_mask   (B, R)    1 on generated tokens (multi-turn: on the model's tokens, 0 on tool / environment ones)
     rollout_log_probs (B, R)  the rollout engine's log-probs of the sampled tokens
     index           (B,)      group id: rows sampled from the same prompt share it
+    routed_experts  (B, P+R, n, k)  MoE, when the rollout recorded them: each token's top-k expert ids per MoE
+                              layer, aligned with input_ids (tokens without routes: experts 0..k-1; routing replay)
 
 Non-tensor fields (``data_source``, ``ground_truth``, ``extra_info``, ``uid``) are lists of length ``B``.
 
@@ -29,10 +31,12 @@ def _pad_to(n: int, multiple: int) -> int:
 def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                 logprobs: Sequence[Sequence[float]], finish_reasons: Sequence[str], group_ids: Sequence[int],
                 meta: dict[str, list[Any]], pad_token_id: int, pad_multiple: int = 8,
-                response_masks: Sequence[Sequence[int] | None] | None = None) -> dict[str, Any]:
+                response_masks: Sequence[Sequence[int] | None] | None = None,
+                routes: Sequence[Any] | None = None) -> dict[str, Any]:
     """Rows are (prompt, response) pairs; ``meta`` holds per-row lists (data_source, ground_truth, ...).
     ``response_masks`` (multi-turn): per row, 1 on the model's tokens and 0 on the tool / environment tokens of
-    its response (None: all 1); those tokens stay in ``attention_mask``."""
+    its response (None: all 1); those tokens stay in ``attention_mask``. ``routes``: per row, the rollout's
+    (len(prompt) + len(response) - 1, n, k) expert ids (`Sample.routes`), or None for every row."""
     B = len(prompts)
     P = _pad_to(max(len(p) for p in prompts), pad_multiple)
     R = _pad_to(max((len(r) for r in responses), default=1), pad_multiple)
@@ -59,8 +63,28 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
         "rollout_log_probs": lp, "index": torch.as_tensor(list(group_ids), dtype=torch.long),
         "truncated": torch.as_tensor([f == "length" for f in finish_reasons], dtype=torch.bool),
     }
+    if routes is not None and any(r is not None for r in routes):
+        batch["routed_experts"] = _routes_grid(prompts, responses, routes, P, R)
     batch.update(meta)
     return batch
+
+
+def _routes_grid(prompts, responses, routes, P: int, R: int) -> torch.Tensor:
+    """The rows' routes as (B, P+R, n, k), aligned with input_ids; the tokens a row has no routes for (padding, its
+    last response token) get experts 0..k-1."""
+    from rlhf_mcore.models.routing_replay import filler
+
+    if any(r is None for r in routes):
+        raise ValueError("some rows carry the rollout's expert routes and some do not: every row of a batch comes "
+                         "from an engine that records them (rollout.enable_rollout_routing_replay), or none")
+    n, k = routes[0].shape[1:]
+    out = filler((len(prompts), P + R, n), k, dtype=routes[0].dtype)
+    for i, (p, r, t) in enumerate(zip(prompts, responses, routes)):
+        if t.shape[0] != len(p) + len(r) - 1:
+            raise ValueError(f"row {i}: routes for {t.shape[0]} tokens, but its prompt ({len(p)}) and response "
+                             f"({len(r)}) feed {len(p) + len(r) - 1} tokens to the model")
+        out[i, P - len(p):P - len(p) + t.shape[0]] = t
+    return out
 
 
 def last_response_token(response_mask: torch.Tensor) -> torch.Tensor:

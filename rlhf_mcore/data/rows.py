@@ -3,7 +3,7 @@ batch builder), whichever trainer runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["Row"]
 
@@ -25,3 +25,4 @@ class Row:
     versions: Optional[list[int]] = None  # asynchronous trainers: the policy version that sampled each token
     response_mask: Optional[list[int]] = None  # multi-turn: 1 on model tokens, 0 on tool / environment tokens
     agent: Optional[dict] = None  # multi-turn: the trajectory's stats (rlhf_mcore.agents.rollout.trajectory_info)
+    routes: Any = None  # MoE, recorded by the rollout: (prompt + response - 1, n, k) expert ids (Sample.routes)

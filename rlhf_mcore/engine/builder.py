@@ -23,6 +23,20 @@ def recompute_overrides(enabled: bool) -> dict:
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if enabled else {}
 
 
+def _replay_overrides(path, role: str, ecfg: EngineConfig) -> dict:
+    """Routers with a `RouterReplay` (rlhf_mcore.models.routing_replay) for a MoE actor (which also records its
+    routes for the routing metrics) and for a reference that replays the rollout's routes; none otherwise."""
+    from rlhf_mcore.engine.routes import replay_key
+    from rlhf_mcore.models import ModelShape
+    from rlhf_mcore.models.routing_replay import replay_config_overrides
+
+    if role not in ("actor", "ref") or not ModelShape.from_hf_dir(path).is_moe:
+        return {}
+    if role == "actor" or replay_key(ecfg.router_replay, role, "forward") is not None:
+        return replay_config_overrides()
+    return {}
+
+
 def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: bool = True) -> TrainEngine:
     """Build the model of `role` ("actor", "ref" or "critic") from its HF directory and wrap it.
 
@@ -45,7 +59,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         lora = LoraSpec.from_config(arr.model, "actor_rollout_ref.model")
     elif role == "ref":
         path = arr.model.path
-        ecfg, optim = EngineConfig.from_ref(arr.ref, arr.model, arr.rollout), None
+        ecfg, optim = EngineConfig.from_ref(arr.ref, arr.model, arr.rollout, arr.actor.router_replay.mode), None
         megatron, dtype, recompute = arr.ref.megatron, _dtype(arr.model.dtype), False
     elif role == "critic":
         c = cfg.critic
@@ -64,7 +78,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
                              "unset (off with LoRA).")
         ecfg = dataclasses.replace(ecfg, cuda_graphs=False)
     overrides = {**recompute_overrides(recompute), **pipeline_split(cfg),  # every role: the actor's stage split
-                 **moe_overrides(megatron)}
+                 **moe_overrides(megatron), **_replay_overrides(path, role, ecfg)}
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,

@@ -52,6 +52,9 @@ class EngineConfig:
     # -- the decoder as CUDA graphs (rlhf_mcore.engine.cuda_graphs): None where supported for micro-batches of at
     # most AUTO_MAX_TOKENS tokens, True for all (required), False off
     cuda_graphs: Optional[bool] = None
+    # -- routing replay of MoE models (veRL's actor.router_replay.mode): disabled | R2 | R3; which pass replays which
+    # routes is rlhf_mcore.engine.routes.replay_key
+    router_replay: str = "disabled"
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -128,7 +131,8 @@ class EngineConfig:
             kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, grad_clip=actor.grad_clip,
             loss_scale_factor=getattr(actor, "loss_scale_factor", None),
             temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
-            logprob_backend=getattr(actor, "logprob_backend", "auto"), cuda_graphs=actor.megatron.cuda_graphs)
+            logprob_backend=getattr(actor, "logprob_backend", "auto"), cuda_graphs=actor.megatron.cuda_graphs,
+            router_replay=actor.router_replay.mode if hasattr(actor, "router_replay") else "disabled")
 
     @classmethod
     def from_critic(cls, critic, actor, rollout, dp_size: int) -> "EngineConfig":
@@ -145,14 +149,16 @@ class EngineConfig:
             cliprange_value=critic.cliprange_value, grad_clip=critic.grad_clip, cuda_graphs=critic.megatron.cuda_graphs)
 
     @classmethod
-    def from_ref(cls, ref, model, rollout) -> "EngineConfig":
-        """From `actor_rollout_ref.ref` (RefConfig): forward-only, no optimizer."""
+    def from_ref(cls, ref, model, rollout, router_replay: str = "disabled") -> "EngineConfig":
+        """From `actor_rollout_ref.ref` (RefConfig): forward-only, no optimizer; `router_replay`: the actor's mode
+        (R3 replays the rollout's routes in the reference pass too)."""
         return cls(
             role="ref", micro_batch_size=ref.log_prob_micro_batch_size_per_gpu or 1,
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz, max_token_len=ref.log_prob_max_token_len_per_gpu,
             use_remove_padding=model.use_remove_padding, seed=ref.megatron.seed,
             temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
-            logprob_backend=getattr(ref, "logprob_backend", "auto"), cuda_graphs=ref.megatron.cuda_graphs)
+            logprob_backend=getattr(ref, "logprob_backend", "auto"), cuda_graphs=ref.megatron.cuda_graphs,
+            router_replay=router_replay)
 
 
 def _per_rank(prompts: int, n: int, dp_size: int, key: str) -> int:

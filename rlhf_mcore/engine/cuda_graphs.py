@@ -73,6 +73,9 @@ def graphs_supported(config, state, chunks: int, packed: bool) -> Optional[str]:
                 "flight at once, each graph holds one")
     if state.dims.tp > 1 or getattr(config, "context_parallel_size", 1) > 1:
         return "TP or CP > 1 (collectives inside the layers are not verified under capture)"
+    if getattr(config, "num_moe_experts", None):
+        return ("a mixture-of-experts model (its experts' token groups change size with the routing, and routing "
+                "replay sets each micro-batch's routes)")
     if getattr(config, "recompute_granularity", None):
         return "activation recompute (enable_gradient_checkpointing) re-runs layers in the backward"
     if getattr(config, "hidden_dropout", 0.0) or getattr(config, "attention_dropout", 0.0):

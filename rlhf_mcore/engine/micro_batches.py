@@ -7,7 +7,7 @@ Karmarkar-Karp so they hold similar token counts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -25,6 +25,8 @@ class MicroBatch:
     inputs: ModelInputs  # what the model reads
     data: dict[str, torch.Tensor]  # (b, R) per-row loss inputs: response_mask, old_log_probs, advantages, ...
     index: torch.Tensor  # (b,) row of each sequence in the batch it came from
+    routes: Optional[torch.Tensor] = None  # (T, n, k) expert ids to replay, in the routers' order (engine.routes)
+    recorded: dict = field(default_factory=dict)  # MoE layer index -> (T, k) ids its router picked (recording)
 
 
 def batch_size_of(batch: dict) -> int:
@@ -68,8 +70,8 @@ def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic
 
 def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, ...], packed: bool,
                        pad_to_multiple_of: int = 1, explicit_mask: bool = True,
-                       uniform_shape: bool = False, static_shape: Optional[tuple[int, int]] = None
-                       ) -> list[MicroBatch]:
+                       uniform_shape: bool = False, static_shape: Optional[tuple[int, int]] = None,
+                       routes_key: Optional[str] = None) -> list[MicroBatch]:
     """Cut `batch` along `plan` and build each part's model inputs; `keys` are the (B, R) loss inputs.
 
     `uniform_shape`: pad every micro-batch to the largest one's shape. Pipeline parallelism needs it:
@@ -78,8 +80,10 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     micro-batches the padding is small.
     `static_shape` (packed): `(tokens, documents)` every micro-batch is padded to (CUDA graphs, see
     :func:`rlhf_mcore.engine.cuda_graphs.static_shape`).
+    `routes_key`: the batch's (B, L, n, k) routes each micro-batch replays, in its routers' order (`MicroBatch.routes`).
     """
-    missing = [k for k in ("input_ids", "attention_mask", *keys) if k not in batch]
+    missing = [k for k in ("input_ids", "attention_mask", *keys, *([routes_key] if routes_key else []))
+               if k not in batch]
     if missing:
         raise KeyError(f"the batch lacks {missing}; it has {sorted(k for k in batch)}")
     R = response_length_of(batch)
@@ -102,5 +106,10 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
                                     explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows,
                                     pad_docs_to=pad_docs)
         data = {k: batch[k].index_select(0, index) for k in keys}
-        out.append(MicroBatch(inputs, data, index))
+        routes = None
+        if routes_key is not None:
+            from rlhf_mcore.engine.routes import to_router_order
+
+            routes = to_router_order(batch[routes_key].index_select(0, index), mask, inputs)
+        out.append(MicroBatch(inputs, data, index, routes))
     return out

@@ -47,6 +47,10 @@ class ModelInputs:
     response_length: int  # R
     num_tokens: int  # real (non-pad) tokens in the micro-batch
     seqlens: list[int]  # real tokens per sequence
+    # (num_tokens,) where each real token (row-major over the (B, L) input's real tokens) sits in the order the MoE
+    # routers see the model's tokens: Megatron's (S, B') activations flattened sequence-major (packed: the packed
+    # order); routing replay's map (rlhf_mcore.engine.routes)
+    router_index: Optional[torch.Tensor] = None
 
     @property
     def packed(self) -> bool:
@@ -125,7 +129,7 @@ def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
                                  max_seqlen_kv=max_len)
         rows = offsets[b_idx] + pred_pos  # (M,)
         return ModelInputs(tokens[None], positions[None], None, params, rows, labels, grid_index, B, R,
-                           num_tokens, seqlens)
+                           num_tokens, seqlens, router_index=torch.arange(num_tokens, device=device))
 
     S = max(natural_length(seqlens, False, pad_to_multiple_of), pad_to_length)
     rows_model = max(B, pad_to_rows)
@@ -138,4 +142,6 @@ def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
         causal = torch.triu(torch.ones(S, S, dtype=torch.bool, device=device), diagonal=1)  # (S, S) True: future
         mask = causal[None, None].expand(rows_model, 1, S, S)  # (B', 1, S, S)
     rows = b_idx * S + pred_pos  # (M,)
-    return ModelInputs(tokens, positions, mask, None, rows, labels, grid_index, B, R, num_tokens, seqlens)
+    router_index = rank[vb, vc] * rows_model + vb  # (num_tokens,) the (S, B') layout, sequence-major
+    return ModelInputs(tokens, positions, mask, None, rows, labels, grid_index, B, R, num_tokens, seqlens,
+                       router_index=router_index)

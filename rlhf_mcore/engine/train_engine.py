@@ -152,16 +152,20 @@ class TrainEngine:
     # ------------------------------------------------------------------ forward-only
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: dict, with_entropy: Optional[bool] = None
-                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def compute_log_probs(self, batch: dict, with_entropy: Optional[bool] = None, record_routes: bool = False):
         """Log-probs and entropy of the response tokens under `softmax(logits / temperature)`.
 
         Returns `(log_probs (B, R), entropy (B, R) or None)`, fp32, zero where the response is padding, on
         every rank of the model replica, on the device of `batch["input_ids"]`. `with_entropy` defaults to True
-        for the actor, False for the ref.
+        for the actor, False for the ref. Under routing replay (`cfg.router_replay`, :func:`routes.replay_key`) the
+        MoE layers take the batch's routes. `record_routes` (a MoE model built with routing replay): a third
+        element, the (B, L, n, k) expert ids this rank's MoE layers picked from their own scores (another pipeline
+        stage's layers hold filler routes; :mod:`rlhf_mcore.engine.routes`).
         """
         if self.cfg.role in ("critic", "reward"):
             raise RuntimeError(f"a {self.cfg.role} engine has no log-probs (its head is a width-1 score)")
+        if record_routes and self.moe_shape is None:
+            raise ValueError("record_routes=True needs a mixture-of-experts model (this one has no routers)")
         with_entropy = self.cfg.role == "actor" if with_entropy is None else with_entropy
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
 
@@ -169,8 +173,36 @@ class TrainEngine:
             lp, ent = score_tokens(output, mb.inputs, self.cfg, self.state.tp_group, self.vocab_size, with_entropy)
             return {"log_probs": lp, "entropy": ent} if with_entropy else {"log_probs": lp}
 
-        out = self._forward_only(batch, collect, keys)
+        out = self._forward_only(batch, collect, keys, self._replay_key("forward", batch), record_routes)
+        if record_routes:
+            return out["log_probs"], out.get("entropy"), out["routes"]
         return out["log_probs"], out.get("entropy")
+
+    # ------------------------------------------------------------------ routing replay (MoE)
+
+    @property
+    def moe_shape(self):
+        """The model's `ModelShape` when it is a mixture-of-experts model, else None."""
+        shape = getattr(self.chunks[0], "hf_shape", None)
+        return shape if shape is not None and shape.is_moe else None
+
+    @property
+    def local_moe_layers(self) -> list[int]:
+        """The indices (among the model's MoE layers) of this rank's MoE layers: what its routes record."""
+        from rlhf_mcore.models.routing_replay import chunk_routers
+
+        return sorted(j for c in self.chunks for j, _ in chunk_routers(c))
+
+    def _replay_key(self, phase: str, batch: dict) -> Optional[str]:
+        """The batch key whose routes this pass replays (:func:`routes.replay_key`), checked to be there."""
+        from rlhf_mcore.engine.routes import replay_key
+
+        key = replay_key(self.cfg.router_replay, self.cfg.role, phase)
+        if key is not None and key not in batch:
+            raise KeyError(f"actor_rollout_ref.actor.router_replay.mode={self.cfg.router_replay} replays the batch's "
+                           f"'{key}' in the {self.cfg.role}'s {phase} pass, but the batch has none (R3: the rollout "
+                           f"records them with rollout.enable_rollout_routing_replay; R2: the old-log-prob pass)")
+        return key
 
     @torch.no_grad()
     def compute_values(self, batch: dict) -> torch.Tensor:
@@ -181,7 +213,8 @@ class TrainEngine:
         return self._forward_only(batch, lambda out, mb: {"values": token_values(out, mb.inputs)}, ("values",))[
             "values"]
 
-    def _forward_only(self, batch: dict, collect, keys) -> dict[str, torch.Tensor]:
+    def _forward_only(self, batch: dict, collect, keys, replay_key: Optional[str] = None,
+                      record_routes: bool = False) -> dict[str, torch.Tensor]:
         self._require_onloaded()
         home = batch["input_ids"].device  # results go back where the batch lives (the trainer keeps it on CPU)
         batch = self._to_device(batch)
@@ -194,7 +227,7 @@ class TrainEngine:
         mbs = make_micro_batches(batch, plan, keys=(), packed=self.cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
                                  uniform_shape=self.state.dims.pp > 1,
-                                 static_shape=self._static_shape(plan, seqlens, grad=False))
+                                 static_shape=self._static_shape(plan, seqlens, grad=False), routes_key=replay_key)
         for m in self.modules:
             m.eval()
 
@@ -203,14 +236,29 @@ class TrainEngine:
             out["index"] = mb.index
             return torch.zeros((), device=output.device), out
 
-        results = self._run_schedule(mbs, loss_func, forward_only=True)
+        results = self._run_schedule(mbs, loss_func, forward_only=True, record_routes=record_routes)
         out = {k: torch.zeros(B, R, dtype=torch.float32, device=self.state.device) for k in keys}
         if self.state.is_last_stage:
             for r in results:
                 for k in keys:
                     out[k].index_copy_(0, r["index"], r[k].float())
         self._broadcast_from_last_stage(list(out.values()))
+        if record_routes:
+            out["routes"] = self._gather_recorded(batch, mbs)
         return {k: v.to(home) for k, v in out.items()}
+
+    def _gather_recorded(self, batch: dict, mbs: list[MicroBatch]) -> torch.Tensor:
+        """The routes the micro-batches recorded, as the batch layout (B, L, n, k)."""
+        from rlhf_mcore.engine.routes import from_router_order
+        from rlhf_mcore.models.routing_replay import route_dtype
+
+        shape = self.moe_shape
+        mask = batch["attention_mask"]
+        n, k, dtype = len(shape.moe_layers), shape.moe_top_k, route_dtype(shape.num_experts)
+        routes = torch.empty(*mask.shape, n, k, dtype=dtype, device=mask.device)
+        for mb in mbs:
+            routes[mb.index] = from_router_order(mb.recorded, mask.index_select(0, mb.index), mb.inputs, n, k, dtype)
+        return routes
 
     # ------------------------------------------------------------------ training
 
@@ -294,7 +342,8 @@ class TrainEngine:
         mbs = make_micro_batches(sub, plan, keys=keys, packed=cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
                                  uniform_shape=self.state.dims.pp > 1,
-                                 static_shape=self._static_shape(plan, seqlens, grad=True))
+                                 static_shape=self._static_shape(plan, seqlens, grad=True),
+                                 routes_key=self._replay_key("update", sub))
         ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
                           scale=float(len(mbs) * state.dims.dp))
         for m in self.modules:
@@ -366,17 +415,26 @@ class TrainEngine:
         """CUDA graphs captured so far (0 without graphs); a count that grows every step means shapes vary."""
         return sum(g.captures for g in self._graphs)
 
-    def _run_schedule(self, mbs: list[MicroBatch], loss_func, forward_only: bool) -> list:
+    def _run_schedule(self, mbs: list[MicroBatch], loss_func, forward_only: bool, record_routes: bool = False
+                      ) -> list:
         """Run micro-batches through Megatron's schedule; `loss_func(mb, output) -> (loss, dict)` runs on the
-        last pipeline stage. Returns the dicts (last stage only)."""
-        from contextlib import ExitStack
+        last pipeline stage. Returns the dicts (last stage only). A micro-batch's MoE layers replay `mb.routes`
+        when set; `record_routes` fills `mb.recorded` (:func:`rlhf_mcore.models.routing_replay.routed`)."""
+        from contextlib import ExitStack, nullcontext
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from rlhf_mcore.models.routing_replay import route_dtype, routed
+
+        compact = route_dtype(self.moe_shape.num_experts) if record_routes else None  # kept until the pass ends
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             x = mb.inputs
-            output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params)
+            replay = mb.routes is not None or record_routes
+            with routed(model, mb.routes, record_routes) if replay else nullcontext({}) as recorded:
+                output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params)
+            mb.recorded.update({j: ids.to(compact) for j, ids in recorded.items()})
             return output, partial(loss_func, mb)
 
         iterators = [iter(mbs) for _ in self.modules] if len(self.modules) > 1 else iter(mbs)

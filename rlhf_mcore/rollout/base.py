@@ -111,11 +111,14 @@ class SamplingParams:
 
 @dataclass
 class Sample:
-    """One sampled response: its tokens, their log-probs (same length) and why it ended."""
+    """One sampled response: its tokens, their log-probs (same length) and why it ended. `routes` (a MoE model in
+    an engine that records them; R3 replays them): the (P + T - 1, n, k) expert ids each MoE layer routed each token
+    fed to the model to -- the P prompt tokens and the T response tokens but the last, which is never fed back."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT
+    routes: Any = None  # torch.Tensor (P + T - 1, n, k), integers (models.routing_replay.route_dtype), or None
 
 
 @dataclass

@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from rlhf_mcore import algos
+from rlhf_mcore.engine.routes import OLD_ROUTES, ROLLOUT_ROUTES
 from rlhf_mcore.parallel.collectives import group_all_reduce
 from rlhf_mcore.trace import span
 from rlhf_mcore.trainer.hooks import PhaseTimer
@@ -24,16 +27,25 @@ class Learner:
     def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
         """A generated batch to an update (steps 4-6 of every mode). Returns their metrics."""
         with t("old_log_prob"):
-            self.forward_passes(batch)
+            route_metrics = self.forward_passes(batch)
         with t("adv"):
             adv_metrics = self.compute_advantages(batch)
             corr_metrics = self.correct_rollout(batch)  # off-policy IS weights / rejection
         with t("update"):
-            return {**adv_metrics, **corr_metrics, **self.update(batch)}
+            return {**route_metrics, **adv_metrics, **corr_metrics, **self.update(batch)}
 
-    def forward_passes(self, batch: dict[str, Any]) -> None:
+    def forward_passes(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Old and reference log-probs, values. A MoE actor records its routes in the old-log-prob pass (R2 replays
+        them in the update); returns the routing metrics (:meth:`routing_metrics`)."""
+        metrics = {}
         if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
             batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif getattr(self.actor, "moe_shape", None) is not None:
+            batch["old_log_probs"], batch["old_entropy"], routes = self.actor.compute_log_probs(batch,
+                                                                                              record_routes=True)
+            if self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2":
+                batch[OLD_ROUTES] = routes
+            metrics = self.routing_metrics(batch, routes)
         else:
             batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
         if self.ref is not None:
@@ -42,6 +54,34 @@ class Learner:
         if self.critic is not None:
             with span("values"):
                 batch["values"] = self.critic.compute_values(batch)
+        return metrics
+
+    def routing_metrics(self, batch: dict[str, Any], trainer_routes) -> dict[str, float]:
+        """MoE routing, over the whole step (every DP rank's tokens, every pipeline stage's MoE layers):
+        `actor/moe_routing_mismatch/{mean,max}` (over MoE layers, the fraction of the tokens the rollout routed --
+        prompt and response but its last token -- whose top-k expert set in the old-log-prob pass differs from the
+        rollout's; when the rollout recorded routes) and `actor/moe_expert_load/{mean,max}` (over MoE layers, the
+        busiest expert's tokens over the mean per expert, in the routes the update takes: the rollout's under R3,
+        else the old-log-prob pass's)."""
+        from rlhf_mcore.models.routing_replay import expert_counts, mismatch_counts, routing_summary
+
+        shape, state = self.actor.moe_shape, self.state
+        local = torch.zeros(len(shape.moe_layers), dtype=torch.bool)
+        local[self.actor.local_moe_layers] = True  # this pipeline stage's MoE layers
+        real = batch["attention_mask"].bool()  # (B, L)
+        rollout = batch.get(ROLLOUT_ROUTES)
+        used = rollout if self.cfg.actor_rollout_ref.actor.router_replay.mode == "R3" else trainer_routes
+        counts = expert_counts(used, real, shape.num_experts) * local[:, None]  # (n, E)
+        mismatch = None
+        if rollout is not None:
+            fed = real.clone()  # the rollout never fed a row's last token back: it has no routes
+            fed[torch.arange(real.shape[0]), real.shape[1] - 1 - real.flip(1).long().argmax(1)] = False
+            mismatch = mismatch_counts(trainer_routes, rollout, fed) * local[:, None]  # (n, 2)
+        both = torch.cat([counts, mismatch if mismatch is not None else counts.new_zeros(len(local), 2)], 1)
+        for group in (state.dp_group, state.pp_group):
+            both = group_all_reduce(both, group)
+        e = shape.num_experts
+        return routing_summary(both[:, e:] if mismatch is not None else None, both[:, :e], "actor/")
 
     def compute_advantages(self, batch: dict[str, Any]) -> dict[str, float]:
         """`advantages` and `returns` into the batch; returns PRIME's metrics or the KL-in-reward penalty's

@@ -102,6 +102,8 @@ def build_scorer(cfg: RLConfig):
 
 
 def build_rollout(cfg: RLConfig, state: ParallelState):
+    from rlhf_mcore.config import rollout_records_routes
+
     r = cfg.actor_rollout_ref.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     kwargs = {}
@@ -109,7 +111,7 @@ def build_rollout(cfg: RLConfig, state: ParallelState):
         kwargs = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=state.device,
                       dtype=None if r.dtype == "auto" else r.dtype, cuda_graphs=None if not r.enforce_eager else False,
                       load_weights=False, weight_offload="drop" if r.sleep_level == 2 else "cpu",
-                      quantization=r.quantization)
+                      quantization=r.quantization, record_routes=rollout_records_routes(cfg))
         if r.tensor_model_parallel_size > 1:
             kwargs["tp_group"] = rollout_tp_group(state, r.tensor_model_parallel_size)
     elif r.name == "hf":
@@ -261,6 +263,7 @@ class AdapterFreeReference:
         self.actor = actor
 
     def compute_log_probs(self, batch: dict, with_entropy: bool = False):
+        """Under router_replay R3 the actor replays the rollout's routes here too, as a reference engine would."""
         from rlhf_mcore.models.lora import adapters_disabled
 
         with adapters_disabled(self.actor.chunks):

@@ -93,7 +93,8 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
             baselines = engine.generate([list(prompts[i]) for i in share], greedy, request_ids=share)
         for k, (i, out) in enumerate(zip(share, outs)):
             for j, s in enumerate(out.samples):
-                local.append(Row(i, j, list(prompts[i]), list(s.token_ids), list(s.logprobs), s.finish_reason))
+                local.append(Row(i, j, list(prompts[i]), list(s.token_ids), list(s.logprobs), s.finish_reason,
+                                 routes=s.routes))
             if baselines is not None:
                 for row in local[-len(out.samples):]:
                     row.baseline_ids = list(baselines[k].samples[0].token_ids)  # scored below
@@ -157,7 +158,7 @@ def _generate_scoring_as_they_finish(engine, scorer, prompts, share: list[int], 
             for f in engine.step():
                 i, j = f.request.tag, f.request.sample
                 rows[(i, j)] = row = Row(i, j, list(prompts[i]), list(f.sample.token_ids), list(f.sample.logprobs),
-                                         f.sample.finish_reason)
+                                         f.sample.finish_reason, routes=f.sample.routes)
                 new.append(row)
             if stream is not None and new:
                 m = [meta[r.prompt_pos] for r in new]

@@ -32,7 +32,7 @@ def continuation(f: Finished) -> Request:
     r = f.request
     return Request(request_id=r.request_id, prompt_ids=r.prompt_ids, sample=r.sample, tag=r.tag,
                    max_new_tokens=r.max_new_tokens,
-                   prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT))
+                   prefix=Sample(list(f.sample.token_ids), list(f.sample.logprobs), FINISH_ABORT, f.sample.routes))
 
 
 class Stream:
@@ -100,7 +100,7 @@ class SampleStream(Stream):
         for f in finished:
             uid, j, s = f.request.tag, f.request.sample, f.sample
             out.append((uid, Row(0, j, self.prompts[uid], list(s.token_ids), list(s.logprobs), s.finish_reason,
-                                 versions=list(self.versions[uid][j]))))
+                                 versions=list(self.versions[uid][j]), routes=s.routes)))
             self.left[uid] -= 1
             if not self.left[uid]:
                 del self.prompts[uid], self.versions[uid], self.left[uid]

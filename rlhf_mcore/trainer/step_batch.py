@@ -18,7 +18,8 @@ def rows_to_batch(rows: Sequence[Row], prompt_ids: Sequence[int], train_set, pad
     meta = {key: [it[key] for it in items] for key in ("data_source", "ground_truth")}
     batch = build_batch([r.prompt_ids for r in rows], [r.response_ids for r in rows], [r.logprobs for r in rows],
                         [r.finish_reason for r in rows], [r.prompt_pos for r in rows], meta,
-                        pad_token_id=pad_token_id, response_masks=[r.response_mask for r in rows])
+                        pad_token_id=pad_token_id, response_masks=[r.response_mask for r in rows],
+                        routes=[r.routes for r in rows])
     last = last_response_token(batch["response_mask"])  # (B,) the reward sits on the last model token
     scores = torch.tensor([r.score for r in rows])
     batch["token_level_scores"] = torch.zeros_like(batch["rollout_log_probs"]).scatter(

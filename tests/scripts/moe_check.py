@@ -9,13 +9,16 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
 - per layout "save_hf": writes an HF directory with `save_hf_checkpoint` (pytest compares it bitwise);
 - per layout "load_mcore": loads a Megatron checkpoint saved under another layout, exports it bitwise, and
   converts it to HF (`convert_checkpoint.mcore_to_hf`);
-- per layout "replay": routing replay (R3, R2) against perturbed routing (`replay_check`);
+- per layout "replay": routing replay R3 through the train engine and the learner against flipped routing
+  (`replay_check`; tests/test_moe_replay.py does the same in one process, with the native engine's routes);
 - per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
   (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
 
 Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
 """
 import re
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -73,68 +76,79 @@ def aux_losses(hf_dir, state, ids, pos) -> dict:
                       "actor/moe_z_loss": sum(z for _, z in naive) / len(naive)}}
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """log p(next token) (B, S - 1) from (B, S, V_padded) logits."""
-    logp = torch.log_softmax(logits[..., :vocab].float(), -1)
-    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+@contextmanager
+def flipped_routing(*engines):
+    """Every router of the engines' chunks gets +50 on the logit of the first expert outside each token's own top-k:
+    every token's routes flip, while the logits of the experts it routed to stay as they were (so a pass replaying
+    the unperturbed routes of a Qwen3-MoE model computes exactly what the unperturbed model does)."""
+    from rlhf_mcore.models.routing_replay import chunk_routers
+
+    routers = [r for e in engines for c in e.chunks for _, r in chunk_routers(c)]
+
+    def flip(gating, k):
+        def gate(x):
+            logits = gating(x)  # (S, B, E)
+            top = logits.topk(k, dim=-1).indices
+            outside = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+            return logits + 50.0 * torch.nn.functional.one_hot(outside.float().argmax(-1), logits.shape[-1])
+        return gate
+
+    for r in routers:
+        r.gating = flip(r.gating, r.topk)
+    try:
+        yield
+    finally:
+        for r in routers:
+            del r.gating  # back to the class's method
 
 
-def biased(gating, bias: torch.Tensor):
-    """A router's gating with `bias` (S, B, experts) added to its logits."""
-    return lambda x: gating(x) + bias
-
-
-def replay_check(hf_dir, state, ids, pos) -> dict:
-    """Routing replay against perturbed routing. The "rollout" routes are transformers' (the native engine's equal
-    them: tests/test_moe_rollout.py); the perturbation adds +50 to the router logit of one expert outside each
-    token's rollout set, in every MoE layer, so every token's routes flip without replay while the replayed
-    experts' logits stay as they were."""
+def replay_check(hf_dir, state, docs) -> dict:
+    """R3 at this layout: a batch whose rows carry transformers' routes (what the native engine records: its equality
+    is tests/test_moe_rollout.py's) and log-probs as the rollout's; each rank its own rows (EP: tokens cross ranks).
+    With routing flipped, the learner's old-log-prob pass (replaying) gives transformers' log-probs and sees every
+    token's routes flipped; the engine without replay does not. Returns the largest gaps over ranks."""
     import transformers
 
-    from rlhf_mcore.models import build_model
-    from rlhf_mcore.models.routing_replay import recording, replay_config_overrides, replaying, routing_mismatch
+    from rlhf_mcore.config import load_config
+    from rlhf_mcore.data.batch import build_batch
+    from rlhf_mcore.trainer import roles
+    from rlhf_mcore.trainer.learner import Learner
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        hf_out = hf(ids, output_router_logits=True)
     k = hf.config.num_experts_per_tok
-    b, s = ids.shape
-    rollout = [lg.topk(k, dim=-1).indices.reshape(b, s, k) for lg in hf_out.router_logits]  # per layer (B, S, k)
-    vocab = hf.config.vocab_size
-    ref = token_logprobs(hf_out.logits, ids, vocab)
-    chunks = build_model(hf_dir, state, config_overrides=replay_config_overrides())
-    model = chunks[0]
-    mask = torch.ones(b, s)
-    with torch.no_grad():
-        with recording(chunks, b) as trainer_routes:
-            plain = token_logprobs(model(ids, pos, None), ids, vocab)
-        routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
-        for router, routes in zip(routers, rollout):
-            flat = routes.transpose(0, 1).reshape(-1, k)  # Megatron's (S B) order
-            outside = torch.ones(flat.shape[0], router.weight.shape[0], dtype=torch.bool)
-            outside[torch.arange(flat.shape[0])[:, None], flat] = False
-            bias = torch.zeros(outside.shape)
-            bias[torch.arange(flat.shape[0]), outside.float().argmax(-1)] = 50.0  # the first expert not routed to
-            router.gating = biased(router.gating, bias.view(s, b, -1))  # the gating's logits are (S, B, E)
-        with recording(chunks, b) as perturbed_routes:
-            perturbed = token_logprobs(model(ids, pos, None), ids, vocab)
-        with replaying(chunks, rollout):  # R3: the rollout's routes
-            r3 = token_logprobs(model(ids, pos, None), ids, vocab)
-        with replaying(chunks, trainer_routes):  # R2: the routes an earlier (old-log-prob) pass recorded
-            r2 = token_logprobs(model(ids, pos, None), ids, vocab)
-    with replaying(chunks, rollout):  # the update pass: gradients flow through replayed routes
-        model.train()
-        r3_grad = token_logprobs(model(ids, pos, None), ids, vocab)
-        r3_grad.sum().backward()
-        model.eval()
-    grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    return {"plain_vs_hf": (plain - ref).abs().max().item(),
-            "trainer_vs_rollout_routes": routing_mismatch(trainer_routes, rollout, mask),
-            "perturbed_vs_rollout_routes": routing_mismatch(perturbed_routes, rollout, mask),
-            "perturbed_vs_hf": (perturbed - ref).abs().max().item(), "r3_vs_hf": (r3 - ref).abs().max().item(),
-            "r2_vs_plain": (r2 - plain).abs().max().item(),
-            "r3_grad_vs_hf": (r3_grad.detach() - ref).abs().max().item(),
-            "grads_finite": bool(grads_finite)}
+    mine = docs[state.dp_rank:] + docs[:state.dp_rank]  # another order (and shapes) on each DP rank
+    prompts, responses, logprobs, routes = [], [], [], []
+    for d in mine:
+        with torch.no_grad():
+            out = hf(d[None], output_router_logits=True)
+        lp = torch.log_softmax(out.logits[0].float(), -1)[:-1].gather(-1, d[1:, None])[:, 0]  # (n - 1,)
+        prompts.append(d[:4].tolist())
+        responses.append(d[4:].tolist())
+        logprobs.append(lp[3:].tolist())
+        routes.append(torch.stack([lg.topk(k, -1).indices for lg in out.router_logits], 1)[:-1].to(torch.uint8))
+    batch = build_batch(prompts, responses, logprobs, ["stop"] * len(mine), list(range(len(mine))), {},
+                        pad_token_id=0, routes=routes)
+    n = len(mine) * state.dims.dp
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={hf_dir}", "trainer.device=cpu",
+                             f"data.train_batch_size={n}", "actor_rollout_ref.rollout.n=1",
+                             f"actor_rollout_ref.actor.ppo_mini_batch_size={n}",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                             "actor_rollout_ref.actor.router_replay.mode=R3"])
+    actor = roles.build_actor(cfg, state, total_steps=1)
+    want, mask = batch["rollout_log_probs"], batch["response_mask"]
+    with flipped_routing(actor):
+        b = dict(batch)
+        metrics = Learner(cfg, state, actor).forward_passes(b)
+        saved = actor.cfg
+        actor.cfg = replace(saved, router_replay="disabled")
+        plain, _ = actor.compute_log_probs(batch)
+        actor.cfg = saved
+    gaps = torch.tensor([float(((b["old_log_probs"] - want).abs() * mask).max()),
+                         -float(((plain - want).abs() * mask).max())])
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    return {"r3_vs_hf": gaps[0].item(), "plain_vs_hf": -gaps[1].item(),
+            "mismatch": metrics["actor/moe_routing_mismatch/mean"], "load": metrics["actor/moe_expert_load/mean"]}
 
 
 def run_layout(layout, spec, out: Path, results: dict):
@@ -170,8 +184,7 @@ def run_layout(layout, spec, out: Path, results: dict):
             ids, pos, _ = cases["plain"]
             res[f"{model_name}/aux"] = aux_losses(hf_dir, state, ids, pos)
         if model_name in layout.get("replay", []):
-            ids, pos, _ = cases["plain"]
-            res[f"{model_name}/replay"] = replay_check(hf_dir, state, ids, pos)
+            res[f"{model_name}/replay"] = replay_check(hf_dir, state, docs)
         if model_name in layout.get("save_hf", []):
             save_hf_checkpoint(chunks, state, out / f"{name}_{model_name}_hf", hf_dir, max_shard_bytes=40_000)
         del chunks

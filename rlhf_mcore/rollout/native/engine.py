@@ -128,6 +128,9 @@ class NativeRolloutEngine(RolloutEngine):
     quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py): in
     `finish_weight_update` at the sync's end, else at the next generation (`last_stats["fp8_quantize_s"]`);
     fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
+    record_routes (MoE models; routing replay R3): every sample comes back with `Sample.routes`, the top-k expert
+    ids each MoE layer routed each of its tokens to (a per-slot, per-position buffer written by every prefill and
+    decode step; a continuation's prefix is routed again by its prefill, under the weights of that time).
     """
 
     supports_streaming = True
@@ -137,7 +140,7 @@ class NativeRolloutEngine(RolloutEngine):
                  attention: str | None = None, sampler: str | None = None, fused_kernels: bool | None = None,
                  decode_splits: int | None = None, max_prefill_tokens: int = 32768, admit_fraction: float = 0.125,
                  weight_offload: str = "cpu", load_weights: bool = True, show_progress: bool = False,
-                 quantization: str | None = None, fp8_layout: str | None = None):
+                 quantization: str | None = None, fp8_layout: str | None = None, record_routes: bool = False):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model_dir={str(model_dir)!r} is not a directory; pass a Hugging Face model "
@@ -162,6 +165,12 @@ class NativeRolloutEngine(RolloutEngine):
         self.use_graphs = on_gpu and not self.spec.is_moe if cuda_graphs is None else bool(cuda_graphs)
         if self.use_graphs and not on_gpu:
             raise ValueError("cuda_graphs=True needs a CUDA device; leave it unset on CPU.")
+        if record_routes and not self.spec.is_moe:
+            raise ValueError(f"record_routes=True needs a mixture-of-experts model; {self.spec.architecture} has no "
+                             "experts (actor_rollout_ref.rollout.enable_rollout_routing_replay: unset it).")
+        if record_routes and self.use_graphs:
+            raise ValueError("record_routes=True records routes in eager decode steps: set cuda_graphs=False.")
+        self.record_routes = record_routes
         sampler = sampler or ("triton" if on_gpu else "torch")
         if sampler not in ("triton", "torch"):
             raise ValueError(f"sampler={sampler!r}: choose 'triton' (fused kernel, GPU) or 'torch'.")
@@ -231,6 +240,13 @@ class NativeRolloutEngine(RolloutEngine):
         self.resp_tokens = torch.zeros(n + 1, self.max_model_len + 1, dtype=torch.int64, device=dev)
         self.resp_logprobs = torch.zeros(n + 1, self.max_model_len + 1, dtype=torch.float32, device=dev)
         self._done_host = torch.zeros(n, dtype=torch.bool, pin_memory=dev.type == "cuda")
+        self.seq_routes = None  # (slots + 1, max_len + 1, moe layers, k): each slot's routes by position
+        if self.record_routes:
+            from rlhf_mcore.models.routing_replay import route_dtype
+
+            spec = self.spec
+            self.seq_routes = torch.zeros(n + 1, self.max_model_len + 1, len(spec.moe_layers), spec.moe_top_k,
+                                          dtype=route_dtype(spec.num_experts), device=dev)
         self._splits_cache: dict[int, int] = {}
         self._row_buffers = (self.r_tokens, self.r_pos, self.r_slot, self.r_key, self.r_step, self.r_limit,
                              self.r_inv_temp, self.r_greedy, self.r_done)
@@ -419,7 +435,7 @@ class NativeRolloutEngine(RolloutEngine):
             if seq.n_prefix and (prefix.token_ids[-1] in self._stop_set or seq.n_prefix >= seq.limit):
                 reason = FINISH_STOP if prefix.token_ids[-1] in self._stop_set else FINISH_LENGTH
                 self._ready.append(Finished(seq.request, Sample(list(prefix.token_ids), list(prefix.logprobs),
-                                                                reason)))
+                                                                reason, prefix.routes)))
             else:
                 self._waiting.append(seq)
 
@@ -461,7 +477,8 @@ class NativeRolloutEngine(RolloutEngine):
         for seq in self._waiting:
             prefix = seq.request.prefix
             tokens, logprobs = (list(prefix.token_ids), list(prefix.logprobs)) if prefix is not None else ([], [])
-            out.append(Finished(seq.request, Sample(tokens, logprobs, FINISH_ABORT)))
+            out.append(Finished(seq.request, Sample(tokens, logprobs, FINISH_ABORT,
+                                                    prefix.routes if prefix is not None else None)))
         self._waiting.clear()
         return out
 
@@ -643,9 +660,11 @@ class NativeRolloutEngine(RolloutEngine):
         def t(parts):
             return torch.from_numpy(np.concatenate(parts)).to(dev)
 
+        w_tok, w_slot, w_pos = t(w_tok), t(w_slot), t(w_pos)
         with torch.inference_mode():
-            logits = self.model.prefill(flat, layout, self.cache, t(w_tok), t(w_slot), t(w_pos),
-                                        self.attention)  # (P, V)
+            self._start_routes()
+            logits = self.model.prefill(flat, layout, self.cache, w_tok, w_slot, w_pos, self.attention)  # (P, V)
+            self._keep_routes(w_slot, w_pos, w_tok)
             logits = logits.index_select(0, torch.tensor(p_idx, device=dev))  # (R, V)
             R = len(admitted)
             keys = torch.tensor([s.key for s in admitted], dtype=torch.int64, device=dev)
@@ -668,6 +687,19 @@ class NativeRolloutEngine(RolloutEngine):
         if keep:
             self._append_rows(keep)
         return finished
+
+    def _start_routes(self) -> None:
+        if self.record_routes:
+            self.model.routing = []  # each MoE layer's (N, k) ids of the next forward
+
+    def _keep_routes(self, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """The routes of the forward just run: row `rows[j]` (default j) of its tokens to (slots[j], positions[j])."""
+        if not self.record_routes:
+            return
+        ids = torch.stack(self.model.routing, 1)  # (N, n, k)
+        self.model.routing = None
+        self.seq_routes[slots, positions] = (ids if rows is None else ids.index_select(0, rows)).to(
+            self.seq_routes.dtype)
 
     def _write_prefixes(self, admitted: list[_Seq]) -> None:
         """Copy continuations' prefix tokens and log-probs into their slots' response buffers."""
@@ -728,8 +760,10 @@ class NativeRolloutEngine(RolloutEngine):
     def _decode_step(self, bb: int, attn_len: int, num_splits: int) -> None:
         """One decode step on rows [0, bb): everything here is captured into the CUDA graph."""
         slots, steps = self.r_slot[:bb], self.r_step[:bb]
+        self._start_routes()
         logits = self.model.decode(self.r_tokens[:bb], self.r_pos[:bb], slots, self.cache, self.attention,
                                    attn_len, num_splits)
+        self._keep_routes(slots, self.r_pos[:bb])  # the fed tokens' positions (advanced below)
         tok, lp = self._sample(logits, self.r_key[:bb], steps, self.r_inv_temp[:bb], self.r_greedy[:bb])
         if self.fused_kernels:
             from .triton_kernels import advance_rows
@@ -819,7 +853,11 @@ class NativeRolloutEngine(RolloutEngine):
         for (seq, n), tk, lp in zip(finished, toks, lps):
             tk, lp = tk[:n], lp[:n]
             why = reason or (FINISH_STOP if tk[-1] in self._stop_set else FINISH_LENGTH)
-            out.append(Finished(seq.request, Sample(token_ids=tk, logprobs=lp, finish_reason=why)))
+            routes = None
+            if self.record_routes:  # the prompt's tokens and the response's but the last (never fed back)
+                fed = len(seq.tokens) - seq.n_prefix + n - 1
+                routes = self.seq_routes[seq.slot, :fed].to("cpu", copy=True)  # not a view of the buffer
+            out.append(Finished(seq.request, Sample(token_ids=tk, logprobs=lp, finish_reason=why, routes=routes)))
             if seq.request.session is not None and why != FINISH_ABORT:
                 # keys/values are in place for the prompt and every response token but the last (never fed back)
                 self._retain(seq.request.session, seq.slot, seq.tokens[:len(seq.tokens) - seq.n_prefix] + tk[:-1])
