@@ -157,8 +157,10 @@ class FakeEngine:
     """Sample j of every prompt has j + 1 tokens."""
 
     def generate(self, prompts, params, request_ids=None):
-        return [SimpleNamespace(samples=[SimpleNamespace(token_ids=[7] * (j + 1), logprobs=[-0.1] * (j + 1),
-                                                         finish_reason="stop") for j in range(params.n)])
+        from rlhf_mcore.rollout.base import Sample
+
+        return [SimpleNamespace(samples=[Sample(token_ids=[7] * (j + 1), logprobs=[-0.1] * (j + 1), finish_reason="stop")
+                                         for j in range(params.n)])
                 for _ in prompts]
 
 
