@@ -10,9 +10,12 @@ Megatron layers fuse some of them, and the adapters follow the base weight's sha
 - `linear_proj` (o_proj) and `linear_fc2` (down_proj), row-parallel: A split along its columns as the base
   weight's input, B replicated; the rank-r partial products are summed over TP before B.
 
-The adapters live in an :class:`LoraAdapters` child (`<linear>.lora`) whose output a forward hook adds to the
-linear's; everything else is frozen (`requires_grad=False`: Megatron's DDP gives it no gradient buffer and the
-optimizer no master copy or state), except a critic's value head, which trains (PEFT's `modules_to_save`).
+The adapters live in an :class:`LoraAdapters` child (`<linear>.lora`); the linear's `_forward_impl` becomes
+`lora_linear.lora_impl`: the base GEMM plus the low-rank term as two more GEMMs (the parts' A stacked, one
+block-structured B with the scale folded in, added into the base's output in place), one autograd function with
+no activation-sized element-wise pass. Every other Megatron linear of the model (the LM head included) gets
+`lora_linear.frozen_impl`: its input gradient is one GEMM over all tokens. Everything else is frozen
+(`requires_grad=False`: Megatron's DDP gives it no gradient buffer and the optimizer no master copy or state), except a critic's value head, which trains (PEFT's `modules_to_save`).
 :func:`adapters_disabled` switches every adapter off (the reference policy is the base model).
 
 Export: :func:`merged_weight` (`W + (alpha / r) * B @ A` of a local shard, what the weight sync sends),
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 from rlhf_mcore.config.shared import LORA_TARGETS
 from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.lora_linear import frozen_impl, lora_impl
 
 TARGETS = LORA_TARGETS  # the HF module names LoRA may target, in export order
 ALL_LINEAR = "all-linear"
@@ -126,52 +130,34 @@ class LoraAdapters(torch.nn.Module):
     def row_parallel(self) -> bool:
         return self.kind == "row"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (S, B, in_local) -> (S, B, out_local): `scale * x A^T B^T` per part, fused as the base's rows."""
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
-        region = reduce_from_tensor_model_parallel_region if self.row_parallel else \
-            copy_to_tensor_model_parallel_region
-        parts = {}
-        for t in self.A:
-            u = x @ self.A[t].t()  # (S, B, r): partial sums over TP (row) or the full product (column)
-            if self.tp > 1:
-                u = region(u, group=self.tp_group)  # row: sum over TP; column: sum A's gradient over TP
-            parts[t] = u @ self.B[t].t()
-        return self.fuse(parts, x.shape[:-1], x.dtype, x.device) * self.scale
-
-    def fuse(self, parts: dict, lead: tuple, dtype, device) -> torch.Tensor:
-        """The parts' outputs (..., out_t_local) in the fused layer's row order (absent parts: zeros)."""
-        def get(t):
-            return parts[t] if t in parts else torch.zeros(*lead, self.widths[t], dtype=dtype, device=device)
-
+    def stacked(self, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, Bs) of the whole fused linear, built from the parameters (autograd flows back to them):
+        `A` (R, in_local) the adapted parts' A stacked (R = the sum of their ranks) and `Bs` (out_local, R) the
+        block-structured `scale * B`: part t's B in its rows of the fused weight (q/k/v interleaved per query
+        group, gate then up; a part that is not adapted: zero rows) and in its A's columns, zero elsewhere. So
+        `(x A^T) Bs^T` is the fused layer's low-rank term (one GEMM each side) and `Bs A` its weight change.
+        Weight-sized work only, once per forward."""
+        names = list(self.A)
+        a = self.A[names[0]] if len(names) == 1 else torch.cat([self.A[t] for t in names])
         if self.kind == "row":
-            return next(iter(parts.values()))
-        if self.kind == "fc1":
-            return torch.cat([get("gate_proj"), get("up_proj")], dim=-1)
-        g, hd = self.groups_local, self.shape.head_dim
-        q = get("q_proj").reshape(*lead, g, -1, hd)
-        k = get("k_proj").reshape(*lead, g, 1, hd)
-        v = get("v_proj").reshape(*lead, g, 1, hd)
-        return torch.cat([q, k, v], dim=-2).reshape(*lead, -1)
+            bd = self.B[names[0]]
+        else:
+            like = self.B[names[0]]
+            blocks = [self.B[t] if t in self.B else like.new_zeros(self.widths[t], 0) for t in self.widths]
+            bd = torch.block_diag(*blocks)  # rows [part 1; part 2; ...], columns [rank 1 | rank 2 | ...]
+            if self.kind == "qkv":
+                g, r = self.groups_local, bd.shape[1]
+                q, k, v = bd.split([self.widths[t] for t in ("q_proj", "k_proj", "v_proj")])
+                bd = torch.cat([q.view(g, -1, r), k.view(g, -1, r), v.view(g, -1, r)], dim=1).view(-1, r)
+        bs = bd * self.scale
+        if dtype is not None and dtype != a.dtype:
+            a, bs = a.to(dtype), bs.to(dtype)
+        return a, bs
 
     def delta_weight(self) -> torch.Tensor:
         """`scale * B @ A` of every part, fused: (out_local, in_local), the shard of the merged weight's change."""
-        parts = {t: (self.B[t] @ self.A[t]).t() for t in self.A}  # (in_local, out_t_local)
-        in_local = next(iter(self.A.values())).shape[1]
-        return (self.fuse(parts, (in_local,), self.A[next(iter(self.A))].dtype,
-                          self.A[next(iter(self.A))].device) * self.scale).t()
-
-
-def _hook(module, args, output):
-    lora = module.lora
-    if not lora.enabled:
-        return output
-    out, bias = output
-    return out + lora(args[0]).to(out.dtype), bias
+        a, bs = self.stacked()
+        return bs @ a
 
 
 def _part_shapes(kind: str, parts, shape: ModelShape, tp: int, targets: Sequence[str]) -> dict:
@@ -246,10 +232,13 @@ def apply_lora(chunks: list, spec: LoraSpec, state, *, seed: int = 0) -> int:
                     set_tensor_model_parallel_attributes(split, True, 1 if kind == "row" else 0, 1)
                     added += 1
                 linear.lora = lora
-                linear.register_forward_hook(_hook)
                 weight.lora_owner = linear  # read by merged_weight
     for chunk in chunks:
         chunk.lora_spec = spec
+        for mod in chunk.modules():  # every frozen linear's GEMMs (the LM head's included): lora_linear.py
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                mod._forward_impl = lora_impl(mod) if isinstance(getattr(mod, "lora", None), LoraAdapters) \
+                    else frozen_impl(mod)
     if spec.adapter_path:
         tensors, _ = read_peft_adapter(spec.adapter_path, spec)
         load_adapter_tensors(chunks, tensors, state)
