@@ -565,3 +565,162 @@ def test_lora_turns_the_train_engines_cuda_graphs_off(env, actor):
     assert actor.cfg.cuda_graphs is False and actor._graphs == []
     with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.megatron.cuda_graphs=true with LoRA"):
         roles.build_actor(config(model_dir, "actor_rollout_ref.actor.megatron.cuda_graphs=true"), state, 2)
+
+
+# ------------------------------------------------------------------------------------ the adapted linear's GEMMs
+class _Ops(__import__("torch.utils._python_dispatch", fromlist=["TorchDispatchMode"]).TorchDispatchMode):
+    """Records every aten op run inside it (forward or backward) with its output's element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func.__name__.split(".")[0], out.numel() if isinstance(out, torch.Tensor) else 0, args))
+        return out
+
+
+def _shape(**kw):
+    from rlhf_mcore.models.hf_config import ModelShape
+
+    base = dict(family="qwen2", num_layers=1, hidden_size=16, num_attention_heads=8, num_kv_heads=2, head_dim=4,
+                ffn_hidden_size=12, vocab_size=50, max_position_embeddings=64, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, qkv_bias=True, qk_norm=False, rope_theta=1e4)
+    return ModelShape(**{**base, **kw})
+
+
+def _adapters(kind, targets, shape, seed=0):
+    """LoraAdapters of one fused linear (TP=1) with random A and B, as apply_lora builds them."""
+    from rlhf_mcore.models.lora import _LINEARS, LoraAdapters, _part_shapes
+
+    parts = next(p for k, p in _LINEARS.values() if k == kind or (kind == "o" and p[0][1] == "o_proj"))
+    lora = LoraAdapters("row" if kind == "o" else kind, _part_shapes("row" if kind == "o" else kind, parts, shape, 1,
+                                                                    targets), RANK, ALPHA / RANK, None, 1, shape,
+                        torch.float32, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for t in lora.A:
+        lora.A[t].data.copy_(torch.randn(lora.A[t].shape, generator=g))
+        lora.B[t].data.copy_(torch.randn(lora.B[t].shape, generator=g))
+    return lora
+
+
+def _naive_fused(lora, x, shape):
+    """The pre-issue-35 formula, written out: each adapted part's `x A^T B^T * scale`, placed in the fused weight's
+    row order by an explicit loop (per query group: its q heads, its k head, its v head; gate then up); parts that
+    are not adapted contribute zeros."""
+    part = {t: (x @ lora.A[t].t() @ lora.B[t].t()) * lora.scale for t in lora.A}
+    zero = {t: torch.zeros(*x.shape[:-1], w) for t, w in lora.widths.items()}
+    get = {**zero, **part}
+    if lora.kind == "row":
+        return get["o_proj"] if "o_proj" in get else get["down_proj"]
+    if lora.kind == "fc1":
+        return torch.cat([get["gate_proj"], get["up_proj"]], dim=-1)
+    hd, qpg = shape.head_dim, shape.num_attention_heads // shape.num_kv_heads
+    cols = []
+    for grp in range(shape.num_kv_heads):
+        cols += [get["q_proj"][..., grp * qpg * hd:(grp + 1) * qpg * hd], get["k_proj"][..., grp * hd:(grp + 1) * hd],
+                 get["v_proj"][..., grp * hd:(grp + 1) * hd]]
+    return torch.cat(cols, dim=-1)
+
+
+@pytest.mark.parametrize("kind, targets", [
+    ("qkv", ("q_proj", "k_proj", "v_proj")), ("qkv", ("q_proj", "v_proj")), ("fc1", ("gate_proj", "up_proj")),
+    ("fc1", ("up_proj",)), ("o", ("o_proj",))])
+def test_stacked_lora_linear_equals_the_naive_per_part_formula(kind, targets):
+    """`lora_linear` with `LoraAdapters.stacked` (A stacked, one block B with the scale folded in, GQA's q/k/v
+    interleave) equals the base plus each part's `x A^T B^T * scale` in the fused row order, forward and every
+    gradient (x, each A, each B) to fp32 rounding; `delta_weight` is the fused `scale * B A`.
+    Mutation: `stacked` puts v's block before k's in each query group -> the qkv cases fail; drop `* self.scale` ->
+    every case fails; `dx.addmm_(du, a)` dropped in the backward -> every case fails."""
+    from rlhf_mcore.models.lora_linear import lora_linear
+
+    shape = _shape()
+    lora = _adapters(kind, targets, shape)
+    a, bs = lora.stacked()
+    out_w, in_w = bs.shape[0], a.shape[1]
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(out_w, in_w, generator=g), torch.randn(out_w, generator=g) if kind == "qkv" else None
+    x = torch.randn(6, 1, in_w, generator=g)
+    weights = torch.randn(6, 1, out_w, generator=g)
+
+    def grads(fn):
+        xi = x.clone().requires_grad_(True)
+        for p in lora.parameters():
+            p.grad = None
+        y = fn(xi)
+        (y * weights).sum().backward()
+        return y.detach(), xi.grad, {n: p.grad.clone() for n, p in lora.named_parameters()}
+
+    y, dx, dp = grads(lambda xi: lora_linear(xi, w, bias, *lora.stacked()))
+    base = lambda xi: xi @ w.t() + (bias if bias is not None else 0)  # noqa: E731
+    y0, dx0, dp0 = grads(lambda xi: base(xi) + _naive_fused(lora, xi, shape))
+    torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, dx0, atol=1e-5, rtol=1e-5)
+    assert set(dp) == set(dp0) and len(dp) == 2 * len(targets)
+    for n in dp:
+        torch.testing.assert_close(dp[n], dp0[n], atol=1e-4, rtol=1e-5, msg=n)
+    eye = torch.eye(in_w)
+    torch.testing.assert_close(lora.delta_weight(), _naive_fused(lora, eye, shape).t(), atol=1e-5, rtol=1e-5)
+
+
+def test_lora_linear_is_gemms_only():
+    """The adapted linear (fc1, both parts) runs no activation-sized op but its GEMMs and views, forward and
+    backward: no add, scale, cat or zero block over the tokens (what issue 35's profile showed), no batched GEMM.
+    Mutation: `out = out + u @ bs.t()` in place of `out.addmm_(u, bs.t())` -> fails (an activation-sized `add`)."""
+    from rlhf_mcore.models.lora_linear import lora_linear
+
+    lora = _adapters("fc1", ("gate_proj", "up_proj"), _shape())
+    tokens = 64
+    x = torch.randn(tokens, 1, 16, requires_grad=True)
+    w, grad = torch.randn(24, 16), torch.randn(tokens, 1, 24)
+    with _Ops() as rec:
+        y = lora_linear(x, w, None, *lora.stacked())
+        torch.autograd.backward(y, grad)
+    assert x.grad is not None and all(p.grad is not None for p in lora.parameters())
+    gemm_or_view = {"mm", "addmm_", "view", "_unsafe_view", "reshape", "t", "transpose", "detach"}
+    big = [(name, n) for name, n, _ in rec.ops if n >= tokens * 16 and name not in gemm_or_view]
+    assert big == [], big
+    assert "bmm" not in {name for name, _, _ in rec.ops}
+
+
+def test_frozen_head_input_gradient_is_one_gemm_equal_to_autograds():
+    """A frozen LM head's input gradient arrives as GPTModel's `logits.transpose(0, 1).contiguous()` makes it,
+    (s, 1, V) with strides (V, s V, 1); torch's matmul with a frozen weight does not fold that into one GEMM (it ran
+    one per token on the H200). `frozen_linear`: the same forward, a backward of one `mm` over all tokens equal to
+    autograd's reference. Mutation: the backward as Megatron's `g.matmul(weight)` -> a `bmm` of s products, fails."""
+    from rlhf_mcore.models.lora_linear import frozen_linear
+
+    g = torch.Generator().manual_seed(0)
+    s, h, v = 9, 8, 40
+    w, x0, weights = torch.randn(v, h, generator=g), torch.randn(s, 1, h, generator=g), torch.randn(1, s, v, generator=g)
+
+    def run(fn):
+        x = x0.clone().requires_grad_(True)
+        logits = fn(x).transpose(0, 1).contiguous()
+        with _Ops() as rec:
+            torch.autograd.backward(logits, weights)
+        return logits.detach(), x.grad, [name for name, _, _ in rec.ops]
+
+    y, dx, ops = run(lambda x: frozen_linear(x, w))
+    y0, dx0, _ = run(lambda x: x @ w.t())
+    assert torch.equal(y, y0)
+    torch.testing.assert_close(dx, dx0, atol=1e-5, rtol=1e-6)
+    assert "bmm" not in ops and ops.count("mm") == 1, ops
+
+
+def test_lora_update_runs_no_batched_gemm_over_the_vocabulary(env, actor):
+    """In a LoRA update every frozen linear runs through `lora_linear.frozen_impl` (the LM head included): no
+    batched GEMM with a vocabulary-sized operand in the whole update, forward and backward.
+    Mutation: apply_lora installs `frozen_impl` on adapted linears only (the head keeps Megatron's frozen linear)
+    -> fails."""
+    chunk = actor.chunks[0]
+    vocab = chunk.shared_embedding_or_output_weight().shape[0]
+    batch = make_batch()
+    old, _ = actor.compute_log_probs(batch)
+    with _Ops() as rec:
+        actor.update_policy({**batch, "old_log_probs": old})
+    bmm = [[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)] for name, _, args in rec.ops
+           if name in ("bmm", "baddbmm")]
+    assert not [shapes for shapes in bmm if any(vocab in sh for sh in shapes)], bmm
+    assert rec.ops and sum(name == "mm" for name, _, _ in rec.ops) > 0
