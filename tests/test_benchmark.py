@@ -31,7 +31,8 @@ def outputs(tmp_path_factory):
     driver = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / "launch" / "bench")!r})
-        import bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_rollout, bench_trl
+        import bench_lora_linear, bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_rollout
+        import bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
@@ -47,6 +48,8 @@ def outputs(tmp_path_factory):
                         "--out", out + "/trl_no_gc.json"])
         bench_packed_attention.main(["--tiny", "--reps", "2", "--out", out + "/packed_attention.json"])
         bench_rollout.main(["--tiny", "--batches", "4", "--out", out + "/rollout.json"])
+        bench_lora_linear.main(["--shape", "tiny", "--tokens", "32", "--warmup", "0", "--reps", "1",
+                                "--out", out + "/lora_linear.json"])
     """)
     proc = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=600)
@@ -154,6 +157,19 @@ def test_trl_json(outputs):
         assert "skipped" not in res, f"{res['skipped']}: install the dev extra (pip install -e '.[dev]')"
         assert res["step_s"] > 0 and len(res["step_times"]) == 2
         assert res["config"]["gradient_checkpointing"] is checkpointing
+
+
+def test_lora_linear_json(outputs):
+    """bench_lora_linear's cases (each linear of a layer full / frozen / LoRA / the pre-issue-35 LoRA, the LM head
+    three ways), the layer totals and ratios that BENCHMARKS.md reads."""
+    res = outputs["lora_linear"]
+    cases = {f"{k}/{v}" for k in ("qkv", "proj", "fc1", "fc2") for v in ("full", "frozen", "lora", "lora_naive")}
+    assert cases | {"head_megatron", "head_frozen", "head_full"} == set(res["ms"])
+    assert all(t > 0 for t in res["ms"].values())
+    assert res["layer_ms"]["lora"] == pytest.approx(sum(res["ms"][f"{k}/lora"] for k in ("qkv", "proj", "fc1", "fc2")))
+    assert set(res["ratios"]) == {"lora_over_frozen", "lora_over_full", "lora_naive_over_lora",
+                                  "head_megatron_over_frozen"}
+    assert (res["shape"], res["tokens"], res["vocab"], res["rank"]) == ("tiny", 32, 1024, 16)
 
 
 def test_shapes_live_in_one_place():

@@ -693,7 +693,8 @@ def test_frozen_head_input_gradient_is_one_gemm_equal_to_autograds():
 
     g = torch.Generator().manual_seed(0)
     s, h, v = 9, 8, 40
-    w, x0, weights = torch.randn(v, h, generator=g), torch.randn(s, 1, h, generator=g), torch.randn(1, s, v, generator=g)
+    w, x0 = torch.randn(v, h, generator=g), torch.randn(s, 1, h, generator=g)
+    weights = torch.randn(1, s, v, generator=g)
 
     def run(fn):
         x = x0.clone().requires_grad_(True)

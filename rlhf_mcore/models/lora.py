@@ -15,7 +15,8 @@ The adapters live in an :class:`LoraAdapters` child (`<linear>.lora`); the linea
 block-structured B with the scale folded in, added into the base's output in place), one autograd function with
 no activation-sized element-wise pass. Every other Megatron linear of the model (the LM head included) gets
 `lora_linear.frozen_impl`: its input gradient is one GEMM over all tokens. Everything else is frozen
-(`requires_grad=False`: Megatron's DDP gives it no gradient buffer and the optimizer no master copy or state), except a critic's value head, which trains (PEFT's `modules_to_save`).
+(`requires_grad=False`: Megatron's DDP gives it no gradient buffer and the optimizer no master copy or state),
+except a critic's value head, which trains (PEFT's `modules_to_save`).
 :func:`adapters_disabled` switches every adapter off (the reference policy is the base model).
 
 Export: :func:`merged_weight` (`W + (alpha / r) * B @ A` of a local shard, what the weight sync sends),
