@@ -11,8 +11,9 @@ layer sparse, vocab 151936, untied -- with transformers' random init (std `--ini
 written once as an HF directory that every engine below loads: 3.11 B parameters, 0.85 B active a token (the output
 projection, 0.31 B, is most of that at 4 layers). bf16 on a GPU, fp32 on a CPU.
 
-Sections, in the order they run (the JSON is rewritten after each, so a later failure keeps the earlier numbers; a
-section that raises records its error and the rest still run):
+Sections (the JSON is rewritten after each, so a later failure or a timeout keeps the earlier numbers; a section that
+raises records its error and the rest still run), run in the order rollout, hf with the dynamic cache, kl, train, hf
+with the static cache (its compilation is the slowest and least predictable part):
 
 - rollout: the native engine (`NativeRolloutEngine`: its MoE layers as two grouped GEMMs on CUDA, decode steps eager:
   no CUDA graphs for MoE) at batch 64, 256-token random prompts + 256 new tokens (sampling at T = 1, eos ignored),
@@ -81,7 +82,8 @@ def section(report: dict, name: str, out, fn, *args):
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"}
     report[name] = result
-    report.setdefault("section_s", {})[name] = time.perf_counter() - t0
+    times = report.setdefault("section_s", {})
+    times[name] = times.get(name, 0.0) + time.perf_counter() - t0  # a section run in parts: their sum
     write_report(report, out)
     print(f"{name}: {json.dumps(result, default=str)[:1500]}", flush=True)
     return result
@@ -132,29 +134,27 @@ def bench_native_rollout(model_dir, prompts, new_tokens, device, experts: str, k
     return out
 
 
-def bench_hf_rollout(model_dir, prompts, new_tokens, device, dtype, caches, native: dict) -> dict:
-    out = {}
-    model = load_hf(model_dir, device, dtype)
-    out["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+def hf_peer(keep: dict, model_dir, prompts, new_tokens, device, dtype, caches, native: dict, hf: dict) -> dict:
+    """transformers' generate timed with each of `caches` into `hf` (the report's "hf" section so far), its model
+    loaded into keep["hf_model"] on the first call; HF's best so far against the native engine."""
+    if "hf_model" not in keep:
+        keep["hf_model"] = load_hf(model_dir, device, dtype)
+        hf["experts_implementation"] = getattr(keep["hf_model"].config, "_experts_implementation", None)
     for cache in caches:
         try:
-            t = bench_hf(model_dir, prompts, new_tokens, device, dtype, cache, model=model)
-            out[f"hf_{cache}_s"], out[f"hf_{cache}_tok_s"] = t, len(prompts) * new_tokens / t
+            t = bench_hf(model_dir, prompts, new_tokens, device, dtype, cache, model=keep["hf_model"])
+            hf[f"hf_{cache}_s"], hf[f"hf_{cache}_tok_s"] = t, len(prompts) * new_tokens / t
         except Exception as e:  # noqa: BLE001 - a peer configuration that fails is reported
-            out[f"hf_{cache}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    timed = {c: out[f"hf_{c}_s"] for c in caches if f"hf_{c}_s" in out}
+            hf[f"hf_{cache}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    timed = {c: hf[f"hf_{c}_s"] for c in HF_CACHES if f"hf_{c}_s" in hf}
     if timed:
-        out["hf_best"] = min(timed, key=timed.get)
-        out["hf_s"] = timed[out["hf_best"]]
-        out["hf_tok_s"] = len(prompts) * new_tokens / out["hf_s"]
+        hf["hf_best"] = min(timed, key=timed.get)
+        hf["hf_s"] = timed[hf["hf_best"]]
+        hf["hf_tok_s"] = len(prompts) * new_tokens / hf["hf_s"]
         if native.get("native_s"):
-            out["ratio_native_vs_hf"] = out["hf_s"] / native["native_s"]
-            out["ratio_native_routes_vs_hf"] = out["hf_s"] / native["native_routes_s"]
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+            hf["ratio_native_vs_hf"] = hf["hf_s"] / native["native_s"]
+            hf["ratio_native_routes_vs_hf"] = hf["hf_s"] / native["native_routes_s"]
+    return hf
 
 
 # ------------------------------------------------------------------------------------------------ trainer
@@ -317,26 +317,46 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if "rollout" in args.sections:
-            section(report, "rollout", out_path, bench_native_rollout, model_dir, prompts, new_tokens, device,
-                    args.native_experts, keep)
+            ro = section(report, "rollout", out_path, bench_native_rollout, model_dir, prompts, new_tokens, device,
+                         args.native_experts, keep)
+            if "error" in ro and args.native_experts == "auto" and device.type == "cuda":
+                grouped_error = ro["error"]  # the grouped GEMMs failed: the looped experts still give kl its rollout
+                ro = section(report, "rollout", out_path, bench_native_rollout, model_dir, prompts, new_tokens,
+                             device, "looped", keep)
+                ro["grouped_mm_error"] = grouped_error
+                write_report(report, out_path)
+        # HF's dynamic cache now, its static one (compiled in its warm-up: the slowest part) last, one model for both
+        caches = [c for c in HF_CACHES if c in args.hf_caches]
+        early, late = [c for c in caches if c != "static"], [c for c in caches if c == "static"]
+        hf_args = (keep, model_dir, prompts, new_tokens, device, dtype)
+        if "hf" in args.sections and early:
+            section(report, "hf", out_path, hf_peer, *hf_args, early, report.get("rollout", {}), {})
         if {"kl", "train"} & set(args.sections):
             t0 = time.perf_counter()
-            engine = build_actor(model_dir, state, plan)
+            try:
+                engine = build_actor(model_dir, state, plan)
+            except Exception as e:  # noqa: BLE001 - its error stands for the sections that need the actor
+                import traceback
+
+                traceback.print_exc()
+                engine = None
+                for name in {"kl", "train"} & set(args.sections):
+                    report[name] = {"error": f"actor build: {type(e).__name__}: {str(e)[:400]}"}
             report["actor_build_s"] = time.perf_counter() - t0
-            if "kl" in args.sections:
+            if "kl" in args.sections and engine is not None:
                 if "outputs" in keep:
                     section(report, "kl", out_path, bench_kl, engine, prompts, keep.pop("outputs"), state)
                 else:
                     report["kl"] = {"error": "no recorded rollout (the rollout section failed)"}
-            if "train" in args.sections:
+            if "train" in args.sections and engine is not None:
                 section(report, "train", out_path, bench_train, engine, s, plan, state, warmup, steps)
             del engine
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if "hf" in args.sections:
-            section(report, "hf", out_path, bench_hf_rollout, model_dir, prompts, new_tokens, device, dtype,
-                    args.hf_caches, report.get("rollout", {}))
+        if "hf" in args.sections and late:
+            section(report, "hf", out_path, hf_peer, *hf_args, late, report.get("rollout", {}), report.get("hf", {}))
+        keep.pop("hf_model", None)
     destroy_distributed()
     report["total_s"] = time.perf_counter() - t_start
     write_report(report, out_path)

@@ -119,12 +119,12 @@ def random_model_dir(s: dict, out: Path, device, dtype, seed: int = 0) -> Path:
     """Random-weight Qwen2 (or, with experts, Qwen3-MoE) model (transformers init, seed `seed`; `initializer_range`
     in `s` sets its std) saved as an HF directory (no tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     cfg = hf_config(s)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    with torch.device(device):  # built on `device`: transformers' init of billions of parameters runs there
+        model = (Qwen3MoeForCausalLM if "num_experts" in s else Qwen2ForCausalLM)(cfg).to(dtype)
     model.save_pretrained(out)
     del model
     return Path(out)
