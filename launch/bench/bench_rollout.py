@@ -49,15 +49,21 @@ def sync(device):
 HF_CACHES = ("dynamic", "static")
 
 
-def bench_hf(model_dir, prompts, new_tokens, device, dtype, cache: str = "dynamic") -> float:
+def load_hf(model_dir, device, dtype):
+    """transformers' model of `model_dir` (SDPA attention, its default experts kernel for a MoE), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+
+def bench_hf(model_dir, prompts, new_tokens, device, dtype, cache: str = "dynamic", model=None) -> float:
     """Seconds for HF generate on the whole batch (sampling, eos ignored), timed after one full-length warm-up
     run (steady state, as the native engine is timed: HF's first full-length run is several times slower, and with
     the static cache transformers compiles the decoding step in it). `cache`: "dynamic" (HF's default) or
-    "static" (`cache_implementation="static"`)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    "static" (`cache_implementation="static"`). `model`: one `load_hf` loaded already (else loaded here)."""
+    from transformers import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
-    model.eval()
+    model = model if model is not None else load_hf(model_dir, device, dtype)
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
 
@@ -79,12 +85,22 @@ def bench_hf(model_dir, prompts, new_tokens, device, dtype, cache: str = "dynami
 
 
 def bench_native(model_dir, prompts, new_tokens, device, **engine_cfg) -> tuple[float, dict]:
-    from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
     engine = NativeRolloutEngine(model_dir, device=device, max_num_seqs=len(prompts),
                                  max_model_len=len(prompts[0]) + new_tokens + 8, **engine_cfg)
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    elapsed, _ = time_native(engine, prompts, new_tokens, device)
+    stats = dict(engine.last_stats)
+    engine.shutdown()
+    return elapsed, stats
+
+
+def time_native(engine, prompts, new_tokens, device, seed: int = 0) -> tuple[float, list]:
+    """(seconds, outputs) of `engine.generate` on the whole batch (sampling at T = 1, eos ignored), timed after an
+    8-token warm-up generation of the same batch."""
+    from rlhf_mcore.rollout import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=1))  # warm-up
     sync(device)
     t0 = time.perf_counter()
@@ -92,9 +108,7 @@ def bench_native(model_dir, prompts, new_tokens, device, **engine_cfg) -> tuple[
     sync(device)
     elapsed = time.perf_counter() - t0
     assert all(len(s.token_ids) == new_tokens for o in outs for s in o.samples)
-    stats = dict(engine.last_stats)
-    engine.shutdown()
-    return elapsed, stats
+    return elapsed, outs
 
 
 def main(argv=None) -> dict:

@@ -6,6 +6,11 @@ Shapes are `transformers.Qwen2Config` keyword arguments (Qwen2.5 family: QKV bia
 1e6), copied from the published config.json files of Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct. `TINY` is the CPU smoke
 shape every script runs under `--tiny`.
 
+`MOE_SHAPES` are `transformers.Qwen3MoeConfig` keyword arguments (`moe_shape(name)`): Qwen/Qwen3-30B-A3B's config.json
+with 4 of its 48 layers (`qwen3_30b_a3b_4l`: 128 experts, top-8 renormalised, every layer sparse), and a CPU-sized
+`tiny` of the same kind. `write_config` / `random_model_dir` take either kind (a shape with `num_experts` is a
+Qwen3-MoE); `moe_param_counts` gives a MoE shape's total and active parameters.
+
 - `write_config`: config.json only (Megatron builds with random init; nothing loads weights);
 - `random_model_dir`: config + safetensors (transformers' random init, seeded), no tokenizer (rollout, sync);
 - `tokenizer_model_dir`: a full HF directory with a tokenizer (the trainer and TRL need one), through
@@ -40,6 +45,18 @@ SHAPES["tiny"] = TINY
 QWEN25_05B = SHAPES["qwen2.5-0.5b"]
 ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b"}
 
+# Qwen/Qwen3-30B-A3B's config.json (48 layers there): no QKV bias, QK-norm, no shared expert, untied embeddings
+_QWEN3_MOE = dict(rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, use_sliding_window=False,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+MOE_SHAPES: dict[str, dict] = {
+    "qwen3_30b_a3b_4l": dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                             head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                             num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960, **_QWEN3_MOE),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                 vocab_size=1024, max_position_embeddings=4096, **_QWEN3_MOE),
+}
+
 
 def shape(name: str, **overrides) -> dict:
     """The shape called `name` (or an alias: 0.5b, 1.5b, 7b, tiny), with `overrides` (e.g. vocab_size=8192)."""
@@ -59,26 +76,55 @@ def num_params(s: dict) -> int:
     return L * layer + V * h * (1 if s["tie_word_embeddings"] else 2) + h
 
 
-def write_config(s: dict, out: Path, dtype: str = "bfloat16") -> Path:
-    """config.json of a Qwen2 model of shape `s` (no weights)."""
-    from transformers import Qwen2Config
+def moe_shape(name: str, **overrides) -> dict:
+    """The MoE shape called `name` (`MOE_SHAPES`), with `overrides`."""
+    if name not in MOE_SHAPES:
+        raise SystemExit(f"unknown MoE shape {name!r}; choose one of {sorted(MOE_SHAPES)}")
+    return {**MOE_SHAPES[name], **overrides}
 
+
+def moe_param_counts(s: dict) -> dict[str, int]:
+    """Parameters of a Qwen3-MoE shape `s` (every layer sparse, untied): `total`, and `active` -- those one token
+    goes through (attention, norms, the router, its top-k experts, the embedding row and the output projection),
+    the "A3B" of Qwen3-30B-A3B."""
+    h, L, V = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]
+    d, E, k, f = s["head_dim"], s["num_experts"], s["num_experts_per_tok"], s["moe_intermediate_size"]
+    if s.get("mlp_only_layers") or s.get("decoder_sparse_step", 1) != 1 or s["tie_word_embeddings"]:
+        raise ValueError("moe_param_counts counts Qwen3-MoE shapes with every layer sparse and untied embeddings")
+    q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
+    common = h * (q + 2 * kv) + q * h + 2 * d + 2 * h + E * h  # QKV, output, QK-norms, two RMSNorms, the router
+    embed = 2 * V * h + h  # embedding, output projection, final norm
+    return {"total": L * (common + E * 3 * h * f) + embed, "active": L * (common + k * 3 * h * f) + embed}
+
+
+def hf_config(s: dict, **kwargs):
+    """The transformers config of shape `s`: Qwen3MoeConfig when `s` has experts, else Qwen2Config."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    return (Qwen3MoeConfig if "num_experts" in s else Qwen2Config)(**s, bos_token_id=0, eos_token_id=1,
+                                                                   pad_token_id=0, **kwargs)
+
+
+def write_config(s: dict, out: Path, dtype: str = "bfloat16") -> Path:
+    """config.json of a Qwen2 (or, with experts, Qwen3-MoE) model of shape `s` (no weights)."""
     out = Path(out)
-    cfg = Qwen2Config(**s, bos_token_id=0, eos_token_id=1, pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+    moe = "num_experts" in s
+    cfg = hf_config(s, architectures=["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"])
     cfg.dtype = dtype
     cfg.save_pretrained(out)
     return out
 
 
 def random_model_dir(s: dict, out: Path, device, dtype, seed: int = 0) -> Path:
-    """Random-weight Qwen2 model (transformers init, seed `seed`) saved as an HF directory (no tokenizer)."""
+    """Random-weight Qwen2 (or, with experts, Qwen3-MoE) model (transformers init, seed `seed`; `initializer_range`
+    in `s` sets its std) saved as an HF directory (no tokenizer)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
-    cfg = Qwen2Config(**s, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    cfg = hf_config(s)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+    with torch.device(device):  # built on `device`: transformers' init of billions of parameters runs there
+        model = (Qwen3MoeForCausalLM if "num_experts" in s else Qwen2ForCausalLM)(cfg).to(dtype)
     model.save_pretrained(out)
     del model
     return Path(out)

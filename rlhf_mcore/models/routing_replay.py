@@ -124,6 +124,16 @@ def mismatch_counts(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> to
     return torch.stack([(differ & v).flatten(0, -2).sum(0), v.expand_as(differ).flatten(0, -2).sum(0)], -1)
 
 
+def fed_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool: the tokens of a batch the rollout fed to its model, so recorded routes for -- every real token but
+    each row's last (a response's last token is sampled, never fed back). attention_mask (B, L), rows right-aligned
+    or not."""
+    real = attention_mask.bool()
+    fed = real.clone()
+    fed[torch.arange(real.shape[0]), real.shape[1] - 1 - real.flip(1).long().argmax(1)] = False
+    return fed
+
+
 def expert_counts(routes: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Per MoE layer, the tokens routed to each expert: (n, E) int64. routes (..., n, k); valid (...) bool."""
     ids = routes[valid.bool()].long()  # (N, n, k)

@@ -63,7 +63,7 @@ class Learner:
         rollout's; when the rollout recorded routes) and `actor/moe_expert_load/{mean,max}` (over MoE layers, the
         busiest expert's tokens over the mean per expert, in the routes the update takes: the rollout's under R3,
         else the old-log-prob pass's)."""
-        from rlhf_mcore.models.routing_replay import expert_counts, mismatch_counts, routing_summary
+        from rlhf_mcore.models.routing_replay import expert_counts, fed_tokens, mismatch_counts, routing_summary
 
         shape, state = self.actor.moe_shape, self.state
         local = torch.zeros(len(shape.moe_layers), dtype=torch.bool)
@@ -74,8 +74,7 @@ class Learner:
         counts = expert_counts(used, real, shape.num_experts) * local[:, None]  # (n, E)
         mismatch = None
         if rollout is not None:
-            fed = real.clone()  # the rollout never fed a row's last token back: it has no routes
-            fed[torch.arange(real.shape[0]), real.shape[1] - 1 - real.flip(1).long().argmax(1)] = False
+            fed = fed_tokens(real)  # the rollout never fed a row's last token back: it has no routes
             mismatch = mismatch_counts(trainer_routes, rollout, fed) * local[:, None]  # (n, 2)
         both = torch.cat([counts, mismatch if mismatch is not None else counts.new_zeros(len(local), 2)], 1)
         for group in (state.dp_group, state.pp_group):
