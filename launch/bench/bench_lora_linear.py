@@ -173,6 +173,31 @@ def head_cases(vocab: int, hidden: int, args, dtype, device) -> dict:
             "head_full": step(lambda: torch.matmul(x, w_full.t()))}
 
 
+def profile_lora(shape, args, dtype, device) -> None:
+    """The kernel table (device time, top 15 rows) of each linear's `lora` case, 5 calls after the warm-up, to
+    `args.profile`: where the low-rank term's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    tables = []
+    for kind in LINEARS:
+        fn = cases(kind, shape, args, dtype, device)["lora"]
+        for _ in range(args.warmup):
+            fn()
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                fn()
+            if device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+        tables.append(f"== {kind}: lora case, 5 calls of forward + backward, {args.tokens} tokens ==\n"
+                      + prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=90))
+    Path(args.profile).write_text("\n\n".join(tables) + "\n")
+    print(f"kernel tables: {args.profile}")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", help="a bench_shapes.py shape: 0.5b, 7b, tiny, ...")
@@ -184,6 +209,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default=None, help="cuda when there is a GPU, else cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="also write the kernel table (torch.profiler) of each linear's LoRA case to FILE")
     args = ap.parse_args(argv)
 
     import torch
@@ -198,6 +225,8 @@ def main(argv=None) -> dict:
     for kind in LINEARS:
         for name, fn in cases(kind, ms, args, dtype, device).items():
             results[f"{kind}/{name}"] = median_ms(fn, device, args.warmup, args.reps)
+    if args.profile:
+        profile_lora(ms, args, dtype, device)
     for name, fn in head_cases(vocab, s["hidden_size"], args, dtype, device).items():
         results[name] = median_ms(fn, device, args.warmup, args.reps)
     layer = {v: sum(results[f"{k}/{v}"] for k in LINEARS) for v in ("full", "frozen", "lora", "lora_naive")}
