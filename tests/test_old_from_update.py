@@ -102,10 +102,9 @@ def assert_same_params(a: dict, b: dict) -> None:
 def test_the_skip_equals_the_pass_and_runs_no_pass(env):
     """One GRPO update on the whole batch: with the skip (the default) no old-log-prob pass runs, and parameters,
     loss, metrics and the batch's old log-probs / entropy equal those of the update after the pass
-    (old_log_prob_from_update=false). Mutations: actor_loss keeping `mb.data["old_log_probs"]` (zeros here) under
-    on_policy -> the ratio is not 1, fails; `entropy` instead of `old_entropy` in ON_POLICY_KEYS (the metric
-    overwritten) -> fails; TrainEngine.update writing back without `index_copy_(0, order, ...)` on a shuffled
-    batch -> see test_the_shuffled_update_writes_back_in_row_order."""
+    (old_log_prob_from_update=false). Mutations: actor_loss's old log-probs not its own under on_policy (zeros)
+    -> fails; `entropy` instead of `old_entropy` in ON_POLICY_KEYS and actor_loss (the entropy metric
+    overwritten) -> fails; Learner.forward_passes running the pass whatever `old` says -> fails (the count)."""
     skip, keep = learner(env), learner(env, "actor_rollout_ref.actor.old_log_prob_from_update=false")
     (m_skip, b_skip, p_skip), (m_keep, b_keep, p_keep) = step(skip), step(keep)
     assert (skip.passes, keep.passes) == (0, 1)
@@ -141,13 +140,15 @@ def test_the_shuffled_update_writes_back_in_row_order(env):
 def test_no_skip_when_the_update_takes_more_than_one_step(env, extra):
     """ppo_epochs=2, or two mini-batches: the second optimizer step's ratio is against the policy before the first,
     so the pass runs and the update equals the naive pass + update. Mutation: TrainEngine.one_step returning True
-    (the skip forced: the second step's ratio is 1 against its own policy) -> fails."""
+    (the skip forced) -> two_epochs fails on the weights (the second epoch's ratio is 1 against its own policy, not
+    against the policy before the first step), two_mini_batches in the update's write-back of one mini-batch's
+    log-probs over the whole batch (index_copy_: 4 indices, 2 rows)."""
     learn = learner(env, *extra)
     metrics, _, params = step(learn)
+    _, want = reference(learner(env, *extra))
+    assert_same_params(params, want)  # first: a forced skip shows here, in the weights
     assert learn.passes == 1 and metrics["actor/old_log_prob_from_update"] == 0.0
     assert metrics["actor/num_optimizer_steps"] == 2.0
-    _, want = reference(learner(env, *extra))
-    assert_same_params(params, want)
 
 
 @pytest.mark.parametrize("extra", [
@@ -174,3 +175,21 @@ def test_an_on_policy_update_of_more_than_one_step_is_refused(env):
     batch["advantages"] = batch["token_level_scores"]
     with pytest.raises(ValueError, match="ppo_epochs=2 x 1 mini-batches: compute the old log-probs first"):
         learn.actor.update_policy(batch, on_policy=True)
+
+
+def test_the_key_is_named_unused_where_the_pass_always_runs(capsys):
+    """`actor.old_log_prob_from_update` set where the pass can never be skipped (ppo_epochs=2, KL in the reward,
+    rollout correction, use_rollout_log_probs) is named in the unused-keys notice with the reason; where the
+    schedule may allow the skip it is not. Mutation: the rule dropped from config.unused._RULES -> fails."""
+    from rlhf_mcore.config import load_config
+
+    key = "actor_rollout_ref.actor.old_log_prob_from_update=false"
+    for extra, why in ((["actor_rollout_ref.actor.ppo_epochs=2"], "ppo_epochs=2: the old-log-prob pass always runs"),
+                       (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward=true: the advantages read"),
+                       ([f"{RC}.rollout_is=token"], "rollout_correction is on"),
+                       (["actor_rollout_ref.actor.use_rollout_log_probs=true"], "there is no old-log-prob pass")):
+        load_config(None, ["actor_rollout_ref.model.path=/m", key, *extra])
+        err = capsys.readouterr().err
+        assert "actor_rollout_ref.actor.old_log_prob_from_update" in err and why in err, (extra, err)
+    load_config(None, ["actor_rollout_ref.model.path=/m", key])
+    assert "old_log_prob_from_update" not in capsys.readouterr().err
