@@ -37,6 +37,22 @@ def _reference_off(cfg) -> bool:
     return not reference_enabled(cfg)
 
 
+def _old_pass_kept(cfg) -> str:
+    """Why the old-log-prob pass is never skipped in this setup (rlhf_mcore.trainer.learner.Learner.old_from_update)
+    whatever `actor.old_log_prob_from_update` says; "" when it may be (the schedule decides at each step)."""
+    actor, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
+    rc = alg.rollout_correction
+    if actor.use_rollout_log_probs:
+        return "actor_rollout_ref.actor.use_rollout_log_probs=true: there is no old-log-prob pass"
+    if actor.ppo_epochs > 1:
+        return f"actor_rollout_ref.actor.ppo_epochs={actor.ppo_epochs}: the old-log-prob pass always runs"
+    if alg.use_kl_in_reward:
+        return "algorithm.use_kl_in_reward=true: the advantages read the old log-probs, the pass always runs"
+    if rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None:
+        return "algorithm.rollout_correction is on: it reads the old log-probs, the pass always runs"
+    return ""
+
+
 _RULES: tuple[_Rule, ...] = (
     ("critic.", ("critic.enable",), _critic_off,
      lambda c: ("critic.enable=false" if c.critic.enable is False else
@@ -71,6 +87,7 @@ _RULES: tuple[_Rule, ...] = (
        lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
     *((f"{m}.target_modules", (), lambda c, m=m: value_at(c, f"{m}.lora_rank") == 0,
        lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
+    ("actor_rollout_ref.actor.old_log_prob_from_update", (), _old_pass_kept, _old_pass_kept),
     ("actor_rollout_ref.rollout.lora_sync", (), lambda c: not lora_enabled(c),
      lambda c: "actor_rollout_ref.model.lora_rank=0: the actor has no adapters"),
 )

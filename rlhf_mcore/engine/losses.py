@@ -28,9 +28,11 @@ from rlhf_mcore.engine.micro_batches import MicroBatch
 from rlhf_mcore.engine.packing import ModelInputs
 
 __all__ = ["LossContext", "score_tokens", "token_values", "actor_loss", "critic_loss", "reduce_metrics",
-           "ACTOR_KEYS", "CRITIC_KEYS"]
+           "ACTOR_KEYS", "CRITIC_KEYS", "ON_POLICY_KEYS"]
 
 ACTOR_KEYS = ("response_mask", "old_log_probs", "advantages")  # + rollout_is_weights (b, R) when present
+# (b, R) an on-policy update's log-probs and entropy, per token, returned with its loss's metrics (and `index`)
+ON_POLICY_KEYS = ("old_log_probs", "old_entropy")
 CRITIC_KEYS = ("response_mask", "values", "returns")
 # token-weighted means among the policy loss's metrics
 _TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "approx_kl", "vf_clipfrac", "vpred_mean")
@@ -44,6 +46,9 @@ class LossContext:
     global_tokens: torch.Tensor  # () valid response tokens of the mini-batch, all DP ranks
     global_seqs: torch.Tensor  # () sequences with a valid response token, all DP ranks
     scale: float  # num_microbatches × dp_size: undoes Megatron's two averages
+    # the update is one optimizer step on the whole batch: the old policy is this forward's own, so its log-probs,
+    # detached, are the old log-probs (ratio exactly 1) and come back per token (`ON_POLICY_KEYS`)
+    on_policy: bool = False
 
 
 def score_tokens(output: torch.Tensor, inputs: ModelInputs, cfg: EngineConfig, tp_group, vocab_size,
@@ -72,8 +77,9 @@ def actor_loss(output: torch.Tensor, mb: MicroBatch, ctx: LossContext) -> tuple[
     log_prob, entropy = score_tokens(output, mb.inputs, cfg, ctx.tp_group, ctx.vocab_size, compute_entropy=True)
     common = dict(loss_agg_mode=cfg.loss_agg_mode, global_tokens=ctx.global_tokens, global_seqs=ctx.global_seqs,
                   loss_scale_factor=cfg.loss_scale_factor)
+    old_log_prob = log_prob.detach() if ctx.on_policy else mb.data["old_log_probs"]
     pg_loss, pg_metrics = get_policy_loss(cfg.policy_loss)(
-        mb.data["old_log_probs"], log_prob, mb.data["advantages"], mask, clip_ratio=cfg.clip_ratio,
+        old_log_prob, log_prob, mb.data["advantages"], mask, clip_ratio=cfg.clip_ratio,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
         rollout_is_weights=mb.data.get("rollout_is_weights"), **common)
     loss = pg_loss
@@ -97,6 +103,8 @@ def actor_loss(output: torch.Tensor, mb: MicroBatch, ctx: LossContext) -> tuple[
     metrics = _token_weighted({**metrics, **{k: v for k, v in pg_metrics.items() if k in _TOKEN_MEANS}}, n_tokens)
     metrics["loss"] = loss.detach().float()
     metrics["n_tokens"] = n_tokens
+    if ctx.on_policy:  # per token, not summed: the engine takes them out before reducing the metrics
+        metrics.update(index=mb.index, old_log_probs=log_prob.detach(), old_entropy=entropy.detach())
     return loss * ctx.scale, metrics
 
 

@@ -31,6 +31,7 @@ from rlhf_mcore.engine.flops import FlopShape, forward_flops, mfu, peak_flops, t
 from rlhf_mcore.engine.losses import (
     ACTOR_KEYS,
     CRITIC_KEYS,
+    ON_POLICY_KEYS,
     LossContext,
     actor_loss,
     critic_loss,
@@ -237,15 +238,20 @@ class TrainEngine:
             return torch.zeros((), device=output.device), out
 
         results = self._run_schedule(mbs, loss_func, forward_only=True, record_routes=record_routes)
+        out = self._gather_grids(results, keys, B, R)
+        if record_routes:
+            out["routes"] = self._gather_recorded(batch, mbs)
+        return {k: v.to(home) for k, v in out.items()}
+
+    def _gather_grids(self, results: list[dict], keys, B: int, R: int) -> dict[str, torch.Tensor]:
+        """The micro-batches' per-token `keys` (rows `index`) as (B, R) fp32 grids on every pipeline stage."""
         out = {k: torch.zeros(B, R, dtype=torch.float32, device=self.state.device) for k in keys}
         if self.state.is_last_stage:
             for r in results:
                 for k in keys:
                     out[k].index_copy_(0, r["index"], r[k].float())
         self._broadcast_from_last_stage(list(out.values()))
-        if record_routes:
-            out["routes"] = self._gather_recorded(batch, mbs)
-        return {k: v.to(home) for k, v in out.items()}
+        return out
 
     def _gather_recorded(self, batch: dict, mbs: list[MicroBatch]) -> torch.Tensor:
         """The routes the micro-batches recorded, as the batch layout (B, L, n, k)."""
@@ -262,11 +268,11 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ training
 
-    def update_policy(self, batch: dict) -> dict[str, float]:
+    def update_policy(self, batch: dict, on_policy: bool = False) -> dict[str, float]:
         """The actor's PPO update (see :meth:`update`)."""
         if self.cfg.role != "actor":
             raise RuntimeError(f"update_policy needs an actor engine, this one is {self.cfg.role!r}")
-        return self.update(batch)
+        return self.update(batch, on_policy=on_policy)
 
     def update_critic(self, batch: dict) -> dict[str, float]:
         """The critic's value update (see :meth:`update`)."""
@@ -274,20 +280,34 @@ class TrainEngine:
             raise RuntimeError(f"update_critic needs a critic engine, this one is {self.cfg.role!r}")
         return self.update(batch)
 
-    def update(self, batch: dict) -> dict[str, float]:
+    def one_step(self, batch_size: int) -> bool:
+        """Whether an update of this rank's `batch_size` sequences is one optimizer step on the whole batch
+        (ppo_epochs=1, one mini-batch): its forward then runs the policy that generated the old log-probs."""
+        return self.cfg.ppo_epochs == 1 and (self.cfg.mini_batch_size or batch_size) == batch_size
+
+    def update(self, batch: dict, on_policy: bool = False) -> dict[str, float]:
         """One PPO update on this rank's batch: `ppo_epochs` × mini-batches, one optimizer step each, then one
-        LR-scheduler step. Returns metrics averaged over the optimizer steps (identical on every rank)."""
+        LR-scheduler step. Returns metrics averaged over the optimizer steps (identical on every rank).
+
+        `on_policy` (an actor whose update is :meth:`one_step`): the batch has no `old_log_probs`; the loss takes
+        its own log-probs, detached, as the old ones -- the same values an old-log-prob pass computes, so the same
+        loss and gradient without that pass -- and they and the entropy go into `batch` as `old_log_probs` and
+        `old_entropy` (B, R), where the pass would have put them."""
         if self.optimizer is None:
             raise RuntimeError(f"the {self.cfg.role} engine is frozen (built without an optimizer); it has no update")
         self._require_onloaded()
         self._sync_device()
         start = time.perf_counter()
-        batch = self._to_device(batch)
+        caller, batch = batch, self._to_device(batch)
         B = batch_size_of(batch)
         mini = self.cfg.mini_batch_size or B
         if B % mini:
             raise ValueError(f"this rank's batch of {B} sequences is not divisible by the mini-batch size {mini} "
                              "(ppo_mini_batch_size × rollout.n / DP): make the batch a multiple of it")
+        if on_policy and not (self.cfg.role == "actor" and self.one_step(B)):
+            raise ValueError(f"an on-policy update is one optimizer step of an actor on its whole batch; this "
+                             f"{self.cfg.role} takes ppo_epochs={self.cfg.ppo_epochs} x {B // mini} mini-batches: "
+                             "compute the old log-probs first (compute_log_probs) and update with on_policy=False")
         lr = current_lr(self.optimizer)
         captures = self.graph_captures
         steps, flops, tokens = [], 0.0, 0
@@ -297,7 +317,7 @@ class TrainEngine:
                 with span(f"{self.cfg.role} mini-batch", epoch=epoch, index=first // mini,  # the run's trace
                           sequences=mini) as s:
                     sub = select_rows(batch, order[first:first + mini])
-                    metrics, seqlens = self.forward_backward(sub)
+                    metrics, seqlens = self.forward_backward(sub, on_policy)
                     if math.isfinite(metrics.get("loss", 0.0)):
                         ok, grad_norm, _ = self.optimizer.step()
                     else:  # a NaN/inf loss (reduced, so every rank agrees) poisons the gradients: skip this step
@@ -308,6 +328,9 @@ class TrainEngine:
                 steps.append(metrics)
                 flops += train_flops(self.flop_shape, seqlens)
                 tokens += sum(seqlens)
+        if on_policy:  # one mini-batch: `sub` is the whole batch, its rows in `order`
+            for k in ON_POLICY_KEYS:
+                caller[k] = torch.empty_like(sub[k]).index_copy_(0, order, sub[k]).to(caller["input_ids"].device)
         self.scheduler.step(1)
         self.global_steps += 1
         self._sync_device()
@@ -321,16 +344,20 @@ class TrainEngine:
             out[f"perf/{self.cfg.role}/cuda_graph_captures"] = float(self.graph_captures - captures)
         return out
 
-    def forward_backward(self, mini_batch: dict) -> tuple[dict[str, float], list[int]]:
+    def forward_backward(self, mini_batch: dict, on_policy: bool = False) -> tuple[dict[str, float], list[int]]:
         """Zero the gradients, then accumulate those of the loss of `mini_batch` (this rank's share) over its
         micro-batches; reduced over DP at the end (Megatron's finalize_model_grads). No optimizer step.
 
         Returns the mini-batch's metrics (identical on every rank) and the sequence lengths it processed.
+        `on_policy` (see :meth:`update`): the loss's old log-probs are its own, detached; the log-probs and entropy
+        it computed go into `mini_batch` as `old_log_probs` and `old_entropy` (b, R).
         """
         self._require_onloaded()
         state, cfg = self.state, self.cfg
         sub = self._to_device(mini_batch)
         keys, loss_fn = self.loss_inputs(sub)
+        if on_policy:
+            keys = tuple(k for k in keys if k != "old_log_probs")
         mask = sub["response_mask"]  # (b, R)
         counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)  # (2,) tokens, sequences
         if state.dims.dp > 1:
@@ -345,13 +372,16 @@ class TrainEngine:
                                  static_shape=self._static_shape(plan, seqlens, grad=True),
                                  routes_key=self._replay_key("update", sub))
         ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
-                          scale=float(len(mbs) * state.dims.dp))
+                          scale=float(len(mbs) * state.dims.dp), on_policy=on_policy)
         for m in self.modules:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         for m in self.modules:
             m.train()
         per_micro = self._run_schedule(mbs, lambda mb, out: loss_fn(out, mb, ctx), forward_only=False)
+        if on_policy:  # the per-token outputs out of the metrics, as (b, R) grids
+            tokens = [{k: d.pop(k) for k in ("index", *ON_POLICY_KEYS)} for d in per_micro]
+            mini_batch.update(self._gather_grids(tokens, ON_POLICY_KEYS, len(seqlens), response_length_of(sub)))
         metrics = reduce_metrics(per_micro, sum_groups=[state.dp_group], src_group=state.pp_group,
                                  src_has_data=state.is_last_stage, device=state.device)
         metrics["num_micro_batches"] = float(len(mbs))

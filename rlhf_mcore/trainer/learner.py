@@ -1,7 +1,8 @@
 """The learner: the training engines (actor, critic, reference, PRIME's implicit PRM) and what turns a generated
 batch into their updates -- old / reference log-probs and values, advantages (the KL-in-reward penalty, PRIME),
 rollout correction, the critic's and the actor's updates. Every mode's loop calls :meth:`Learner.train_on`; it
-returns the step's metrics and keeps nothing of the step."""
+returns the step's metrics and keeps nothing of the step. An update that is one optimizer step on the whole batch
+computes the old log-probs itself, with no separate pass (:meth:`Learner.old_from_update`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,29 +26,36 @@ class Learner:
         self.estimator = algos.adv_estimator_info(cfg.algorithm.adv_estimator)  # the function and what it needs
 
     def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
-        """A generated batch to an update (steps 4-6 of every mode). Returns their metrics."""
+        """A generated batch to an update (steps 4-6 of every mode). Returns their metrics, with
+        `actor/old_log_prob_from_update`: 1 when the update computed the old log-probs (:meth:`old_from_update`)."""
+        from_update = self.old_from_update(batch)
         with t("old_log_prob"):
-            route_metrics = self.forward_passes(batch)
+            route_metrics = self.forward_passes(batch, old=not from_update)
         with t("adv"):
             adv_metrics = self.compute_advantages(batch)
             corr_metrics = self.correct_rollout(batch)  # off-policy IS weights / rejection
         with t("update"):
-            return {**route_metrics, **adv_metrics, **corr_metrics, **self.update(batch)}
+            update_metrics = self.update(batch, on_policy=from_update)
+        return {**route_metrics, **adv_metrics, **corr_metrics, **update_metrics,
+                "actor/old_log_prob_from_update": float(from_update)}
 
-    def forward_passes(self, batch: dict[str, Any]) -> dict[str, float]:
-        """Old and reference log-probs, values. A MoE actor records its routes in the old-log-prob pass (R2 replays
-        them in the update); returns the routing metrics (:meth:`routing_metrics`)."""
-        metrics = {}
-        if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
-            batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif getattr(self.actor, "moe_shape", None) is not None:
-            batch["old_log_probs"], batch["old_entropy"], routes = self.actor.compute_log_probs(batch,
-                                                                                              record_routes=True)
-            if self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2":
-                batch[OLD_ROUTES] = routes
-            metrics = self.routing_metrics(batch, routes)
-        else:
-            batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
+    def old_from_update(self, batch: dict[str, Any]) -> bool:
+        """Whether this step's old log-probs are the actor update's own log-probs, detached, with no old-log-prob
+        pass (`actor.old_log_prob_from_update`, on by default). Exact when the update is one optimizer step on the
+        whole batch (ppo_epochs=1, one mini-batch: the engine's `one_step`): its forward runs the policy that the
+        pass would run, so the same values, loss and gradient (the ratio is exactly 1). Not taken when something
+        reads the old log-probs before the update -- the KL penalty in the reward (the advantages), rollout
+        correction (its IS weights and rejection mask), a MoE actor's pass (R2 replays its routes; the routing
+        metrics read them) -- nor with `use_rollout_log_probs` (no pass to skip)."""
+        actor, alg = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
+        return (actor.old_log_prob_from_update and not actor.use_rollout_log_probs and not alg.use_kl_in_reward
+                and not _corrects(alg.rollout_correction) and getattr(self.actor, "moe_shape", None) is None
+                and self.actor.one_step(batch["response_mask"].shape[0]))
+
+    def forward_passes(self, batch: dict[str, Any], old: bool = True) -> dict[str, float]:
+        """Old (unless not `old`: the update computes them, :meth:`old_from_update`) and reference log-probs,
+        values. Returns the routing metrics of a MoE actor's old-log-prob pass (:meth:`old_log_probs`)."""
+        metrics = self.old_log_probs(batch) if old else {}
         if self.ref is not None:
             with span("reference"):
                 batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
@@ -55,6 +63,21 @@ class Learner:
             with span("values"):
                 batch["values"] = self.critic.compute_values(batch)
         return metrics
+
+    def old_log_probs(self, batch: dict[str, Any]) -> dict[str, float]:
+        """`old_log_probs` (and `old_entropy`) into the batch. A MoE actor records its routes in the old-log-prob
+        pass (R2 replays them in the update); returns the routing metrics (:meth:`routing_metrics`)."""
+        if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif getattr(self.actor, "moe_shape", None) is not None:
+            batch["old_log_probs"], batch["old_entropy"], routes = self.actor.compute_log_probs(batch,
+                                                                                              record_routes=True)
+            if self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2":
+                batch[OLD_ROUTES] = routes
+            return self.routing_metrics(batch, routes)
+        else:
+            batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
+        return {}
 
     def routing_metrics(self, batch: dict[str, Any], trainer_routes) -> dict[str, float]:
         """MoE routing, over the whole step (every DP rank's tokens, every pipeline stage's MoE layers):
@@ -110,7 +133,7 @@ class Learner:
 
         Advantages are computed before, on the whole response; rejection only removes tokens from the losses."""
         rc = self.cfg.algorithm.rollout_correction
-        if rc.rollout_is is None and rc.rollout_rs is None and rc.rollout_token_veto_threshold is None:
+        if not _corrects(rc):
             return {}
 
         corr = algos.compute_rollout_correction(  # the batch is split over DP ranks: its sums over all of them
@@ -121,14 +144,17 @@ class Learner:
         batch["loss_mask"] = corr.response_mask
         return corr.metrics
 
-    def update(self, batch: dict[str, Any]) -> dict[str, float]:
-        """Critic, then actor; their losses see `loss_mask` (rollout rejection) as the response mask when set."""
-        if "loss_mask" in batch:
-            batch = {**batch, "response_mask": batch["loss_mask"]}
+    def update(self, batch: dict[str, Any], on_policy: bool = False) -> dict[str, float]:
+        """Critic, then actor; their losses see `loss_mask` (rollout rejection) as the response mask when set.
+        `on_policy` (:meth:`old_from_update`): the actor's update puts the old log-probs and entropy into `batch`."""
+        view = {**batch, "response_mask": batch["loss_mask"]} if "loss_mask" in batch else batch
         metrics = {}
         if self.critic is not None:
-            metrics.update(self.critic.update_critic(batch))
-        metrics.update(self.actor.update_policy(batch))
+            metrics.update(self.critic.update_critic(view))
+        if on_policy:  # no rollout correction, so no loss_mask: the update writes into the step's batch itself
+            metrics.update(self.actor.update_policy(batch, on_policy=True))
+        else:
+            metrics.update(self.actor.update_policy(view))
         return metrics
 
     # ------------------------------------------------------------------------------------------- state
@@ -156,3 +182,8 @@ class Learner:
     def engines(self) -> tuple[Any, Optional[Any], Optional[Any]]:
         """The engines that move to the host around a colocated rollout (when their config asks)."""
         return self.actor, self.critic, self.ref
+
+
+def _corrects(rc) -> bool:
+    """Whether `algorithm.rollout_correction` (`rc`) is on: IS weights, rejection or the token veto."""
+    return rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
