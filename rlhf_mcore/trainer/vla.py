@@ -10,8 +10,9 @@ episode by its success, normalise the scores within groups (`compute_grpo`) and 
 to its rows' action tokens, optionally keep only the groups whose success rate lies in
 `[vla.filter_low, vla.filter_high]` (DAPO's group filter, as SimpleVLA-RL uses it), then the engine's PPO-clip
 update (the actor loss of :mod:`rlhf_mcore.engine.losses`, softmax over the action ids only: `token_range`). The
-rollout's log-probs are the old policy's: they come from the same chunks and weights (tests/test_vla_trainer.py
-checks that the engine scores the same rows to the same log-probs).
+old policy's log-probs are the engine's forward pass over the rows (`train/rollout_logprob_gap`: their mean
+distance from the rollout's own, which come from the same chunks and weights: numerics only;
+tests/test_vla_trainer.py checks that the engine scores the same rows to the same log-probs).
 
 Before step 0, `vla.bc_steps` behaviour-cloning steps on the scripted expert's demonstrations (`vla.demo_episodes`
 episodes, which also give the action statistics q01/q99): the engine's update with the negative log-likelihood of
@@ -229,14 +230,18 @@ class VLARun:
         rows = flatten_rollout(ro, group)
         sel = np.flatnonzero(keep[rows.traj])
         metrics = {"train/success": success.mean(), "train/episode_length": ro.episode_length.mean(),
-                   "train/groups_kept": keep.mean(), "train/rows": float(len(sel))}
+                   "train/groups_kept": keep.mean(), "train/rows": float(len(sel)), "train/rollout_logprob_gap": 0.0}
         update = {}
         if _sum_over_dp(self.state, len(sel)) > 0:
             mask = rows.response_mask[sel]
             batch = self.policy.batch(rows.image[sel], [rows.instruction[i] for i in sel], rows.outputs["tokens"][sel],
                                       mask)
-            batch["old_log_probs"] = torch.as_tensor(rows.outputs["log_probs"][sel], dtype=torch.float32) * batch[
-                "response_mask"]
+            m = batch["response_mask"]
+            rollout_lp = torch.as_tensor(rows.outputs["log_probs"][sel], dtype=torch.float32) * m
+            old, _ = self.engine.compute_log_probs(batch, with_entropy=False)  # the old policy, scored by the engine
+            batch["old_log_probs"] = old * m
+            gap = ((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)
+            metrics["train/rollout_logprob_gap"] = float(gap)  # numerics only (the same chunks and weights)
             batch["advantages"] = torch.as_tensor(adv[rows.traj[sel]], dtype=torch.float32)[:, None] * batch[
                 "response_mask"]
             update = self.engine.update(batch) if len(sel) else self._empty_update()
