@@ -143,8 +143,8 @@ def _check_vision(cfg: RLConfig) -> None:
         arch = model_architecture(path) if path else None
         require(arch != "LlavaForConditionalGeneration",
                 f"{key}={path} is a {arch} (a vision-language policy): this trainer feeds it no images and its rollout "
-                "engines run text models. The VLA trainer (issue 37) is in progress: rlhf_mcore.models.vision builds "
-                "the model and rlhf_mcore.models.vision.decode rolls it out; point this trainer at a text model.")
+                "engines run text models. Train it with the VLA trainer (vla.enable=true, e.g. "
+                "configs/vla_reachpush_cpu.yaml), or point this trainer at a text model.")
 
 
 def _check_fp8(cfg: RLConfig, need) -> None:
