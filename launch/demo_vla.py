@@ -31,6 +31,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bc-steps", type=int, default=None, help="default: the config's vla.bc_steps")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
+    ap.add_argument("--image-size", type=int, default=16, help="the rendered scene and the tower's input")
     ap.add_argument("--config", default=str(ROOT / "configs/vla_reachpush_cpu.yaml"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -43,13 +44,13 @@ def main(argv=None) -> dict:
     from rlhf_mcore.trainer import train
 
     out = Path(args.out)
-    model = out / "tiny_llava"
+    model = out / f"tiny_llava_{args.image_size}"
     if not (model / "config.json").is_file():
-        make_tiny_llava(model, image_size=16, patch_size=4, seed=0)
+        make_tiny_llava(model, image_size=args.image_size, patch_size=4, seed=0)
     run = out / f"grpo_seed{args.seed}"
     shutil.rmtree(run, ignore_errors=True)
     overrides = [f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run}",
-                 f"trainer.seed={args.seed}", "trainer.resume_mode=disable"]
+                 f"trainer.seed={args.seed}", "trainer.resume_mode=disable", f"vla.image_size={args.image_size}"]
     if args.bc_steps is not None:
         overrides.append(f"vla.bc_steps={args.bc_steps}")
     if args.steps is not None:

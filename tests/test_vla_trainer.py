@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cost(40)
 TINY = ["vla.enable=true", "trainer.device=cpu", "vla.num_envs=4", "actor_rollout_ref.rollout.n=2",
         "vla.held_out_states=2", "vla.demo_episodes=4", "vla.tasks=[reach,push]", "vla.max_steps=8", "vla.chunk=2", "vla.num_bins=8",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.temperature=1.0",
-        "trainer.logger=[jsonl]"]
+        "trainer.logger=[jsonl]", "trainer.total_training_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def cfg_of(llava, *extra):
     ("vla.tasks=[reach,grasp]", ["'vla.tasks'", "from ['reach', 'push']"]),
     ("vla.colors=[red,red]", ["'vla.colors'", "distinct"]),
     ("vla.filter_low=0.95", ["'vla.filter_low' has value 0.95", "<= vla.filter_high"]),
+    ("trainer.total_training_steps=null", ["'trainer.total_training_steps' has value None", "set trainer.total"]),
 ])
 def test_vla_config_refusals_name_key_value_and_fix(override, words):
     """Each refusal names the key, its value and the fix. Mutation: dropping the refusal loop in check_vla_keys (the

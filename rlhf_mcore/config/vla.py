@@ -15,7 +15,7 @@ Sizes: `num_envs` episodes per step = `num_envs / rollout.n` initial states draw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from rlhf_mcore.config.checks import at_least, checked, within
 from rlhf_mcore.config.errors import ConfigError
@@ -50,6 +50,8 @@ class VLAConfig:
     demo_episodes: int = checked(128, ok=at_least(1), what=">= 1 (expert episodes for the action statistics)")
     bc_steps: int = checked(0, ok=at_least(0), what=">= 0 (behaviour-cloning steps before RL; 0: none)")
     bc_batch_size: int = checked(64, ok=at_least(1), what=">= 1")
+    # the behaviour-cloning learning rate (None: actor.optim.lr, which the GRPO steps use)
+    bc_lr: Optional[float] = checked(None, ok=lambda v: v is None or v > 0, what="unset or > 0")
     bc_lr: float = checked(1e-3, ok=lambda v: v > 0, what="> 0")
 
 
@@ -113,6 +115,9 @@ def check_vla_relations(cfg, given=()) -> None:
     if v.num_envs % n:
         raise ConfigError(f"config key 'vla.num_envs' has value {v.num_envs}; it must be a multiple of "
                           f"actor_rollout_ref.rollout.n={n} (each initial state runs n times: one GRPO group).")
+    if cfg.trainer.total_training_steps is None:
+        raise ConfigError("config key 'trainer.total_training_steps' has value None; a VLA run has no epochs over a "
+                          "data set: set trainer.total_training_steps (GRPO steps).")
     if "algorithm.adv_estimator" in given and cfg.algorithm.adv_estimator != "grpo":  # unset: GRPO
         raise ConfigError(f"config key 'algorithm.adv_estimator' has value {cfg.algorithm.adv_estimator!r}; a VLA run "
                           "trains with grpo on task success (no critic): set algorithm.adv_estimator=grpo.")

@@ -117,7 +117,7 @@ class VLARun:
         self.cfg, self.state, self.out_dir = cfg, state, out_dir
         v, t = cfg.vla, cfg.trainer
         self.n = cfg.actor_rollout_ref.rollout.n
-        self.total_steps = t.total_training_steps or 1
+        self.total_steps = t.total_training_steps  # required for a VLA run (config/vla.py)
         dp, rank = state.dims.dp, state.dp_rank
         if (v.num_envs // self.n) % dp or v.held_out_states % dp:
             raise ValueError(f"vla.num_envs / rollout.n = {v.num_envs // self.n} states and vla.held_out_states="
@@ -212,6 +212,9 @@ class VLARun:
                 pick = rng.choice(keep, size=min(batch_size, len(keep)), replace=False)
                 batch = self.policy.batch(d["image"][pick], [d["instruction"][j] for j in pick], tokens[pick],
                                           np.ones_like(tokens[pick]))
+                if self.cfg.vla.bc_lr is not None:  # the scheduler's next step (after this update) sets it back
+                    for g in self.engine.optimizer.param_groups:
+                        g["lr"] = self.cfg.vla.bc_lr
                 losses.append(self.engine.update(batch)["actor/bc_loss"])
         finally:
             self.engine.objective, self.engine.cfg = "ppo", saved
