@@ -20,7 +20,7 @@ XDIST_GPU = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadf
 	'import xdist; print("--no-loadscope-reorder" * (tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 8)))'))
 NPROC ?= 2
 
-.PHONY: install test test-gpu demo demo-agent benchmark learn-gpu lint clean
+.PHONY: install test test-gpu demo demo-agent demo-vla benchmark learn-gpu lint clean
 
 install: $(STAMP)
 
@@ -65,3 +65,6 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
+
+demo-vla: $(STAMP)
+	$(BIN)/python launch/demo_vla.py --seed 1

@@ -308,7 +308,7 @@ def test_every_shipped_config_prints_in_one_plain_process(printed_configs, path)
         assert node == value or node == [value], (key, value, node)
     models = [Path(ROOT, v).resolve() for k, v in _leaves(printed) if k.endswith("model.path") and v]
     data = {Path(ROOT, f).resolve() for f in printed["data"]["train_files"] + printed["data"]["val_files"]}
-    assert models and data
+    assert models and (data or printed["vla"]["enable"])  # a VLA run reads no data files (its env makes the states)
     for f in map(Path, r["opened"]):
         assert f not in data and not any(f == m or m in f.parents for m in models), f
 

@@ -143,8 +143,8 @@ def _check_vision(cfg: RLConfig) -> None:
         arch = model_architecture(path) if path else None
         require(arch != "LlavaForConditionalGeneration",
                 f"{key}={path} is a {arch} (a vision-language policy): this trainer feeds it no images and its rollout "
-                "engines run text models. The VLA trainer (issue 37) is in progress: rlhf_mcore.models.vision builds "
-                "the model and rlhf_mcore.models.vision.decode rolls it out; point this trainer at a text model.")
+                "engines run text models. Train it with the VLA trainer (vla.enable=true, e.g. "
+                "configs/vla_reachpush_cpu.yaml), or point this trainer at a text model.")
 
 
 def _check_fp8(cfg: RLConfig, need) -> None:
@@ -452,6 +452,8 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     reads no model file. The single-key rules run again first (a config built or changed in code meets them
     too)."""
     check_sections(cfg)
+    if cfg.vla.enable:
+        return _validate_vla(cfg, world_size)
     load_plugins(cfg.trainer.plugins)  # plugins may register estimators, losses and rewards used below
     t = cfg.trainer
     if cfg.async_training.mode != "off":
@@ -514,6 +516,26 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
     require(cfg.async_training.mode != "off" or world_size % rollout.tensor_model_parallel_size == 0,
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
             f"the world size {world_size}.")
+
+
+def _validate_vla(cfg: RLConfig, world_size: int) -> None:
+    """A VLA run (rlhf_mcore/trainer/vla.py): its keys were checked at load (config/vla.py); here the layout."""
+    tp, pp, vpp = parallel_layout(cfg)
+    require(vpp is None, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size is set, but the VLA "
+                         "policy decodes with one model chunk per rank: leave it unset.")
+    require(tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0,
+            f"world size {world_size} is not divisible by TP×PP = {tp}×{pp}: launch a multiple of {tp * pp} processes.")
+    dp, v, n = world_size // (tp * pp), cfg.vla, cfg.actor_rollout_ref.rollout.n
+    require((v.num_envs // n) % dp == 0 and v.held_out_states % dp == 0,
+            f"vla.num_envs / rollout.n = {v.num_envs // n} initial states per step and vla.held_out_states="
+            f"{v.held_out_states} must split evenly over the {dp} data-parallel ranks (world {world_size} / TP {tp} / "
+            f"PP {pp}): change them or the launch.")
+    t = cfg.trainer
+    if t.nnodes is not None or t.n_gpus_per_node is not None:
+        nodes, per_node = t.nnodes or 1, t.n_gpus_per_node or world_size // (t.nnodes or 1)
+        require(nodes * per_node == world_size,
+                f"trainer.nnodes={nodes} x trainer.n_gpus_per_node={per_node} = {nodes * per_node} processes, but "
+                f"{world_size} were launched.")
 
 
 def _check_batches(cfg: RLConfig, dp: int) -> None:

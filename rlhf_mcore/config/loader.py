@@ -20,6 +20,7 @@ from rlhf_mcore.config.cross import check_relations
 from rlhf_mcore.config.errors import ConfigError
 from rlhf_mcore.config.schema import RLConfig
 from rlhf_mcore.config.unused import given_keys, report_unused_keys
+from rlhf_mcore.config.vla import check_vla_keys
 
 # veRL keys that have no meaning here, with the reason (an unknown key would only say "did you mean ...").
 _NOT_APPLICABLE = {
@@ -198,8 +199,11 @@ def load_config(config_path: str | os.PathLike | None = None, overrides: list[st
     except OmegaConfBaseException as e:
         raise _omegaconf_message(e) from None
     check_sections(cfg)
-    check_relations(cfg)
-    report_unused_keys(cfg, given_keys(raw, coerced))  # set, but nothing reads them here: one notice line
+    given = given_keys(raw, coerced)
+    check_vla_keys(cfg, given)  # a VLA run refuses the text trainer's keys; a text run any vla.* key
+    if not cfg.vla.enable:
+        check_relations(cfg)
+        report_unused_keys(cfg, given)  # set, but nothing reads them here: one notice line
     return cfg
 
 

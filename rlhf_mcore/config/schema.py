@@ -9,6 +9,7 @@ from rlhf_mcore.config.critic import CriticConfig
 from rlhf_mcore.config.data import DataConfig
 from rlhf_mcore.config.reward import RewardConfig
 from rlhf_mcore.config.trainer import AsyncTrainingConfig, RolloutPoolConfig, TrainerConfig
+from rlhf_mcore.config.vla import VLAConfig
 
 
 @dataclass
@@ -21,3 +22,4 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    vla: VLAConfig = field(default_factory=VLAConfig)  # vla.enable: the VLA trainer (rlhf_mcore/trainer/vla.py)

@@ -49,6 +49,9 @@ class EngineConfig:
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs of softmax(logits / T)
     logprob_chunk_size: int = 2048  # rows of logits processed at once (bounds fp32 working memory)
     logprob_backend: str = "auto"  # auto | torch | triton (registry in rlhf_mcore.engine.logprobs)
+    # (lo, hi): score tokens under the softmax over ids lo..hi-1 only (a VLA policy's action vocabulary, as
+    # rlhf_mcore.models.vision.decode samples them); None: the whole vocabulary
+    token_range: Optional[tuple[int, int]] = None
     # -- the decoder as CUDA graphs (rlhf_mcore.engine.cuda_graphs): None where supported for micro-batches of at
     # most AUTO_MAX_TOKENS tokens, True for all (required), False off
     cuda_graphs: Optional[bool] = None
@@ -67,6 +70,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {getattr(self, key)}")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(f"engine mini_batch_size must be >= 1 or None, got {self.mini_batch_size}")
+        if self.token_range is not None and not (0 <= self.token_range[0] < self.token_range[1]):
+            raise ValueError(f"engine token_range={self.token_range} must be (lo, hi) with 0 <= lo < hi")
         if self.temperature <= 0:
             raise ValueError(f"engine temperature must be > 0 (log-probs are scored under logits / T), got "
                              f"{self.temperature}; for greedy rollouts use 1.0")

@@ -53,11 +53,39 @@ class LossContext:
 
 def score_tokens(output: torch.Tensor, inputs: ModelInputs, cfg: EngineConfig, tp_group, vocab_size,
                  compute_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (and entropy) of the response tokens from vocab-parallel logits, as (B, R) grids."""
+    """Log-probs (and entropy) of the response tokens from vocab-parallel logits, as (B, R) grids. With
+    `cfg.token_range` (lo, hi) the softmax is over ids lo..hi-1 only (:func:`_range_logits`)."""
     fn = get_logprob_backend(cfg.logprob_backend)
+    if cfg.token_range is not None:
+        lo, hi = cfg.token_range
+        logits, labels = _range_logits(output, inputs, tp_group, lo, hi)
+        logp, ent = fn(logits, labels, rows=None, tp_group=None, temperature=cfg.temperature, vocab_size=None,
+                       compute_entropy=compute_entropy, chunk_size=cfg.logprob_chunk_size)
+        return inputs.to_grid(logp), (inputs.to_grid(ent) if ent is not None else None)
     logp, ent = fn(output, inputs.labels, rows=inputs.rows, tp_group=tp_group, temperature=cfg.temperature,
                    vocab_size=vocab_size, compute_entropy=compute_entropy, chunk_size=cfg.logprob_chunk_size)
     return inputs.to_grid(logp), (inputs.to_grid(ent) if ent is not None else None)  # (B, R) each
+
+
+def _range_logits(output: torch.Tensor, inputs: ModelInputs, tp_group, lo: int, hi: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scored rows' logits over ids lo..hi-1, (M, hi - lo), TP-gathered (differentiable: the gather's backward
+    hands each rank its slice), and the labels shifted to that range. Only the M response rows are gathered, so
+    the cost is M x V, small for a VLA's action chunks. A label outside the range is an error (the rollout
+    restricted its sampling to these ids)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    flat = output.reshape(-1, output.shape[-1]).index_select(0, inputs.rows)  # (M, V_local)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        flat = gather_from_tensor_model_parallel_region(flat, group=tp_group)  # (M, V_padded)
+    if hi > flat.shape[-1]:
+        raise ValueError(f"token_range=({lo}, {hi}) exceeds the logits' vocabulary of {flat.shape[-1]}")
+    labels = inputs.labels - lo
+    if labels.numel() and (labels.min() < 0 or labels.max() >= hi - lo):
+        bad = int(inputs.labels[(labels < 0) | (labels >= hi - lo)][0])
+        raise ValueError(f"response token {bad} lies outside token_range=({lo}, {hi}): a batch scored over an "
+                         "action vocabulary must hold action tokens only in its responses")
+    return flat[:, lo:hi], labels
 
 
 def token_values(output: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:

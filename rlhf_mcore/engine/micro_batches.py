@@ -27,6 +27,7 @@ class MicroBatch:
     index: torch.Tensor  # (b,) row of each sequence in the batch it came from
     routes: Optional[torch.Tensor] = None  # (T, n, k) expert ids to replay, in the routers' order (engine.routes)
     recorded: dict = field(default_factory=dict)  # MoE layer index -> (T, k) ids its router picked (recording)
+    pixel_values: Optional[torch.Tensor] = None  # (b, C, H, W): each row's own image (a vision-language policy)
 
 
 def batch_size_of(batch: dict) -> int:
@@ -81,12 +82,18 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     `static_shape` (packed): `(tokens, documents)` every micro-batch is padded to (CUDA graphs, see
     :func:`rlhf_mcore.engine.cuda_graphs.static_shape`).
     `routes_key`: the batch's (B, L, n, k) routes each micro-batch replays, in its routers' order (`MicroBatch.routes`).
+    A batch with `pixel_values` (B, C, H, W) (one image per row, read by a vision-language policy at the row's image
+    tokens) gives each micro-batch its rows' images, in row order: the order the packed or padded layout keeps the
+    rows in, so the model scatters each image into its own row.
     """
     missing = [k for k in ("input_ids", "attention_mask", *keys, *([routes_key] if routes_key else []))
                if k not in batch]
     if missing:
         raise KeyError(f"the batch lacks {missing}; it has {sorted(k for k in batch)}")
     R = response_length_of(batch)
+    if "pixel_values" in batch and batch["pixel_values"].shape[0] != batch_size_of(batch):
+        raise ValueError(f"pixel_values holds {batch['pixel_values'].shape[0]} images for {batch_size_of(batch)} "
+                         "rows: the engine takes one image per row")
     device = batch["input_ids"].device
     lengths = batch["attention_mask"].sum(-1).tolist()
     pad_length = pad_rows = pad_docs = 0
@@ -111,5 +118,6 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
             from rlhf_mcore.engine.routes import to_router_order
 
             routes = to_router_order(batch[routes_key].index_select(0, index), mask, inputs)
-        out.append(MicroBatch(inputs, data, index, routes))
+        images = batch["pixel_values"].index_select(0, index) if "pixel_values" in batch else None
+        out.append(MicroBatch(inputs, data, index, routes, pixel_values=images))
     return out

@@ -463,7 +463,9 @@ class TrainEngine:
             x = mb.inputs
             replay = mb.routes is not None or record_routes
             with routed(model, mb.routes, record_routes) if replay else nullcontext({}) as recorded:
-                output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params)
+                images = {} if mb.pixel_values is None else {"pixel_values": mb.pixel_values}  # vision chunks
+                output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params,
+                               **images)
             mb.recorded.update({j: ids.to(compact) for j, ids in recorded.items()})
             return output, partial(loss_func, mb)
 

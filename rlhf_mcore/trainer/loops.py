@@ -177,6 +177,10 @@ def finish_pool_step(run, learner, pool, batch, info, prompts, metrics, t, save)
 def train(cfg: RLConfig, hooks: Optional[StepHooks] = None) -> dict[str, float]:
     """Every rank: run PPO/GRPO as `async_training.mode` says; returns the last step's reduced metrics (the
     rollout pool's ranks: {})."""
+    if cfg.vla.enable:  # the VLA trainer: its own loop on envs (rlhf_mcore/trainer/vla.py)
+        from rlhf_mcore.trainer.vla import run_vla
+
+        return run_vla(cfg)
     if cfg.async_training.mode != "off":
         return train_async(cfg, hooks)
     run = RunContext.open(cfg, hooks)

@@ -1,0 +1,135 @@
+"""The `vla` section: a vision-language-action run (rlhf_mcore/trainer/vla.py) instead of a text one.
+
+`vla.enable=true` makes `launch/train.py` run the VLA trainer: GRPO on task success against a vectorized simulated
+env. What it reads besides this section: `actor_rollout_ref.model.path` (a LLaVA directory), `.actor.optim`, the
+actor's loss keys (`clip_ratio*`, `entropy_coeff`, `ppo_epochs`, `ppo_max_token_len_per_gpu`, `grad_clip`),
+`.rollout.n` (one GRPO group = n episodes from one initial state) and `.rollout.temperature`,
+`algorithm.adv_estimator` (grpo) and `.norm_adv_by_std_in_grpo`, and `trainer.*` (steps, checkpoints, validation,
+loggers, seed, device). The text trainer's keys (data files and lengths, the rollout engine, rewards, the critic,
+the reference, async modes, ...) do nothing here, so a run that sets them is refused (:func:`check_vla_keys`: the
+key, its value and the fix) rather than silently ignoring them.
+
+Sizes: `num_envs` episodes per step = `num_envs / rollout.n` initial states drawn from the training range, each
+`rollout.n` times. The action dimension comes from the env (ReachPush: 2), not from the config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from rlhf_mcore.config.checks import at_least, checked, within
+from rlhf_mcore.config.errors import ConfigError
+
+TASKS = ("reach", "push")
+COLORS = ("red", "green", "blue", "yellow")  # rlhf_mcore.vla.envs.reach_push.COLORS (not imported: numpy-free config)
+
+
+@dataclass
+class VLAConfig:
+    enable: bool = False  # true: launch/train.py runs the VLA trainer
+    env: Literal["reach_push"] = "reach_push"
+    num_envs: int = checked(16, ok=at_least(1), what=">= 1 (episodes per step: num_envs / rollout.n states)")
+    num_workers: int = checked(0, ok=at_least(0), what=">= 0 (0: the envs step in the trainer's process)")
+    chunk: int = checked(4, ok=at_least(1), what=">= 1 (action steps per policy call)")
+    num_bins: int = checked(16, ok=at_least(2), what=">= 2 (action bins per dimension, on the last ids)")
+    max_steps: int = checked(24, ok=at_least(1), what=">= 1 (env steps before an episode is truncated)")
+    image_size: int = checked(16, ok=at_least(16), what=">= 16 (the rendered image; the tower's image_size)")
+    tasks: list[str] = checked(factory=lambda: ["reach"], ok=lambda v: bool(v) and all(t in TASKS for t in v),
+                               what=f"a non-empty list from {list(TASKS)} (the task mix: each scene draws one)")
+    colors: list[str] = checked(factory=lambda: ["red", "green", "blue"],
+                                ok=lambda v: 1 <= len(v) <= 4 and len(set(v)) == len(v) and all(c in COLORS for c in v),
+                                what=f"1-4 distinct colours from {list(COLORS)} (the blocks of each scene)")
+    freeze_vision: bool = False  # the SigLIP tower gets no gradients (the projector and the text model train)
+    held_out_states: int = checked(64, ok=at_least(1), what=">= 1 (held-out initial states of validation)")
+    # DAPO's group filter (SimpleVLA-RL): train only on groups whose success rate lies in [filter_low, filter_high]
+    filter_groups: bool = False
+    filter_low: float = checked(0.1, ok=within(0.0, 1.0), what="in [0, 1]")
+    filter_high: float = checked(0.9, ok=within(0.0, 1.0), what="in [0, 1]")
+    overlap: bool = True  # two env stages: the policy generates for one while the other steps (needs num_workers)
+    # the action statistics (q01/q99) and the behaviour-cloning warm start: scripted-expert demonstrations
+    demo_episodes: int = checked(128, ok=at_least(1), what=">= 1 (expert episodes for the action statistics)")
+    bc_steps: int = checked(0, ok=at_least(0), what=">= 0 (behaviour-cloning steps before RL; 0: none)")
+    bc_batch_size: int = checked(64, ok=at_least(1), what=">= 1")
+    # the behaviour-cloning learning rate (None: actor.optim.lr, which the GRPO steps use)
+    bc_lr: Optional[float] = checked(None, ok=lambda v: v is None or v > 0, what="unset or > 0")
+    bc_lr: float = checked(1e-3, ok=lambda v: v > 0, what="> 0")
+
+
+# Keys a VLA run reads outside its own section; everything else the user sets is refused.
+_READ = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.use_remove_padding",
+         "actor_rollout_ref.actor.optim.", "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
+         "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c",
+         "actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.actor.ppo_epochs",
+         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.grad_clip",
+         "actor_rollout_ref.actor.loss_agg_mode", "actor_rollout_ref.actor.policy_loss",
+         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "actor_rollout_ref.actor.megatron.seed",
+         "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "algorithm.adv_estimator",
+         "algorithm.norm_adv_by_std_in_grpo", "trainer.", "vla.")
+# Set-but-unread keys the refusal names a specific fix for (by prefix); the rest get the general one.
+_FIXES = (
+    ("data.", "the VLA trainer draws initial states from the env, not prompts from files: remove it (episodes per "
+              "step are vla.num_envs, held-out states vla.held_out_states)"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", "a VLA step trains on all its rows in one mini-batch per epoch "
+                                                     "(actor.ppo_epochs): remove it"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", "VLA rows are micro-batched by tokens: set "
+                                                      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu instead"),
+    ("actor_rollout_ref.rollout.", "the policy decodes its action chunks itself (rlhf_mcore.models.vision.decode): "
+                                   "only rollout.n and rollout.temperature apply"),
+    ("actor_rollout_ref.ref.", "the VLA trainer has no reference policy (no KL term): remove it"),
+    ("critic.", "the VLA trainer runs GRPO without a critic: remove it"),
+    ("reward.", "the reward is the env's task success: remove it"),
+    ("async_training.", "the VLA trainer is synchronous: remove it"),
+    ("rollout.", "the VLA trainer has no rollout pool: remove it"),
+)
+
+
+def _reads(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in _READ)
+
+
+def check_vla_keys(cfg, given) -> None:
+    """With `vla.enable`: refuse every key in `given` (set in the YAML or on the command line) that a VLA run does
+    not read, naming the key, its value and the fix; then the rules between VLA keys. Without it: refuse any
+    `vla.*` key but `vla.enable` (they would do nothing)."""
+    from rlhf_mcore.config.checks import value_at
+
+    if not cfg.vla.enable:
+        stray = sorted(k for k in given if k.startswith("vla.") and k != "vla.enable")
+        if stray:
+            raise ConfigError(f"config key '{stray[0]}' has value {value_at(cfg, stray[0])!r}, but vla.enable=false "
+                              "runs the text trainer, which reads no vla.* key: set vla.enable=true or remove it.")
+        return
+    for key in sorted(given):
+        if _reads(key):
+            continue
+        fix = next((f for prefix, f in _FIXES if key.startswith(prefix)), "a VLA run does not read it: remove it")
+        raise ConfigError(f"config key '{key}' has value {value_at(cfg, key)!r}, which does not apply to a VLA run "
+                          f"(vla.enable=true): {fix}.")
+    check_vla_relations(cfg, given)
+
+
+def check_vla_relations(cfg, given=()) -> None:
+    """The rules between the keys a VLA run reads (`given`: the keys set, as for :func:`check_vla_keys`)."""
+    v, n = cfg.vla, cfg.actor_rollout_ref.rollout.n
+    if v.num_envs % n:
+        raise ConfigError(f"config key 'vla.num_envs' has value {v.num_envs}; it must be a multiple of "
+                          f"actor_rollout_ref.rollout.n={n} (each initial state runs n times: one GRPO group).")
+    if cfg.trainer.total_training_steps is None:
+        raise ConfigError("config key 'trainer.total_training_steps' has value None; a VLA run has no epochs over a "
+                          "data set: set trainer.total_training_steps (GRPO steps).")
+    if "algorithm.adv_estimator" in given and cfg.algorithm.adv_estimator != "grpo":  # unset: GRPO
+        raise ConfigError(f"config key 'algorithm.adv_estimator' has value {cfg.algorithm.adv_estimator!r}; a VLA run "
+                          "trains with grpo on task success (no critic): set algorithm.adv_estimator=grpo.")
+    if v.filter_low > v.filter_high:
+        raise ConfigError(f"config key 'vla.filter_low' has value {v.filter_low}; it must be <= vla.filter_high "
+                          f"({v.filter_high}).")
+    if v.overlap and v.num_workers == 1:
+        raise ConfigError("config key 'vla.num_workers' has value 1; the two-stage overlap (vla.overlap=true) steps "
+                          "its stages in separate workers: set vla.num_workers >= 2, 0 (in-process, no overlap) or "
+                          "vla.overlap=false.")
+    if v.overlap and v.num_workers >= 2 and v.num_envs < 2:
+        raise ConfigError(f"config key 'vla.num_envs' has value {v.num_envs}; two overlapped stages need >= 2 envs.")
+    if cfg.actor_rollout_ref.rollout.temperature <= 0:
+        raise ConfigError(f"config key 'actor_rollout_ref.rollout.temperature' has value "
+                          f"{cfg.actor_rollout_ref.rollout.temperature}; GRPO needs sampled episodes: set it > 0.")
