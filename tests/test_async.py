@@ -91,6 +91,22 @@ def test_mailbox_order_several_writers_and_cursor():
     assert not store.check(["mb/coord/1"])  # read messages are deleted
 
 
+def test_idle_backoff_lengthens_idle_turns_and_resets_after_work(monkeypatch):
+    """The fully asynchronous rollout worker's idle turns sleep 1, 2, 4, ... ms up to 20 (a replica with nothing to
+    do polls its mailbox at 50 Hz, not 500) and a busy turn brings the next idle one back to 1 ms.
+    Mutation: `reset` not restoring `first_s` -> fails."""
+    from rlhf_mcore.parallel import pools
+
+    slept = []
+    monkeypatch.setattr(pools.time, "sleep", slept.append)
+    idle = pools.IdleBackoff(first_s=0.001, max_s=0.02)
+    for _ in range(7):
+        idle.wait()
+    idle.reset()
+    idle.wait()
+    assert slept == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.02, 0.02, 0.001])
+
+
 def test_pool_layout():
     lay = PoolLayout(train_size=2, rollout_size=4, rollout_tp=2)
     assert lay.world_size == 6 and lay.replicas == 2 and lay.rollout_ranks == [2, 3, 4, 5]

@@ -33,7 +33,7 @@ from rlhf_mcore.config import RLConfig, load_plugins
 from rlhf_mcore.data.rows import Row
 from rlhf_mcore.data.seeds import step_seed
 from rlhf_mcore.parallel import pick_device
-from rlhf_mcore.parallel.pools import Pools
+from rlhf_mcore.parallel.pools import IdleBackoff, Pools
 from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_scores
 from rlhf_mcore.rewards.scorer import failure_error
@@ -224,6 +224,7 @@ class RolloutWorker:
         todo: deque = deque()  # granted (uid, prompt) not yet started
         live: dict[int, dict] = {}  # uid -> {"prompt", "rows": [Row|None]*n, "scores": [float|None]*n}
         sync_to = None  # a weight version waiting for this replica
+        idle = IdleBackoff()
         try:
             while True:
                 for cmd in self.inbox.poll():
@@ -275,9 +276,9 @@ class RolloutWorker:
                 self.submit_scoring(scoring, finished, live)
                 scored = self.collect(scoring, live)
                 if not self.engine.num_pending and not scored and not finished:
-                    t0 = time.perf_counter()
-                    time.sleep(0.002)
-                    self.idle_s += time.perf_counter() - t0
+                    self.idle_s += idle.wait()
+                else:
+                    idle.reset()
                 self.store.reap()
                 if finished or scored:
                     trace.flush()
