@@ -11,9 +11,15 @@ output. `--standalone` gives every launch its own rendezvous on a free port, so 
     procs = {name: start(...) for ...}; wait_all(procs) # side by side, every one must succeed
 
 `script` is a path relative to the repository root (`launch/train.py`, `tests/scripts/x.py`) or an absolute one.
+
+On a machine without CUDA the launches fork from warm interpreters (tests/zygote.py: the imports of torch, megatron
+and transformers paid once per test process instead of once per launched process); `zygote=False` starts a fresh
+interpreter, and torchrun itself for `nproc`: what tests of torchrun's own behaviour and of a process's parent use.
+RLHF_TEST_ZYGOTE=0 turns the zygotes off for the whole run.
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -64,22 +70,60 @@ def failure(what: str, returncode: int | None, stdout: str | None, stderr: str |
     return "\n".join(parts)
 
 
+_POOL = None
+
+
+def zygotes_on() -> bool:
+    """Whether launches fork from tests/zygote.py's warm interpreters: not where CUDA is (a CUDA context does not
+    survive a fork, and a GPU machine has the cores), not with RLHF_TEST_ZYGOTE=0."""
+    global _POOL
+    if os.environ.get("RLHF_TEST_ZYGOTE", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if _POOL is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return False
+        from zygote import Pool
+
+        _POOL = Pool()
+    return True
+
+
+def _forked(script: str | Path, args, nproc: int | None, env_extra, cwd: Path, stdout, stderr):
+    path = str(Path(script) if Path(script).is_absolute() else ROOT / script)
+    return _POOL.start([path, *map(str, args)], env(**(env_extra or {})), str(cwd), nproc, stdout, stderr,
+                       master_port=free_port() if nproc is not None else 0)
+
+
 def run(script: str | Path, *args: str, nproc: int | None = None, timeout: float = 600, check: bool = True,
-        env_extra: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+        env_extra: dict[str, str] | None = None, cwd: Path = ROOT, zygote: bool = True) -> subprocess.CompletedProcess:
     """Run `command(script, *args, nproc=nproc)` to its end (text output captured); with `check`, assert exit 0."""
     cmd = command(script, *args, nproc=nproc)
-    proc = subprocess.run(cmd, cwd=cwd, env=env(**(env_extra or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    if zygote and zygotes_on():
+        launch = _forked(script, args, nproc, env_extra, cwd, subprocess.PIPE, subprocess.PIPE)
+        try:
+            out, err = launch.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            launch.wait()
+            raise
+        proc = subprocess.CompletedProcess(cmd, launch.returncode, out, err)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=env(**(env_extra or {})), capture_output=True, text=True,
+                              timeout=timeout)
     if check:
         assert proc.returncode == 0, failure(_name(script, nproc), proc.returncode, proc.stdout, proc.stderr)
     return proc
 
 
 def start(script: str | Path, *args: str, nproc: int | None = None, env_extra: dict[str, str] | None = None,
-          cmd: list[str] | None = None, **popen) -> subprocess.Popen:
+          cmd: list[str] | None = None, zygote: bool = True, **popen) -> subprocess.Popen:
     """Start `command(script, *args, nproc=nproc)` (or `cmd`, a command built elsewhere, e.g. by NodeLaunch) in the
     background; text output to pipes unless `popen` says otherwise (stdout=/stderr= a file or DEVNULL)."""
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    if cmd is None and zygote and set(popen) <= {"stdout", "stderr"} and zygotes_on():
+        return _forked(script, args, nproc, env_extra, ROOT, popen["stdout"], popen["stderr"])
     return subprocess.Popen(cmd or command(script, *args, nproc=nproc), cwd=ROOT, env=env(**(env_extra or {})),
                             text=True, **popen)
 

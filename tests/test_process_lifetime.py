@@ -319,7 +319,8 @@ def _train(*args: str, nproc: int = 1, log=None) -> subprocess.Popen:
     """launch/train.py (under torchrun when nproc > 1); output to pipes, or to the open file `log`: a pipe would
     tie the rank's fate to our reading of it."""
     out = {} if log is None else {"stdout": log, "stderr": log}
-    return start("launch/train.py", *args, nproc=None if nproc == 1 else nproc, env_extra=QUIET, **out)
+    return start("launch/train.py", *args, nproc=None if nproc == 1 else nproc, env_extra=QUIET, zygote=False,
+                 **out)  # torchrun and fresh interpreters: their parents are what this file tests
 
 
 def _wait_for(root: Path, pattern: str, proc: subprocess.Popen, log: Path, seconds: float,

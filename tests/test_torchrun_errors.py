@@ -20,7 +20,8 @@ OUR_FRAME = re.compile(r'File "[^"]*(/rlhf_mcore/|/launch/)')
 
 def torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
     # CPU fp32, what the tolerances are calibrated on (a GPU would build bf16)
-    return run(f"launch/{script}", *args, nproc=2, check=False, env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
+    return run(f"launch/{script}", *args, nproc=2, check=False, env_extra={**CPU, "PYTHONWARNINGS": "ignore"},
+               zygote=False)  # torchrun itself: what a user launches
 
 
 def assert_one_clean_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
