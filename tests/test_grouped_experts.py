@@ -98,7 +98,9 @@ def _layout(module) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    sd = module.sharded_state_dict(prefix="decoder.layers.1.mlp.experts.")
+    prefix = "decoder.layers.1.mlp.experts."
+    sd = module.sharded_state_dict(prefix=prefix)
+    assert set(sd) <= set(module.state_dict(prefix=prefix))  # what load_state_dict gets back: the module's names
     apply_factories(sd)
     return {(t.key, t.global_offset): (t.global_shape, t.data.clone()) for t in nested_values(sd)
             if isinstance(t, ShardedTensor)}
@@ -106,8 +108,9 @@ def _layout(module) -> dict:
 
 def test_checkpoint_layout_is_sequential_mlps(experts):
     """GroupedExperts writes SequentialMLP's checkpoint tensors: the same keys, global shapes, offsets (fc1's gate
-    and up halves apart) and values, so either loads the other's checkpoints. Mutation: the up half at the gate's
-    offset (tp_rank for both) -> the offsets differ, fails."""
+    and up halves apart) and values, so either loads the other's checkpoints, under the module's own state-dict
+    names. Mutations: the up half at the gate's offset (tp_rank for both) -> the offsets differ, fails; the dict
+    keyed by checkpoint keys -> not the state-dict names, fails."""
     grouped, seq = experts
     got, want = _layout(grouped), _layout(seq)
     assert {k for k, _ in got} == {"decoder.layers.1.mlp.experts.experts.linear_fc1.weight",

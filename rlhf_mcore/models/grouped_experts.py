@@ -119,9 +119,9 @@ class GroupedExperts(MegatronModule):
 
         # SequentialMLP's keys: its experts' "local_experts.{i}." prefix becomes "experts."
         fc1_key, fc2_key = (f"{prefix}experts.{STACKED[n][0]}" for n in ("fc1_weight", "fc2_weight"))
-        return {
-            fc1_key: ShardedTensorFactory(fc1_key, self.fc1_weight, fc1_parts, fc1_merge, replica_id),
-            fc2_key: ShardedTensor.from_rank_offsets(fc2_key, self.fc2_weight, *sharded_offsets, experts,
+        return {  # keyed by this module's state-dict names (what load_state_dict reads), checkpoint keys inside
+            prefix + "fc1_weight": ShardedTensorFactory(fc1_key, self.fc1_weight, fc1_parts, fc1_merge, replica_id),
+            prefix + "fc2_weight": ShardedTensor.from_rank_offsets(fc2_key, self.fc2_weight, *sharded_offsets, experts,
                                                      (pre + 2, tp_rank, tp), replica_id=replica_id,
                                                      prepend_axis_num=pre),
         }
