@@ -9,6 +9,7 @@ import torch
 
 pytestmark = pytest.mark.cost(6)
 
+CHUNKS: list = []  # the built model of `experts`
 TINY = dict(arch="qwen3_moe", layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top_k=2,
             tie_word_embeddings=False)
 
@@ -38,7 +39,9 @@ def experts(tiny_model_dir):
         for i, mlp in enumerate(seq.local_experts):
             mlp.linear_fc1.weight.copy_(grouped.fc1_weight[i])
             mlp.linear_fc2.weight.copy_(grouped.fc2_weight[i])
+    CHUNKS[:] = [chunk]
     yield grouped, seq
+    CHUNKS.clear()
     destroy_distributed()
 
 
@@ -54,8 +57,7 @@ def run(module, x, counts, probs):
 def test_grouped_experts_equal_sequential_mlp(experts, counts):
     """Output, input, probs and weight gradients equal SequentialMLP's within 1e-6 (fp32), with expert 1 routed no
     tokens (its weight gradients: zero, present) and with no token at all. Mutations: the probs not multiplied
-    in -> the outputs differ, fails; [up; gate] instead of [gate; up] (torch.chunk's halves swapped) -> fails;
-    fc2 of the next expert (fc2_weight.roll(1, 0)) -> fails."""
+    in -> the outputs differ, fails; [up; gate] instead of [gate; up] (torch.chunk's halves swapped) -> fails."""
     grouped, seq = experts
     g = torch.Generator().manual_seed(0)
     t, h = sum(counts), grouped.config.hidden_size
@@ -156,3 +158,14 @@ def test_torch_grouped_mm_call_equals_the_loop():
         results.append((y, xi.grad, wi.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_training_refuses_moe_models(experts):
+    """The FP8 recipe has no grouped-GEMM path: a MoE model is refused naming the key (before any device check), not
+    trained with bf16 experts silently. Mutation: the refusal skipped -> the CPU device check's message instead,
+    fails."""
+    from rlhf_mcore.kernels.fp8 import Fp8Unsupported
+    from rlhf_mcore.models.fp8_training import enable_fp8_training
+
+    with pytest.raises(Fp8Unsupported, match="actor.megatron.fp8=e4m3: FP8 training of mixture-of-experts"):
+        enable_fp8_training(CHUNKS, "e4m3", "actor.megatron.fp8")
