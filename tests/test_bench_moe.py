@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from launcher import CPU, QUIET, run
 
-pytestmark = pytest.mark.cost(15)
+pytestmark = pytest.mark.cost(18)  # the train section twice (grouped and sequential experts)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))

@@ -7,7 +7,7 @@ tests/test_moe.py's; the bf16 CUDA kernel's check is tests/test_moe_gpu.py's."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.cost(6)
+pytestmark = pytest.mark.cost(10)
 
 CHUNKS: list = []  # the built model of `experts`
 TINY = dict(arch="qwen3_moe", layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top_k=2,
