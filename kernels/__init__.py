@@ -10,4 +10,5 @@ the engine chooses between reference and kernel (`rlhf_mcore.engine.logprobs`).
     fp8                e4m3/e5m2 quantization (per channel, 128 x 128 blocks) and the cuBLAS FP8 GEMM, with the
                        dequantized fp32 reference
     fp8_linear         a linear whose forward and backward GEMMs run in FP8 (training, current scaling)
+    grouped_mm         the MoE experts' grouped GEMM (`torch._grouped_mm` on CUDA bf16) and its per-expert loop
 """

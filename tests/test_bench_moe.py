@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from launcher import CPU, QUIET, run
 
-pytestmark = pytest.mark.cost(15)
+pytestmark = pytest.mark.cost(18)  # the train section twice (grouped and sequential experts)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT / "launch" / "bench"))
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_moe") / "moe.json"
-    run("launch/bench/bench_moe.py", "--shape", "tiny", "--device", "cpu", "--out", str(out), timeout=300,
-        env_extra={**QUIET, **CPU})
+    run("launch/bench/bench_moe.py", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+        "--train-experts", "grouped", "sequential", timeout=300, env_extra={**QUIET, **CPU})
     return json.loads(out.read_text())
 
 
@@ -63,11 +63,23 @@ def test_train_counts_active_parameters(report):
     t, s = report["train"], report["shape"]
     assert t["tokens_per_step"] == t["sequences"] * t["seq"] and t["step_s"] > 0 and t["tflops"] > 0
     assert t["mfu"] is None and t["peak_tflops"] is None  # no peak FLOP/s for a CPU: MFU is not made up
-    assert t["megatron_experts"] == "SequentialMLP" and t["grad_norm"] > 0
+    assert t["megatron_experts"] == "GroupedExperts" and t["grad_norm"] > 0
     assert t["total_params"] == t["params"] == bench_shapes.moe_param_counts(s)["total"]
     h, f, k, E = s["hidden_size"], s["moe_intermediate_size"], s["num_experts_per_tok"], s["num_experts"]
     all_experts = t["flop_matmul_params"] + s["num_hidden_layers"] * (E - k) * 3 * h * f  # as if every expert ran
     assert t["active_params"] < t["total_params"] and all_experts > 2 * t["flop_matmul_params"]
+
+
+def test_train_side_by_side_with_sequential_experts(report):
+    """`--train-experts grouped sequential`: the same update on Megatron's SequentialMLP in "train_sequential", the
+    step-time ratio in train; one set of weights, one batch, fp32: the same gradient norm (the experts compute the
+    same numbers). Mutation: build_actor ignoring its experts argument -> megatron_experts GroupedExperts twice,
+    fails."""
+    t, seq = report["train"], report["train_sequential"]
+    assert "error" not in seq and seq["megatron_experts"] == "SequentialMLP"
+    assert report["section_s"]["train_sequential"] > 0
+    assert t["speedup_vs_sequential"] == pytest.approx(seq["step_s"] / t["step_s"])
+    assert seq["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
 
 
 def test_the_30b_shape_has_the_model_cards_sizes():

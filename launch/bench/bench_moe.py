@@ -4,6 +4,7 @@ and the rollout / trainer k3 KL in bf16 with routing replay R3 on and off.
 
     python launch/bench/bench_moe.py --shape qwen3_30b_a3b_4l --out $OUT/bench_moe.json      # one H200
     python launch/bench/bench_moe.py --shape tiny --device cpu --out bench_moe.json          # CPU smoke run
+    python launch/bench/bench_moe.py --sections train --train-experts grouped sequential     # experts side by side
 
 The model (`bench_shapes.MOE_SHAPES["qwen3_30b_a3b_4l"]`): Qwen/Qwen3-30B-A3B's config.json with num_hidden_layers 4
 -- hidden 2048, 32 heads / 4 KV heads of head_dim 128 (QK-norm), 128 experts of width 768, top-8 renormalised, every
@@ -30,8 +31,11 @@ with the static cache (its compilation is the slowest and least predictable part
   optimizer step), median over `--steps` after `--warmup`: tokens/s, TFLOP/s and MFU from `rlhf_mcore.engine.flops`
   counted on ACTIVE parameters (each token's attention, router and top-8 experts, the output projection; causal
   attention) against the dense bf16 peak of the device (H200: 989.4 TFLOP/s, `flops.PEAK_BF16_FLOPS`; `--peak-tflops`
-  overrides). Megatron's experts here are its `SequentialMLP` (one GEMM per expert: no grouped GEMM without
-  Transformer Engine), routing replay disabled (the batch has no routes);
+  overrides), routing replay disabled (the batch has no routes). The experts: `--train-experts`, by default
+  `grouped` (`rlhf_mcore.models.grouped_experts.GroupedExperts`: one `torch._grouped_mm` per projection over the
+  local experts, what the trainer builds); `grouped sequential` times Megatron's `SequentialMLP` too (one GEMM pair
+  per expert: the baseline) on a second actor built after the first is freed, into "train_sequential", with
+  `train.speedup_vs_sequential` (the step-time ratio);
 - hf: transformers' `Qwen3MoeForCausalLM.generate` on the same weights and prompts, its default experts kernel
   (transformers 5: `grouped_mm`), SDPA, timed after a full-length warm-up run with each of `--hf-caches` (dynamic;
   static, which transformers compiles in the warm-up); `ratio_native_vs_hf` is against the faster.
@@ -68,6 +72,7 @@ PLANS = {
     "tiny": dict(rollout=(4, 16, 16), train=(2, 64, 1), forward_micro=4, warmup=1, steps=1),
 }
 SECTIONS = ("rollout", "kl", "train", "hf")
+TRAIN_EXPERTS = ("grouped", "sequential")
 
 
 def section(report: dict, name: str, out, fn, *args):
@@ -158,14 +163,20 @@ def hf_peer(keep: dict, model_dir, prompts, new_tokens, device, dtype, caches, n
 
 
 # ------------------------------------------------------------------------------------------------ trainer
-def build_actor(model_dir, state, plan: dict):
-    """The actor as the trainer builds it for a MoE model (routers with a RouterReplay), weights from `model_dir`."""
+def build_actor(model_dir, state, plan: dict, experts: str = "grouped"):
+    """The actor as the trainer builds it for a MoE model (routers with a RouterReplay), weights from `model_dir`;
+    experts: "grouped" (the trainer's) or "sequential" (Megatron's SequentialMLP, `moe.TRAIN_EXPERTS`)."""
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
-    from rlhf_mcore.models import build_model
+    from rlhf_mcore.models import build_model, moe
     from rlhf_mcore.models.routing_replay import replay_config_overrides
 
-    chunks = build_model(model_dir, state, role="actor", load_weights=True, config_overrides=replay_config_overrides())
+    saved, moe.TRAIN_EXPERTS = moe.TRAIN_EXPERTS, experts
+    try:
+        chunks = build_model(model_dir, state, role="actor", load_weights=True,
+                             config_overrides=replay_config_overrides())
+    finally:
+        moe.TRAIN_EXPERTS = saved
     n, _, micro = plan["train"]
     ecfg = EngineConfig(role="actor", micro_batch_size=micro, forward_micro_batch_size=plan["forward_micro"],
                         use_remove_padding=True, router_replay="R3")
@@ -249,6 +260,27 @@ def bench_train(engine, s: dict, plan: dict, state, warmup: int, steps: int) -> 
     return out
 
 
+def train_other(report: dict, out, experts: str, model_dir, s: dict, plan: dict, state, warmup: int, steps: int):
+    """The train section on an actor with other experts, into report[f"train_{experts}"]; the first run's step
+    time over its: report["train"][f"speedup_vs_{experts}"]."""
+    name = f"train_{experts}"
+    engine = None
+    try:
+        engine = build_actor(model_dir, state, plan, experts)
+        section(report, name, out, bench_train, engine, s, plan, state, warmup, steps)
+    except Exception as e:  # noqa: BLE001 - as a section's error
+        report[name] = {"error": f"actor build: {type(e).__name__}: {str(e)[:400]}"}
+    finally:
+        del engine
+        gc.collect()
+        if state.device.type == "cuda":
+            torch.cuda.empty_cache()
+    first, other = report.get("train", {}), report[name]
+    if first.get("step_s") and other.get("step_s"):
+        first[f"speedup_vs_{experts}"] = other["step_s"] / first["step_s"]
+    write_report(report, out)
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +292,9 @@ def main(argv=None) -> dict:
                    help="HF generate's KV caches to time (the ratio is against the faster)")
     p.add_argument("--native-experts", choices=("auto", "looped"), default="auto",
                    help="the native engine's expert path: auto (grouped GEMMs on CUDA bf16) or looped")
+    p.add_argument("--train-experts", nargs="+", choices=TRAIN_EXPERTS, default=["grouped"],
+                   help="the train section's experts: grouped (the trainer's), sequential (Megatron's SequentialMLP) "
+                        "or both, the first into 'train' (and kl), the second into 'train_<name>'")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--micro", type=int, default=None, help="sequences a training micro-batch (default: per shape)")
@@ -334,7 +369,7 @@ def main(argv=None) -> dict:
         if {"kl", "train"} & set(args.sections):
             t0 = time.perf_counter()
             try:
-                engine = build_actor(model_dir, state, plan)
+                engine = build_actor(model_dir, state, plan, args.train_experts[0])
             except Exception as e:  # noqa: BLE001 - its error stands for the sections that need the actor
                 import traceback
 
@@ -354,6 +389,10 @@ def main(argv=None) -> dict:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if "train" in args.sections:
+                others = [e for e in dict.fromkeys(args.train_experts) if e != args.train_experts[0]]
+                for experts in others:  # the baseline, on its own actor
+                    train_other(report, out_path, experts, model_dir, s, plan, state, warmup, steps)
         if "hf" in args.sections and late:
             section(report, "hf", out_path, hf_peer, *hf_args, late, report.get("rollout", {}), report.get("hf", {}))
         keep.pop("hf_model", None)
@@ -370,9 +409,17 @@ def print_summary(r: dict) -> None:
           f"{r['dtype']}  {r['shape_name']}: {r['params']['total'] / 1e9:.2f} B params, "
           f"{r['params']['active'] / 1e9:.2f} B active")
     t, ro, hf, kl = (r.get(k, {}) for k in ("train", "rollout", "hf", "kl"))
-    print(f"update  {cell(t, 'tokens_per_step', '>7')} tokens/step  {cell(t, 'tokens_per_s', '>9.0f')} tok/s  "
-          f"{cell(t, 'tflops', '>7.1f')} TFLOP/s  MFU {cell(t, 'mfu', '>6.1%')} (active params, peak "
-          f"{cell(r, 'peak_tflops', '.1f')} TFLOP/s)  {t.get('error', '')}")
+    for key in ["train"] + [k for k in r if k.startswith("train_")]:
+        t = r.get(key, {})
+        print(f"update  {t.get('megatron_experts', key):>14}  {cell(t, 'tokens_per_step', '>7')} tokens/step  "
+              f"{cell(t, 'tokens_per_s', '>9.0f')} tok/s  {cell(t, 'tflops', '>7.1f')} TFLOP/s  MFU "
+              f"{cell(t, 'mfu', '>6.1%')} (active params, peak {cell(r, 'peak_tflops', '.1f')} TFLOP/s)  "
+              f"{t.get('error', '')}")
+    for key, x in r.get("train", {}).items():
+        if key.startswith("speedup_vs_"):
+            print(f"update  {r['train'].get('megatron_experts')} x{x:.2f} faster than "
+                  f"{r.get('train_' + key.removeprefix('speedup_vs_'), {}).get('megatron_experts')} (step time)")
+    t = r.get("train", {})
     print(f"rollout native {cell(ro, 'native_tok_s', '>8.0f')} tok/s, with routes "
           f"{cell(ro, 'native_routes_tok_s', '>8.0f')}  HF best {cell(hf, 'hf_tok_s', '>8.0f')} "
           f"({hf.get('hf_best', '-')})  x{cell(hf, 'ratio_native_vs_hf', '.2f')}  {ro.get('error', '')} "

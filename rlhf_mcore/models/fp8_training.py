@@ -6,6 +6,9 @@ gets its `_forward_impl` replaced by :func:`rlhf_mcore.kernels.fp8_linear.fp8_li
 gradients e4m3 or e5m2, current per-row scaling). The embedding, the LM head (`model.output_layer`, outside the
 decoder), norms and attention stay in the model's dtype; parameters, gradients and the optimizer are untouched.
 
+Mixture-of-experts models are refused (their experts are `grouped_experts.GroupedExperts`, grouped bf16 GEMMs
+with no FP8 path).
+
 Formats follow Megatron / Transformer Engine's names: "e4m3" (everything e4m3) and "hybrid" (e5m2 gradients).
 """
 
@@ -19,13 +22,14 @@ FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forwar
 
 def enable_fp8_training(chunks, fmt: str, key: str) -> int:
     """Switch the decoder linears of every model chunk to FP8 GEMMs; returns how many layers were switched.
-    Refused (Fp8Unsupported, one line naming `key`) without an FP8 GPU, with sequence parallelism, gradient
-    accumulation fusion, dims not multiples of 16, or no Megatron local-spec linears to switch."""
+    Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8 GPU, with sequence parallelism,
+    gradient accumulation fusion, dims not multiples of 16, or no Megatron local-spec linears to switch."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if fmt not in FORMATS:
         raise Fp8Unsupported(f"{key}={fmt!r}: choose e4m3 or hybrid (e5m2 gradients), or null (off).")
     grad_dtype, switched = FORMATS[fmt], 0
+    _refuse_grouped_experts(chunks, fmt, key)
     for chunk in chunks:
         decoder = getattr(chunk, "decoder", None)
         for name, mod in (decoder.named_modules() if decoder is not None else ()):
@@ -45,6 +49,17 @@ def enable_fp8_training(chunks, fmt: str, key: str) -> int:
         raise Fp8Unsupported(f"{key}={fmt}: no Megatron local-spec linear layers in the decoder to switch (a "
                              "Transformer Engine spec has its own FP8); set it to null.")
     return switched
+
+
+def _refuse_grouped_experts(chunks, fmt: str, key: str) -> None:
+    """MoE models are refused: their experts (`grouped_experts.GroupedExperts`, bf16 grouped GEMMs) have no FP8
+    path, and switching only attention would be a different recipe than `{key}` promises."""
+    from rlhf_mcore.models.grouped_experts import GroupedExperts
+
+    for chunk in chunks:
+        if any(isinstance(m, GroupedExperts) for m in chunk.modules()):
+            raise Fp8Unsupported(f"{key}={fmt}: FP8 training of mixture-of-experts models is not supported (their "
+                                 "experts run as bf16 grouped GEMMs, which have no FP8 path here); set it to null.")
 
 
 def _fp8_impl(mod, grad_dtype):

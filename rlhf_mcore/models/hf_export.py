@@ -33,7 +33,7 @@ from rlhf_mcore.models.hf_config import (
     SEQUENCE_CLASSIFICATION_ARCHITECTURE,
     TOKEN_CLASSIFICATION_ARCHITECTURE,
 )
-from rlhf_mcore.models.hf_loader import INDEX_FILE, chunk_param_rule, layer_numbers, unwrap_model
+from rlhf_mcore.models.hf_loader import INDEX_FILE, chunk_param_rule, layer_numbers, named_weights, unwrap_model
 from rlhf_mcore.models.lora import merged_weight
 from rlhf_mcore.models.moe import expert_offset
 from rlhf_mcore.models.weight_map import (
@@ -60,7 +60,7 @@ def _local_params(chunks, state) -> dict:
     for chunk in chunks:
         layers = layer_numbers(chunk)
         first_expert = expert_offset(chunk.hf_shape, ep_rank, ep)
-        for name, param in chunk.named_parameters():
+        for name, param in named_weights(chunk):
             if ".lora." in name:  # LoRA adapters: folded into their base weight (lora.merged_weight)
                 continue
             rule = chunk_param_rule(chunk, name, layers, chunk.hf_shape, chunk.model_role, first_expert)

@@ -23,7 +23,7 @@ from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, mode
 from rlhf_mcore.models.weight_map import WeightRule, read_shard, rule_for_param, rule_shape
 
 __all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "chunk_param_rule", "layer_numbers", "load_hf_weights",
-           "unwrap_model"]
+           "named_weights", "unwrap_model"]
 
 
 @dataclass
@@ -124,6 +124,15 @@ def layer_numbers(chunk) -> dict:
     return dict(enumerate(ids))
 
 
+def named_weights(chunk):
+    """`chunk.named_parameters()` as the weight map names them: a `GroupedExperts` stacked tensor as one view per
+    local expert, under `SequentialMLP`'s names (`grouped_experts.per_expert_views`)."""
+    from rlhf_mcore.models.grouped_experts import per_expert_views
+
+    for name, param in chunk.named_parameters():
+        yield from per_expert_views(name, param)
+
+
 def chunk_param_rule(chunk, name: str, layers: dict, shape: ModelShape, role: str, expert_offset: int = 0
                      ) -> WeightRule:
     """`rule_for_param` for a parameter of `chunk`; a LLaVA chunk's (`hf_layout` set) text rules carry the
@@ -153,7 +162,7 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
             role = getattr(chunk, "model_role", "actor")
             layers = layer_numbers(chunk)
             first_expert = expert_offset(shape, getattr(state, "ep_rank", 0), getattr(state.dims, "ep", 1))
-            for name, param in chunk.named_parameters():
+            for name, param in named_weights(chunk):
                 rule = chunk_param_rule(chunk, name, layers, shape, role, first_expert)
                 if rule.optional and not all(n in ckpt for n in rule.hf_names):
                     continue

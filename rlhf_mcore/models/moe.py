@@ -11,8 +11,9 @@ The HF routing that Megatron's `TopKRouter` reproduces exactly:
 - Qwen2-MoE's shared expert (`shared_expert_intermediate_size`) is added to the routed output scaled by
   `sigmoid(x @ shared_expert_gate.T)`: Megatron's `SharedExpertMLP` with `moe_shared_expert_gate=True`.
 
-Experts are sharded by expert parallelism (EP): EP rank r holds the experts `r * E / EP .. (r + 1) * E / EP - 1`
-(Megatron's `SequentialMLP` `local_experts`), each one TP-sharded like a dense MLP (expert TP = TP). Tokens move
+Experts are sharded by expert parallelism (EP): EP rank r holds the experts `r * E / EP .. (r + 1) * E / EP - 1`,
+each one TP-sharded like a dense MLP (expert TP = TP), stacked in `grouped_experts.GroupedExperts` (one grouped GEMM
+per projection; it replaces Megatron's `SequentialMLP`, whose names and checkpoint layout it keeps). Tokens move
 between EP ranks through Megatron's alltoall dispatcher. The load-balancing loss and the z-loss are Megatron's
 (`moe_aux_loss_coeff`, `moe_z_loss_coeff`; both off by default, as in veRL).
 """
@@ -21,6 +22,10 @@ from __future__ import annotations
 import copy
 
 MOE_DISPATCHER = "alltoall"
+# the train engine's experts on the local specs: "grouped" (`grouped_experts.GroupedExperts`) or Megatron's
+# "sequential" `SequentialMLP`. Not a config key (grouped computes the same numbers, faster): the switch is for the
+# side-by-side benchmark (launch/bench/bench_moe.py --train-experts) and tests.
+TRAIN_EXPERTS = "grouped"
 
 
 def sparse_layers(cfg: dict, num_layers: int, num_experts: int) -> tuple:
@@ -101,17 +106,31 @@ def define_missing_te_gemm() -> None:
 
 def moe_block_spec(config, backend: str, vp_stage, pp_rank: int):
     """The decoder block spec of this PP (virtual) stage: Megatron's per-layer dense / MoE specs, with the "sdpa"
-    backend's core attention (`attention.SDPACoreAttention`) in every layer."""
+    backend's core attention (`attention.SDPACoreAttention`) in every layer, and (local specs: "sdpa", "local") the
+    MoE layers' experts `grouped_experts.GroupedExperts` instead of Megatron's `SequentialMLP`. The "te" spec keeps
+    Megatron's choice (TE's grouped experts when `moe_grouped_gemm`, else its sequential ones)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from rlhf_mcore.models.grouped_experts import GroupedExperts
+
+    if TRAIN_EXPERTS not in ("grouped", "sequential"):
+        raise ValueError(f"moe.TRAIN_EXPERTS={TRAIN_EXPERTS!r}: choose 'grouped' or 'sequential'")
     define_missing_te_gemm()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te", normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
+    if backend == "te":
+        return block
+    block = copy.deepcopy(block)
+    for spec in block.layer_specs:
+        mlp = spec.submodules.mlp
+        if mlp.module is MoELayer and TRAIN_EXPERTS == "grouped":  # SequentialMLP -> grouped GEMMs
+            mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     if backend != "sdpa":
         return block
     from rlhf_mcore.models.attention import SDPACoreAttention
 
-    block = copy.deepcopy(block)
     for spec in block.layer_specs:
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return block

@@ -12,8 +12,9 @@ TP with one all-reduce (by the caller).
 
 Two expert paths, the same numbers up to summation order:
 - CPU (and any device): a loop over the experts that received tokens, as transformers does;
-- CUDA, bf16: one grouped GEMM over the active experts for [gate; up] and one for down (`torch._grouped_mm`, the
-  grouped matmul of torch >= 2.8 over token rows sorted by expert, `offs` the int32 end row of each expert's group).
+- CUDA, bf16: one grouped GEMM over the active experts for [gate; up] and one for down
+  (`rlhf_mcore.kernels.grouped_mm`: `torch._grouped_mm` over token rows sorted by expert; the train engine's
+  experts share it).
   UNVERIFIED here (no GPU in this project's CI): its test skips without CUDA.
 
 The layer returns the routed expert ids (N, k) too: what routing replay (R3) records.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from rlhf_mcore.kernels.grouped_mm import grouped_mm, use_grouped_mm
 
 # names (below "model.layers.N.") of a sparse layer's tensors
 ROUTER = "mlp.gate.weight"
@@ -115,19 +118,18 @@ def grouped_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (N k,) routed slots grouped by expert
     token = order // k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # the end row of each expert's group
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # rows per expert
     x = h[token]  # (N k, D)
-    gu = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)  # (N k, 2 I)
+    gu = grouped_mm(x, gate_up, counts, grouped=True)  # (N k, 2 I)
     inter = down.shape[-1]
     act = F.silu(gu[:, :inter]) * gu[:, inter:]
-    y = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)  # (N k, D)
+    y = grouped_mm(act, down, counts, grouped=True)  # (N k, D)
     y = y * weights.reshape(-1)[order, None]
     return torch.zeros_like(h).index_add_(0, token, y.to(h.dtype))
 
 
 def use_grouped(h: torch.Tensor) -> bool:
-    return h.is_cuda and h.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return use_grouped_mm(h)
 
 
 def moe_mlp(h: torch.Tensor, lw, spec) -> tuple[torch.Tensor, torch.Tensor]:
