@@ -15,7 +15,7 @@ Sizes: `num_envs` episodes per step = `num_envs / rollout.n` initial states draw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from rlhf_mcore.config.checks import at_least, checked, within
 from rlhf_mcore.config.errors import ConfigError
@@ -50,14 +50,18 @@ class VLAConfig:
     demo_episodes: int = checked(128, ok=at_least(1), what=">= 1 (expert episodes for the action statistics)")
     bc_steps: int = checked(0, ok=at_least(0), what=">= 0 (behaviour-cloning steps before RL; 0: none)")
     bc_batch_size: int = checked(64, ok=at_least(1), what=">= 1")
-    # the behaviour-cloning learning rate (None: actor.optim.lr, which the GRPO steps use)
-    bc_lr: Optional[float] = checked(None, ok=lambda v: v is None or v > 0, what="unset or > 0")
+    # the behaviour-cloning learning rate (the GRPO steps use actor.optim.lr)
     bc_lr: float = checked(1e-3, ok=lambda v: v > 0, what="> 0")
+    # start the RL steps with fresh Adam moments: BC's (large, NLL) gradient history would otherwise set the scale
+    # of the first policy-gradient steps (1/sqrt(v) with beta2=0.999 forgets it over ~1000 steps) and its momentum
+    # would keep pushing along BC's direction
+    bc_reset_optimizer: bool = True
 
 
 # Keys a VLA run reads outside its own section; everything else the user sets is refused.
 _READ = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.use_remove_padding",
-         "actor_rollout_ref.actor.optim.", "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
+         "actor_rollout_ref.actor.optim.", "actor_rollout_ref.actor.clip_ratio",
+         "actor_rollout_ref.actor.clip_ratio_low",
          "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c",
          "actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.actor.ppo_epochs",
          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.grad_clip",

@@ -75,7 +75,8 @@ def build_engine(cfg, state, path: str, token_range: tuple[int, int], total_step
 
     arr = cfg.actor_rollout_ref
     a = arr.actor
-    ecfg = EngineConfig(role="actor", mini_batch_size=None, use_dynamic_bsz=True, max_token_len=a.ppo_max_token_len_per_gpu,
+    ecfg = EngineConfig(role="actor", mini_batch_size=None, use_dynamic_bsz=True,
+                        max_token_len=a.ppo_max_token_len_per_gpu,
                         ppo_epochs=a.ppo_epochs, seed=a.megatron.seed, grad_clip=a.grad_clip,
                         use_remove_padding=arr.model.use_remove_padding, policy_loss=a.policy_loss,
                         loss_agg_mode=a.loss_agg_mode, clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low,
@@ -102,6 +103,18 @@ def episode_advantages(success: np.ndarray, group: np.ndarray, norm_by_std: bool
     adv, _ = compute_grpo(token_level_rewards=score, response_mask=torch.ones_like(score), index=list(group),
                           norm_adv_by_std_in_grpo=norm_by_std)
     return adv[:, 0].numpy()
+
+
+def reset_adam_moments(optimizer) -> int:
+    """Forget the Adam(W) state (step, moments) of every torch optimizer inside a Megatron one: the next step
+    starts as the first one did (torch's Adam initialises an empty state lazily). Returns the parameters reset."""
+    from rlhf_mcore.engine.offload import torch_optimizers
+
+    n = 0
+    for opt in torch_optimizers(optimizer):
+        n += len(opt.state)
+        opt.state.clear()
+    return n
 
 
 def _keyed_generator(*key: int) -> torch.Generator:
@@ -191,7 +204,8 @@ class VLARun:
         """Greedy episodes from the held-out states: success rate and episode length."""
         start = time.perf_counter()
         ro = rollout([self.val_env], self._policy_fn(None, 0.0), self.val_ids, overlap=False)
-        m = _mean_over_dp(self.state, {"val/success": ro.success.mean(), "val/episode_length": ro.episode_length.mean()})
+        m = _mean_over_dp(self.state, {"val/success": ro.success.mean(),
+                                       "val/episode_length": ro.episode_length.mean()})
         m["val/seconds"] = time.perf_counter() - start
         return m
 
@@ -218,6 +232,8 @@ class VLARun:
                 losses.append(self.engine.update(batch)["actor/bc_loss"])
         finally:
             self.engine.objective, self.engine.cfg = "ppo", saved
+        if self.cfg.vla.bc_reset_optimizer:
+            reset_adam_moments(self.engine.optimizer)
         return losses
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -236,17 +252,7 @@ class VLARun:
                    "train/groups_kept": keep.mean(), "train/rows": float(len(sel)), "train/rollout_logprob_gap": 0.0}
         update = {}
         if _sum_over_dp(self.state, len(sel)) > 0:
-            mask = rows.response_mask[sel]
-            batch = self.policy.batch(rows.image[sel], [rows.instruction[i] for i in sel], rows.outputs["tokens"][sel],
-                                      mask)
-            m = batch["response_mask"]
-            rollout_lp = torch.as_tensor(rows.outputs["log_probs"][sel], dtype=torch.float32) * m
-            old, _ = self.engine.compute_log_probs(batch, with_entropy=False)  # the old policy, scored by the engine
-            batch["old_log_probs"] = old * m
-            gap = ((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)
-            metrics["train/rollout_logprob_gap"] = float(gap)  # numerics only (the same chunks and weights)
-            batch["advantages"] = torch.as_tensor(adv[rows.traj[sel]], dtype=torch.float32)[:, None] * batch[
-                "response_mask"]
+            batch, metrics["train/rollout_logprob_gap"] = self.training_batch(rows, sel, adv)
             update = self.engine.update(batch) if len(sel) else self._empty_update()
         s = ro.stats
         metrics = _mean_over_dp(self.state, metrics)
@@ -255,6 +261,21 @@ class VLARun:
                         "perf/env_steps_per_s": s["env_steps"] / max(s["wall_s"], 1e-9),
                         "perf/step_s": time.perf_counter() - t0})
         return metrics
+
+    def training_batch(self, rows, sel: np.ndarray, adv: np.ndarray) -> tuple[dict, float]:
+        """The engine's batch of rows `sel` (their own images, the sampled action tokens, the mask up to the first
+        done), the old policy's log-probs from the engine's forward, each row's episode advantage on its masked
+        tokens; and the mean |engine - rollout| log-prob gap over those tokens (numerics only: the same chunks,
+        weights, action range and temperature; tests/test_vla_logprobs.py)."""
+        batch = self.policy.batch(rows.image[sel], [rows.instruction[i] for i in sel], rows.outputs["tokens"][sel],
+                                  rows.response_mask[sel])
+        m = batch["response_mask"]
+        rollout_lp = torch.as_tensor(rows.outputs["log_probs"][sel], dtype=torch.float32) * m
+        old, _ = self.engine.compute_log_probs(batch, with_entropy=False)  # the old policy, scored by the engine
+        batch["old_log_probs"] = old * m
+        gap = ((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)
+        batch["advantages"] = torch.as_tensor(adv[rows.traj[sel]], dtype=torch.float32)[:, None] * m
+        return batch, float(gap)
 
     def _empty_update(self):
         raise RuntimeError("a data-parallel rank whose groups were all filtered out cannot join the others' update; "
