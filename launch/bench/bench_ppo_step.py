@@ -187,6 +187,7 @@ class BenchHooks:
         self.sub: dict[str, float] = {}
         self.records: list[dict] = []
         self.profile_step, self.profile_cuda_only, self.partial_out = profile_step, profile_cuda_only, partial_out
+        self.cprofile = None  # a cProfile.Profile over the timed steps' host work (--cprofile)
         self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
         s = self.sub
         timed(parts.rollout, "generate", "rollout/generate", s)
@@ -212,6 +213,8 @@ class BenchHooks:
         import torch
 
         self.sub.clear()
+        if self.cprofile is not None and step >= 2:  # the timed steps, not the warm-up's captures and compiles
+            self.cprofile.enable()
         if step == self.profile_step:
             from torch.profiler import ProfilerActivity, profile
 
@@ -225,6 +228,8 @@ class BenchHooks:
     def step_end(self, parts, step, batch, metrics, timer):
         import torch
 
+        if self.cprofile is not None:
+            self.cprofile.disable()
         if self.prof is not None:
             _sync()
             wall = time.perf_counter() - self._prof_t0
@@ -270,6 +275,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--profile-out", default=None, help="kernel table (text); default next to --out")
     p.add_argument("--profile-cpu", action="store_true", help="profile host (CPU) ops too, not only CUDA kernels")
+    p.add_argument("--cprofile", default=None, metavar="FILE",
+                   help="Python profile (cProfile) of the steps after the warm-up: the top functions to FILE")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
     args = p.parse_args(argv)
 
@@ -307,6 +314,10 @@ def main(argv=None) -> dict:
     hooks = BenchHooks(trainer.parts(), profile_step=n_steps if args.profile else None,
                        profile_cuda_only=not args.profile_cpu, partial_out=args.out)
     trainer.hooks = hooks
+    if args.cprofile:
+        import cProfile
+
+        hooks.cprofile = cProfile.Profile()
     t0 = time.perf_counter()
     try:
         trainer.fit()
@@ -339,6 +350,15 @@ def main(argv=None) -> dict:
     if hooks.profile_text:
         print("\n" + hooks.profile_text)
     write_report(report, args.out)
+    if hooks.cprofile is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats = pstats.Stats(hooks.cprofile, stream=text)
+        stats.sort_stats("tottime").print_stats(60)
+        stats.sort_stats("cumulative").print_stats(80)
+        Path(args.cprofile).write_text(text.getvalue())
     if args.out and hooks.profile_text:
         prof_out = args.profile_out or (str(Path(args.out).with_suffix("")) + "_profile.txt")
         Path(prof_out).write_text(hooks.profile_text + "\n")
