@@ -159,8 +159,8 @@ class FakeEngine:
     def generate(self, prompts, params, request_ids=None):
         from rlhf_mcore.rollout.base import Sample
 
-        return [SimpleNamespace(samples=[Sample(token_ids=[7] * (j + 1), logprobs=[-0.1] * (j + 1), finish_reason="stop")
-                                         for j in range(params.n)])
+        return [SimpleNamespace(samples=[Sample(token_ids=[7] * (j + 1), logprobs=[-0.1] * (j + 1),
+                                                finish_reason="stop") for j in range(params.n)])
                 for _ in prompts]
 
 

@@ -114,3 +114,22 @@ def test_tokenizer_texts_make_a_task_layout_short(tmp_path):
         assert len(ids) < 0.6 * len(plain(text, add_special_tokens=False)["input_ids"]), text
         pieces = [task.decode([i]) for i in ids]
         assert all(p.isdigit() and len(p) == 1 for p in pieces if any(c.isdigit() for c in p)), pieces
+
+
+def test_decode_texts_equals_tokenizer_decode(tiny_model_dir):
+    """`decode_texts` (one batched call to the Rust backend) gives `tokenizer.decode`'s texts, special tokens
+    skipped or kept, for responses with ChatML tokens, empty ones and random ids; a tokenizer that cleans up
+    spaces takes `decode` itself. Mutation: `decode_batch(..., skip_special_tokens=False)` always -> fails."""
+    from rlhf_mcore.models.tokenizer import decode_texts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
+    g = torch.Generator().manual_seed(0)
+    special = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    seqs = [tok("The answer is 42.")["input_ids"] + [special[1]], [], [special[0]] + tok("x = 3")["input_ids"],
+            *[torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (1, 7, 64)]]
+    for skip in (True, False):
+        assert decode_texts(tok, seqs, skip_special_tokens=skip) == [tok.decode(s, skip_special_tokens=skip)
+                                                                     for s in seqs]
+    assert decode_texts(tok, seqs)[0] == "The answer is 42." and decode_texts(tok, []) == []
+    tok.clean_up_tokenization_spaces = True
+    assert decode_texts(tok, seqs) == [tok.decode(s, skip_special_tokens=True) for s in seqs]

@@ -10,7 +10,8 @@ import torch
 pytestmark = pytest.mark.cost(40)
 
 TINY = ["vla.enable=true", "trainer.device=cpu", "vla.num_envs=4", "actor_rollout_ref.rollout.n=2",
-        "vla.held_out_states=2", "vla.demo_episodes=4", "vla.tasks=[reach,push]", "vla.max_steps=8", "vla.chunk=2", "vla.num_bins=8",
+        "vla.held_out_states=2", "vla.demo_episodes=4", "vla.tasks=[reach,push]", "vla.max_steps=8", "vla.chunk=2",
+        "vla.num_bins=8",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.temperature=1.0",
         "trainer.logger=[jsonl]", "trainer.total_training_steps=1"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["build_batch", "last_response_token", "sequence_batch"]
@@ -40,21 +41,24 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
     B = len(prompts)
     P = _pad_to(max(len(p) for p in prompts), pad_multiple)
     R = _pad_to(max((len(r) for r in responses), default=1), pad_multiple)
-    prompt_t = torch.full((B, P), pad_token_id, dtype=torch.long)
-    prompt_m = torch.zeros((B, P), dtype=torch.long)
-    resp_t = torch.full((B, R), pad_token_id, dtype=torch.long)
-    resp_m = torch.zeros((B, R), dtype=torch.long)
-    lp = torch.zeros((B, R), dtype=torch.float32)
-    resp_valid = torch.zeros((B, R), dtype=torch.long)
+    # filled row by row in numpy (a slice assignment there costs ~1 us, a torch one ~10: 512 rows x 6 of them)
+    prompt_t = np.full((B, P), pad_token_id, dtype=np.int64)
+    prompt_m = np.zeros((B, P), dtype=np.int64)
+    resp_t = np.full((B, R), pad_token_id, dtype=np.int64)
+    resp_m = np.zeros((B, R), dtype=np.int64)
+    lp = np.zeros((B, R), dtype=np.float32)
+    resp_valid = np.zeros((B, R), dtype=np.int64)
     for i, (p, r, lps) in enumerate(zip(prompts, responses, logprobs)):
-        prompt_t[i, P - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        prompt_t[i, P - len(p):] = p
         prompt_m[i, P - len(p):] = 1
         if len(r):
-            resp_t[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+            resp_t[i, :len(r)] = r
             resp_valid[i, :len(r)] = 1
             mask = response_masks[i] if response_masks is not None else None
-            resp_m[i, :len(r)] = 1 if mask is None else torch.as_tensor(mask, dtype=torch.long)
-            lp[i, :len(r)] = torch.as_tensor(lps, dtype=torch.float32)
+            resp_m[i, :len(r)] = 1 if mask is None else np.asarray(mask, dtype=np.int64)
+            lp[i, :len(r)] = lps
+    prompt_t, prompt_m, resp_t, resp_m, lp, resp_valid = map(
+        torch.from_numpy, (prompt_t, prompt_m, resp_t, resp_m, lp, resp_valid))
     attention_mask = torch.cat([prompt_m, resp_valid], dim=1)  # (B, P+R)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (B, P+R)
     batch = {

@@ -39,3 +39,15 @@ def load_tokenizer(model_dir, key: str = "model directory"):
         f"directory holds {', '.join(present) or 'nothing'}; the tokenizer it makes encodes text to no tokens): "
         "copy the tokenizer files (tokenizer.json, tokenizer_config.json, and the chat template) from the model "
         "it was trained from into that directory.")
+
+
+def decode_texts(tokenizer, sequences, skip_special_tokens: bool = True) -> list[str]:
+    """`[tokenizer.decode(s, skip_special_tokens=...) for s in sequences]`, in one batched call to the Rust backend
+    where that is the same thing: a fast tokenizer whose `decode` adds nothing to its backend's (no
+    `clean_up_tokenization_spaces`). `tokenizer.decode` first walks every token id through transformers'
+    `to_py_obj` checks: for a GRPO step's 512 responses of 256 tokens that was ~0.1 s of the step on the GPU."""
+    sequences = [list(s) for s in sequences]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) or not sequences:
+        return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+    return backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)

@@ -13,6 +13,7 @@ import numpy as np
 import torch.distributed as dist
 
 from rlhf_mcore.data.rows import Row
+from rlhf_mcore.models.tokenizer import decode_texts
 from rlhf_mcore.rewards.pipeline import set_rule_scores
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rollout.base import SamplingParams
@@ -99,7 +100,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
                 for row in local[-len(out.samples):]:
                     row.baseline_ids = list(baselines[k].samples[0].token_ids)  # scored below
     if sub_rank == 0 and local and not scored:
-        texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in local]
+        texts = decode_texts(tokenizer, [r.response_ids for r in local])
         m = [meta[r.prompt_pos] for r in local]
         runner_stats = stats
         scores, stats = scorer.score([x["data_source"] for x in m], texts, [x["ground_truth"] for x in m],
@@ -107,7 +108,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         stats = {**(stats or {}), **runner_stats}
         set_rule_scores(local, scores)
         if greedy_baseline:
-            base_texts = [tokenizer.decode(r.baseline_ids, skip_special_tokens=True) for r in local]
+            base_texts = decode_texts(tokenizer, [r.baseline_ids for r in local])
             base_scores, base_stats = scorer.score([x["data_source"] for x in m], base_texts,
                                                    [x["ground_truth"] for x in m], [x.get("extra_info") for x in m],
                                                    check=False)
@@ -163,7 +164,7 @@ def _generate_scoring_as_they_finish(engine, scorer, prompts, share: list[int], 
             if stream is not None and new:
                 m = [meta[r.prompt_pos] for r in new]
                 stream.submit([(r.prompt_pos, r.sample) for r in new], [x["data_source"] for x in m],
-                              [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in new],
+                              decode_texts(tokenizer, [r.response_ids for r in new]),
                               [x["ground_truth"] for x in m], [x.get("extra_info") for x in m])
             if batches is not None and new:  # between engine steps: the rollout waits for full batches only
                 batches.add(new)

@@ -32,6 +32,7 @@ from rlhf_mcore import trace
 from rlhf_mcore.config import RLConfig, load_plugins
 from rlhf_mcore.data.rows import Row
 from rlhf_mcore.data.seeds import step_seed
+from rlhf_mcore.models.tokenizer import decode_texts
 from rlhf_mcore.parallel import pick_device
 from rlhf_mcore.parallel.pools import IdleBackoff, Pools
 from rlhf_mcore.rewards import reward_metrics
@@ -290,7 +291,7 @@ class RolloutWorker:
         included, as the synchronous trainer scores trajectories)."""
         items = [self.train_set[live[uid]["prompt"]] for uid, _ in finished]
         scoring.submit([(uid, r.sample) for uid, r in finished], [it["data_source"] for it in items],
-                       [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in finished],
+                       decode_texts(self.tokenizer, [r.response_ids for _, r in finished]),
                        [it["ground_truth"] for it in items], [it.get("extra_info") for it in items])
 
     def collect(self, scoring: ScoringStream, live: dict) -> int:

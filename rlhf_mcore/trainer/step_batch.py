@@ -14,7 +14,8 @@ def rows_to_batch(rows: Sequence[Row], prompt_ids: Sequence[int], train_set, pad
     """This DP rank's rows as the padded batch; `prompt_ids[r.prompt_pos]` is row r's dataset index.
     The reward sits on the last model token (`token_level_scores`); `greedy_baseline` (ReMax): the baselines'
     rewards as `reward_baselines` (B,)."""
-    items = [train_set[prompt_ids[r.prompt_pos]] for r in rows]
+    by_prompt = {pos: train_set[prompt_ids[pos]] for pos in {r.prompt_pos for r in rows}}  # one lookup a group
+    items = [by_prompt[r.prompt_pos] for r in rows]
     meta = {key: [it[key] for it in items] for key in ("data_source", "ground_truth")}
     batch = build_batch([r.prompt_ids for r in rows], [r.response_ids for r in rows], [r.logprobs for r in rows],
                         [r.finish_reason for r in rows], [r.prompt_pos for r in rows], meta,
