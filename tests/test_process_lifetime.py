@@ -233,6 +233,25 @@ def test_dead_holder_is_taken_over_with_a_message(tmp_path, capfd):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def test_unreaped_killed_holder_is_taken_over(tmp_path):
+    """A holder SIGKILLed and not yet reaped (a zombie: CI's container init reaps a killed rank whose torchrun died
+    with it late, and the fully_async kill-and-resume test's resume then met its lock) still has a /proc entry with
+    its PID and start time; it holds nothing, so the lock is stale and taken over. Mutation: `_start_ticks` not
+    treating state Z as gone -> refused as "which is running" -> fails."""
+    holder = _holder(tmp_path)
+    holder.kill()  # no wait(): the child stays a zombie until reaped below
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the killed holder never became a zombie"
+        time.sleep(0.01)
+    try:
+        lock = RunLock.acquire(tmp_path)
+        assert lock.took_over["pid"] == holder.pid
+        lock.release()
+    finally:
+        holder.wait()
+
+
 def _record(pid: int, host: str, boot_id: str) -> str:
     return json.dumps({"host": host, "boot_id": boot_id, "pid": pid, "start_ticks": _start_ticks(pid),
                        "started": "2026-01-01 00:00:00 +0000", "command": "launch/train.py"})

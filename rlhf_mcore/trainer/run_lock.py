@@ -6,8 +6,8 @@ The kernel drops a flock when its holder dies, however it dies, so:
 
 - flock held by someone else: a live run; refused;
 - flock free, holder on this host (same host name and boot id): stale if the holder process is gone (no process
-  with that PID and start time, so PID reuse cannot fool it), and then taken over with a message; if that process
-  is still alive the filesystem does not honour flock, and the lock is refused;
+  with that PID and start time, so PID reuse cannot fool it, or only its unreaped zombie), and then taken over
+  with a message; if that process is still alive the filesystem does not honour flock, and the lock is refused;
 - flock free, holder on another host: whether a flock is seen across hosts depends on the filesystem, and the
   holder's process cannot be checked from here: refused, and the message says to delete the file if that run is
   over.
@@ -47,12 +47,17 @@ def _boot_id() -> str:
 
 
 def _start_ticks(pid: int) -> Optional[int]:
-    """The process's start time (clock ticks after boot) from /proc, or None where there is no such process."""
+    """The process's start time (clock ticks after boot) from /proc, or None where there is no such process or it
+    has died and waits to be reaped (a zombie: a killed rank whose parent died too waits for the container's init,
+    which may reap late or never; it holds nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; the command name may hold spaces and ')'
+    fields = stat[stat.rindex(")") + 2:].split()  # from field 3; the command name may hold spaces and ')'
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22
 
 
 def _me() -> dict:
