@@ -112,8 +112,30 @@ def table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the demo; returns the summary ({"after_sft": ..., "after_grpo": ..., "seconds": ...})."""
+# the arguments that decide the warm start (steps 1-3); warm_start.json beside it records them
+WARM_START_ARGS = ("digits", "any_length", "call_fraction", "n_train", "n_test", "hidden", "layers", "vocab",
+                   "task_tokenizer", "sft_steps", "sft_batch_size", "sft_lr", "sft_lr_scheduler", "sft_beta2", "seed")
+WARM_START_FILE = "warm_start.json"
+
+
+def warm_start_settings(args: argparse.Namespace, max_length: int) -> dict:
+    """What the warm start of these arguments is trained from (also the SFT sequence length, from the config)."""
+    return {**{k: getattr(args, k) for k in WARM_START_ARGS}, "max_length": max_length}
+
+
+def build_tiny_model(args: argparse.Namespace, out: Path) -> Path:
+    """Step 1: the tiny model (random weights) and its tokenizer for these arguments, in `out` (kept if there)."""
+    from rlhf_mcore.agents.tasks import multiply_texts
+    from rlhf_mcore.models.tiny import make_tiny_model
+
+    if not (out / "config.json").is_file():
+        make_tiny_model(out, arch="qwen2", layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2, seed=0,
+                        init_std=0.02, vocab=args.vocab,
+                        tokenizer_texts=multiply_texts(args.digits) if args.task_tokenizer else ())
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/agent_demo", help="where everything goes")
     ap.add_argument("--digits", type=int, default=2, help="digits per operand of the multiply task")
@@ -137,26 +159,31 @@ def main(argv: list[str] | None = None) -> dict:
                     help="Adam's beta2 for the warm start (0.999 let a loss spike undo the copying at one seed)")
     ap.add_argument("--sft-model", default=None, help="reuse this warm start (a Hugging Face directory) instead of "
                                                       "running step 3")
+    ap.add_argument("--sft-only", action="store_true",
+                    help="stop after step 3 (the warm start, with its settings in SFT_MODEL/warm_start.json); reuse it "
+                         "with --sft-model")
     ap.add_argument("--grpo-steps", type=int, default=None, help="override trainer.total_training_steps")
     ap.add_argument("--eval-samples", type=int, default=8, help="sampled trajectories per held-out prompt")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("overrides", nargs="*", help="GRPO config overrides (key=value)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the demo; returns the summary ({"after_sft": ..., "after_grpo": ..., "seconds": ...})."""
+    args = parse_args(argv)
     out = ROOT / args.out
     t0 = time.time()
 
-    from rlhf_mcore.agents.tasks import multiply_texts, write_multiply_parquet
+    from rlhf_mcore.agents.tasks import write_multiply_parquet
     from rlhf_mcore.config import load_config, model_max_positions, validate_config
-    from rlhf_mcore.models.tiny import make_tiny_model
     from rlhf_mcore.trainer import train
     from rlhf_mcore.trainer.sft import run_sft
 
     tiny = out / f"tiny_h{args.hidden}_l{args.layers}_v{args.vocab}{'_task' if args.task_tokenizer else ''}"
     if not (tiny / "config.json").is_file():
         print(f"[1/6] building a tiny model in {tiny}", flush=True)
-        make_tiny_model(tiny, arch="qwen2", layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2, seed=0,
-                        init_std=0.02, vocab=args.vocab,
-                        tokenizer_texts=multiply_texts(args.digits) if args.task_tokenizer else ())
+        build_tiny_model(args, tiny)
     data = out / "data"
     print(f"[2/6] writing the multiply task ({args.digits} digits) to {data}", flush=True)
     write_multiply_parquet(data, args.n_train, seed=0, n_test=args.n_test, digits=args.digits,
@@ -167,15 +194,24 @@ def main(argv: list[str] | None = None) -> dict:
     max_response, max_turn = cfg.data.max_response_length, rollout.multi_turn.max_tokens_per_turn
 
     sft = Path(args.sft_model).resolve() if args.sft_model else out / "sft_model"
+    settings = warm_start_settings(args, cfg.data.max_prompt_length + max_response)
     if args.sft_model:
         print(f"[3/6] reusing the warm start {sft}", flush=True)
+        recorded = sft / WARM_START_FILE
+        if recorded.is_file() and json.loads(recorded.read_text()) != settings:
+            print(f"note: {sft} was trained with other settings than these ({recorded}: "
+                  f"{json.loads(recorded.read_text())}; these: {settings})", flush=True)
     else:
         print(f"[3/6] supervised warm start -> {sft}", flush=True)
         run_sft(str(tiny), str(data / "train.parquet"), str(sft), steps=args.sft_steps,
-                batch_size=args.sft_batch_size, lr=args.sft_lr, max_length=cfg.data.max_prompt_length + max_response,
+                batch_size=args.sft_batch_size, lr=args.sft_lr, max_length=settings["max_length"],
                 seed=args.seed, log_every=50, tool_config=str(ROOT / TOOLS),
                 overrides=["trainer.device=cpu", f"actor_rollout_ref.actor.optim.lr_scheduler={args.sft_lr_scheduler}",
                            f"actor_rollout_ref.actor.optim.betas=[0.9,{args.sft_beta2}]"])
+        (sft / WARM_START_FILE).write_text(json.dumps(settings, indent=1) + "\n")
+    if args.sft_only:
+        print(f"warm start: {sft} (reuse it with --sft-model {sft})", flush=True)
+        return {"sft_model": str(sft), "seconds": round(time.time() - t0, 1)}
 
     print("[4/6] held-out tool use after the warm start", flush=True)
     ev = dict(test_file=data / "test.parquet", samples=args.eval_samples, temperature=rollout.temperature,

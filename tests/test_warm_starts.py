@@ -5,7 +5,7 @@ reads the directory. (Retrain with `python tests/data/make_warm_starts.py` when 
 import json
 
 import pytest
-from warm_starts import SPECS, manifest, warm_start
+from warm_starts import AGENT, AGENT_ARGS, SPECS, agent_settings, manifest, warm_start
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -26,3 +26,23 @@ def test_committed_warm_start_matches_its_spec(name, tmp_path):
     assert config(committed) == config(fresh)
     assert (committed / "tokenizer.json").read_text() == (fresh / "tokenizer.json").read_text()
     assert load_hf_config(committed).hidden_size == spec["model"]["hidden"]
+
+
+def test_committed_agent_warm_start_matches_the_demo(tmp_path):
+    """The agent demo's committed warm start (tests/test_agent_learning.py starts GRPO from it) was trained with the
+    settings launch/demo_agent.py derives today from AGENT_ARGS, and its config and tokenizer are those the demo's
+    step 1 builds today. Mutation: demo_agent's `--sft-steps` default 400 -> 300, or its tiny model's kv_heads 2 -> 4
+    -> fails."""
+    from launch.demo_agent import WARM_START_FILE, build_tiny_model, parse_args
+
+    committed = warm_start(AGENT)
+    assert manifest(AGENT)["spec"] == {"demo_agent": AGENT_ARGS}
+    assert json.loads((committed / WARM_START_FILE).read_text()) == agent_settings(), \
+        "retrain: python tests/data/make_warm_starts.py agent_multiply"
+    fresh = build_tiny_model(parse_args(AGENT_ARGS), tmp_path / "fresh")
+
+    def config(path):
+        return {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "transformers_version"}
+
+    assert config(committed) == config(fresh)
+    assert (committed / "tokenizer.json").read_text() == (fresh / "tokenizer.json").read_text()

@@ -7,7 +7,7 @@ writes its Hugging Face directory plus a manifest of the spec, and tests/test_wa
 committed directory still matches its spec (the manifest, the model's config, the tokenizer) and that the loading
 code reads it. launch/sft.py's own training is tested by the demo (tests/test_demo.py) and tests/test_sft_*.
 
-    warm_start("demo")          # -> Path of the committed HF directory
+    warm_start("demo")          # -> Path of the committed HF directory (warm_start(AGENT): the agent demo's)
     write_task("demo", out)     # the synthetic task it was trained on (train.parquet, test.parquet)
 """
 from __future__ import annotations
@@ -33,6 +33,25 @@ SPECS: dict[str, dict] = {
         "sft": dict(steps=300, batch_size=16, lr=3e-3, max_length=160, seed=1),
     },
 }
+
+
+# tests/test_agent_learning.py's warm start: launch/demo_agent.py's steps 1-3 (`--sft-only`) at its defaults and
+# these arguments (400 SFT steps of the multiply task with the calculator); tests/test_warm_starts.py checks that
+# the settings it records (warm_start.json) are still the demo's.
+AGENT = "agent_multiply"
+AGENT_ARGS = ["--seed", "1"]
+
+
+def agent_settings() -> dict:
+    """The warm start settings launch/demo_agent.py derives today from AGENT_ARGS and its config."""
+    import sys
+
+    sys.path.insert(0, str(DATA.parents[2]))
+    from launch.demo_agent import CONFIG, parse_args, warm_start_settings
+    from rlhf_mcore.config import load_config
+
+    cfg = load_config(DATA.parents[2] / CONFIG, [])
+    return warm_start_settings(parse_args(AGENT_ARGS), cfg.data.max_prompt_length + cfg.data.max_response_length)
 
 
 def warm_start(name: str) -> Path:

@@ -1,5 +1,6 @@
-"""Trains the warm starts of tests/warm_starts.py (all, or those named) and writes each Hugging Face directory with
-its manifest.json (the spec and the commit it was trained at) under tests/data/warm_starts/NAME/:
+"""Trains the warm starts of tests/warm_starts.py (all, or those named; AGENT through launch/demo_agent.py) and
+writes each Hugging Face directory with its manifest.json (the spec and the commit it was trained at) under
+tests/data/warm_starts/NAME/:
 
     python tests/data/make_warm_starts.py [NAME ...]
 
@@ -17,7 +18,24 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from launcher import CPU, QUIET, run  # noqa: E402
-from warm_starts import DATA, SPECS, write_task  # noqa: E402
+from warm_starts import AGENT, AGENT_ARGS, DATA, SPECS, write_task  # noqa: E402
+
+
+def train_agent() -> None:
+    """The agent demo's warm start: launch/demo_agent.py --sft-only at AGENT_ARGS (its settings in warm_start.json)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run("launch/demo_agent.py", "--out", tmp, *AGENT_ARGS, "--sft-only", env_extra={**CPU, **QUIET}, timeout=1800)
+        save(AGENT, Path(tmp) / "sft_model", {"demo_agent": AGENT_ARGS})
+
+
+def save(name: str, model_dir: Path, spec: dict) -> None:
+    out = DATA / name
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(model_dir, out)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    (out / "manifest.json").write_text(json.dumps({"spec": spec, "commit": commit}, indent=1) + "\n")
+    print(f"{name}: {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB in {out}")
 
 
 def train(name: str) -> None:
@@ -33,15 +51,9 @@ def train(name: str) -> None:
             "--out", tmp / "sft", "--steps", sft["steps"], "--batch-size", sft["batch_size"], "--lr", sft["lr"],
             "--max-length", sft["max_length"], "--seed", sft["seed"], "trainer.device=cpu",
             env_extra={**CPU, **QUIET}, timeout=1800)
-        out = DATA / name
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(tmp / "sft", out)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    (out / "manifest.json").write_text(json.dumps({"spec": spec, "commit": commit}, indent=1) + "\n")
-    print(f"{name}: {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB in {out}")
+        save(name, tmp / "sft", spec)
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or SPECS:
-        train(name)
+    for name in sys.argv[1:] or [*SPECS, AGENT]:
+        train_agent() if name == AGENT else train(name)
