@@ -220,7 +220,7 @@ def bench_kl(engine, prompts, outputs, state) -> dict:
     return out
 
 
-def bench_train(engine, s: dict, plan: dict, state, warmup: int, steps: int) -> dict:
+def bench_train(engine, s: dict, plan: dict, state, warmup: int, steps: int, profile_out: Path | None = None) -> dict:
     """Timed `update_policy` calls on a synthetic batch (module docstring, "train")."""
     from rlhf_mcore.engine.flops import train_flops
 
@@ -257,7 +257,27 @@ def bench_train(engine, s: dict, plan: dict, state, warmup: int, steps: int) -> 
     out["grad_norm"] = rows[-1].get("actor/grad_norm")
     if on_gpu:
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile_out is not None:
+        out["profile"] = profile_update(engine, batch, profile_out)
     return out
+
+
+def profile_update(engine, batch, path: Path) -> dict:
+    """One more update under torch.profiler: the kernel table (bench_ppo_step.kernel_table) to `path`; its summary."""
+    from bench_ppo_step import kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        engine.update_policy(batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    text, summary = kernel_table(prof, wall, top=40)
+    path.write_text(text + "\n")
+    print(text, flush=True)
+    return {**summary, "table": str(path)}
 
 
 def train_other(report: dict, out, experts: str, model_dir, s: dict, plan: dict, state, warmup: int, steps: int):
@@ -298,6 +318,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--micro", type=int, default=None, help="sequences a training micro-batch (default: per shape)")
+    p.add_argument("--profile", action="store_true",
+                   help="train: one more update under torch.profiler, its kernel table next to --out (.profile.txt)")
     p.add_argument("--init-std", type=float, default=0.02, help="the random weights' std (initializer_range)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense bf16 peak in TFLOP/s (default: looked up by name; H200 989.4)")
@@ -384,7 +406,8 @@ def main(argv=None) -> dict:
                 else:
                     report["kl"] = {"error": "no recorded rollout (the rollout section failed)"}
             if "train" in args.sections and engine is not None:
-                section(report, "train", out_path, bench_train, engine, s, plan, state, warmup, steps)
+                section(report, "train", out_path, bench_train, engine, s, plan, state, warmup, steps,
+                        Path(out_path).with_suffix(".profile.txt") if args.profile else None)
             del engine
             gc.collect()
             if device.type == "cuda":
