@@ -453,6 +453,24 @@ def test_broadcast_transport_over_gloo(distributed):
 
 
 @pytest.mark.slow
+def test_staged_receive_completes_while_the_receiver_is_busy(distributed):
+    """`StagedReceive` (one_step_off's `async_training.prefetch_weights`): ranks 1-3 take rank 0's 16 MB
+    broadcast in the background while their main threads wait for the key rank 0 sets only after its send
+    returned, then load it: bitwise what was sent, in order, checksums verified, the whole stream held until the
+    load (its cost: a second copy). Mutation: `StagedReceive.__init__` not starting the thread (`load_into` then
+    receives) -> every receiver's store.wait times out and the launch fails."""
+    for rank, r in enumerate(distributed["staged"]):
+        if rank == 0:
+            assert r == {"role": "sender", "buckets": 4}
+            continue
+        c, m = r["compare"], r["metrics"]
+        assert r["role"] == "receiver" and r["order"], rank
+        assert (c["missing"], c["extra"], c["differ"]) == ([], [], []) and c["count"] == 4
+        assert m["sync/bytes"] == 4 * 2**22 and m["sync/buckets"] == 4
+        assert m["sync/peak_extra_bytes"] >= m["sync/bytes"] and m["sync/receive_seconds"] > 0
+
+
+@pytest.mark.slow
 def test_collectives_over_gloo(distributed):
     """rlhf_mcore.parallel.collectives at world size 4 (the trainer's DP sums, PRIME's DP max, the coordinator's
     plans): a sum over the world, a max over a subgroup (ranks {1, 3} only), rank 2's object on every rank.

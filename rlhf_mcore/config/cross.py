@@ -599,6 +599,9 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
             require(getattr(a, k) == getattr(defaults, k),
                     f"async_training.{k}={getattr(a, k)!r} applies to async_training.mode=fully_async only (the mode "
                     f"is {a.mode}): remove it or set the mode.")
+    require(a.mode == "one_step_off" or a.prefetch_weights == defaults.prefetch_weights,
+            f"async_training.prefetch_weights={a.prefetch_weights!r} applies to async_training.mode=one_step_off "
+            f"only (the mode is {a.mode}): remove it or set the mode.")
     if a.mode == "off":
         return
     _, rollout = pool_sizes(cfg, train_world + (cfg.rollout.nnodes or 1) * cfg.rollout.n_gpus_per_node)

@@ -89,3 +89,7 @@ class AsyncTrainingConfig:
     # fully_async: at a weight sync, in-flight samples pause and continue under the new weights (true), or the
     # rollout finishes them under the old weights before it takes the new ones (false)
     partial_rollout: bool = True
+    # one_step_off: the rollout pool takes the weights the trainer pushes after step k while it generates step
+    # k+1 (a background receive into a second copy of the weights on the rollout devices, loaded once that
+    # generation ends), so the push does not wait for the generation; false: received after it (no extra memory)
+    prefetch_weights: bool = True

@@ -15,7 +15,7 @@ engine takes its own tensor-parallel slice. Pieces:
   metrics.py    `SyncStats` -> `sync/*` metrics
   colocated.py  `sync_actor_to_rollout`, what the trainer calls
 """
-from .broadcast import BroadcastReceiver, BroadcastSender, GroupComm, broadcast_weights, receive_weights
+from .broadcast import BroadcastReceiver, BroadcastSender, GroupComm, StagedReceive, broadcast_weights, receive_weights
 from .buckets import BucketPacker, FlatBucket, TensorMeta, bucket_bytes_from_mb, group_by_bytes
 from .colocated import sync_actor_to_rollout
 from .ipc import IpcChannel, IpcReceiver, IpcSender, deserialize_bucket, serialize_bucket
@@ -27,6 +27,7 @@ from .verify import ChecksumTap, EngineVerifier, WeightSyncError, checksum, comp
 
 __all__ = ["BroadcastReceiver", "BroadcastSender", "BucketPacker", "ChecksumTap", "EngineVerifier", "FlatBucket",
            "GroupComm", "HeldShard", "InProcessChannel", "IpcChannel", "IpcReceiver", "IpcSender", "MemoryTracker",
-           "SyncStats", "TensorMeta", "WeightReceiver", "WeightSender", "WeightSyncError", "broadcast_weights",
-           "bucket_bytes_from_mb", "checksum", "compare_checksums", "deserialize_bucket", "engine_hf_shards",
-           "group_by_bytes", "load_buckets_into", "receive_weights", "serialize_bucket", "sync_actor_to_rollout"]
+           "StagedReceive", "SyncStats", "TensorMeta", "WeightReceiver", "WeightSender", "WeightSyncError",
+           "broadcast_weights", "bucket_bytes_from_mb", "checksum", "compare_checksums", "deserialize_bucket",
+           "engine_hf_shards", "group_by_bytes", "load_buckets_into", "receive_weights", "serialize_bucket",
+           "sync_actor_to_rollout"]

@@ -13,9 +13,15 @@ source broadcasts the metadata list, then the flat buffer; the receivers reuse o
 
 Every receiver gets the full HF tensors; a receiving engine with tensor parallelism takes its own slice
 (`update_weights` of the native engine does), so the rollout TP size is independent of the trainer's.
+
+:class:`StagedReceive` takes a broadcast in a background thread while the receiver goes on with other work (the
+one-step-off rollout generating: `async_training.prefetch_weights`), at the cost of a second copy of the weights
+on the receiver's device until they are loaded.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -24,7 +30,7 @@ import torch.distributed as dist
 from rlhf_mcore import trace
 
 from .buckets import BucketPacker, FlatBucket, NamedTensor
-from .memory import MemoryTracker
+from .memory import MemoryTracker, tensor_nbytes
 from .metrics import SyncStats
 from .transport import Stopwatch, WeightReceiver, WeightSender, load_buckets_into
 from .verify import ChecksumTap, EngineVerifier, compare_checksums
@@ -86,7 +92,9 @@ class BroadcastReceiver(WeightReceiver):
         self.tracker = tracker or MemoryTracker(self.device)
         self.stats = SyncStats()
 
-    def receive_buckets(self) -> Iterator[list[NamedTensor]]:
+    def receive_buckets(self, keep: bool = False) -> Iterator[list[NamedTensor]]:
+        """The stream's buckets in order. keep: every bucket in a buffer of its own (the groups stay valid after
+        the next one arrives: a staged receive); else one buffer reused, each group valid until the next."""
         tap = ChecksumTap() if self.verify else None
         buffer = None
         while True:
@@ -95,7 +103,7 @@ class BroadcastReceiver(WeightReceiver):
                 sent_sums = extra
                 break
             size = extra
-            if buffer is None or buffer.numel() < size:
+            if keep or buffer is None or buffer.numel() < size:
                 buffer = None
                 buffer = self.tracker.track_storage(torch.empty(size, dtype=torch.uint8, device=self.device))
             view = buffer[:size]
@@ -125,6 +133,65 @@ def broadcast_weights(comm, src: int, named_tensors: Iterable[NamedTensor], *, b
         stats = sender.send(named_tensors)
     stats.seconds = watch.seconds
     return stats.as_metrics()
+
+
+class StagedReceive:
+    """The next broadcast from `src`, taken by a thread into buffers of its own while the caller goes on;
+    `load_into(engine)` waits for the thread and loads the buckets as :func:`receive_weights` does.
+
+    The thread uses only `comm` (a group no other thread of this process uses meanwhile) and, on CUDA, a stream
+    of its own: its copies neither wait for nor delay the caller's kernels. Until `load_into`, the receiver holds
+    the whole stream (`sync/peak_extra_bytes`: a second copy of the weights)."""
+
+    def __init__(self, comm, src: int, *, device, verify: bool = False, **trace_args: Any):
+        self.receiver = BroadcastReceiver(comm, src, device, verify=verify)
+        self.trace_args = trace_args  # the receive's span ("receive weights", on the thread's own track)
+        self.groups: list[list[NamedTensor]] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._receive, name="staged weight receive", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        device = self.receiver.device
+        stream = None
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+            stream = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with trace.span("receive weights", staged=True, **self.trace_args) as watch:
+                    for b, group in trace.each("weight bucket", self.receiver.receive_buckets(keep=True)):
+                        b.args.update(tensors=len(group), bytes=sum(tensor_nbytes(t) for _, t in group))
+                        self.groups.append(group)
+                    if stream is not None:
+                        stream.synchronize()
+            self.receiver.stats.receive_seconds = watch.seconds
+        except BaseException as e:  # noqa: BLE001 - re-raised by load_into, in the caller's thread
+            self.error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def load_into(self, engine, *, verify: bool = False) -> dict[str, float]:
+        """Wait for the whole stream, then load it into `engine` (checked against what arrived when `verify`);
+        returns `sync/*` metrics: `seconds` is the load's, `receive_seconds` the background receive's."""
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"the staged weight receive failed: {type(self.error).__name__}: {self.error}") \
+                from self.error
+        groups, self.groups = self.groups, []
+        verifier = EngineVerifier(engine) if verify else None
+        buckets = (list(verifier.wrap(g)) for g in groups) if verifier is not None else iter(groups)
+        with Stopwatch(self.receiver.device) as watch:
+            finished = load_buckets_into(engine, buckets)
+        del groups, buckets
+        stats = self.receiver.stats
+        stats.seconds = watch.seconds
+        if verifier is not None:
+            with Stopwatch(self.receiver.device) as check:
+                verifier.verify()
+            stats.verify_seconds = verifier.seconds + check.seconds
+        return {**stats.as_metrics(), **{f"sync/{k}": v for k, v in finished.items()}}
 
 
 def receive_weights(comm, src: int, engine, *, device, verify: bool = False) -> dict[str, float]:

@@ -27,6 +27,7 @@ class SyncStats:
     peak_extra_bytes: int = 0
     cuda_peak_delta_bytes: int | None = None
     verify_seconds: float = 0.0
+    receive_seconds: float = 0.0  # a staged receive's (broadcast.StagedReceive) background seconds; `seconds` its load
 
     def add_group(self, group: list[tuple[str, torch.Tensor]]) -> None:
         """Count one bucket."""
@@ -46,4 +47,6 @@ class SyncStats:
             out["cuda_peak_delta_bytes"] = float(self.cuda_peak_delta_bytes)
         if self.verify_seconds:
             out["verify_seconds"] = self.verify_seconds
+        if self.receive_seconds:
+            out["receive_seconds"] = self.receive_seconds
         return {prefix + k: v for k, v in out.items()}

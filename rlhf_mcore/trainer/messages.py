@@ -21,12 +21,15 @@ class Weights:
 @dataclass(frozen=True)
 class Generate:
     """one_step_off: generate step `step`'s prompts (dataset indices) over the pool with sampling seed `seed`,
-    score them, send group `pos` to the ranks `dsts[pos]` of its DP rank."""
+    score them, send group `pos` to the ranks `dsts[pos]` of its DP rank. prefetch: the weights version the
+    trainer pushes while this step generates (its Weights message follows this one): receive it in the
+    background meanwhile (`async_training.prefetch_weights`); None: no push comes during this step."""
 
     step: int
     prompts: list[int]
     seed: int
     dsts: list[list[int]]
+    prefetch: int | None = None
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,13 @@ on the data bus, driven by the coordinator's commands (a mailbox per rollout ran
 
 Commands (:mod:`rlhf_mcore.trainer.messages`, dispatched with `match`):
     Weights(version)                         join the weight broadcast from training rank 0
-    Generate(step, prompts, seed, dsts)      one_step_off: generate the step's prompts (dataset indices) over the
+    Generate(step, prompts, seed, dsts, prefetch)
+                                             one_step_off: generate the step's prompts (dataset indices) over the
                                              pool, score them, send each group to its DP rank's ranks (`dsts`);
                                              with multi_turn.enable the prompts run their agent loops (rows
-                                             carry the trajectories' response masks and `agent/*` metrics)
+                                             carry the trajectories' response masks and `agent/*` metrics);
+                                             with `prefetch` (a version), receive that version's push in the
+                                             background meanwhile and load it at its Weights message
     Grant([(uid, prompt), ...])              fully_async: prompts to stream (all n samples of each; with
                                              multi_turn.enable, n agent-loop trajectories: sample_streams.py)
     Send([(uid, ranks), ...])                fully_async: groups the trainer takes, and where they go
@@ -40,7 +43,7 @@ from rlhf_mcore.rewards.pipeline import OverlongShaping, compose, set_rule_score
 from rlhf_mcore.rewards.scorer import failure_error
 from rlhf_mcore.rewards.stream import ScoringStream
 from rlhf_mcore.startup import resume_gc
-from rlhf_mcore.sync import receive_weights
+from rlhf_mcore.sync import StagedReceive, receive_weights
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.databus import GroupMeta, GroupStore
 from rlhf_mcore.trainer.messages import (
@@ -88,6 +91,7 @@ class RolloutWorker:
         self.coord = pools.mailbox("coord")
         self.store = GroupStore(pools.bus)
         self.version = -1
+        self.staged: tuple[int, StagedReceive] | None = None  # one_step_off: a push being received meanwhile
         self.idle_s, self.t0 = 0.0, time.perf_counter()
         self.unreported: dict[str, float] = {}  # fully_async: reward counters not yet attached to a group
         self.shaping = OverlongShaping.from_config(cfg)
@@ -112,12 +116,29 @@ class RolloutWorker:
         return cmd
 
     def receive_weights(self, version: int) -> None:
-        r = self.cfg.actor_rollout_ref.rollout
-        with trace.span("receive weights", version=version):
-            receive_weights(self.pools.weights, 0, self.engine, device=self.pools.weights.device,
-                            verify=r.sync_verify)
+        """Join the broadcast of `version`, or load it where it was staged meanwhile (`prefetch_weights`)."""
+        verify = self.cfg.actor_rollout_ref.rollout.sync_verify
+        if self.staged is not None:
+            staged_version, staged = self.staged
+            if staged_version != version:
+                raise RuntimeError(f"rollout rank {self.state.rank}: the coordinator pushed weights version {version} "
+                                   f"but announced version {staged_version} for the background receive")
+            self.staged = None
+            with trace.span("load staged weights", version=version):
+                staged.load_into(self.engine, verify=verify)
+        else:
+            with trace.span("receive weights", version=version):
+                receive_weights(self.pools.weights, 0, self.engine, device=self.pools.weights.device, verify=verify)
         self.version = version
         trace.flush()
+
+    def stage_weights(self, version: int) -> None:
+        """Start receiving `version`'s push in the background (loaded at its Weights message)."""
+        if self.staged is not None:
+            raise RuntimeError(f"rollout rank {self.state.rank}: a background receive of version {self.staged[0]} "
+                               f"is still pending when version {version} is announced")
+        self.staged = version, StagedReceive(self.pools.weights, 0, device=self.pools.weights.device,
+                                             verify=self.cfg.actor_rollout_ref.rollout.sync_verify, version=version)
 
     def validate(self, step: int) -> None:
         with trace.span("validation", step=step, version=self.version):
@@ -146,7 +167,9 @@ class RolloutWorker:
             match self.next_command():
                 case Weights(version):
                     self.receive_weights(version)
-                case Generate(step, prompts, seed, dsts):
+                case Generate(step, prompts, seed, dsts, prefetch):
+                    if prefetch is not None:
+                        self.stage_weights(prefetch)
                     self.generate_step(step, prompts, seed, dsts)
                 case Validate(step):
                     self.validate(step)

@@ -36,7 +36,15 @@ class OneStepOff:
         prompts = [i for part in plan for i in part]
         dsts = [self.pool.dp_ranks[d] for d, part in enumerate(plan) for _ in part]
         seed = step_seed(run.cfg.trainer.seed, k)  # the synchronous trainer's seed for step k
-        self.pool.command(Generate(k, prompts, seed, dsts))
+        self.pool.command(Generate(k, prompts, seed, dsts, prefetch=self.pushed_during(k)))
+
+    def pushed_during(self, k: int) -> int | None:
+        """The weights version pushed while step k generates, when `async_training.prefetch_weights` lets the
+        rollout pool take it meanwhile: version k-1 (after step k-1 trains, before step k's samples are needed)
+        if step k-1 pushes (`weights_due`) and it was not pushed already (the run's first step k pushes none)."""
+        run, v = self.run, k - 1
+        due = v > self.pool.pushed_version and v + 2 <= run.total_steps
+        return v if due and run.cfg.async_training.prefetch_weights else None
 
     def receive_step(self) -> tuple[list[list], list[int], dict]:
         """Step k's groups, generated while step k-1 trained."""

@@ -16,6 +16,10 @@ rank's report (lists indexed by rank):
   (bitwise, verified; generations vs a fresh engine).
 - broadcast: synthetic mixed-dtype tensors from rank 0 to all ranks and from rank 3 to ranks {1, 3}, with
   checksums; every receiver compares what it got with the regenerated tensors (bitwise).
+- staged: rank 0 broadcasts 16 MB of synthetic tensors while ranks 1-3 each take it with a `StagedReceive`
+  and their main threads wait, before loading, for the store key rank 0 sets once its send returned: the send
+  completes while the receivers are busy (a receive that ran only at `load_into` would leave every main thread
+  waiting for a key that never comes); then each loads what it staged and compares it (bitwise).
 - collectives: `rlhf_mcore.parallel.collectives` — a sum over the world, a max over ranks {1, 3}, an object from
   rank 2, and the no-group call returning its tensor untouched.
 """
@@ -216,6 +220,39 @@ def case_broadcast(state) -> dict:
     return out
 
 
+class Sink:
+    """A stand-in engine for the staged case: keeps what `update_weights` gets."""
+
+    def __init__(self):
+        self.received: dict[str, torch.Tensor] = {}
+
+    def update_weights(self, group):
+        self.received.update((name, t.clone()) for name, t in group)
+
+
+def case_staged() -> dict:
+    import datetime
+
+    from rlhf_mcore.sync import BroadcastSender, GroupComm, StagedReceive, bucket_bytes_from_mb
+
+    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+    group = dist.new_group([0, 1, 2, 3])  # the receive thread's own group: the main thread never touches it
+    g = torch.Generator().manual_seed(11)
+    want = [(f"w{i}", torch.randn(1024, 1024, generator=g)) for i in range(4)]  # 16 MB: no socket buffers it
+    if rank == 0:
+        sender = BroadcastSender(GroupComm(group, "cpu"), 0, bucket_bytes_from_mb(1), "cpu", checksums=True)
+        stats = sender.send(iter(want))
+        store.set("staged/sent", "1")  # the send returned: every receiver took the whole stream
+        return {"role": "sender", "buckets": stats.buckets}
+    staged = StagedReceive(GroupComm(group, "cpu"), 0, device="cpu", verify=True)
+    t0 = time.perf_counter()
+    store.wait(["staged/sent"], datetime.timedelta(seconds=60))  # "busy": the main thread is elsewhere
+    sink = Sink()
+    metrics = staged.load_into(sink)
+    return {"role": "receiver", "waited_s": time.perf_counter() - t0, "compare": compare(sink.received, dict(want)),
+            "order": list(sink.received) == [n for n, _ in want], "metrics": metrics}
+
+
 def case_collectives() -> dict:
     from rlhf_mcore.parallel.collectives import broadcast_object, group_all_reduce
 
@@ -254,6 +291,7 @@ def main():
     del chunks
     report["broadcast"] = case_broadcast(state)
     clock["broadcast"], t0 = time.perf_counter() - t0, time.perf_counter()
+    report["staged"] = case_staged()
     report["collectives"] = case_collectives()
     state = init_distributed(tp=4, pp=1, seed=3)
     report["export@4x1"] = case_export_4x1(args.model, engines["rollout_tp2"], state)
