@@ -141,6 +141,9 @@ BASE = ["actor_rollout_ref.model.path=/x", "data.train_batch_size=8", "actor_rol
      ["reward_model.reward_manager=prime", "synchronous step", "mode=off"]),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=3",
       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 4, ["multiple of"]),
+    (["async_training.prefetch_weights=false"], 1, ["prefetch_weights=False", "mode=one_step_off only"]),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "async_training.prefetch_weights=false"], 2,
+     ["prefetch_weights=False", "mode=one_step_off only", "the mode is fully_async"]),
 ])
 def test_async_config_errors(overrides, world, fragments):
     base = BASE
@@ -155,6 +158,8 @@ def test_async_config_accepted_layouts():
     validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
                                               "trainer.n_gpus_per_node=2",
                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]), 3)  # DP=2
+    validate_config(load_config(None, base + ["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
+                                              "async_training.prefetch_weights=false"]), 2)
     validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
                                               "async_training.require_batches=2"]), 2)
     validate_config(load_config(None, base + ["async_training.mode=fully_async", "rollout.n_gpus_per_node=1",
