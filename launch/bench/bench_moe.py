@@ -318,6 +318,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--micro", type=int, default=None, help="sequences a training micro-batch (default: per shape)")
+    p.add_argument("--train-seqs", type=int, default=None,
+                   help="sequences an update (one optimizer step; default: per shape); a multiple of --micro")
     p.add_argument("--profile", action="store_true",
                    help="train: one more update under torch.profiler, its kernel table next to --out (.profile.txt)")
     p.add_argument("--init-std", type=float, default=0.02, help="the random weights' std (initializer_range)")
@@ -345,8 +347,11 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     s = moe_shape(args.shape, initializer_range=args.init_std)
     plan = dict(PLANS[args.shape])
-    if args.micro:
-        plan["train"] = (plan["train"][0], plan["train"][1], args.micro)
+    if args.micro or args.train_seqs:
+        n, seq, micro = plan["train"]
+        plan["train"] = (args.train_seqs or n, seq, args.micro or micro)
+        if plan["train"][0] % plan["train"][2]:
+            p.error(f"--train-seqs {plan['train'][0]} is not a multiple of the micro-batch {plan['train'][2]}")
     warmup = plan["warmup"] if args.warmup is None else args.warmup
     steps = plan["steps"] if args.steps is None else args.steps
     from rlhf_mcore.engine.flops import peak_flops_and_source
