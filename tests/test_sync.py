@@ -20,11 +20,13 @@ import torch
 from launcher import CPU, run
 
 from rlhf_mcore.sync import (
+    BroadcastSender,
     BucketPacker,
     EngineVerifier,
     FlatBucket,
     InProcessChannel,
     MemoryTracker,
+    StagedReceive,
     WeightSyncError,
     bucket_bytes_from_mb,
     checksum,
@@ -450,6 +452,87 @@ def test_broadcast_transport_over_gloo(distributed):
                 c = got["compare"]
                 assert got["role"] == "receiver" and got["order"]
                 assert (c["missing"], c["extra"], c["differ"]) == ([], [], []) and c["count"] == 7
+
+
+class RecordingComm:
+    """A source's end of a broadcast that keeps what it sent (objects, and a copy of each tensor)."""
+
+    def __init__(self):
+        self.objects, self.tensors = [], []
+
+    def broadcast_object(self, obj, src):
+        self.objects.append(obj)
+        return obj
+
+    def broadcast(self, tensor, src):
+        self.tensors.append(tensor.clone())
+
+
+class ReplayComm:
+    """A receiver's end that gets, in order, what a RecordingComm's source sent (`tensor.copy_` on the calling
+    thread's current stream: the staged receive's own on CUDA)."""
+
+    def __init__(self, sent: RecordingComm):
+        self.objects, self.tensors = iter(sent.objects), iter(sent.tensors)
+
+    def broadcast_object(self, obj, src):
+        return next(self.objects)
+
+    def broadcast(self, tensor, src):
+        tensor.copy_(next(self.tensors))
+
+
+class Sink:
+    def __init__(self):
+        self.received = {}
+
+    def update_weights(self, group):
+        self.received.update((name, t.clone()) for name, t in group)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the receive on its own stream)"))])
+def test_staged_receive_in_process_is_bitwise(device):
+    """StagedReceive's thread on the device (CUDA: its own stream, while the main thread keeps the default
+    stream busy with GEMMs): every tensor arrives bitwise, in order, checksums verified, and nothing is loaded
+    before `load_into`. Mutation: the thread's stream not synchronized before it ends (`stream.synchronize()`
+    dropped) -> on CUDA the load may read unfinished copies (not deterministic: the bitwise check is what
+    catches it when it happens); mutation: `receive_buckets(keep=True)` -> `keep=False` (one buffer reused) ->
+    earlier buckets are overwritten: the bitwise check fails on CPU and CUDA."""
+    want = [(n, t.to(device)) for n, t in synthetic(seed=5)]
+    sent = RecordingComm()
+    BroadcastSender(sent, 0, bucket_bytes_from_mb(0.004), device, checksums=True).send(iter(want))
+    assert sum(o[0] is not None for o in sent.objects) >= 3  # several buckets
+    staged, sink = StagedReceive(ReplayComm(sent), 0, device=device, verify=True), Sink()
+    if device == "cuda":
+        x = torch.randn(2048, 2048, device=device)
+        for _ in range(50):
+            x = torch.tanh(x @ x)  # the default stream busy meanwhile
+    assert sink.received == {}
+    metrics = staged.load_into(sink)
+    assert list(sink.received) == [n for n, _ in want]
+    assert all(same(sink.received[n], t.contiguous()) for n, t in want)
+    assert metrics["sync/bytes"] == sum(nbytes(t) for _, t in want) and metrics["sync/receive_seconds"] > 0
+
+
+def test_staged_receive_error_reaches_load_into():
+    """A failure inside the receive thread (here the link breaking after the first bucket) is raised by
+    `load_into` in the caller's thread, and nothing is loaded. Mutation: the thread's `except` storing nothing
+    (the error only printed by the thread) -> load_into returns having loaded one bucket of nine."""
+
+    class Broken(ReplayComm):
+        def broadcast(self, tensor, src):
+            if getattr(self, "seen", False):
+                raise ConnectionError("link down")
+            self.seen = True
+            super().broadcast(tensor, src)
+
+    sent = RecordingComm()
+    BroadcastSender(sent, 0, bucket_bytes_from_mb(0.004), "cpu").send(iter(synthetic(seed=5)))
+    staged, sink = StagedReceive(Broken(sent), 0, device="cpu"), Sink()
+    with pytest.raises(RuntimeError, match="staged weight receive failed: ConnectionError: link down"):
+        staged.load_into(sink)
+    assert sink.received == {}
 
 
 @pytest.mark.slow

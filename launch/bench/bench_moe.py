@@ -27,8 +27,10 @@ with the static cache (its compilation is the slowest and least predictable part
   the trainer's `rollout/k3_kl`), and the fraction of fed tokens (prompt and response but its last) whose top-k
   expert set differs between the rollout and the trainer's own routing, per MoE layer, mean and max;
 - train: `TrainEngine.update_policy` (Megatron DDP, distributed Adam with fp32 master weights, gradient clipping) on
-  a synthetic PPO batch of 8 x 2048 tokens (a quarter prompt; packed, micro-batches of `--micro` sequences, one
-  optimizer step), median over `--steps` after `--warmup`: tokens/s, TFLOP/s and MFU from `rlhf_mcore.engine.flops`
+  a synthetic PPO batch of 32 x 2048 tokens (`--train-seqs`; a quarter prompt; packed, micro-batches of `--micro`
+  sequences, default 8; one optimizer step: 64k tokens, an RL mini-batch's share of one GPU; the step's fixed
+  cost, Adam over all 3.11 B parameters, is ~0.026 s, so MFU falls with fewer tokens a step: BENCHMARKS.md),
+  median over `--steps` after `--warmup`: tokens/s, TFLOP/s and MFU from `rlhf_mcore.engine.flops`
   counted on ACTIVE parameters (each token's attention, router and top-8 experts, the output projection; causal
   attention) against the dense bf16 peak of the device (H200: 989.4 TFLOP/s, `flops.PEAK_BF16_FLOPS`; `--peak-tflops`
   overrides), routing replay disabled (the batch has no routes). The experts: `--train-experts`, by default
@@ -68,7 +70,7 @@ from bench_shapes import cell, git_commit, moe_param_counts, moe_shape, random_m
 # per shape: rollout (batch, prompt tokens, new tokens); train (sequences, tokens each, sequences a micro-batch);
 # the forward passes' micro-batch (sequences); warm-up and timed update steps
 PLANS = {
-    "qwen3_30b_a3b_4l": dict(rollout=(64, 256, 256), train=(8, 2048, 4), forward_micro=8, warmup=2, steps=4),
+    "qwen3_30b_a3b_4l": dict(rollout=(64, 256, 256), train=(32, 2048, 8), forward_micro=8, warmup=2, steps=4),
     "tiny": dict(rollout=(4, 16, 16), train=(2, 64, 1), forward_micro=4, warmup=1, steps=1),
 }
 SECTIONS = ("rollout", "kl", "train", "hf")

@@ -144,6 +144,9 @@ class StagedReceive:
     the whole stream (`sync/peak_extra_bytes`: a second copy of the weights)."""
 
     def __init__(self, comm, src: int, *, device, verify: bool = False, **trace_args: Any):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the caller's device (a new thread starts on 0)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.receiver = BroadcastReceiver(comm, src, device, verify=verify)
         self.trace_args = trace_args  # the receive's span ("receive weights", on the thread's own track)
         self.groups: list[list[NamedTensor]] = []
@@ -152,12 +155,11 @@ class StagedReceive:
         self._thread.start()
 
     def _receive(self) -> None:
-        device = self.receiver.device
-        stream = None
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # a new thread starts on device 0
-            stream = torch.cuda.Stream(device)
-        try:
+        device, stream = self.receiver.device, None
+        try:  # everything: an error here must reach load_into, never leave it loading nothing
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+                stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 with trace.span("receive weights", staged=True, **self.trace_args) as watch:
                     for b, group in trace.each("weight bucket", self.receiver.receive_buckets(keep=True)):
@@ -168,9 +170,6 @@ class StagedReceive:
             self.receiver.stats.receive_seconds = watch.seconds
         except BaseException as e:  # noqa: BLE001 - re-raised by load_into, in the caller's thread
             self.error = e
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
 
     def load_into(self, engine, *, verify: bool = False) -> dict[str, float]:
         """Wait for the whole stream, then load it into `engine` (checked against what arrived when `verify`);
