@@ -532,7 +532,8 @@ def test_async_modes_weight_push_leaves_the_rollout_pool_with_the_merged_weights
         pool = TrainingPool(SimpleNamespace(cfg=cfg, state=state), SimpleNamespace(
             layout=SimpleNamespace(rollout_ranks=[]), mailbox=lambda name: None, weights=_Loopback(link, True)), [[0]])
         pool.push_weights(actor, version=1)
-        worker = SimpleNamespace(cfg=cfg, engine=engine, pools=SimpleNamespace(weights=_Loopback(link, False)))
+        worker = SimpleNamespace(cfg=cfg, engine=engine, pools=SimpleNamespace(weights=_Loopback(link, False)),
+                                 staged=None)  # no background receive pending (prefetch_weights off)
         RolloutWorker.receive_weights(worker, 1)
         assert not link and worker.version == 1
 
