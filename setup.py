@@ -5,6 +5,9 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 DATA_PACKAGES = ["rlhf_mcore.data.raw", "rlhf_mcore.data.raw.gsm8k"]  # directories of data files, no Python
+# `rlhf_mcore/kernels` is a symlink to the top-level `kernels/`, a namespace package (no __init__.py: kernels/README.md
+# says why), which find_packages does not list: named here, so installs from a wheel ship it too.
+NAMESPACE_PACKAGES = ["rlhf_mcore.kernels"]
 
 setup(
     name="rlhf_mcore",
@@ -13,13 +16,12 @@ setup(
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # `rlhf_mcore/kernels` is a symlink to the top-level `kernels/`, so the package is `rlhf_mcore.kernels` from a
-    # checkout and installed alike (find_packages follows it; the bare name `kernels` is taken on PyPI).
+    # The package is `rlhf_mcore.kernels` from a checkout and installed alike; the bare name `kernels` is Hugging Face's.
     # The vendored GSM8K copy (rlhf_mcore/data/raw/gsm8k: jsonl + LICENSE) is package data of its own directory,
     # listed as a (namespace) package: as "data/raw/gsm8k/*" of `rlhf_mcore`, setuptools warned ~40 lines on every
     # install that Python sees the directory as a package absent from `packages`.
-    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]) + DATA_PACKAGES,
-    package_data={"rlhf_mcore.data.raw.gsm8k": ["*.jsonl", "LICENSE"]},
+    packages=find_packages(include=["rlhf_mcore", "rlhf_mcore.*"]) + NAMESPACE_PACKAGES + DATA_PACKAGES,
+    package_data={"rlhf_mcore.kernels": ["README.md"], "rlhf_mcore.data.raw.gsm8k": ["*.jsonl", "LICENSE"]},
     install_requires=[
         # A CPU wheel of torch is enough for development; any CUDA build in range works on GPU.
         "torch>=2.6",

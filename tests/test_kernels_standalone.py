@@ -57,3 +57,42 @@ def test_kernels_import_from_the_checkout_alone(tmp_path):
               if m not in ("rlhf_mcore", "rlhf_mcore.lazy_compile") and not m.startswith("rlhf_mcore.kernels")]
     assert not others, f"importing the kernels pulled in {others}"
     assert set(KERNEL_MODULES) <= set(report["modules"])
+
+
+def test_the_checkout_does_not_shadow_a_top_level_kernels_package(tmp_path):
+    """`kernels/` is a namespace package (no __init__.py): with the checkout first on PYTHONPATH, a regular package
+    named `kernels` later on the path is the one `import kernels` gives (Hugging Face's `kernels`, which transformers
+    5.25 requires and imports: with an __init__.py here, every transformers model import failed with "cannot import
+    name 'CUDAProperties' from 'kernels'"), while `rlhf_mcore.kernels` still comes from the checkout.
+
+    Mutation: put back kernels/__init__.py -> fails (the fake's marker is not seen)."""
+    assert not (REPO / "kernels" / "__init__.py").exists(), "kernels/ must stay a namespace package (kernels/README.md)"
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("MARK = 'the installed kernels'\n")
+    code = ("import kernels, rlhf_mcore.kernels.logprob_reference as ref, json\n"
+            "print(json.dumps({'mark': getattr(kernels, 'MARK', None), 'ref': ref.__file__}))\n")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site)])  # the checkout first, the "installed" one after it
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["mark"] == "the installed kernels", report
+    assert Path(report["ref"]).resolve().is_relative_to(REPO), report
+
+
+def test_transformers_models_import_with_the_checkout_first_on_the_path(tmp_path):
+    """Where Hugging Face's `kernels` is installed (transformers 5.25 requires it), a transformers model module imports
+    in a process whose PYTHONPATH starts with the checkout, as every process the tests start has it."""
+    from importlib import metadata
+
+    try:
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        import pytest
+
+        pytest.skip("Hugging Face's `kernels` is not installed here: nothing to shadow")
+    proc = subprocess.run([sys.executable, "-c", "import transformers.models.qwen2.modeling_qwen2"], cwd=tmp_path,
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
