@@ -99,13 +99,17 @@ def test_logits_match_transformers(worker, hf, batch, layout):
     saved = torch.load(worker[1] / f"{layout}.pt")
     ref = hf_logits(hf, batch["ids"], batch["pixel_values"])
     err = (saved["logits"] - ref).abs().max().item()
-    assert err < ATOL, f"{layout}: max |Megatron - transformers| = {err:.3g}"
+    # ATOL per unit of the logits' scale: TP's split reductions reorder fp32 sums (TP=1 is bitwise here; at TP=2 the
+    # transformers 5.25 tiny model's logits, |max| 7.7, differ by 1.4e-5 = 1.8e-6 relative)
+    tol = ATOL * max(1.0, ref.abs().max().item())
+    assert err < tol, f"{layout}: max |Megatron - transformers| = {err:.3g} (tolerance {tol:.3g})"
     if "packed" in saved:  # each document alone through transformers
         cu = saved["cu"].tolist()
         for doc, image, a, b in zip(batch["docs"], batch["doc_images"], cu[:-1], cu[1:]):
             want = hf_logits(hf, doc[None], image[None])[0]
             err = (saved["packed"][a:b] - want).abs().max().item()
-            assert err < ATOL, f"{layout} packed: max |Megatron - transformers| = {err:.3g}"
+            tol = ATOL * max(1.0, want.abs().max().item())
+            assert err < tol, f"{layout} packed: max |Megatron - transformers| = {err:.3g} (tolerance {tol:.3g})"
 
 
 def test_the_processor_makes_what_the_model_reads(llava_dir):
