@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-pytestmark = pytest.mark.cost(55)  # two 2-process launches
+pytestmark = pytest.mark.cost(75)  # two 2-process launches, then two side by side
 
 TINY = dict(arch="qwen3_moe", layers=2, hidden=32, heads=4, kv_heads=2, vocab=1000, experts=4, top_k=2,
             tie_word_embeddings=False)
@@ -73,3 +73,42 @@ def test_moe_resume_equals_the_uninterrupted_run(task, uninterrupted, tmp_path):
     assert deterministic(got[2]) == deterministic(want[2])
     a, b = hf_weights(uninterrupted / "hf_final"), hf_weights(part / "hf_final")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+ASYNC = {"one_step_off": ["async_training.mode=one_step_off"],
+         "fully_async": ["async_training.mode=fully_async", "async_training.require_batches=1",
+                         "async_training.staleness_threshold=1", "async_training.partial_rollout=true"]}
+
+
+@pytest.fixture(scope="module")
+def async_runs(task, tmp_path_factory):
+    """Both asynchronous trainers with R3 on the tiny MoE (no EP: 1 training + 1 rollout process each, side by side),
+    two steps each."""
+    from launcher import start, wait_all
+
+    _, base = task
+    root = tmp_path_factory.mktemp("moe_async")
+    args = [a for a in base if "expert_model_parallel_size" not in a and "save_freq" not in a]
+    wait_all({mode: start("launch/train.py", *args, *extra, "rollout.n_gpus_per_node=1", "trainer.save_freq=-1",
+                          f"trainer.default_local_dir={root / mode}", nproc=2) for mode, extra in ASYNC.items()},
+             timeout=600)
+    return root
+
+
+@pytest.mark.parametrize("mode", sorted(ASYNC))
+def test_the_asynchronous_trainers_carry_the_rollouts_routes_to_r3(async_runs, mode):
+    """The routes the rollout pool records reach the trainer's R3 passes through the asynchronous trainers (the
+    rollout worker's results, the data bus, partial rollouts continued after a sync): both runs finish their steps,
+    and every step logs the routing mismatch (computed only from routes that came with the rows). On the first
+    step's samples the rollout had the trainer's weights, so (nearly) no token's routes differ. Mutations:
+    sample_streams.SampleStream.step building its Row without routes=s.routes -> fully_async's R3 pass finds no
+    routed_experts -> that run fails; rollout_phase's streaming Row without routes=f.sample.routes (the path
+    one_step_off's rollout worker generates through) -> one_step_off fails."""
+    from e2e_helpers import records
+
+    logged = records(async_runs / mode)
+    assert [r["step"] for r in logged] == [1, 2]
+    for r in logged:
+        assert 0.0 <= r["actor/moe_routing_mismatch/mean"] <= r["actor/moe_routing_mismatch/max"] <= 1.0, r
+        assert 1.0 <= r["actor/moe_expert_load/mean"] <= r["actor/moe_expert_load/max"] <= 4.0, r
+    assert logged[0]["actor/moe_routing_mismatch/max"] <= 0.02, logged[0]
