@@ -91,6 +91,6 @@ class AsyncTrainingConfig:
     partial_rollout: bool = True
     # one_step_off: the rollout pool takes the weights the trainer pushes after step k while it generates step
     # k+1 (a background receive into a second copy of the weights on the rollout devices, loaded once that
-    # generation ends), so the push does not wait for the generation; false (default until its CUDA path is
-    # verified on GPUs: README): received after the generation, with no extra memory
+    # generation ends), so the push does not wait for the generation; false (default: the second copy costs memory,
+    # and the two-pool NCCL path is unverified: README): received after the generation, with no extra memory
     prefetch_weights: bool = False
