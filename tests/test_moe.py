@@ -395,3 +395,32 @@ def test_router_replay_on_a_dense_model_is_refused(tmp_path):
             validate_config(load_config(None, MODEL + [key, f"actor_rollout_ref.model.path={tmp_path / 'dense'}"]),
                             1)
         validate_config(load_config(None, MODEL + [key, f"actor_rollout_ref.model.path={tmp_path / 'moe'}"]), 1)
+
+
+def test_a_trained_moe_model_at_tp2_needs_sequence_parallelism(tmp_path):
+    """megatron-core 0.16.1's MoE layer raises at the first training forward at TP > 1 without sequence parallelism
+    (tests/scripts/moe_check.py scores in eval mode for that): validate_config refuses it before the launch, for the
+    actor and a MoE critic, and says when replay or LoRA leaves TP=1 as the fix. Mutation: validate_config without
+    _check_moe_tensor_parallel -> nothing refused -> fails."""
+    from rlhf_mcore.config import ConfigError, load_config, validate_config
+
+    for name, arch in (("dense", "Qwen3ForCausalLM"), ("moe", "Qwen3MoeForCausalLM")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**_config(), "architectures": [arch]}))
+    sp, csp = f"{A}sequence_parallel", "critic.megatron.sequence_parallel"
+
+    def validate(model, *extra):
+        cfg = load_config(None, MODEL + [f"actor_rollout_ref.model.path={tmp_path / model}",
+                                         f"{A}tensor_model_parallel_size=2", "algorithm.adv_estimator=remax", *extra])
+        validate_config(cfg, 2)
+
+    for extra, words in (
+            ([], f"'{sp}' has value False; it must be true with tensor_model_parallel_size=2: {tmp_path / 'moe'} is "
+                 "a mixture-of-experts model"),
+            ([f"{RR}=R3"], "actor.router_replay.mode=R3 refuses sequence parallelism: set tensor_model_parallel_size"),
+            ([f"{sp}=true", "critic.enable=true"], f"'{csp}' has value False")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            validate("moe", *extra)
+    validate("moe", f"{sp}=true")
+    validate("moe", f"{sp}=true", "critic.enable=true", f"{csp}=true")
+    validate("dense")
