@@ -1,10 +1,13 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE): built from HF directories through the loader a user's directory
 goes through, logits equal to transformers' in fp32, bitwise HF round trips, expert parallelism (EP), PP.
 
-The distributed checks run in ONE 2-process torchrun launch (tests/scripts/moe_check.py) over the layouts
-TP×PP×EP = 1×1×1 (two data-parallel replicas), 1×1×2 (each rank holds half the experts; tokens cross ranks through
-Megatron's alltoall dispatcher) and 1×2×1 (the dense layer on one stage, the sparse one on the other). pytest
-compares what the worker saved with transformers run here on the same tiny fp32 models.
+The distributed checks run in ONE 4-process torchrun launch (tests/scripts/moe_check.py) over the layouts
+TP×PP×EP = 1×1×1 (four data-parallel replicas), 1×1×2 (each rank holds half the experts; tokens cross ranks through
+Megatron's alltoall dispatcher), 1×2×1 (the dense layer on one stage, the sparse one on the other) and 2×1×2 (each
+TP pair holds half the experts, each expert's fc1 / fc2 split over the pair; DP=2). pytest compares what the worker
+saved with transformers run here on the same tiny fp32 models. (One launch of 4 costs fewer CPU-seconds than a
+2-process launch for the TP=1 layouts plus a 4-process one for 2×1×2: each launch's processes pay their first
+layout's warm-up, ~7 s, while a layout of these tiny models takes ~1 s.)
 """
 import json
 import re
@@ -16,7 +19,7 @@ from launcher import CPU, run
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError
 
-pytestmark = pytest.mark.cost(55)  # one 2-process worker (R3 engines at EP=2 and PP=2 included) and one conversion
+pytestmark = pytest.mark.cost(85)  # one 4-process worker (R3 engines at EP=2, PP=2, TP=2 included), one conversion
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "moe_check.py"
@@ -32,6 +35,7 @@ LAYOUTS = [
     dict(name="1x1x2", tp=1, pp=1, ep=2, models=list(MODELS), readlog=list(MODELS), save_hf=["qwen2_moe"],
          aux=["qwen3_moe"], replay=["qwen3_moe"]),
     dict(name="1x2x1", tp=1, pp=2, ep=1, models=list(MODELS), replay=["qwen3_moe"]),
+    dict(name="2x1x2", tp=2, pp=1, ep=2, models=list(MODELS), replay=["qwen3_moe"]),
 ]
 FORWARD_CASES = [(lay["name"], m, case) for lay in LAYOUTS for m in lay["models"]
                  for case in ("plain", "left_padded", "thd")]
@@ -55,14 +59,14 @@ def mcore_ep2(model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(model_dirs, mcore_ep2, tmp_path_factory):
-    """Run the 2-process worker once; returns (results dict, output dir)."""
+    """Run the 4-process worker once; returns (results dict, output dir)."""
     out = tmp_path_factory.mktemp("moe_worker")
     layouts = [{**lay, "load_mcore": {"qwen2_moe": str(mcore_ep2)}} if lay["name"] == "1x2x1" else lay
                for lay in LAYOUTS]
     spec = {"models": {k: str(v) for k, v in model_dirs.items()}, "layouts": layouts, "seed": 11,
             "doc_lens": DOC_LENS, "max_token": 900}
     (out / "spec.json").write_text(json.dumps(spec))
-    run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=2, timeout=600, env_extra=ENV)
+    run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=4, timeout=600, env_extra=ENV)
     return json.loads((out / "results.json").read_text()), out
 
 
@@ -90,7 +94,9 @@ def hf_doc_logits(path, docs):
 def test_moe_logits_match_transformers(worker, model_dirs, documents, layout, model, case):
     """Mutations: moe.moe_config_kwargs' moe_router_pre_softmax=not norm_topk_prob -> norm_topk_prob (qwen2_moe
     renormalises its top-k) -> every case fails; moe.expert_offset returning 0 (every EP rank loads experts 0-1)
-    -> the worker fails (its export plan finds two ranks holding one expert)."""
+    -> the worker fails (its export plan finds two ranks holding one expert); weight_map.read_shard reading an
+    expert's fc1 at TP rank 0's offset on every TP rank (rank = 0 if rule.expert) -> every 2x1x2 case fails (only
+    that layout splits experts over TP)."""
     _, out = worker
     saved = torch.load(out / f"{layout}_{model}_{case}.pt")
     logits = saved["logits"]
@@ -113,8 +119,9 @@ def test_moe_logits_match_transformers(worker, model_dirs, documents, layout, mo
 @pytest.mark.parametrize("layout,model", ROUNDTRIPS)
 def test_moe_hf_roundtrip_is_bitwise(worker, layout, model):
     """Every rank exports every HF tensor (the experts of the other EP rank too) bitwise equal to the checkpoint, in
-    `expected_hf_names` order. Mutation: hf_export's EP broadcast skipped (each rank yields its empty buffer for the
-    other rank's experts) -> fails."""
+    `expected_hf_names` order. Mutations: hf_export's EP broadcast skipped (each rank yields its empty buffer for the
+    other rank's experts) -> fails; weight_map.join_tp_shards joining an expert's fc1 shards as plain rows (not
+    [gate_0; gate_1; up_0; up_1]) -> 2x1x2 fails."""
     results, _ = worker
     assert results[layout][f"{model}/roundtrip"] == []
 
@@ -123,7 +130,7 @@ def test_moe_hf_roundtrip_is_bitwise(worker, layout, model):
 def test_ep_ranks_read_only_their_experts(worker, model):
     results, _ = worker
     got = results["1x1x2"][f"{model}/experts_read"]
-    assert got == [{"ep_rank": 0, "experts": [0, 1]}, {"ep_rank": 1, "experts": [2, 3]}]
+    assert got == [{"ep_rank": 0, "experts": [0, 1]}, {"ep_rank": 1, "experts": [2, 3]}] * 2  # DP=4: 2 EP groups
 
 
 def test_logged_moe_losses_equal_the_naive_ones(worker):
@@ -138,13 +145,14 @@ def test_logged_moe_losses_equal_the_naive_ones(worker):
     assert aux["again"] == {}
 
 
-@pytest.mark.parametrize("layout", ["1x1x2", "1x2x1"])
-def test_r3_replay_is_exact_at_ep2_and_pp2(worker, layout):
-    """R3 through the train engine and the learner at EP=2 (each rank's tokens routed to the other's experts) and
-    PP=2 (the MoE layer on the second stage): with every token's routes flipped, the replaying old-log-prob pass
-    equals transformers' log-probs, the pass without replay does not, and the metric reduced over the ranks (and
-    stages) sees every token flipped. Mutation: Learner.routing_metrics without the reduction over the pipeline
-    group -> the PP=2 mismatch reads 0 on the first stage's rank -> fails."""
+@pytest.mark.parametrize("layout", ["1x1x2", "1x2x1", "2x1x2"])
+def test_r3_replay_is_exact_at_ep2_pp2_and_tp2(worker, layout):
+    """R3 through the train engine and the learner at EP=2 (each rank's tokens routed to the other's experts), PP=2
+    (the MoE layer on the second stage) and TP=2 x EP=2 (without sequence parallelism, as a user's config has it:
+    replay refuses it): with every token's routes flipped, the replaying old-log-prob pass equals transformers'
+    log-probs, the pass without replay does not, and the metric reduced over the ranks (and stages) sees every token
+    flipped. Mutation: Learner.routing_metrics without the reduction over the pipeline group -> the PP=2 mismatch
+    reads 0 on the first stage's rank -> fails."""
     results, _ = worker
     r = results[layout]["qwen3_moe/replay"]
     assert r["r3_vs_hf"] < ATOL and r["plain_vs_hf"] > 1e-2
@@ -387,3 +395,32 @@ def test_router_replay_on_a_dense_model_is_refused(tmp_path):
             validate_config(load_config(None, MODEL + [key, f"actor_rollout_ref.model.path={tmp_path / 'dense'}"]),
                             1)
         validate_config(load_config(None, MODEL + [key, f"actor_rollout_ref.model.path={tmp_path / 'moe'}"]), 1)
+
+
+def test_a_trained_moe_model_at_tp2_needs_sequence_parallelism(tmp_path):
+    """megatron-core 0.16.1's MoE layer raises at the first training forward at TP > 1 without sequence parallelism
+    (tests/scripts/moe_check.py scores in eval mode for that): validate_config refuses it before the launch, for the
+    actor and a MoE critic, and says when replay or LoRA leaves TP=1 as the fix. Mutation: validate_config without
+    _check_moe_tensor_parallel -> nothing refused -> fails."""
+    from rlhf_mcore.config import ConfigError, load_config, validate_config
+
+    for name, arch in (("dense", "Qwen3ForCausalLM"), ("moe", "Qwen3MoeForCausalLM")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**_config(), "architectures": [arch]}))
+    sp, csp = f"{A}sequence_parallel", "critic.megatron.sequence_parallel"
+
+    def validate(model, *extra):
+        cfg = load_config(None, MODEL + [f"actor_rollout_ref.model.path={tmp_path / model}",
+                                         f"{A}tensor_model_parallel_size=2", "algorithm.adv_estimator=remax", *extra])
+        validate_config(cfg, 2)
+
+    for extra, words in (
+            ([], f"'{sp}' has value False; it must be true with tensor_model_parallel_size=2: {tmp_path / 'moe'} is "
+                 "a mixture-of-experts model"),
+            ([f"{RR}=R3"], "actor.router_replay.mode=R3 refuses sequence parallelism: set tensor_model_parallel_size"),
+            ([f"{sp}=true", "critic.enable=true"], f"'{csp}' has value False")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            validate("moe", *extra)
+    validate("moe", f"{sp}=true")
+    validate("moe", f"{sp}=true", "critic.enable=true", f"{csp}=true")
+    validate("dense")

@@ -415,6 +415,33 @@ def _check_router_replay_model(cfg: RLConfig) -> None:
                         f"{arr.model.path} is a dense model (no experts to route): remove it (disabled / unset).")
 
 
+def _check_moe_tensor_parallel(cfg: RLConfig, tp: int) -> None:
+    """A trained mixture-of-experts model (actor, critic) at TP > 1 needs sequence parallelism: megatron-core
+    0.16.1's `MoELayer.forward` raises at the first training forward without it ("performance may degrade ..."), after
+    the first rollout. Refused here, before anything is built; where the role's settings refuse sequence
+    parallelism too (routing replay, LoRA), the fix is TP=1 (config.json read; unreadable: the build reports it)."""
+    if tp == 1:
+        return
+    arr, need = cfg.actor_rollout_ref, _need(cfg)
+    mode = arr.actor.router_replay.mode
+    roles = [("actor_rollout_ref.actor.megatron", arr.model.path,
+              [f"actor.router_replay.mode={mode}"] * (mode != "disabled")
+              + ["model.lora_rank > 0"] * (arr.model.lora_rank > 0))]
+    if critic_enabled(cfg):
+        c = cfg.critic
+        roles.append(("critic.megatron", c.model.path or arr.model.path, ["critic.model.lora_rank > 0"] *
+                      (c.model.lora_rank > 0)))
+    for megatron, path, refusing in roles:
+        if model_is_moe(path) is not True:
+            continue
+        fix = (f"{' and '.join(refusing)} refuses sequence parallelism: set tensor_model_parallel_size=1 "
+               if refusing else "or set tensor_model_parallel_size=1 ")
+        need(f"{megatron}.sequence_parallel", value_at(cfg, f"{megatron}.sequence_parallel"),
+             f"true with tensor_model_parallel_size={tp}: {path} is a mixture-of-experts model, and megatron-core "
+             f"0.16.1's MoE layer refuses a training forward at TP > 1 without sequence parallelism (which needs "
+             f"Transformer Engine); {fix}(expert_model_parallel_size splits the experts)")
+
+
 def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> None:
     """`megatron.cuda_graphs=true` where graphs cannot run is refused here, before anything is built (the engine
     checks again with the built model: `rlhf_mcore.engine.cuda_graphs.graphs_supported`)."""
@@ -482,6 +509,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
         _check_vision(cfg)
         _check_pipeline_split(cfg, pp, vpp)
         _check_router_replay_model(cfg)
+        _check_moe_tensor_parallel(cfg, tp)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
     ep = expert_parallel_size(cfg)

@@ -1,4 +1,4 @@
-"""Worker for tests/test_moe.py, run under torchrun with 2 processes (several layouts inside one process group).
+"""Worker for tests/test_moe.py, run under torchrun with 4 processes (several layouts inside one process group).
 
 For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megatron chunks from the HF directory
 (the loader a user's directory goes through) and
@@ -14,7 +14,7 @@ For every layout of the spec (tp, pp, ep) and tiny MoE model it builds the Megat
 - per layout "aux": one training forward with the load-balancing and z-losses on, their logged values
   (`moe.moe_loss_metrics`) and the same losses computed by hand from the routers' inputs.
 
-Usage: torchrun --nproc_per_node=2 tests/scripts/moe_check.py --spec SPEC.json --out DIR
+Usage: torchrun --nproc_per_node=4 tests/scripts/moe_check.py --spec SPEC.json --out DIR
 """
 import re
 from contextlib import contextmanager
@@ -164,6 +164,8 @@ def run_layout(layout, spec, out: Path, results: dict):
     for model_name in layout["models"]:
         hf_dir = spec["models"][model_name]
         chunks = build_model(hf_dir, state, role="actor")
+        for c in chunks:  # as the engine scores: megatron-core's MoE layer refuses a training forward at TP > 1
+            c.eval()  # without sequence parallelism
         res[f"{model_name}/roundtrip"] = gather_problems(state, roundtrip(chunks, state, hf_dir))
         cases = {"plain": padded_batch([docs[0], docs[2]], left=True), "left_padded": padded_batch(docs, left=True)}
         for case, (ids, pos, mask) in cases.items():
