@@ -401,7 +401,7 @@ def test_a_trained_moe_model_at_tp2_needs_sequence_parallelism(tmp_path):
     """megatron-core 0.16.1's MoE layer raises at the first training forward at TP > 1 without sequence parallelism
     (tests/scripts/moe_check.py scores in eval mode for that): validate_config refuses it before the launch, for the
     actor and a MoE critic, and says when replay or LoRA leaves TP=1 as the fix. Mutation: validate_config without
-    _check_moe_tensor_parallel -> nothing refused -> fails."""
+    check_moe_tensor_parallel -> nothing refused -> fails."""
     from rlhf_mcore.config import ConfigError, load_config, validate_config
 
     for name, arch in (("dense", "Qwen3ForCausalLM"), ("moe", "Qwen3MoeForCausalLM")):
@@ -424,3 +424,16 @@ def test_a_trained_moe_model_at_tp2_needs_sequence_parallelism(tmp_path):
     validate("moe", f"{sp}=true")
     validate("moe", f"{sp}=true", "critic.enable=true", f"{csp}=true")
     validate("dense")
+
+
+def test_sft_of_a_moe_model_at_tp2_is_refused_before_any_process_group(tiny_model_dir, tmp_path):
+    """launch/sft.py's body refuses --tp 2 for a MoE model with the same message, before it reads the data or makes a
+    process group (megatron-core's own error came at the first step). Mutation: run_sft without
+    check_moe_tensor_parallel -> init_distributed's world-size error instead -> fails."""
+    from rlhf_mcore.config import ConfigError
+    from rlhf_mcore.trainer.sft import run_sft
+
+    model = tiny_model_dir(**MODELS["qwen3_moe"])
+    with pytest.raises(ConfigError, match=re.escape("is a mixture-of-experts model")):
+        run_sft(str(model), str(tmp_path / "no_rows.parquet"), str(tmp_path / "out"), steps=1, batch_size=2,
+                lr=1e-5, max_length=64, tp=2)

@@ -415,7 +415,7 @@ def _check_router_replay_model(cfg: RLConfig) -> None:
                         f"{arr.model.path} is a dense model (no experts to route): remove it (disabled / unset).")
 
 
-def _check_moe_tensor_parallel(cfg: RLConfig, tp: int) -> None:
+def check_moe_tensor_parallel(cfg: RLConfig, tp: int) -> None:
     """A trained mixture-of-experts model (actor, critic) at TP > 1 needs sequence parallelism: megatron-core
     0.16.1's `MoELayer.forward` raises at the first training forward without it ("performance may degrade ..."), after
     the first rollout. Refused here, before anything is built; where the role's settings refuse sequence
@@ -509,7 +509,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
         _check_vision(cfg)
         _check_pipeline_split(cfg, pp, vpp)
         _check_router_replay_model(cfg)
-        _check_moe_tensor_parallel(cfg, tp)
+        check_moe_tensor_parallel(cfg, tp)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
     ep = expert_parallel_size(cfg)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from rlhf_mcore.config import ConfigError, load_config
+from rlhf_mcore.config.cross import check_moe_tensor_parallel
 from rlhf_mcore.data import DataError
 from rlhf_mcore.data.batch import build_batch
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
@@ -136,6 +137,7 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}", f"trainer.seed={seed}",
         *(overrides or [])])
+    check_moe_tensor_parallel(cfg, tp)  # before any process group: megatron-core's own error comes at the first step
     state = init_distributed(tp, pp, device=cfg.trainer.device, seed=seed)
     lock = take_run_lock(out, state, key="--out")  # one live SFT run per output directory
     try:
