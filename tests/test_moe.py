@@ -437,3 +437,14 @@ def test_sft_of_a_moe_model_at_tp2_is_refused_before_any_process_group(tiny_mode
     with pytest.raises(ConfigError, match=re.escape("is a mixture-of-experts model")):
         run_sft(str(model), str(tmp_path / "no_rows.parquet"), str(tmp_path / "out"), steps=1, batch_size=2,
                 lr=1e-5, max_length=64, tp=2)
+
+
+def test_reward_model_training_of_a_moe_model_at_tp2_is_refused_first(tiny_model_dir, tmp_path):
+    """launch/train_rm.py's body refuses --tp 2 for a MoE model before it reads the preference data. Mutation: the
+    check removed -> it goes on to read the (missing) data file -> a different error -> fails."""
+    from rlhf_mcore.config import ConfigError
+    from rlhf_mcore.trainer.rm_training import run_train_rm
+
+    model = tiny_model_dir(**MODELS["qwen3_moe"])
+    with pytest.raises(ConfigError, match=re.escape("is a mixture-of-experts model")):
+        run_train_rm(str(model), str(tmp_path / "no_pairs.parquet"), str(tmp_path / "out"), tp=2)

@@ -74,6 +74,7 @@ def run_train_rm(model: str, train_file: str, out: str, *, val_file: Optional[st
     from transformers import AutoTokenizer
 
     from rlhf_mcore.config import ConfigError, OptimConfig
+    from rlhf_mcore.config.hf import model_is_moe
     from rlhf_mcore.data.preferences import read_preference_rows
     from rlhf_mcore.engine.config import EngineConfig
     from rlhf_mcore.engine.reward_engine import RewardEngine
@@ -84,6 +85,10 @@ def run_train_rm(model: str, train_file: str, out: str, *, val_file: Optional[st
 
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"--model {model!r} is not a Hugging Face model directory (no config.json)")
+    if tp > 1 and model_is_moe(model):  # megatron-core's own error would come at the first training step
+        raise ConfigError(f"--tp {tp}: {model} is a mixture-of-experts model, and megatron-core 0.16.1's MoE layer "
+                          "refuses a training forward at TP > 1 without sequence parallelism (which needs Transformer "
+                          "Engine; the reward-model trainer does not turn it on): use --tp 1")
     if not 0 < val_fraction < 1 and val_file is None:
         raise ConfigError(f"--val-fraction {val_fraction} must be in (0, 1) when no --val-file is given")
     tok = AutoTokenizer.from_pretrained(model)
