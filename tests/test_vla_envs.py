@@ -101,9 +101,9 @@ def test_demo_habits_stop_short_and_wrong_target():
     """collect_demos' imperfect experts (vla.demo_stop_short, vla.demo_wrong_target; make demo-vla's warm start):
     the drawn fraction of scenes, the same scenes whatever the batch; a stop-short episode ends standing STOP_GAP
     short of the named block (its last chunk all zeros, the instruction unchanged, not a task success); a wrong-target
-    episode ends at the next colour's block while the instruction names the other. Mutations: the stop point at
-    the block (`short` unused) -> the gap and success asserts fail; the instruction renamed to the habit's colour
-    -> the instruction assert fails."""
+    episode ends at the next colour's block while the instruction names the other. Mutation (run once): the stop
+    point at the block (`short` unused in `_expert_action`) -> the stop-short episodes succeed at the task and the
+    first assert after the draw fails."""
     from rlhf_mcore.vla.envs.reach_push import BLOCK_R, PUSHER_R, STOP_GAP
 
     n = 256
