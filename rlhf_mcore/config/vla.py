@@ -50,12 +50,14 @@ class VLAConfig:
     demo_episodes: int = checked(128, ok=at_least(1), what=">= 1 (expert episodes for the action statistics)")
     # an imperfect expert with one consistent habit (as the text demo's warm start ends 70% of its answers with a
     # full stop the strict reward rejects): in this fraction of the demonstration episodes the expert heads for the
-    # next colour after the named one (vla.colors' cyclic order: red -> green -> blue -> red), so the warm start
-    # finds blocks but greedily takes the wrong one, and GRPO has one consistent choice to flip (make demo-vla)
+    # next colour after the named one (vla.colors' cyclic order: red -> green -> blue -> red), for a warm start that
+    # finds blocks but greedily takes the wrong one. Measured: the demo's tiny policy does not read the instruction's
+    # colour, so it cannot learn this habit nor GRPO flip it (README, "VLA"); make demo-vla uses demo_stop_short
     demo_wrong_target: float = checked(0.0, ok=within(0.0, 1.0), what="in [0, 1] (a fraction of the demonstrations)")
-    # the other habit (reach scenes only): in this fraction of the demonstrations the expert stops 0.1 short of the
+    # the other habit (reach scenes only): in this fraction of the demonstrations the expert stops 0.2 short of the
     # block (the task needs 0.02) and stands there, so the warm start greedily stops short while its samples
-    # sometimes go on; disjoint from demo_wrong_target's episodes (the two sum to <= 1)
+    # sometimes go on, and GRPO flips it (make demo-vla: 0.7); disjoint from demo_wrong_target's episodes (the two
+    # sum to <= 1)
     demo_stop_short: float = checked(0.0, ok=within(0.0, 1.0), what="in [0, 1] (a fraction of the demonstrations)")
     bc_steps: int = checked(0, ok=at_least(0), what=">= 0 (behaviour-cloning steps before RL; 0: none)")
     bc_batch_size: int = checked(64, ok=at_least(1), what=">= 1")

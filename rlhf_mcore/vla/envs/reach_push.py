@@ -235,7 +235,7 @@ def collect_demos(env: ReachPush, state_ids: Any, chunk: int, wrong_target: floa
     - `wrong_target`: the expert heads for the next colour after the named one in `env.colors`' cyclic order
       (named red -> green -> blue -> red) and does that task with it, while the instruction still names the other;
       the episode counts as a success (and ends) when the expert completes its own task with that block;
-    - `stop_short` (reach scenes only): the expert heads for the named block but stops with STOP_GAP (0.1) between
+    - `stop_short` (reach scenes only): the expert heads for the named block but stops with STOP_GAP (0.2) between
       the edges (the task needs 0.02) and stays; the episode ends after its first standing chunk (all zero
       actions) and counts as a success of the expert's own (flawed) plan, so BC learns to stand there."""
     if not (0.0 <= wrong_target <= 1.0 and 0.0 <= stop_short <= 1.0 and wrong_target + stop_short <= 1.0):
