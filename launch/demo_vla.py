@@ -1,12 +1,18 @@
 """The VLA demo on CPU: a behaviour-cloning warm start, then GRPO on task success lifts the held-out success.
 
 1. write a tiny LLaVA (SigLIP tower over 16x16 images in 4x4 patches, a 2-layer Qwen2) if missing;
-2. run the VLA trainer (configs/vla_reachpush_cpu.yaml, through the same `train` as `launch/train.py`):
-   `vla.bc_steps` behaviour-cloning steps on the scripted expert's demonstrations, a greedy evaluation on
-   `vla.held_out_states` held-out scenes (success_before), GRPO steps, the same evaluation (success_after);
-3. print the table and write OUT/summary.json: success_before, success_after, episodes_evaluated, the curve.
+2. the warm start: `vla.bc_steps` behaviour-cloning steps (the trainer's own `VLARun.behaviour_cloning`) on the
+   scripted expert's demonstrations, of which `vla.demo_stop_short` (0.7) stop 0.2 short of the block and stand
+   there (an imperfect expert with one consistent habit, as the text demo's warm start ends its answers with a full
+   stop the strict reward rejects); written as a Hugging Face directory OUT/bc_model (with warm_start.json: the
+   settings it was trained with), or `--warm-start DIR` reuses one (tests/test_vla_learning.py reuses a committed
+   one, tests/data/warm_starts/vla_reachpush);
+3. the VLA trainer from it (configs/vla_reachpush_cpu.yaml, through the same `train` as `launch/train.py`, fresh
+   Adam moments, `vla.bc_steps=0`): a greedy evaluation on `vla.held_out_states` held-out scenes (success_before),
+   GRPO steps on task success, the same evaluation (success_after);
+4. print the table and write OUT/summary.json: success_before, success_after, episodes_evaluated, the curve.
 
-    python launch/demo_vla.py [--seed 1] [--bc-steps N] [--steps N] [key=value ...]
+    python launch/demo_vla.py [--seed 1] [--bc-steps N] [--steps N] [--warm-start DIR | --bc-only] [key=value ...]
 
 Single process, single-threaded (OMP_NUM_THREADS=1). Numbers: README, "VLA".
 """
@@ -23,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+CONFIG = "configs/vla_reachpush_cpu.yaml"
 
 
 def main(argv=None) -> dict:
@@ -32,7 +39,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--bc-steps", type=int, default=None, help="default: the config's vla.bc_steps")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
     ap.add_argument("--image-size", type=int, default=16, help="the rendered scene and the tower's input")
-    ap.add_argument("--config", default=str(ROOT / "configs/vla_reachpush_cpu.yaml"))
+    ap.add_argument("--config", default=str(ROOT / CONFIG))
+    ap.add_argument("--warm-start", default=None, help="reuse this behaviour-cloned policy (a Hugging Face directory "
+                    "written by --bc-only or a full run) instead of training one")
+    ap.add_argument("--bc-only", action="store_true", help="stop after writing the warm start OUT/bc_model")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
@@ -45,7 +55,7 @@ def main(argv=None) -> dict:
 
     out = Path(args.out)
     model = out / f"tiny_llava_{args.image_size}"
-    if not (model / "config.json").is_file():
+    if not args.warm_start and not (model / "config.json").is_file():
         make_tiny_llava(model, image_size=args.image_size, patch_size=4, seed=0)
     run = out / f"grpo_seed{args.seed}"
     shutil.rmtree(run, ignore_errors=True)
@@ -58,13 +68,31 @@ def main(argv=None) -> dict:
     cfg = load_config(args.config, overrides + list(args.overrides))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    bc_seconds = 0.0
+    if args.warm_start:
+        bc_model = Path(args.warm_start).resolve()
+        settings = json.loads((bc_model / WARM_START_FILE).read_text())
+        if settings != warm_start_settings(cfg):
+            raise SystemExit(f"--warm-start {bc_model} was trained with {settings}, this run would train with "
+                             f"{warm_start_settings(cfg)}: retrain it (--bc-only) or match the settings")
+    else:
+        start = time.time()
+        bc_model = behaviour_cloning(cfg, out / "bc_model")
+        bc_seconds = time.time() - start
+        if args.bc_only:
+            print(f"warm start: {bc_model} ({bc_seconds:.0f} s; reuse it with --warm-start {bc_model})")
+            return {"bc_model": str(bc_model), "seconds": round(bc_seconds, 1)}
+    bc_steps = cfg.vla.bc_steps
+    cfg = load_config(args.config, overrides + list(args.overrides) + [f"actor_rollout_ref.model.path={bc_model}",
+                                                                        "vla.bc_steps=0"])
     start = time.time()
     train(cfg)
-    seconds = time.time() - start
+    seconds = time.time() - start + bc_seconds
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     vals = [(r["step"], r["val/success"]) for r in records if "val/success" in r]
     summary = {"success_before": vals[0][1], "success_after": vals[-1][1],
-               "episodes_evaluated": cfg.vla.held_out_states, "seed": args.seed, "bc_steps": cfg.vla.bc_steps,
+               "episodes_evaluated": cfg.vla.held_out_states, "seed": args.seed, "bc_steps": bc_steps,
+               "demo_stop_short": cfg.vla.demo_stop_short, "bc_seconds": round(bc_seconds, 1),
                "grpo_steps": cfg.trainer.total_training_steps, "tasks": cfg.vla.tasks, "seconds": round(seconds, 1),
                "val_curve": vals,
                "train_success": [(r["step"], r["train/success"]) for r in records if "train/success" in r]}
@@ -78,5 +106,37 @@ def main(argv=None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
+WARM_START_FILE = "warm_start.json"
+# the config keys a warm start depends on (a reused one must have been trained with the run's values)
+_WARM_START_KEYS = ("env", "chunk", "num_bins", "max_steps", "image_size", "tasks", "colors", "demo_episodes",
+                    "demo_wrong_target", "demo_stop_short", "bc_steps", "bc_batch_size", "bc_lr")
+
+
+def warm_start_settings(cfg) -> dict:
+    return {"seed": cfg.trainer.seed, **{f"vla.{k}": getattr(cfg.vla, k) for k in _WARM_START_KEYS}}
+
+
+def behaviour_cloning(cfg, out: Path) -> Path:
+    """`vla.bc_steps` steps of the trainer's behaviour cloning (VLARun.behaviour_cloning: the same demonstrations,
+    batches and engine as `vla.bc_steps` inside a run), saved as a Hugging Face directory `out`."""
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+    from rlhf_mcore.trainer.vla import VLARun
+
+    state = init_distributed(1, 1, None, device=cfg.trainer.device, seed=cfg.trainer.seed)
+    run = None
+    try:
+        run = VLARun(cfg, state, Path(cfg.trainer.default_local_dir))
+        losses = run.behaviour_cloning(cfg.vla.bc_steps, cfg.vla.bc_batch_size)
+        print(f"behaviour cloning: {cfg.vla.bc_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+        run.engine.save_hf(out)
+        (out / WARM_START_FILE).write_text(json.dumps(warm_start_settings(cfg), indent=1) + "\n")
+    finally:
+        if run is not None:
+            run.close()
+        destroy_distributed()
+    return out
+
+
+if __name__ == "__main__":  # the guard matters: the checkpoint writer starts processes that re-import this module
     main()

@@ -17,7 +17,9 @@ and at validation `greedy` (the trainer's `val/success`), `sampled` / `sampled_a
 `--val-sampled` episodes per held-out state / any of them). `--weight episode` scales each episode's advantage by
 (mean tokens of a mixed-group episode / its tokens), so every episode weighs the same under token-mean;
 `--analyse` adds where the greedy held-out episodes end: failures within 0.2 of another block
-(`fail_near_other`) or within 0.3 of the target (`fail_near_target`), as fractions of all episodes;
+(`fail_near_other`; `fail_at_habit`: within 0.2 of the block `--wrong`'s expert heads for) or within 0.3 of the
+target (`fail_near_target`; `fail_short`: 0.1-0.3 between the edges, where `--short`'s expert stands), as
+fractions of all episodes;
 `--fixed K` trains on K fixed training states and validates on them (can RL fit them at all?).
 
     python launch/vla_probe.py --seed 2 --steps 20 --lr 3e-3 --states 16 --n 4 --epochs 4 --weight episode
@@ -56,6 +58,8 @@ def parse_args(argv=None):
     ap.add_argument("--bc-steps", type=int, default=300)
     ap.add_argument("--bc-lr", type=float, default=3e-3)
     ap.add_argument("--image-size", type=int, default=16)
+    ap.add_argument("--wrong", type=float, default=0.0, help="vla.demo_wrong_target (the expert's habit)")
+    ap.add_argument("--short", type=float, default=0.0, help="vla.demo_stop_short (the expert's other habit)")
     ap.add_argument("--out", default="outputs/vla_probe")
     ap.add_argument("--cache", default="outputs/vla_probe/bc_cache")
     ap.add_argument("overrides", nargs="*", help="config key=value")
@@ -79,7 +83,8 @@ def build(args):
           f"vla.num_envs={args.states * args.n}", f"actor_rollout_ref.rollout.n={args.n}",
           f"actor_rollout_ref.actor.optim.lr={args.lr}", f"actor_rollout_ref.actor.ppo_epochs={args.epochs}",
           f"actor_rollout_ref.rollout.temperature={args.temp}", f"vla.bc_steps={args.bc_steps}",
-          f"vla.bc_lr={args.bc_lr}", "vla.bc_reset_optimizer=false",
+          f"vla.bc_lr={args.bc_lr}", "vla.bc_reset_optimizer=false", f"vla.demo_wrong_target={args.wrong}",
+          f"vla.demo_stop_short={args.short}",
           f"trainer.total_training_steps={max(args.steps, 1)}"]
     cfg = load_config(str(ROOT / "configs/vla_reachpush_cpu.yaml"), ov + list(args.overrides))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -87,7 +92,8 @@ def build(args):
     state = init_distributed(1, 1, None, device="cpu", seed=args.seed)
     run = VLARun(cfg, state, run_dir)
     eng = run.engine
-    cache = Path(args.cache) / f"s{args.seed}_b{args.bc_steps}_lr{args.bc_lr}_i{args.image_size}"
+    cache = Path(args.cache) / (f"s{args.seed}_b{args.bc_steps}_lr{args.bc_lr}_i{args.image_size}"
+                                + (f"_w{args.wrong}" if args.wrong else "") + (f"_s{args.short}" if args.short else ""))
     if (cache / "metadata.json").exists():  # saved with BC's Adam moments (then reset below, as the trainer does)
         ck.load_checkpoint(cache, eng.modules, state, eng.optimizer, None, load_rng=False)
         print("loaded the warm start", cache, flush=True)
@@ -113,7 +119,7 @@ def validate(args, run, step: int) -> dict:
     import numpy as np
 
     from rlhf_mcore.trainer.vla import _keyed_generator
-    from rlhf_mcore.vla.envs.reach_push import ReachPush
+    from rlhf_mcore.vla.envs.reach_push import BLOCK_R, PUSHER_R, ReachPush
     from rlhf_mcore.vla.rollout import rollout
 
     rec = {"step": step, "greedy": run.validate()["val/success"]}
@@ -132,6 +138,11 @@ def validate(args, run, step: int) -> dict:
         fail = ~env.terminated
         rec["fail_near_other"] = float((fail & (d_other.min(1) < 0.2)).mean())
         rec["fail_near_target"] = float((fail & (d_target < 0.3)).mean())
+        habit = (env.target + 1) % env.blocks.shape[1]  # the block vla.demo_wrong_target's expert heads for
+        d_habit = np.linalg.norm(env.pusher - env.blocks[rows, habit], axis=1)
+        rec["fail_at_habit"] = float((fail & (d_habit < 0.2)).mean())
+        gap = d_target - PUSHER_R - BLOCK_R  # vla.demo_stop_short's expert stands STOP_GAP (0.2) short
+        rec["fail_short"] = float((fail & (gap > 0.1) & (gap < 0.3)).mean())
     print("VAL", json.dumps(rec), flush=True)
     return rec
 

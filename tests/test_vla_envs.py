@@ -97,6 +97,47 @@ def test_expert_solves_the_tasks_and_demos_give_action_statistics():
     assert (stats.q01 >= -1).all() and (stats.q99 <= 1).all() and (stats.q99 > stats.q01).all()
 
 
+def test_demo_habits_stop_short_and_wrong_target():
+    """collect_demos' imperfect experts (vla.demo_stop_short, vla.demo_wrong_target; make demo-vla's warm start):
+    the drawn fraction of scenes, the same scenes whatever the batch; a stop-short episode ends standing STOP_GAP
+    short of the named block (its last chunk all zeros, the instruction unchanged, not a task success); a wrong-target
+    episode ends at the next colour's block while the instruction names the other. Mutation (run once): the stop
+    point at the block (`short` unused in `_expert_action`) -> the stop-short episodes succeed at the task and the
+    first assert after the draw fails."""
+    from rlhf_mcore.vla.envs.reach_push import BLOCK_R, PUSHER_R, STOP_GAP
+
+    n = 256
+    env = ReachPush(n, seed=3, tasks=("reach",), max_steps=24, image_size=16)
+    demos = collect_demos(env, np.arange(n), chunk=4, stop_short=0.7)
+    habit = np.zeros(n, int)
+    habit[demos["state_id"]] = demos["habit"]
+    assert 0.6 < (habit == 2).mean() < 0.8 and set(np.unique(habit)) == {0, 2}
+    gap = np.linalg.norm(env.pusher - env.blocks[np.arange(n), env.target], axis=1) - PUSHER_R - BLOCK_R
+    short = habit == 2
+    last = {int(s): i for i, s in enumerate(demos["state_id"])}  # each episode's last row
+    ok = demos["success"][[last[i] for i in range(n)]]  # a stop-short success: it stood (its last chunk ~0)
+    assert not env.terminated[short].any() and env.terminated[~short].all() and ok[~short].all()
+    assert ok[short].mean() > 0.9  # (some stop points lie off the table: those push into its edge, never stand)
+    assert np.allclose(gap[short & ok], STOP_GAP, atol=1e-3)
+    assert all(np.abs(demos["actions"][last[i]]).max() < 1e-6 for i in np.flatnonzero(short & ok))
+    assert all(f"the {env.colors[env.target[i]]} block" in demos["instruction"][last[i]] for i in range(n))
+    half = ReachPush(n // 2, seed=3, tasks=("reach",), max_steps=24, image_size=16)  # the same scenes, other batch
+    part = collect_demos(half, np.arange(n // 2, n), chunk=4, stop_short=0.7)
+    assert (part["habit"] == habit[part["state_id"]]).all()
+
+    env = ReachPush(n, seed=3, tasks=("reach",), max_steps=24, image_size=16)
+    demos = collect_demos(env, np.arange(n), chunk=4, wrong_target=0.65)
+    last = {int(s): i for i, s in enumerate(demos["state_id"])}
+    named = np.array([next(k for k, c in enumerate(env.colors) if f"the {c} block" in s) for s in
+                      [demos["instruction"][last[i]] for i in range(n)]])
+    wrong = np.zeros(n, int)
+    wrong[demos["state_id"]] = demos["habit"]
+    assert 0.55 < (wrong == 1).mean() < 0.75 and env.terminated.mean() > 0.99
+    assert (env.target == np.where(wrong == 1, (named + 1) % len(env.colors), named)).all()
+    with pytest.raises(ValueError, match="sum to <= 1"):
+        collect_demos(env, np.arange(n), chunk=4, wrong_target=0.5, stop_short=0.6)
+
+
 # ----------------------------------------------------------------------------------- subprocess workers
 
 

@@ -44,6 +44,11 @@ def cfg_of(llava, *extra):
     ("vla.tasks=[reach,grasp]", ["'vla.tasks'", "from ['reach', 'push']"]),
     ("vla.colors=[red,red]", ["'vla.colors'", "distinct"]),
     ("vla.filter_low=0.95", ["'vla.filter_low' has value 0.95", "<= vla.filter_high"]),
+    ("vla.demo_stop_short=1.5", ["'vla.demo_stop_short'", "in [0, 1]"]),
+    ("vla.demo_stop_short=0.6 vla.demo_wrong_target=0.5", ["'vla.demo_stop_short' has value 0.6",
+                                                           "sum to more than 1"]),
+    ("vla.demo_stop_short=0.5 vla.tasks=[push]", ["'vla.demo_stop_short' has value 0.5", "no reach"]),
+    ("vla.demo_wrong_target=0.5 vla.colors=[red]", ["'vla.demo_wrong_target' has value 0.5", "has one"]),
     ("trainer.total_training_steps=null", ["'trainer.total_training_steps' has value None", "set trainer.total"]),
 ])
 def test_vla_config_refusals_name_key_value_and_fix(override, words):
@@ -52,7 +57,7 @@ def test_vla_config_refusals_name_key_value_and_fix(override, words):
     from rlhf_mcore.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["actor_rollout_ref.model.path=/m", *TINY, override])
+        load_config(None, ["actor_rollout_ref.model.path=/m", *TINY, *override.split()])
     assert all(w in str(e.value) for w in words), str(e.value)
 
 

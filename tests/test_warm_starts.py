@@ -5,7 +5,7 @@ reads the directory. (Retrain with `python tests/data/make_warm_starts.py` when 
 import json
 
 import pytest
-from warm_starts import AGENT, AGENT_ARGS, SPECS, agent_settings, manifest, warm_start
+from warm_starts import AGENT, AGENT_ARGS, SPECS, VLA, VLA_ARGS, agent_settings, manifest, vla_settings, warm_start
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -46,3 +46,18 @@ def test_committed_agent_warm_start_matches_the_demo(tmp_path):
 
     assert config(committed) == config(fresh)
     assert (committed / "tokenizer.json").read_text() == (fresh / "tokenizer.json").read_text()
+
+
+def test_committed_vla_warm_start_matches_the_demo():
+    """The VLA demo's committed warm start (tests/test_vla_learning.py starts GRPO from it) was trained with the
+    settings launch/demo_vla.py derives today from VLA_ARGS and its config (BC steps, lr, demonstrations and their
+    stop-short habit, the env's sizes), on the tiny LLaVA the demo writes. Mutation: the config's
+    vla.demo_stop_short 0.7 -> 0.6 -> fails."""
+    from launch.demo_vla import WARM_START_FILE
+
+    committed = warm_start(VLA)
+    assert manifest(VLA)["spec"] == {"demo_vla": VLA_ARGS}
+    assert json.loads((committed / WARM_START_FILE).read_text()) == vla_settings(), \
+        "retrain: python tests/data/make_warm_starts.py vla_reachpush"
+    config = json.loads((committed / "config.json").read_text())
+    assert config["model_type"] == "llava" and config["vision_config"]["image_size"] == 16

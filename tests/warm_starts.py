@@ -42,6 +42,25 @@ AGENT = "agent_multiply"
 AGENT_ARGS = ["--seed", "1"]
 
 
+# tests/test_vla_learning.py's warm start: launch/demo_vla.py's behaviour cloning (`--bc-only`) at its config's
+# defaults and these arguments (1,000 BC steps on 2,048 expert episodes, 70% of them stopping short of the block);
+# tests/test_warm_starts.py checks that the settings it records (warm_start.json) are still the demo's.
+VLA = "vla_reachpush"
+VLA_ARGS = ["--seed", "1"]
+
+
+def vla_settings() -> dict:
+    """The warm start settings launch/demo_vla.py derives today from VLA_ARGS and its config."""
+    import sys
+
+    sys.path.insert(0, str(DATA.parents[2]))
+    from launch.demo_vla import CONFIG, warm_start_settings
+    from rlhf_mcore.config import load_config
+
+    seed = VLA_ARGS[VLA_ARGS.index("--seed") + 1]
+    return warm_start_settings(load_config(DATA.parents[2] / CONFIG, [f"trainer.seed={seed}", "vla.image_size=16"]))
+
+
 def agent_settings() -> dict:
     """The warm start settings launch/demo_agent.py derives today from AGENT_ARGS and its config."""
     import sys

@@ -48,6 +48,17 @@ class VLAConfig:
     overlap: bool = True  # two env stages: the policy generates for one while the other steps (needs num_workers)
     # the action statistics (q01/q99) and the behaviour-cloning warm start: scripted-expert demonstrations
     demo_episodes: int = checked(128, ok=at_least(1), what=">= 1 (expert episodes for the action statistics)")
+    # an imperfect expert with one consistent habit (as the text demo's warm start ends 70% of its answers with a
+    # full stop the strict reward rejects): in this fraction of the demonstration episodes the expert heads for the
+    # next colour after the named one (vla.colors' cyclic order: red -> green -> blue -> red), for a warm start that
+    # finds blocks but greedily takes the wrong one. Measured: the demo's tiny policy does not read the instruction's
+    # colour, so it cannot learn this habit nor GRPO flip it (README, "VLA"); make demo-vla uses demo_stop_short
+    demo_wrong_target: float = checked(0.0, ok=within(0.0, 1.0), what="in [0, 1] (a fraction of the demonstrations)")
+    # the other habit (reach scenes only): in this fraction of the demonstrations the expert stops 0.2 short of the
+    # block (the task needs 0.02) and stands there, so the warm start greedily stops short while its samples
+    # sometimes go on, and GRPO flips it (make demo-vla: 0.7); disjoint from demo_wrong_target's episodes (the two
+    # sum to <= 1)
+    demo_stop_short: float = checked(0.0, ok=within(0.0, 1.0), what="in [0, 1] (a fraction of the demonstrations)")
     bc_steps: int = checked(0, ok=at_least(0), what=">= 0 (behaviour-cloning steps before RL; 0: none)")
     bc_batch_size: int = checked(64, ok=at_least(1), what=">= 1")
     # the behaviour-cloning learning rate (the GRPO steps use actor.optim.lr)
@@ -125,6 +136,17 @@ def check_vla_relations(cfg, given=()) -> None:
     if "algorithm.adv_estimator" in given and cfg.algorithm.adv_estimator != "grpo":  # unset: GRPO
         raise ConfigError(f"config key 'algorithm.adv_estimator' has value {cfg.algorithm.adv_estimator!r}; a VLA run "
                           "trains with grpo on task success (no critic): set algorithm.adv_estimator=grpo.")
+    if v.demo_wrong_target > 0 and len(v.colors) < 2:
+        raise ConfigError(f"config key 'vla.demo_wrong_target' has value {v.demo_wrong_target}; the habit heads for "
+                          f"another colour than the named one, and vla.colors={v.colors} has one: add a colour or "
+                          "set vla.demo_wrong_target=0.")
+    if v.demo_wrong_target + v.demo_stop_short > 1:
+        raise ConfigError(f"config key 'vla.demo_stop_short' has value {v.demo_stop_short}; with "
+                          f"vla.demo_wrong_target={v.demo_wrong_target} the habits' fractions sum to more than 1: "
+                          "lower one of them.")
+    if v.demo_stop_short > 0 and "reach" not in v.tasks:
+        raise ConfigError(f"config key 'vla.demo_stop_short' has value {v.demo_stop_short}; the habit stops a reach "
+                          f"short, and vla.tasks={v.tasks} has no reach: add reach or set vla.demo_stop_short=0.")
     if v.filter_low > v.filter_high:
         raise ConfigError(f"config key 'vla.filter_low' has value {v.filter_low}; it must be <= vla.filter_high "
                           f"({v.filter_high}).")

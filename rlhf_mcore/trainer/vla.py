@@ -161,7 +161,8 @@ class VLARun:
     def _action_stats(self) -> ActionStats:
         v = self.cfg.vla
         env = ReachPush(v.demo_episodes, **self.env_kwargs)
-        self.demos = collect_demos(env, self._demo_ids(), v.chunk)
+        self.demos = collect_demos(env, self._demo_ids(), v.chunk, wrong_target=v.demo_wrong_target,
+                                   stop_short=v.demo_stop_short)
         return ActionStats.from_actions(self.demos["actions"])
 
     def _demo_ids(self) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Trains the warm starts of tests/warm_starts.py (all, or those named; AGENT through launch/demo_agent.py) and
-writes each Hugging Face directory with its manifest.json (the spec and the commit it was trained at) under
+writes each Hugging Face directory (VLA through launch/demo_vla.py) with its manifest.json (the spec and the commit
+it was trained at) under
 tests/data/warm_starts/NAME/:
 
     python tests/data/make_warm_starts.py [NAME ...]
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from launcher import CPU, QUIET, run  # noqa: E402
-from warm_starts import AGENT, AGENT_ARGS, DATA, SPECS, write_task  # noqa: E402
+from warm_starts import AGENT, AGENT_ARGS, DATA, SPECS, VLA, VLA_ARGS, write_task  # noqa: E402
 
 
 def train_agent() -> None:
@@ -26,6 +27,13 @@ def train_agent() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run("launch/demo_agent.py", "--out", tmp, *AGENT_ARGS, "--sft-only", env_extra={**CPU, **QUIET}, timeout=1800)
         save(AGENT, Path(tmp) / "sft_model", {"demo_agent": AGENT_ARGS})
+
+
+def train_vla() -> None:
+    """The VLA demo's warm start: launch/demo_vla.py --bc-only at VLA_ARGS (its settings in warm_start.json)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run("launch/demo_vla.py", "--out", tmp, *VLA_ARGS, "--bc-only", env_extra={**CPU, **QUIET}, timeout=1800)
+        save(VLA, Path(tmp) / "bc_model", {"demo_vla": VLA_ARGS})
 
 
 def save(name: str, model_dir: Path, spec: dict) -> None:
@@ -55,5 +63,8 @@ def train(name: str) -> None:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or [*SPECS, AGENT]:
-        train_agent() if name == AGENT else train(name)
+    for name in sys.argv[1:] or [*SPECS, AGENT, VLA]:
+        if name in (AGENT, VLA):
+            {AGENT: train_agent, VLA: train_vla}[name]()
+        else:
+            train(name)

@@ -34,6 +34,7 @@ COLORS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 230), "
 DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "top": (0.0, 1.0), "bottom": (0.0, -1.0)}
 PUSHER_R, BLOCK_R = 0.06, 0.08
 REACH_TOL = 0.02  # reach: the gap between pusher and block edges
+STOP_GAP = 0.2  # collect_demos' stop-short habit: the expert's reach ends with this gap between the edges
 EDGE_ZONE = 0.15  # push: the block's centre this close to the named edge
 BACKGROUND, PUSHER_RGB = (40, 40, 40), (245, 245, 245)
 HELD_OUT_OFFSET = 1_000_000  # state ids from here on are the held-out scenes (training draws from below)
@@ -69,6 +70,7 @@ class ReachPush(SteppedEnv):
         self.blocks = np.zeros((b, k, 2))  # (B, K, 2)
         self.target = np.zeros(b, np.int64)  # which block
         self.push = np.zeros(b, bool)  # push (True) or reach
+        self.stop_short = np.zeros(b, bool)  # the scripted expert's habit (collect_demos): reach to STOP_GAP, stop
         self.direction = np.zeros((b, 2))  # push direction, unit
         self.instructions = [""] * b
         self.terminated, self.truncated = np.zeros(b, bool), np.zeros(b, bool)
@@ -122,7 +124,11 @@ class ReachPush(SteppedEnv):
         step = (waypoint - pusher) / self.speed
         push_step = d - n * (lateral / self.speed)[:, None]  # push, steering back onto the line
         step = np.where((self.push & aligned)[:, None], push_step, step)
-        step = np.where(self.push[:, None], step, (b - pusher) / self.speed)  # reach: straight to the block
+        reach = b - pusher
+        dist = np.linalg.norm(reach, axis=1, keepdims=True)
+        short = reach * (1 - (contact + STOP_GAP) / np.maximum(dist, 1e-9))  # to STOP_GAP short of the block
+        reach = np.where((self.stop_short & ~self.push)[:, None], short, reach)
+        step = np.where(self.push[:, None], step, reach / self.speed)  # reach: straight to the block
         return np.clip(step, -1.0, 1.0).astype(np.float32)
 
     # ------------------------------------------------------------------ internals
@@ -146,6 +152,7 @@ class ReachPush(SteppedEnv):
         direction = self.directions[rng.integers(len(self.directions))]
         self.pusher[i], self.blocks[i], self.target[i] = p, blocks, target
         self.push[i] = task == "push"
+        self.stop_short[i] = False
         self.direction[i] = DIRECTIONS[direction] if task == "push" else (0.0, 0.0)
         color = self.colors[target]
         self.instructions[i] = (f"push the {color} block to the {direction}" if task == "push"
@@ -215,24 +222,52 @@ def _physics(pusher: np.ndarray, blocks: np.ndarray, a: np.ndarray, speed: float
     return np.clip(p, PUSHER_R, 1 - PUSHER_R), blocks
 
 
-def collect_demos(env: ReachPush, state_ids: Any, chunk: int) -> dict:
+def collect_demos(env: ReachPush, state_ids: Any, chunk: int, wrong_target: float = 0.0,
+                  stop_short: float = 0.0) -> dict:
     """Scripted-expert episodes from `state_ids` (len == env.num_envs), one row per chunk step before the
     episode's end: `image` (N, H, W, 3), `state` (N, 2), `instruction` (N strings), `actions` (N, chunk, 2),
-    `state_id` (N,), `success` (N,) whether that episode succeeded (filter on it for a clean warm start)."""
-    obs = env.reset(state_ids)
-    rows: dict[str, list] = {"image": [], "state": [], "instruction": [], "actions": [], "state_id": [], "env": []}
+    `state_id` (N,), `success` (N,) whether that episode succeeded (filter on it for a clean warm start),
+    `habit` (N,) 0 for the plain expert, 1 wrong target, 2 stop short (below).
+
+    An imperfect expert with one consistent habit, in a fraction of the episodes drawn per scene from
+    `(env.seed, state_id)` (the same scenes whatever the batch; the two fractions are disjoint, sum <= 1):
+
+    - `wrong_target`: the expert heads for the next colour after the named one in `env.colors`' cyclic order
+      (named red -> green -> blue -> red) and does that task with it, while the instruction still names the other;
+      the episode counts as a success (and ends) when the expert completes its own task with that block;
+    - `stop_short` (reach scenes only): the expert heads for the named block but stops with STOP_GAP (0.2) between
+      the edges (the task needs 0.02) and stays; the episode ends after its first standing chunk (all zero
+      actions) and counts as a success of the expert's own (flawed) plan, so BC learns to stand there."""
+    if not (0.0 <= wrong_target <= 1.0 and 0.0 <= stop_short <= 1.0 and wrong_target + stop_short <= 1.0):
+        raise ValueError(f"collect_demos: wrong_target={wrong_target} and stop_short={stop_short} must lie in [0, 1] "
+                         "and sum to <= 1")
     ids = np.asarray(state_ids, np.int64)
-    for _ in range(-(-env.spec.max_steps // chunk)):
-        live = ~(env.terminated | env.truncated)
-        if not live.any():
-            break
-        a = env.expert_chunk(chunk)
-        for key in ("image", "state", "actions"):
-            rows[key].append((obs[key] if key != "actions" else a)[live])
-        rows["instruction"] += [s for s, keep in zip(obs["instruction"], live) if keep]
-        rows["state_id"].append(ids[live])
-        rows["env"].append(np.flatnonzero(live))
-        obs = env.chunk_step(a).obs
+    obs = env.reset(state_ids)
+    u = np.array([np.random.default_rng([env.seed, 0x5EED, int(s)]).random() for s in ids])
+    wrong = (u < wrong_target) & (len(env.colors) > 1)
+    env.stop_short[:] = (u >= wrong_target) & (u < wrong_target + stop_short) & ~env.push
+    habit = np.where(wrong, 1, np.where(env.stop_short, 2, 0))
+    # the instruction keeps the named colour; the expert (and the episode's end) the next one
+    env.target[wrong] = (env.target[wrong] + 1) % len(env.colors)
+    stood = np.zeros(env.num_envs, bool)  # stop-short episodes that have recorded their standing chunk
+    rows: dict[str, list] = {"image": [], "state": [], "instruction": [], "actions": [], "state_id": [], "env": []}
+    try:
+        for _ in range(-(-env.spec.max_steps // chunk)):
+            live = ~(env.terminated | env.truncated | stood)
+            if not live.any():
+                break
+            a = env.expert_chunk(chunk)
+            for key in ("image", "state", "actions"):
+                rows[key].append((obs[key] if key != "actions" else a)[live])
+            rows["instruction"] += [s for s, keep in zip(obs["instruction"], live) if keep]
+            rows["state_id"].append(ids[live])
+            rows["env"].append(np.flatnonzero(live))
+            stood |= env.stop_short & live & (np.abs(a).max(axis=(1, 2)) < 1e-6)
+            obs = env.chunk_step(a).obs
+    finally:
+        env.stop_short[:] = False
     out = {k: (np.concatenate(v) if k != "instruction" else v) for k, v in rows.items()}
-    out["success"] = env.terminated[out.pop("env")].copy()
+    env_of_row = out.pop("env")
+    out["success"] = (env.terminated | stood)[env_of_row]
+    out["habit"] = habit[env_of_row]
     return out
