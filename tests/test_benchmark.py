@@ -278,3 +278,27 @@ def test_targets_table():
     best = rows["rollout vs HF generate at its best (batch 256)"]
     assert best["met"] is True and "static" in best["note"]
     assert rows["weight sync 0.5B colocated"]["met"] is True
+
+
+def test_phase_busy_takes_the_union_of_the_kernels_inside_each_phase():
+    """bench_ppo_step.phase_busy (a profiled GPU step's per-phase device time) on a fake profile: two phases, kernels
+    overlapping each other and one kernel outside both. Mutations: summing the kernels' durations without the union
+    (overlap counted twice: 0.7 for "a"), or keeping a kernel that starts before its phase, each fail it."""
+    from types import SimpleNamespace
+
+    import bench_ppo_step
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
+                               device_type=device)
+
+    cpu, cuda, tag = DeviceType.CPU, DeviceType.CUDA, bench_ppo_step.PHASE_PREFIX
+    events = [ev(tag + "a", 1.0, 2.0, cpu), ev(tag + "b", 3.0, 5.0, cpu), ev("aten::mm", 1.0, 1.1, cpu),
+              ev("k", 0.9, 1.05, cuda),  # starts before "a": no phase's
+              ev("k", 1.1, 1.5, cuda), ev("k", 1.2, 1.5, cuda),  # overlapping: 0.4 s of busy device
+              ev("k", 3.5, 3.6, cuda), ev("k", 4.9, 5.3, cuda)]  # "b": 0.1 + 0.4 (its last kernel runs past the end)
+    got = bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: events))
+    assert got.keys() == {"a", "b"}
+    assert abs(got["a"]["wall_s"] - 1.0) < 1e-9 and abs(got["a"]["busy_s"] - 0.4) < 1e-9, got
+    assert abs(got["b"]["wall_s"] - 2.0) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got

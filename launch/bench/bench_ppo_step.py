@@ -121,15 +121,46 @@ def timed(obj, method: str, key: str, sink: dict) -> None:
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from torch.profiler import record_function
+
         _sync()
         t0 = time.perf_counter()
         try:
-            return fn(*a, **kw)
+            with record_function(PHASE_PREFIX + key):  # a profiled step's per-phase device busy (phase_busy)
+                return fn(*a, **kw)
         finally:
             _sync()
             sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
 
     setattr(obj, method, wrapper)
+
+
+PHASE_PREFIX = "bench_phase/"
+
+
+def phase_busy(prof) -> dict[str, dict[str, float]]:
+    """Per timed phase of a profiled step: its wall seconds and the seconds the device ran kernels inside it (the
+    union of the kernels' intervals that start within the phase's annotation; the wrapper synchronises on both sides,
+    so a phase's kernels run inside its interval). wall - busy is where the GPU waited for the host."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    spans = [(e.name[len(PHASE_PREFIX):], e.time_range.start, e.time_range.end) for e in events
+             if e.name.startswith(PHASE_PREFIX) and e.device_type == DeviceType.CPU]
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    out: dict[str, dict[str, float]] = {}
+    for name, lo, hi in spans:
+        busy, end = 0.0, lo
+        for a, b in kernels:
+            if a < lo or a > hi:
+                continue
+            a = max(a, end)
+            if b > a:
+                busy, end = busy + b - a, b
+        d = out.setdefault(name, {"wall_s": 0.0, "busy_s": 0.0})
+        d["wall_s"] += (hi - lo) / 1e6
+        d["busy_s"] += busy / 1e6
+    return out
 
 
 def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
@@ -158,13 +189,20 @@ def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
         cat = next((c for c, keys in cats.items() if any(k in low for k in keys)), "other")
         by_cat[cat] = by_cat.get(cat, 0.0) + t
     lines = [f"profiled step wall {wall_s:.2f} s; device busy (sum of kernel time) {busy:.2f} s = "
-             f"{busy / max(wall_s, 1e-9):.0%} of wall", "", "by category:"]
+             f"{busy / max(wall_s, 1e-9):.0%} of wall", ""]
+    phases = phase_busy(prof) if on_gpu else {}
+    if phases:
+        lines += [f"{'phase':<22} {'wall s':>8} {'busy s':>8} {'idle s':>8}"]
+        lines += [f"{k:<22} {d['wall_s']:8.3f} {d['busy_s']:8.3f} {d['wall_s'] - d['busy_s']:8.3f}"
+                  for k, d in sorted(phases.items(), key=lambda x: -x[1]["wall_s"])]
+        lines.append("")
+    lines.append("by category:")
     for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):
         lines.append(f"  {c:<26} {t:8.3f} s  {t / max(busy, 1e-9):6.1%}")
     lines += ["", f"{'self device s':>13} {'%':>6} {'calls':>8}  kernel / op"]
     for name, count, t in rows[:top]:
         lines.append(f"{t:13.3f} {t / max(busy, 1e-9):6.1%} {count:8d}  {name[:110]}")
-    summary = {"wall_s": wall_s, "device_busy_s": busy, "by_category_s": by_cat,
+    summary = {"wall_s": wall_s, "device_busy_s": busy, "by_category_s": by_cat, "phases": phases,
                "top": [{"name": n[:200], "calls": c, "self_device_s": t} for n, c, t in rows[:top]]}
     host = sorted(((e.key, e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()
                    if on_gpu and e.self_cpu_time_total > 0), key=lambda r: -r[2])
@@ -359,6 +397,7 @@ def main(argv=None) -> dict:
         stats.sort_stats("tottime").print_stats(60)
         stats.sort_stats("cumulative").print_stats(80)
         Path(args.cprofile).write_text(text.getvalue())
+        hooks.cprofile.dump_stats(args.cprofile + ".pstats")  # raw stats: pstats print_callers finds the sync sites
     if args.out and hooks.profile_text:
         prof_out = args.profile_out or (str(Path(args.out).with_suffix("")) + "_profile.txt")
         Path(prof_out).write_text(hooks.profile_text + "\n")
