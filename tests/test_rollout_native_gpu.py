@@ -222,3 +222,28 @@ def test_engine_bf16_graphs_equal_eager_and_track_transformers(gpu_model_dirs, a
                                                 f"in {len(prompts) - first_agree} of {len(prompts)} prompts"
         agree = sum(x == y for a, b in zip(out, ref) for x, y in zip(a, b)) / (NEW_TOKENS * len(prompts))
         assert agree >= 0.5, f"{name}: only {agree:.0%} of greedy tokens agree with transformers in bf16"
+
+
+def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatch):
+    """The decode kernels with programmatic dependent launch and weight prefetch (the default on Hopper) against
+    the same engine with both off (`RLHF_MCORE_DECODE_PDL=0`): bf16, CUDA graphs, 64 rows sampled with a seed;
+    tokens and log-probs bit for bit. PDL only moves when a kernel's programs start, never what they compute: a
+    mismatch is a race (a kernel reading its predecessor's output before `gdc_wait`). Mutation: moving
+    `_pdl_wait` in `_add_rms_norm_kernel` below its loads and stores fails it (the residual races)."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native import triton_kernels
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9 (Hopper)")
+    prompts = make_prompts(64, 900)
+    params = SamplingParams(temperature=1.0, max_new_tokens=48, seed=3, stop_token_ids=())
+    outs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("RLHF_MCORE_DECODE_PDL", pdl)
+        assert triton_kernels.pdl_enabled() == (pdl == "1")
+        engine = NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=64,
+                                     max_model_len=128)
+        outs[pdl] = [(o.samples[0].token_ids, o.samples[0].logprobs) for o in engine.generate(prompts, params)]
+        engine.shutdown()
+    assert outs["1"] == outs["0"], "programmatic dependent launch changed the samples"

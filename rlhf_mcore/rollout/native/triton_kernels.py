@@ -12,6 +12,13 @@
   (RoPE, the cache write) and gate_up (silu*mul) in their epilogues; o_proj / down_proj split K and leave fp32
   partials for `add_rms_norm` to sum.
 
+Programmatic dependent launch (Hopper and later, `pdl_enabled`): every kernel here waits for its predecessor with
+`griddepcontrol.wait` before it reads an activation or writes anything, then lets its successor launch, so the next
+kernel's programs are scheduled while this one runs instead of after it ends (the CUDA graph's ~0.8 us between
+dependent kernels, BENCHMARKS.md round 5). Weights are never written while decoding, so the GEMMs prefetch their
+weight tiles into L2 before the wait. Every program waits unconditionally: a kernel completes only after its
+predecessor did, so whatever ran earlier is complete too. `RLHF_MCORE_DECODE_PDL=0` turns it off.
+
 Reference implementations: `attention.decode_attention_torch`, `sampling.sample_torch`.
 """
 
@@ -32,6 +39,47 @@ assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
 _FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
+def pdl_enabled() -> bool:
+    """Whether the kernels launch with programmatic dependent launch (module docstring): a CUDA GPU of compute
+    capability >= 9, not Triton's interpreter, and `RLHF_MCORE_DECODE_PDL` not "0" (read at each call)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get("RLHF_MCORE_DECODE_PDL", "1") == "0":
+        return False
+    return _sm90()
+
+
+def _prefetch_enabled() -> bool:
+    return pdl_enabled() and os.environ.get("RLHF_MCORE_DECODE_PREFETCH", "1") != "0"
+
+
+_SM90: list[bool] = []
+
+
+def _sm90() -> bool:
+    if not _SM90:
+        _SM90.append(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+    return _SM90[0]
+
+
+def _launch(pdl: bool) -> dict:
+    """Launch options: `launch_pdl` only where it is on (the interpreter takes no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (its writes visible), then let the next one launch (module docstring)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Prefetch the 128-byte lines at `ptrs` (a tensor of addresses) into L2; no value is read."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit
 def _mix32(x):
     """lowbias32 on uint32 (wrapping multiplies, logical shifts)."""
@@ -45,9 +93,10 @@ def _mix32(x):
 
 @triton.jit
 def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, keys_ptr, steps_ptr, inv_temp_ptr, noisy_ptr, part_ptr,
-                         NCHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+                         NCHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, PDL: tl.constexpr):
     """Stage 1, one program per (row, vocabulary chunk): online log-sum-exp of x = logits / T and the
     arg-max of x + Gumbel noise. Writes (max, sum-exp, best y, best x, best index) to part[row, chunk]."""
+    _pdl_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     key = tl.load(keys_ptr + row)  # int64 in [0, 2^32)
@@ -94,8 +143,9 @@ def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, keys_ptr, steps_ptr, 
 
 
 @triton.jit
-def _sample_reduce_kernel(part_ptr, tok_ptr, lp_ptr, NCHUNK: tl.constexpr):
+def _sample_reduce_kernel(part_ptr, tok_ptr, lp_ptr, NCHUNK: tl.constexpr, PDL: tl.constexpr):
     """Stage 2, one program per row: merge the chunks (first chunk wins ties, like torch.argmax)."""
+    _pdl_wait(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, NCHUNK)
     base = part_ptr + (row * NCHUNK + c) * 5
@@ -125,19 +175,22 @@ def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
     part = torch.empty(B, nchunk, 5, dtype=torch.float32, device=logits.device)
     noisy = (~greedy).to(torch.float32)
+    pdl = pdl_enabled()
     _sample_chunk_kernel[(B, nchunk)](logits, logits.stride(0), V, chunk, keys, steps, inv_temp.to(torch.float32),
-                                      noisy, part, NCHUNK=nchunk, BLOCK=block, FAST_LOG=_FAST_LOG)
+                                      noisy, part, NCHUNK=nchunk, BLOCK=block, FAST_LOG=_FAST_LOG, PDL=pdl,
+                                      **_launch(pdl))
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _sample_reduce_kernel[(B,)](part, tokens, logprobs, NCHUNK=nchunk)
+    _sample_reduce_kernel[(B,)](part, tokens, logprobs, NCHUNK=nchunk, PDL=pdl, **_launch(pdl))
     return tokens, logprobs
 
 
 @triton.jit
 def _advance_rows_kernel(tok_ptr, lp_ptr, slot_ptr, pos_ptr, step_ptr, limit_ptr, in_tok_ptr, done_ptr, stop_ptr,
-                         resp_tok_ptr, resp_lp_ptr, resp_stride, cap, NSTOP: tl.constexpr):
+                         resp_tok_ptr, resp_lp_ptr, resp_stride, cap, NSTOP: tl.constexpr, PDL: tl.constexpr):
     """Per row after sampling: record the token and log-prob in the slot's response, feed the token back as
     the next input, advance position and step (clamped to `cap`), flag stop-token / length finishes."""
+    _pdl_wait(PDL)
     row = tl.program_id(0)
     tok = tl.load(tok_ptr + row)
     slot = tl.load(slot_ptr + row)
@@ -159,7 +212,8 @@ def advance_rows(tok, lp, slots, pos, steps, limit, in_tokens, done, stop_ids, r
     assert resp_tokens.stride(0) == resp_logprobs.stride(0) and stop_ids.numel() == triton.next_power_of_2(
         stop_ids.numel())
     _advance_rows_kernel[(tok.shape[0],)](tok, lp, slots, pos, steps, limit, in_tokens, done, stop_ids, resp_tokens,
-                                          resp_logprobs, resp_tokens.stride(0), cap, NSTOP=stop_ids.numel())
+                                          resp_logprobs, resp_tokens.stride(0), cap, NSTOP=stop_ids.numel(),
+                                          PDL=pdl_enabled(), **_launch(pdl_enabled()))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -167,7 +221,8 @@ def advance_rows(tok, lp, slots, pos, steps, limit, in_tokens, done, stop_ids, r
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, sm_scale,
                        stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
                        stride_ob, stride_oh, G: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -218,7 +273,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, po_ptr, pm_ptr,
 
 @triton.jit
 def _attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, G: tl.constexpr,
-                         NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+                         NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.arange(0, NSPLIT)
@@ -276,15 +332,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     po = torch.empty(B * Hkv * parts * block_g * D if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
     pm = torch.empty(B * Hkv * parts * block_g if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
+    pdl = pdl_enabled()
     _attn_split_kernel[(B, Hkv, nsplit)](
         q, k_cache, v_cache, slots, seq_lens, po, pm, pl, out, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D, IEEE=q.dtype == torch.float32,
-    )
+        G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D, IEEE=q.dtype == torch.float32, PDL=pdl,
+        **_launch(pdl))
     if nsplit > 1:
         _attn_combine_kernel[(B, Hkv)](po, pm, pl, out, out.stride(0), out.stride(1), G=G, NSPLIT=nsplit,
-                                       BLOCK_G=block_g, D=D)
+                                       BLOCK_G=block_g, D=D, PDL=pdl, **_launch(pdl))
     return out
 
 
@@ -292,7 +349,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @triton.jit
 def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
 
     SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
@@ -312,6 +370,14 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_w
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptrs + N * stride_wn
+    if PREFETCH:  # this program's weight lines into L2 while the previous kernel runs (weights are never written)
+        lines = k_lo + tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+        at = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.minimum(lines, k_hi - 1)[None, :]
+        at = tl.where(nmask[:, None], at, w_ptr)
+        _prefetch_l2(at)
+        if SILU_MUL:
+            _prefetch_l2(at + N * stride_wn)
+    _pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -348,6 +414,14 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_w
             up = acc_u.to(DT).to(tl.float32)
             acc = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * up
         tl.store(o_ptrs, acc.to(DT), mask=omask)
+
+
+def _prefetch_lines(k: int, split: int, dtype: torch.dtype) -> int:
+    """128-byte weight lines a row of one program prefetches (a power of two covering its K split; 0: none)."""
+    if not _prefetch_enabled():
+        return 0
+    per_line = 128 // torch.empty((), dtype=dtype).element_size()
+    return triton.next_power_of_2(triton.cdiv(triton.cdiv(k, split), per_line))
 
 
 def _num_sms() -> int:
@@ -389,10 +463,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    pdl = pdl_enabled()
     _linear_kernel[grid](x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
                          out.stride(-2), out.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None,
                          SILU_MUL=silu_mul, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
-                         IEEE=x.dtype == torch.float32, **cfg)
+                         IEEE=x.dtype == torch.float32, PDL=pdl, PREFETCH=_prefetch_lines(k, split, w.dtype),
+                         **cfg, **_launch(pdl))
     return out
 
 
@@ -403,7 +479,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, D, eps, stride_ds, HAS_DELTA: tl.constexpr,
-                         NSPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                         NSPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -431,12 +508,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     nsplit = delta.shape[0] if delta is not None and delta.dim() == 3 else 1
     h = torch.empty_like(x)
     _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, weight, h, d, eps, n * d,
-                               HAS_DELTA=delta is not None, NSPLIT=nsplit, BLOCK=triton.next_power_of_2(d))
+                               HAS_DELTA=delta is not None, NSPLIT=nsplit, BLOCK=triton.next_power_of_2(d),
+                               PDL=pdl_enabled(), **_launch(pdl_enabled()))
     return x, h
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -453,7 +532,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.is_contiguous()
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, PDL=pdl_enabled(),
+                                                     **_launch(pdl_enabled()))
     return out
 
 
@@ -477,7 +557,7 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, s
                            HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            HAS_BIAS: tl.constexpr,
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
@@ -494,6 +574,11 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, s
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w1_ptrs = w_ptr + (head * D + i)[:, None] * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + HALF * stride_wn
+    if PREFETCH:  # the head's weight lines into L2 while the previous kernel runs (module docstring)
+        rows = head * D + tl.arange(0, D)
+        lines = tl.minimum(tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth), K - 1)
+        _prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :])
+    _pdl_wait(PDL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -566,10 +651,12 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     bk = block_k or (32 if fp32 else 128)
     q_out = torch.empty(m, heads, D, dtype=x.dtype, device=x.device)
     qk_norm = q_norm is not None
+    pdl = pdl_enabled()
     _qkv_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(m, bm))](
         x, w, bias if bias is not None else w, positions, slots, cos, sin, q_out, k_cache, v_cache, m, k,
         x.stride(0), w.stride(0), k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos,
         k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2),
         HAS_BIAS=bias is not None, QK_NORM=qk_norm, BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
-        num_warps=num_warps, num_stages=num_stages)
+        PDL=pdl, PREFETCH=_prefetch_lines(k, 1, w.dtype), num_warps=num_warps, num_stages=num_stages,
+        **_launch(pdl))
     return q_out
