@@ -282,23 +282,30 @@ def test_targets_table():
 
 def test_phase_busy_takes_the_union_of_the_kernels_inside_each_phase():
     """bench_ppo_step.phase_busy (a profiled GPU step's per-phase device time) on a fake profile: two phases, kernels
-    overlapping each other and one kernel outside both. Mutations: summing the kernels' durations without the union
-    (overlap counted twice: 0.7 for "a"), or keeping a kernel that starts before its phase, each fail it."""
+    overlapping each other, one kernel outside both, another GPU annotation; the phases annotated on the host and on
+    the GPU. Mutations: summing the kernels' durations without the union (overlap counted twice: 0.7 for "a"),
+    keeping a kernel that starts before its phase, or counting GPU annotations as kernels, each fail it."""
     from types import SimpleNamespace
 
     import bench_ppo_step
     from torch.autograd import DeviceType
 
-    def ev(name, start, end, device):
+    def ev(name, start, end, device, annotation=False):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
-                               device_type=device)
+                               device_type=device, is_user_annotation=annotation)
 
     cpu, cuda, tag = DeviceType.CPU, DeviceType.CUDA, bench_ppo_step.PHASE_PREFIX
     events = [ev(tag + "a", 1.0, 2.0, cpu), ev(tag + "b", 3.0, 5.0, cpu), ev("aten::mm", 1.0, 1.1, cpu),
               ev("k", 0.9, 1.05, cuda),  # starts before "a": no phase's
               ev("k", 1.1, 1.5, cuda), ev("k", 1.2, 1.5, cuda),  # overlapping: 0.4 s of busy device
-              ev("k", 3.5, 3.6, cuda), ev("k", 4.9, 5.3, cuda)]  # "b": 0.1 + 0.4 (its last kernel runs past the end)
+              ev("k", 3.5, 3.6, cuda), ev("k", 4.9, 5.3, cuda),  # "b": 0.1 + 0.4 (its last kernel runs past the end)
+              ev("other span", 3.0, 5.0, cuda, annotation=True)]  # a GPU user annotation is no kernel
     got = bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: events))
     assert got.keys() == {"a", "b"}
-    assert abs(got["a"]["wall_s"] - 1.0) < 1e-9 and abs(got["a"]["busy_s"] - 0.4) < 1e-9, got
-    assert abs(got["b"]["wall_s"] - 2.0) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got
+    assert abs(got["a"]["span_s"] - 1.0) < 1e-9 and abs(got["a"]["busy_s"] - 0.4) < 1e-9, got
+    assert abs(got["b"]["span_s"] - 2.0) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got
+    # CUDA-only profiling: the phases' annotations are the GPU's
+    gpu = [SimpleNamespace(**{**vars(e), "device_type": cuda, "is_user_annotation": True}) if e.name.startswith(tag)
+           else e for e in events]
+    got = bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: gpu))
+    assert abs(got["a"]["busy_s"] - 0.4) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got

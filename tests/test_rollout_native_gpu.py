@@ -225,8 +225,8 @@ def test_engine_bf16_graphs_equal_eager_and_track_transformers(gpu_model_dirs, a
 
 
 def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatch):
-    """The decode kernels with programmatic dependent launch and weight prefetch (the default on Hopper) against
-    the same engine with both off (`RLHF_MCORE_DECODE_PDL=0`): bf16, CUDA graphs, 64 rows sampled with a seed;
+    """The decode kernels with programmatic dependent launch (the default on Hopper) against the same engine with it
+    off (`RLHF_MCORE_DECODE_PDL=0`): bf16, CUDA graphs, 64 rows sampled with a seed;
     tokens and log-probs bit for bit. PDL only moves when a kernel's programs start, never what they compute: a
     mismatch is a race (a kernel reading its predecessor's output before `gdc_wait`). Mutation: moving
     `_pdl_wait` in `_add_rms_norm_kernel` below its loads and stores fails it (the residual races)."""

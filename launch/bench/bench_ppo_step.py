@@ -139,17 +139,26 @@ PHASE_PREFIX = "bench_phase/"
 
 
 def phase_busy(prof) -> dict[str, dict[str, float]]:
-    """Per timed phase of a profiled step: its wall seconds and the seconds the device ran kernels inside it (the
-    union of the kernels' intervals that start within the phase's annotation; the wrapper synchronises on both sides,
-    so a phase's kernels run inside its interval). wall - busy is where the GPU waited for the host."""
+    """Per timed phase of a profiled step: the seconds the device ran kernels inside it (the union of the kernels'
+    intervals that start within the phase's annotation; the wrapper synchronises on both sides, so a phase's kernels
+    run inside its interval) and the annotation's own seconds. With CUDA-only profiling the annotation is the GPU's
+    (from its first kernel's start to its last one's end), else the host's. Compare busy with the phase's timed
+    seconds: the rest is where the GPU waited for the host. Kernels under programmatic dependent launch (the rollout's
+    decode kernels) start before their predecessors end and wait, so there the union overstates the busy time."""
     from torch.autograd import DeviceType
 
     events = prof.events()
-    spans = [(e.name[len(PHASE_PREFIX):], e.time_range.start, e.time_range.end) for e in events
-             if e.name.startswith(PHASE_PREFIX) and e.device_type == DeviceType.CPU]
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    spans: dict[str, list] = {}
+    for e in events:
+        if e.name.startswith(PHASE_PREFIX):
+            spans.setdefault(e.device_type, []).append((e.name[len(PHASE_PREFIX):], e.time_range.start,
+                                                        e.time_range.end))
+    chosen = spans.get(DeviceType.CPU) or spans.get(DeviceType.CUDA) or []
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                     and not e.name.startswith(PHASE_PREFIX))
     out: dict[str, dict[str, float]] = {}
-    for name, lo, hi in spans:
+    for name, lo, hi in chosen:
         busy, end = 0.0, lo
         for a, b in kernels:
             if a < lo or a > hi:
@@ -157,8 +166,8 @@ def phase_busy(prof) -> dict[str, dict[str, float]]:
             a = max(a, end)
             if b > a:
                 busy, end = busy + b - a, b
-        d = out.setdefault(name, {"wall_s": 0.0, "busy_s": 0.0})
-        d["wall_s"] += (hi - lo) / 1e6
+        d = out.setdefault(name, {"span_s": 0.0, "busy_s": 0.0})
+        d["span_s"] += (hi - lo) / 1e6
         d["busy_s"] += busy / 1e6
     return out
 
@@ -192,9 +201,9 @@ def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
              f"{busy / max(wall_s, 1e-9):.0%} of wall", ""]
     phases = phase_busy(prof) if on_gpu else {}
     if phases:
-        lines += [f"{'phase':<22} {'wall s':>8} {'busy s':>8} {'idle s':>8}"]
-        lines += [f"{k:<22} {d['wall_s']:8.3f} {d['busy_s']:8.3f} {d['wall_s'] - d['busy_s']:8.3f}"
-                  for k, d in sorted(phases.items(), key=lambda x: -x[1]["wall_s"])]
+        lines += [f"{'phase':<22} {'span s':>8} {'busy s':>8} {'span - busy':>12}"]
+        lines += [f"{k:<22} {d['span_s']:8.3f} {d['busy_s']:8.3f} {d['span_s'] - d['busy_s']:12.3f}"
+                  for k, d in sorted(phases.items(), key=lambda x: -x[1]["span_s"])]
         lines.append("")
     lines.append("by category:")
     for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):

@@ -15,9 +15,9 @@
 Programmatic dependent launch (Hopper and later, `pdl_enabled`): every kernel here waits for its predecessor with
 `griddepcontrol.wait` before it reads an activation or writes anything, then lets its successor launch, so the next
 kernel's programs are scheduled while this one runs instead of after it ends (the CUDA graph's ~0.8 us between
-dependent kernels, BENCHMARKS.md round 5). Weights are never written while decoding, so the GEMMs prefetch their
-weight tiles into L2 before the wait. Every program waits unconditionally: a kernel completes only after its
-predecessor did, so whatever ran earlier is complete too. `RLHF_MCORE_DECODE_PDL=0` turns it off.
+dependent kernels, BENCHMARKS.md round 5). Every program waits unconditionally: a kernel completes only after its
+predecessor did, so whatever ran earlier is complete too. `RLHF_MCORE_DECODE_PDL=0` turns it off. (Prefetching the
+GEMMs' weights into L2 before the wait was measured slower, 1.742 against 1.690 ms a step: not kept.)
 
 Reference implementations: `attention.decode_attention_torch`, `sampling.sample_torch`.
 """
@@ -47,10 +47,6 @@ def pdl_enabled() -> bool:
     return _sm90()
 
 
-def _prefetch_enabled() -> bool:
-    return pdl_enabled() and os.environ.get("RLHF_MCORE_DECODE_PREFETCH", "1") != "0"
-
-
 _SM90: list[bool] = []
 
 
@@ -71,13 +67,6 @@ def _pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Prefetch the 128-byte lines at `ptrs` (a tensor of addresses) into L2; no value is read."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -350,7 +339,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PDL: tl.constexpr):
     """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
 
     SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
@@ -370,13 +359,6 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_w
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptrs + N * stride_wn
-    if PREFETCH:  # this program's weight lines into L2 while the previous kernel runs (weights are never written)
-        lines = k_lo + tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
-        at = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.minimum(lines, k_hi - 1)[None, :]
-        at = tl.where(nmask[:, None], at, w_ptr)
-        _prefetch_l2(at)
-        if SILU_MUL:
-            _prefetch_l2(at + N * stride_wn)
     _pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -414,14 +396,6 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_w
             up = acc_u.to(DT).to(tl.float32)
             acc = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * up
         tl.store(o_ptrs, acc.to(DT), mask=omask)
-
-
-def _prefetch_lines(k: int, split: int, dtype: torch.dtype) -> int:
-    """128-byte weight lines a row of one program prefetches (a power of two covering its K split; 0: none)."""
-    if not _prefetch_enabled():
-        return 0
-    per_line = 128 // torch.empty((), dtype=dtype).element_size()
-    return triton.next_power_of_2(triton.cdiv(triton.cdiv(k, split), per_line))
 
 
 def _num_sms() -> int:
@@ -467,8 +441,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     _linear_kernel[grid](x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
                          out.stride(-2), out.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None,
                          SILU_MUL=silu_mul, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
-                         IEEE=x.dtype == torch.float32, PDL=pdl, PREFETCH=_prefetch_lines(k, split, w.dtype),
-                         **cfg, **_launch(pdl))
+                         IEEE=x.dtype == torch.float32, PDL=pdl, **cfg, **_launch(pdl))
     return out
 
 
@@ -557,7 +530,7 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, s
                            HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            HAS_BIAS: tl.constexpr,
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
@@ -574,10 +547,6 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, s
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w1_ptrs = w_ptr + (head * D + i)[:, None] * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + HALF * stride_wn
-    if PREFETCH:  # the head's weight lines into L2 while the previous kernel runs (module docstring)
-        rows = head * D + tl.arange(0, D)
-        lines = tl.minimum(tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth), K - 1)
-        _prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :])
     _pdl_wait(PDL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
@@ -657,6 +626,5 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         x.stride(0), w.stride(0), k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos,
         k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2),
         HAS_BIAS=bias is not None, QK_NORM=qk_norm, BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
-        PDL=pdl, PREFETCH=_prefetch_lines(k, 1, w.dtype), num_warps=num_warps, num_stages=num_stages,
-        **_launch(pdl))
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch(pdl))
     return q_out
