@@ -30,7 +30,7 @@ def test_chunk_gae_against_a_naive_per_episode_loop():
     chunk = np.concatenate([np.arange(n) for n in lengths])
     values = rng.normal(0.3, 0.4, len(traj)).astype(np.float32)
     rewards = np.zeros(len(traj), np.float32)
-    for i, n in enumerate(lengths):
+    for i in range(len(lengths)):
         rewards[np.flatnonzero(traj == i)[-1]] = success[i]
     rewards[np.flatnonzero(traj == 3)[1]] = 0.25  # a reward inside an episode too
     order = rng.permutation(len(traj))  # rows in any order
