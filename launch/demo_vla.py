@@ -13,6 +13,9 @@
 4. print the table and write OUT/summary.json: success_before, success_after, episodes_evaluated, the curve.
 
     python launch/demo_vla.py [--seed 1] [--bc-steps N] [--steps N] [--warm-start DIR | --bc-only] [key=value ...]
+    python launch/demo_vla.py --config configs/vla_reachpush_ppo_cpu.yaml ...   # PPO with a value head instead
+
+The same warm start serves both configs (its settings are the `vla.*` keys and the seed, which they share).
 
 Single process, single-threaded (OMP_NUM_THREADS=1). Numbers: README, "VLA".
 """
@@ -37,7 +40,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="outputs/demo_vla")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bc-steps", type=int, default=None, help="default: the config's vla.bc_steps")
-    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
     ap.add_argument("--image-size", type=int, default=16, help="the rendered scene and the tower's input")
     ap.add_argument("--config", default=str(ROOT / CONFIG))
     ap.add_argument("--warm-start", default=None, help="reuse this behaviour-cloned policy (a Hugging Face directory "
@@ -57,7 +60,9 @@ def main(argv=None) -> dict:
     model = out / f"tiny_llava_{args.image_size}"
     if not args.warm_start and not (model / "config.json").is_file():
         make_tiny_llava(model, image_size=args.image_size, patch_size=4, seed=0)
-    run = out / f"grpo_seed{args.seed}"
+    algorithm = "ppo" if load_config(args.config, [f"actor_rollout_ref.model.path={model}", *args.overrides]
+                                     ).algorithm.adv_estimator == "gae" else "grpo"
+    run = out / f"{algorithm}_seed{args.seed}"
     shutil.rmtree(run, ignore_errors=True)
     overrides = [f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run}",
                  f"trainer.seed={args.seed}", "trainer.resume_mode=disable", f"vla.image_size={args.image_size}"]
@@ -93,14 +98,15 @@ def main(argv=None) -> dict:
     summary = {"success_before": vals[0][1], "success_after": vals[-1][1],
                "episodes_evaluated": cfg.vla.held_out_states, "seed": args.seed, "bc_steps": bc_steps,
                "demo_stop_short": cfg.vla.demo_stop_short, "bc_seconds": round(bc_seconds, 1),
-               "grpo_steps": cfg.trainer.total_training_steps, "tasks": cfg.vla.tasks, "seconds": round(seconds, 1),
+               "algorithm": algorithm, "rl_steps": cfg.trainer.total_training_steps, "tasks": cfg.vla.tasks,
+               "seconds": round(seconds, 1),
                "val_curve": vals,
                "train_success": [(r["step"], r["train/success"]) for r in records if "train/success" in r]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\nheld-out success over {summary['episodes_evaluated']} greedy episodes ({'+'.join(cfg.vla.tasks)}, "
           f"seed {args.seed}, {seconds:.0f} s):")
     print(f"  {'after behaviour cloning':<26}{summary['success_before']:.3f}")
-    print(f"  {'after GRPO':<26}{summary['success_after']:.3f}")
+    print(f"  {'after ' + algorithm.upper():<26}{summary['success_after']:.3f}")
     print("  curve (step: success): " + ", ".join(f"{s}: {v:.2f}" for s, v in vals))
     print(f"wrote {out / 'summary.json'}")
     return summary

@@ -295,10 +295,11 @@ def test_shape_and_layout_checks(llava_dir):
 
 
 def test_build_model_refuses_other_roles(llava_dir):
+    """A LLaVA builds as actor, ref or critic (tests/test_vla_trainer.py: the VLA critic); not as a reward model."""
     from rlhf_mcore.models import build_model
 
-    with pytest.raises(ValueError, match="role='critic'"):
-        build_model(llava_dir, None, role="critic")
+    with pytest.raises(ValueError, match="role='reward'"):
+        build_model(llava_dir, None, role="reward")
 
 
 def test_text_trainer_refuses_a_llava_policy(llava_dir):

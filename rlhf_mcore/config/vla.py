@@ -1,12 +1,15 @@
 """The `vla` section: a vision-language-action run (rlhf_mcore/trainer/vla.py) instead of a text one.
 
-`vla.enable=true` makes `launch/train.py` run the VLA trainer: GRPO on task success against a vectorized simulated
-env. What it reads besides this section: `actor_rollout_ref.model.path` (a LLaVA directory), `.actor.optim`, the
-actor's loss keys (`clip_ratio*`, `entropy_coeff`, `ppo_epochs`, `ppo_max_token_len_per_gpu`, `grad_clip`),
-`.rollout.n` (one GRPO group = n episodes from one initial state) and `.rollout.temperature`,
-`algorithm.adv_estimator` (grpo) and `.norm_adv_by_std_in_grpo`, and `trainer.*` (steps, checkpoints, validation,
-loggers, seed, device). The text trainer's keys (data files and lengths, the rollout engine, rewards, the critic,
-the reference, async modes, ...) do nothing here, so a run that sets them is refused (:func:`check_vla_keys`: the
+`vla.enable=true` makes `launch/train.py` run the VLA trainer: GRPO (the default) or PPO with a value head on task
+success against a vectorized simulated env. What it reads besides this section: `actor_rollout_ref.model.path` (a
+LLaVA directory), `.actor.optim`, the actor's loss keys (`clip_ratio*`, `entropy_coeff`, `ppo_epochs`,
+`ppo_max_token_len_per_gpu`, `grad_clip`), `.rollout.n` (one GRPO group = n episodes from one initial state) and
+`.rollout.temperature`, `algorithm.adv_estimator` (grpo, the VLA default when unset, or gae), with grpo
+`algorithm.norm_adv_by_std_in_grpo`, with gae `algorithm.gamma`, `algorithm.lam` and the critic's keys in
+`_CRITIC_READ` (`critic.enable`, `.model.path` (default: the actor's), `.optim`, `.ppo_epochs`, ...), and
+`trainer.*` (steps, checkpoints, validation, loggers, seed, device). The text trainer's keys (data files and
+lengths, the rollout engine, rewards, the reference, async modes, the critic's mini/micro-batch sizes, ...) and the
+keys of the estimator not chosen do nothing here, so a run that sets them is refused (:func:`check_vla_keys`: the
 key, its value and the fix) rather than silently ignoring them.
 
 Sizes: `num_envs` episodes per step = `num_envs / rollout.n` initial states drawn from the training range, each
@@ -80,7 +83,15 @@ _READ = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.use_remove_pad
          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "actor_rollout_ref.actor.megatron.seed",
          "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "algorithm.adv_estimator",
-         "algorithm.norm_adv_by_std_in_grpo", "trainer.", "vla.")
+         "algorithm.norm_adv_by_std_in_grpo", "algorithm.gamma", "algorithm.lam", "trainer.", "vla.")
+# The critic's keys a PPO run (algorithm.adv_estimator=gae) reads (rlhf_mcore/trainer/vla.py: build_critic); part of
+# _READ, refused with grpo (check_vla_relations). The rest of `critic.*` is refused by _FIXES.
+_CRITIC_READ = ("critic.enable", "critic.model.path", "critic.model.use_remove_padding", "critic.optim.",
+                "critic.ppo_epochs", "critic.ppo_max_token_len_per_gpu", "critic.grad_clip", "critic.cliprange_value",
+                "critic.loss_agg_mode", "critic.megatron.seed")
+_READ = _READ + _CRITIC_READ
+_GRPO_ONLY = ("algorithm.norm_adv_by_std_in_grpo",)  # read with grpo, refused with gae
+_GAE_ONLY = ("algorithm.gamma", "algorithm.lam") + _CRITIC_READ  # read with gae, refused with grpo
 # Set-but-unread keys the refusal names a specific fix for (by prefix); the rest get the general one.
 _FIXES = (
     ("data.", "the VLA trainer draws initial states from the env, not prompts from files: remove it (episodes per "
@@ -92,7 +103,14 @@ _FIXES = (
     ("actor_rollout_ref.rollout.", "the policy decodes its action chunks itself (rlhf_mcore.models.vision.decode): "
                                    "only rollout.n and rollout.temperature apply"),
     ("actor_rollout_ref.ref.", "the VLA trainer has no reference policy (no KL term): remove it"),
-    ("critic.", "the VLA trainer runs GRPO without a critic: remove it"),
+    ("critic.ppo_mini_batch_size", "a VLA step trains the critic on all its rows in one mini-batch per epoch "
+                                   "(critic.ppo_epochs): remove it"),
+    ("critic.ppo_micro_batch_size", "VLA rows are micro-batched by tokens: set critic.ppo_max_token_len_per_gpu "
+                                    "instead"),
+    ("critic.model.lora", "the VLA critic (a LLaVA with a value head) has no LoRA: remove it"),
+    ("critic.", "the VLA critic reads only critic.enable, .model.path, .model.use_remove_padding, .optim.*, "
+                ".ppo_epochs, .ppo_max_token_len_per_gpu, .grad_clip, .cliprange_value, .loss_agg_mode and "
+                ".megatron.seed: remove it"),
     ("reward.", "the reward is the env's task success: remove it"),
     ("async_training.", "the VLA trainer is synchronous: remove it"),
     ("rollout.", "the VLA trainer has no rollout pool: remove it"),
@@ -106,7 +124,8 @@ def _reads(key: str) -> bool:
 def check_vla_keys(cfg, given) -> None:
     """With `vla.enable`: refuse every key in `given` (set in the YAML or on the command line) that a VLA run does
     not read, naming the key, its value and the fix; then the rules between VLA keys. Without it: refuse any
-    `vla.*` key but `vla.enable` (they would do nothing)."""
+    `vla.*` key but `vla.enable` (they would do nothing). An unset `algorithm.adv_estimator` becomes grpo (the VLA
+    trainer's default; the text trainer's is gae), so the config says which estimator runs."""
     from rlhf_mcore.config.checks import value_at
 
     if not cfg.vla.enable:
@@ -121,6 +140,8 @@ def check_vla_keys(cfg, given) -> None:
         fix = next((f for prefix, f in _FIXES if key.startswith(prefix)), "a VLA run does not read it: remove it")
         raise ConfigError(f"config key '{key}' has value {value_at(cfg, key)!r}, which does not apply to a VLA run "
                           f"(vla.enable=true): {fix}.")
+    if "algorithm.adv_estimator" not in given:
+        cfg.algorithm.adv_estimator = "grpo"
     check_vla_relations(cfg, given)
 
 
@@ -133,9 +154,11 @@ def check_vla_relations(cfg, given=()) -> None:
     if cfg.trainer.total_training_steps is None:
         raise ConfigError("config key 'trainer.total_training_steps' has value None; a VLA run has no epochs over a "
                           "data set: set trainer.total_training_steps (GRPO steps).")
-    if "algorithm.adv_estimator" in given and cfg.algorithm.adv_estimator != "grpo":  # unset: GRPO
-        raise ConfigError(f"config key 'algorithm.adv_estimator' has value {cfg.algorithm.adv_estimator!r}; a VLA run "
-                          "trains with grpo on task success (no critic): set algorithm.adv_estimator=grpo.")
+    est = cfg.algorithm.adv_estimator
+    if est not in ("grpo", "gae"):
+        raise ConfigError(f"config key 'algorithm.adv_estimator' has value {est!r}; a VLA run trains with grpo "
+                          "(group-normalised task success) or gae (PPO with a value head): set one of them.")
+    _check_estimator_keys(cfg, given, est)
     if v.demo_wrong_target > 0 and len(v.colors) < 2:
         raise ConfigError(f"config key 'vla.demo_wrong_target' has value {v.demo_wrong_target}; the habit heads for "
                           f"another colour than the named one, and vla.colors={v.colors} has one: add a colour or "
@@ -158,4 +181,24 @@ def check_vla_relations(cfg, given=()) -> None:
         raise ConfigError(f"config key 'vla.num_envs' has value {v.num_envs}; two overlapped stages need >= 2 envs.")
     if cfg.actor_rollout_ref.rollout.temperature <= 0:
         raise ConfigError(f"config key 'actor_rollout_ref.rollout.temperature' has value "
-                          f"{cfg.actor_rollout_ref.rollout.temperature}; GRPO needs sampled episodes: set it > 0.")
+                          f"{cfg.actor_rollout_ref.rollout.temperature}; RL needs sampled episodes: set it > 0.")
+
+
+def _check_estimator_keys(cfg, given, est: str) -> None:
+    """The keys of the estimator not chosen are refused; gae needs the critic and takes no group filter."""
+    from rlhf_mcore.config.checks import value_at
+
+    for key in sorted(given):
+        if est == "grpo" and any(key == k or (k.endswith(".") and key.startswith(k)) for k in _GAE_ONLY):
+            raise ConfigError(f"config key '{key}' has value {value_at(cfg, key)!r}, which only PPO with a value "
+                              "head reads: set algorithm.adv_estimator=gae (with critic.enable=true) or remove it.")
+        if est == "gae" and key in _GRPO_ONLY:
+            raise ConfigError(f"config key '{key}' has value {value_at(cfg, key)!r}, which only grpo reads (gae "
+                              "whitens the advantages over the batch): remove it or set algorithm.adv_estimator=grpo.")
+    if est == "gae" and cfg.critic.enable is False:
+        raise ConfigError("config key 'critic.enable' has value False; algorithm.adv_estimator=gae needs the critic's "
+                          "values: set critic.enable=true or algorithm.adv_estimator=grpo.")
+    if est == "gae" and cfg.vla.filter_groups:
+        raise ConfigError("config key 'vla.filter_groups' has value True; DAPO's group filter keeps GRPO groups by "
+                          "their success rate, and gae has no groups (each episode is its own): set "
+                          "vla.filter_groups=false or algorithm.adv_estimator=grpo.")

@@ -23,7 +23,9 @@ read them (through DDP-style wrappers too). When PP does not divide the layers a
 
 A LLaVA directory (`LlavaForConditionalGeneration`, SigLIP tower) builds `vision.model.VisionLanguageModel` chunks:
 GPTModels whose first stage also holds the tower and the projector, called with `pixel_values=` (see there);
-`hf_layout` on each chunk names the checkpoint's tensor prefixes (`vision.weights.LlavaNames`).
+`hf_layout` on each chunk names the checkpoint's tensor prefixes (`vision.weights.LlavaNames`). As a critic (the VLA
+trainer's PPO) it is the same tower, projector and text model with the value head in place of the LM head (the
+checkpoint's `lm_head` is not read; a `score.*` under the text prefix, when present, fills the head).
 """
 from __future__ import annotations
 
@@ -74,9 +76,9 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
         raise ValueError(f"role={role!r}; choose one of {ROLES}.")
     shape = ModelShape.from_hf_dir(hf_dir)
     vision = shape.vision
-    if vision is not None and (role not in ("actor", "ref") or lora is not None):
-        raise ValueError(f"{shape.architecture} builds as a policy (role actor or ref) without LoRA; got role={role!r}"
-                         f"{', LoRA' if lora is not None else ''}: critics, reward models and adapters of "
+    if vision is not None and (role == "reward" or lora is not None):
+        raise ValueError(f"{shape.architecture} builds as a policy (role actor or ref) or a critic, without LoRA; got "
+                         f"role={role!r}{', LoRA' if lora is not None else ''}: reward models and adapters of "
                          "vision-language models are not supported yet.")
     if freeze_vision and vision is None:
         raise ValueError(f"freeze_vision=True but {hf_dir} is a text model ({shape.architecture}): it has no vision "

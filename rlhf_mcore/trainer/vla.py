@@ -1,6 +1,8 @@
-"""The VLA trainer: GRPO on task success against a vectorized simulated env (`vla.enable=true`).
+"""The VLA trainer: GRPO or PPO with a value head on task success against a vectorized simulated env
+(`vla.enable=true`).
 
-    torchrun launch/train.py --config configs/vla_reachpush_cpu.yaml
+    torchrun launch/train.py --config configs/vla_reachpush_cpu.yaml        # GRPO
+    torchrun launch/train.py --config configs/vla_reachpush_ppo_cpu.yaml    # PPO (algorithm.adv_estimator=gae)
 
 One step (:func:`train_step`): draw `num_envs / rollout.n` training initial states from `(seed, step)`, run each
 `rollout.n` times (one GRPO group per state) with the policy sampling its action chunks at `rollout.temperature`
@@ -14,11 +16,21 @@ old policy's log-probs are the engine's forward pass over the rows (`train/rollo
 distance from the rollout's own, which come from the same chunks and weights: numerics only;
 tests/test_vla_trainer.py checks that the engine scores the same rows to the same log-probs).
 
+PPO (`algorithm.adv_estimator=gae`): a critic (:func:`build_critic`: the same LLaVA with a width-1 value head in
+place of the LM head, from `critic.model.path`, default the actor's) values every row; each row's value at the
+position predicting its first action token is the value of its observation, and chunk-level GAE over each episode's
+rows (:func:`rlhf_mcore.vla.gae.chunk_gae`: gamma, lam; the episode's reward on its last row) gives each row an
+advantage (on all its action tokens, whitened over the batch's rows) and a return (the value target on all its
+action tokens); then the critic's clipped value update (its old values: the per-token values of that pass), then the
+actor's, as the text trainer orders them. Episodes are not grouped (`rollout.n` > 1 only adds episodes; the group
+filter is refused).
+
 Before step 0, `vla.bc_steps` behaviour-cloning steps on the scripted expert's demonstrations (`vla.demo_episodes`
 episodes, which also give the action statistics q01/q99): the engine's update with the negative log-likelihood of
 the expert's action tokens as the objective (:func:`bc_loss`). Validation (greedy, `vla.held_out_states` held-out
-scenes) reports `val/success`; checkpoints hold the engine (model, optimizer, scheduler) and the step; every random
-draw is keyed on `(trainer.seed, step)`, so a resumed run continues as the uninterrupted one would (tested).
+scenes) reports `val/success`; checkpoints hold the engines (`actor/`, and `critic/` with PPO: model, optimizer,
+scheduler) and the step; every random draw is keyed on `(trainer.seed, step)`, so a resumed run continues as the
+uninterrupted one would (tested for both estimators). Behaviour cloning trains the actor only.
 
 Data parallelism: each DP rank runs its share of the groups (and of the held-out states); metrics are all-reduced.
 """
@@ -41,10 +53,11 @@ from rlhf_mcore.engine.losses import score_tokens
 from rlhf_mcore.trainer.vla_policy import VLAPolicy, all_instructions
 from rlhf_mcore.vla.actions import ActionStats
 from rlhf_mcore.vla.envs.reach_push import HELD_OUT_OFFSET, ReachPush, collect_demos, held_out_state_ids
+from rlhf_mcore.vla.gae import chunk_gae
 from rlhf_mcore.vla.rollout import rollout
 from rlhf_mcore.vla.rows import flatten_rollout, repeat_for_groups
 
-__all__ = ["run_vla", "VLARun", "bc_loss", "group_filter"]
+__all__ = ["run_vla", "VLARun", "bc_loss", "group_filter", "build_critic"]
 
 
 # ------------------------------------------------------------------ the engine's objectives
@@ -86,6 +99,30 @@ def build_engine(cfg, state, path: str, token_range: tuple[int, int], total_step
     optim = dataclasses.replace(a.optim, total_training_steps=total_steps + cfg.vla.bc_steps)
     return VLAEngine(chunks, state, ecfg, optim, use_distributed_optimizer=a.megatron.use_distributed_optimizer,
                      hf_dir=path)
+
+
+def build_critic(cfg, state, total_steps: int) -> TrainEngine:
+    """PPO's critic: the LLaVA of `critic.model.path` (default: the actor's) with the width-1 value head in place of
+    the LM head (the head starts at its small deterministic initialisation), `vla.freeze_vision` as the actor's,
+    rows micro-batched by `critic.ppo_max_token_len_per_gpu`, one mini-batch per epoch (`critic.ppo_epochs`, default
+    the actor's), the clipped value loss (`critic.cliprange_value`, `.loss_agg_mode`), `critic.optim`."""
+    from rlhf_mcore.models import ModelShape, build_model
+
+    c, a, actor_path = cfg.critic, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model.path
+    path = c.model.path or actor_path
+    mine, theirs = ModelShape.from_hf_dir(path), ModelShape.from_hf_dir(actor_path)
+    if mine.vision is None or (mine.vocab_size, mine.vision) != (theirs.vocab_size, theirs.vision):
+        raise ValueError(f"critic.model.path={path!r} must be a LLaVA model with the actor's vocabulary and vision "
+                         f"config (it reads the actor's prompts: image tokens and instruction ids); it is "
+                         f"{mine.architecture}: leave critic.model.path unset (the actor's model) or point it at one")
+    ecfg = EngineConfig(role="critic", mini_batch_size=None, use_dynamic_bsz=True,
+                        max_token_len=c.ppo_max_token_len_per_gpu, ppo_epochs=c.ppo_epochs or a.ppo_epochs,
+                        seed=c.megatron.seed, grad_clip=c.grad_clip, use_remove_padding=c.model.use_remove_padding,
+                        loss_agg_mode=c.loss_agg_mode, cliprange_value=c.cliprange_value, cuda_graphs=False)
+    chunks = build_model(path, state, role="critic", freeze_vision=cfg.vla.freeze_vision)
+    optim = dataclasses.replace(c.optim, total_training_steps=total_steps)
+    return TrainEngine(chunks, state, ecfg, optim, use_distributed_optimizer=c.megatron.use_distributed_optimizer,
+                       hf_dir=path)
 
 
 # ------------------------------------------------------------------ the pieces of a step
@@ -147,6 +184,7 @@ class VLARun:
 
         token_range = action_range(tokenizer, vocab, v.num_bins)
         engine = build_engine(cfg, state, path, token_range, self.total_steps)
+        self.critic = build_critic(cfg, state, self.total_steps) if cfg.algorithm.adv_estimator == "gae" else None
         self.policy = VLAPolicy(engine, tokenizer, chunk=v.chunk, action_dim=probe.spec.action_dim,
                                 num_bins=v.num_bins, stats=stats, instructions=all_instructions(v.tasks, v.colors))
         self.stages = self._envs()
@@ -245,7 +283,7 @@ class VLARun:
         temperature = cfg.actor_rollout_ref.rollout.temperature
         ro = rollout(self.stages, self._policy_fn(gen, temperature), ids, overlap=v.overlap and len(self.stages) > 1)
         success = ro.success.astype(np.float32)
-        adv = episode_advantages(success, group, cfg.algorithm.norm_adv_by_std_in_grpo)  # (B,)
+        # the group filter is GRPO's (the config refuses it with gae)
         keep = group_filter(success, group, v.filter_low, v.filter_high) if v.filter_groups else np.ones(len(ids), bool)
         rows = flatten_rollout(ro, group)
         sel = np.flatnonzero(keep[rows.traj])
@@ -253,21 +291,26 @@ class VLARun:
                    "train/groups_kept": keep.mean(), "train/rows": float(len(sel)), "train/rollout_logprob_gap": 0.0}
         update = {}
         if _sum_over_dp(self.state, len(sel)) > 0:
+            norm = cfg.algorithm.norm_adv_by_std_in_grpo
+            adv = episode_advantages(success, group, norm) if self.critic is None else None  # (B,) GRPO's
             batch, metrics["train/rollout_logprob_gap"] = self.training_batch(rows, sel, adv)
-            update = self.engine.update(batch) if len(sel) else self._empty_update()
+            if self.critic is not None:
+                metrics.update(self.gae_targets(batch, rows, sel))
+            update = self.update(batch) if len(sel) else self._empty_update()
         s = ro.stats
         metrics = _mean_over_dp(self.state, metrics)
-        metrics.update({k: v for k, v in update.items() if k.startswith("actor/")})
+        metrics.update({k: v for k, v in update.items() if k.startswith(("actor/", "critic/"))})
         metrics.update({"perf/env_s": s["env_s"], "perf/policy_s": s["policy_s"], "perf/env_wait_s": s["env_wait_s"],
                         "perf/env_steps_per_s": s["env_steps"] / max(s["wall_s"], 1e-9),
                         "perf/step_s": time.perf_counter() - t0})
         return metrics
 
-    def training_batch(self, rows, sel: np.ndarray, adv: np.ndarray) -> tuple[dict, float]:
+    def training_batch(self, rows, sel: np.ndarray, adv: Optional[np.ndarray]) -> tuple[dict, float]:
         """The engine's batch of rows `sel` (their own images, the sampled action tokens, the mask up to the first
-        done), the old policy's log-probs from the engine's forward, each row's episode advantage on its masked
-        tokens; and the mean |engine - rollout| log-prob gap over those tokens (numerics only: the same chunks,
-        weights, action range and temperature; tests/test_vla_logprobs.py)."""
+        done), the old policy's log-probs from the engine's forward, each row's episode advantage `adv` (B,) on its
+        masked tokens (None: none; PPO's come from :meth:`gae_targets`); and the mean |engine - rollout| log-prob gap
+        over those tokens (numerics only: the same chunks, weights, action range and temperature;
+        tests/test_vla_logprobs.py)."""
         batch = self.policy.batch(rows.image[sel], [rows.instruction[i] for i in sel], rows.outputs["tokens"][sel],
                                   rows.response_mask[sel])
         m = batch["response_mask"]
@@ -275,8 +318,32 @@ class VLARun:
         old, _ = self.engine.compute_log_probs(batch, with_entropy=False)  # the old policy, scored by the engine
         batch["old_log_probs"] = old * m
         gap = ((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)
-        batch["advantages"] = torch.as_tensor(adv[rows.traj[sel]], dtype=torch.float32)[:, None] * m
+        if adv is not None:
+            batch["advantages"] = torch.as_tensor(adv[rows.traj[sel]], dtype=torch.float32)[:, None] * m
         return batch, float(gap)
+
+    def gae_targets(self, batch: dict, rows, sel: np.ndarray) -> dict[str, float]:
+        """PPO: the critic's per-token values of the rows into `batch["values"]` (the old values of the clipped
+        value loss), chunk-level GAE from each row's value at its first action token (the value of its observation)
+        and its reward (the env's rewards of its steps; :func:`chunk_gae`), each row's advantage into
+        `batch["advantages"]` and its return into `batch["returns"]` on its masked tokens. `sel` must hold whole
+        trajectories (no group filter with gae). Returns this rank's `critic/*` statistics over the rows."""
+        alg, m = self.cfg.algorithm, batch["response_mask"]
+        values = self.critic.compute_values(batch)  # (B, R) at the positions predicting each action token
+        v_obs = values[:, 0]  # (B,) V(observation): the position predicting the chunk's first action token
+        reward = torch.as_tensor(rows.token_rewards[sel].sum(1), dtype=torch.float32)  # (B,)
+        adv, ret = chunk_gae(v_obs, reward, rows.traj[sel], rows.chunk[sel], gamma=alg.gamma, lam=alg.lam)  # (B,)
+        batch["values"] = values * m
+        batch["advantages"] = adv[:, None] * m
+        batch["returns"] = ret[:, None] * m
+        explained = 1.0 - float((ret - v_obs).var(unbiased=False) / ret.var(unbiased=False).clamp(min=1e-8))
+        return {"critic/values/mean": float(v_obs.mean()), "critic/returns/mean": float(ret.mean()),
+                "critic/rewards/mean": float(reward.mean()), "critic/vf_explained_var": explained}
+
+    def update(self, batch: dict) -> dict[str, float]:
+        """The critic's update (PPO), then the actor's, as the text trainer's learner orders them."""
+        metrics = self.critic.update_critic(batch) if self.critic is not None else {}
+        return {**metrics, **self.engine.update(batch)}
 
     def _empty_update(self):
         raise RuntimeError("a data-parallel rank whose groups were all filtered out cannot join the others' update; "
@@ -287,7 +354,12 @@ class VLARun:
     def save(self, ckpt, step: int) -> None:
         from rlhf_mcore.config import to_dict
 
-        ckpt.save(step, {"step": step}, lambda d: self.engine.save_checkpoint(d / "actor"), config=to_dict(self.cfg))
+        ckpt.save(step, {"step": step}, self._save_engines, config=to_dict(self.cfg))
+
+    def _save_engines(self, d: Path) -> None:
+        self.engine.save_checkpoint(d / "actor")
+        if self.critic is not None:
+            self.critic.save_checkpoint(d / "critic")
 
     def resume(self, ckpt) -> int:
         from rlhf_mcore.config import to_dict
@@ -297,6 +369,8 @@ class VLARun:
         if path is None:
             return 0
         self.engine.load_checkpoint(path / "actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
         return int(ckpt.load_trainer_state(path)["step"])
 
 
@@ -326,7 +400,7 @@ def _mean_over_dp(state, metrics: dict) -> dict[str, float]:
 
 
 def run_vla(cfg) -> dict[str, float]:
-    """Every rank: build, warm-start (fresh runs), then GRPO steps with validation and checkpoints."""
+    """Every rank: build, warm-start (fresh runs), then GRPO or PPO steps with validation and checkpoints."""
     from rlhf_mcore.config import parallel_layout, to_dict
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
     from rlhf_mcore.trainer.checkpoint import CheckpointManager

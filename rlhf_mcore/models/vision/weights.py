@@ -111,9 +111,12 @@ class LlavaNames:
                    projector=prefix(_PROJ, "the projector") + "multi_modal_projector.")
 
     def text_name(self, name: str) -> str:
-        """A causal LM's tensor name ("model.X", "lm_head.weight") -> this checkpoint's."""
+        """A causal LM's tensor name ("model.X", "lm_head.weight") -> this checkpoint's; a critic's head ("score.*")
+        sits beside the LM head (a LLaVA checkpoint has none: the critic's head keeps its initialisation)."""
         if name == "lm_head.weight":
             return self.lm_head
+        if name in ("score.weight", "score.bias"):
+            return self.lm_head[: -len("lm_head.weight")] + name
         if not name.startswith("model."):
             raise ValueError(f"{name!r} is not a causal LM's tensor name (model.* or lm_head.weight)")
         return self.text + name[len("model."):]
