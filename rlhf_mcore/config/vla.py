@@ -82,13 +82,14 @@ _READ = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.use_remove_pad
          "actor_rollout_ref.actor.loss_agg_mode", "actor_rollout_ref.actor.policy_loss",
          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "actor_rollout_ref.actor.megatron.seed",
-         "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "algorithm.adv_estimator",
+         "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "actor_rollout_ref.rollout.n",
+         "actor_rollout_ref.rollout.temperature", "algorithm.adv_estimator",
          "algorithm.norm_adv_by_std_in_grpo", "algorithm.gamma", "algorithm.lam", "trainer.", "vla.")
 # The critic's keys a PPO run (algorithm.adv_estimator=gae) reads (rlhf_mcore/trainer/vla.py: build_critic); part of
 # _READ, refused with grpo (check_vla_relations). The rest of `critic.*` is refused by _FIXES.
 _CRITIC_READ = ("critic.enable", "critic.model.path", "critic.model.use_remove_padding", "critic.optim.",
                 "critic.ppo_epochs", "critic.ppo_max_token_len_per_gpu", "critic.grad_clip", "critic.cliprange_value",
-                "critic.loss_agg_mode", "critic.megatron.seed")
+                "critic.loss_agg_mode", "critic.megatron.seed", "critic.megatron.use_distributed_optimizer")
 _READ = _READ + _CRITIC_READ
 _GRPO_ONLY = ("algorithm.norm_adv_by_std_in_grpo",)  # read with grpo, refused with gae
 _GAE_ONLY = ("algorithm.gamma", "algorithm.lam") + _CRITIC_READ  # read with gae, refused with grpo
