@@ -5,8 +5,9 @@
 Each rank runs the trainer's own pieces on its share of step 1's initial states: the rollout, the rows, the batch
 (old log-probs, advantages; with PPO the critic's values, GAE advantages and returns), then one forward-backward of
 the actor (and the critic) without an optimizer step, so the gradients are the DP all-reduced ones of the two ranks'
-rows (the test turns the distributed optimizer off: with it each rank's buffer holds only its shard reduced). Rank 0 saves both ranks' batches and their states, the gradients, and then, after two whole `train_step`s,
-each rank's parameters (gathered) and the step metrics, to OUT_DIR/dp2.pt. The test compares the gradients with one
+rows (the test turns the distributed optimizer off: with it each rank's buffer holds only its shard reduced). Rank 0
+saves both ranks' batches and their states, the gradients, and then, after two whole `train_step`s, each rank's
+parameters (gathered) and the step metrics, to OUT_DIR/dp2.pt. The test compares the gradients with one
 process's on the two batches joined, and the ranks' parameters with each other.
 """
 from __future__ import annotations
