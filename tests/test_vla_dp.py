@@ -31,7 +31,7 @@ def dp2(tmp_path_factory):
         pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
     llava = make_tiny_llava(tmp_path_factory.mktemp("vla_dp_llava"), image_size=16, patch_size=4)
     out = tmp_path_factory.mktemp("vla_dp")
-    launch("tests/vla_dp_worker.py", str(llava), str(out), "ppo", *ARGS, nproc=2, timeout=600)
+    launch("tests/vla_dp_worker.py", str(llava), str(out), *ARGS, nproc=2, timeout=600)
     return llava, out, torch.load(out / "dp2.pt", weights_only=False)
 
 

@@ -1,6 +1,6 @@
 """The VLA trainer at data parallelism 2 (tests/test_vla_dp.py starts this under torchrun, two CPU processes, gloo).
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/vla_dp_worker.py LLAVA_DIR OUT_DIR {grpo,ppo} ARGS...
+    python -m torch.distributed.run --nproc_per_node=2 tests/vla_dp_worker.py LLAVA_DIR OUT_DIR CONFIG_OVERRIDES...
 
 Each rank runs the trainer's own pieces on its share of step 1's initial states: the rollout, the rows, the batch
 (old log-probs, advantages; with PPO the critic's values, GAE advantages and returns), then one forward-backward of
@@ -61,7 +61,7 @@ def main() -> None:
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
     from rlhf_mcore.trainer.vla import VLARun
 
-    llava, out, _algorithm, *overrides = sys.argv[1:]
+    llava, out, *overrides = sys.argv[1:]
     out = Path(out)
     cfg = load_config(None, [f"actor_rollout_ref.model.path={llava}", f"trainer.default_local_dir={out}", *overrides])
     state = init_distributed(device="cpu", seed=1)
