@@ -282,8 +282,8 @@ def test_targets_table():
 
 def test_phase_busy_takes_the_union_of_the_kernels_inside_each_phase():
     """bench_ppo_step.phase_busy (a profiled GPU step's per-phase device time) on a fake profile: two phases, kernels
-    overlapping each other, one kernel outside both, another GPU annotation; the phases annotated on the host and on
-    the GPU. Mutations: summing the kernels' durations without the union (overlap counted twice: 0.7 for "a"),
+    overlapping each other, one kernel outside both, a GPU annotation; the phases annotated on the host, then given as
+    spans. Mutations: summing the kernels' durations without the union (overlap counted twice: 0.7 for "a"),
     keeping a kernel that starts before its phase, or counting GPU annotations as kernels, each fail it."""
     from types import SimpleNamespace
 
@@ -304,8 +304,30 @@ def test_phase_busy_takes_the_union_of_the_kernels_inside_each_phase():
     assert got.keys() == {"a", "b"}
     assert abs(got["a"]["span_s"] - 1.0) < 1e-9 and abs(got["a"]["busy_s"] - 0.4) < 1e-9, got
     assert abs(got["b"]["span_s"] - 2.0) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got
-    # CUDA-only profiling: the phases' annotations are the GPU's
-    gpu = [SimpleNamespace(**{**vars(e), "device_type": cuda, "is_user_annotation": True}) if e.name.startswith(tag)
-           else e for e in events]
-    got = bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: gpu))
+    # CUDA-only profiling records no host annotation: the phases come from the wrapper's spans (profile clock, us)
+    gpu_only = [e for e in events if not e.name.startswith(tag)]
+    got = bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: gpu_only), [("a", 1e6, 2e6), ("b", 3e6, 5e6)])
     assert abs(got["a"]["busy_s"] - 0.4) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got
+
+
+def test_profile_clock_spans_align_on_the_mark_kernel():
+    """bench_ppo_step.profile_clock_spans: the timed phases' perf_counter intervals land on the profile's clock at
+    the marker kernel (launched at perf_counter `mark`), or at the profiler's start without one; phase_busy then
+    takes them when the profile has no host annotations. Mutation: the offset's sign flipped fails it."""
+    from types import SimpleNamespace
+
+    import bench_ppo_step
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
+                               device_type=device, is_user_annotation=False)
+
+    # the marker ran at profile time 0.5 s, launched at perf_counter 100.5: the profile's zero is perf_counter 100.0
+    events = [ev("void spin_kernel(long)", 0.5, 0.51, DeviceType.CUDA), ev("k", 1.2, 1.4, DeviceType.CUDA)]
+    spans = bench_ppo_step.profile_clock_spans(events, [("a", 101.0, 102.0)], mark=100.5, start=99.0)
+    assert [(k, round(a), round(b)) for k, a, b in spans] == [("a", 1_000_000, 2_000_000)]
+    assert bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: events), spans)["a"]["busy_s"] == \
+        pytest.approx(0.2)
+    no_mark = bench_ppo_step.profile_clock_spans(events[1:], [("a", 101.0, 102.0)], mark=100.5, start=99.0)
+    assert [(round(a), round(b)) for _, a, b in no_mark] == [(2_000_000, 3_000_000)]

@@ -115,8 +115,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
+SPANS: list[tuple[str, float, float]] = []  # every timed call: (phase, perf_counter start, end), for phase_busy
+
+
 def timed(obj, method: str, key: str, sink: dict) -> None:
-    """Replace `obj.method` by a wrapper adding its wall time (device-synchronised) to `sink[key]`."""
+    """Replace `obj.method` by a wrapper adding its wall time (device-synchronised) to `sink[key]` (and its
+    interval to `SPANS`)."""
     fn = getattr(obj, method)
 
     @functools.wraps(fn)
@@ -130,7 +134,9 @@ def timed(obj, method: str, key: str, sink: dict) -> None:
                 return fn(*a, **kw)
         finally:
             _sync()
-            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            sink[key] = sink.get(key, 0.0) + t1 - t0
+            SPANS.append((key, t0, t1))
 
     setattr(obj, method, wrapper)
 
@@ -138,22 +144,20 @@ def timed(obj, method: str, key: str, sink: dict) -> None:
 PHASE_PREFIX = "bench_phase/"
 
 
-def phase_busy(prof) -> dict[str, dict[str, float]]:
+def phase_busy(prof, spans=()) -> dict[str, dict[str, float]]:
     """Per timed phase of a profiled step: the seconds the device ran kernels inside it (the union of the kernels'
-    intervals that start within the phase's annotation; the wrapper synchronises on both sides, so a phase's kernels
-    run inside its interval) and the annotation's own seconds. With CUDA-only profiling the annotation is the GPU's
-    (from its first kernel's start to its last one's end), else the host's. Compare busy with the phase's timed
-    seconds: the rest is where the GPU waited for the host. Kernels under programmatic dependent launch (the rollout's
-    decode kernels) start before their predecessors end and wait, so there the union overstates the busy time."""
+    intervals that start within the phase; the wrapper synchronises on both sides, so a phase's kernels run inside
+    it) and the phase's own seconds. The phases are the host's `record_function` annotations when the profile has
+    them (`--profile-cpu`); else `spans`, (phase, start, end) in microseconds on the profile's clock (the wrapper's
+    perf_counter intervals shifted by the profiler's start: good to the profiler's start-up, about a millisecond).
+    The rest of a phase is where the GPU waited for the host. Kernels under programmatic dependent launch (the
+    rollout's decode kernels) start before their predecessors end and wait, so there the union overstates the busy
+    time."""
     from torch.autograd import DeviceType
 
     events = prof.events()
-    spans: dict[str, list] = {}
-    for e in events:
-        if e.name.startswith(PHASE_PREFIX):
-            spans.setdefault(e.device_type, []).append((e.name[len(PHASE_PREFIX):], e.time_range.start,
-                                                        e.time_range.end))
-    chosen = spans.get(DeviceType.CPU) or spans.get(DeviceType.CUDA) or []
+    chosen = [(e.name[len(PHASE_PREFIX):], e.time_range.start, e.time_range.end) for e in events
+              if e.name.startswith(PHASE_PREFIX) and e.device_type == DeviceType.CPU] or list(spans)
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
                      if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
                      and not e.name.startswith(PHASE_PREFIX))
@@ -172,7 +176,25 @@ def phase_busy(prof) -> dict[str, dict[str, float]]:
     return out
 
 
-def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
+MARK_KERNEL = "spin_kernel"  # what torch.cuda._sleep launches
+
+
+def profile_clock_spans(events, spans, mark: float | None, start: float) -> list[tuple[str, float, float]]:
+    """`spans` (phase, perf_counter start, end) in microseconds on the profile's clock: aligned on the first
+    `MARK_KERNEL` launched at perf_counter `mark` (its launch latency, microseconds, is the error), else on the
+    profiler's start at perf_counter `start` (its start-up, up to ~0.1 s, is the error)."""
+    from torch.autograd import DeviceType
+
+    zero = start
+    if mark is not None:
+        at = min((e.time_range.start for e in events if e.device_type == DeviceType.CUDA and MARK_KERNEL in e.name),
+                 default=None)
+        if at is not None:
+            zero = mark - at / 1e6
+    return [(k, (a - zero) * 1e6, (b - zero) * 1e6) for k, a, b in spans]
+
+
+def kernel_table(prof, wall_s: float, top: int = 30, spans=()) -> tuple[str, dict]:
     """Top kernels/ops by self device time, and a summary (device-busy fraction, categories)."""
     import torch
 
@@ -199,7 +221,7 @@ def kernel_table(prof, wall_s: float, top: int = 30) -> tuple[str, dict]:
         by_cat[cat] = by_cat.get(cat, 0.0) + t
     lines = [f"profiled step wall {wall_s:.2f} s; device busy (sum of kernel time) {busy:.2f} s = "
              f"{busy / max(wall_s, 1e-9):.0%} of wall", ""]
-    phases = phase_busy(prof) if on_gpu else {}
+    phases = phase_busy(prof, spans) if on_gpu else {}
     if phases:
         lines += [f"{'phase':<22} {'span s':>8} {'busy s':>8} {'span - busy':>12}"]
         lines += [f"{k:<22} {d['span_s']:8.3f} {d['busy_s']:8.3f} {d['span_s'] - d['busy_s']:12.3f}"
@@ -269,8 +291,14 @@ class BenchHooks:
             if not self.profile_cuda_only:
                 acts.append(ProfilerActivity.CPU)
             self.prof = profile(activities=acts)
-            self.prof.__enter__()
             self._prof_t0 = time.perf_counter()
+            self.prof.__enter__()
+            self._mark = None
+            if torch.cuda.is_available():  # a kernel at a known host time: the profile's clock against perf_counter
+                _sync()
+                self._mark = time.perf_counter()
+                torch.cuda._sleep(1000)
+            self._spans_from = len(SPANS)
 
     def step_end(self, parts, step, batch, metrics, timer):
         import torch
@@ -282,7 +310,8 @@ class BenchHooks:
             wall = time.perf_counter() - self._prof_t0
             self.prof.__exit__(None, None, None)
             t0 = time.perf_counter()
-            self.profile_text, self.profile_summary = kernel_table(self.prof, wall)
+            spans = profile_clock_spans(self.prof.events(), SPANS[self._spans_from:], self._mark, self._prof_t0)
+            self.profile_text, self.profile_summary = kernel_table(self.prof, wall, spans=spans)
             self.profile_summary["analysis_s"] = time.perf_counter() - t0
             self.prof = None
         on_gpu = torch.cuda.is_available()
