@@ -80,6 +80,9 @@ def build_optimizer(ddp_chunks: list[torch.nn.Module], optim, use_distributed_op
     gradient norm at `clip_grad` (<= 0: no clipping)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from rlhf_mcore.engine import multi_tensor
+
+    multi_tensor.install()  # the gradient norm without one host sync per parameter (no TE/Apex)
     params_dtype = next(ddp_chunks[0].parameters()).dtype
     betas = list(optim.betas)
     if len(betas) != 2:
