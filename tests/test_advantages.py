@@ -122,6 +122,18 @@ def test_gae_matches_textbook_recursion(seed, gamma, lam):
     assert_close(adv, scatter(naive_whiten(raw), pos, mask.shape))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the recursion's host round trip")
+def test_gae_on_gpu_tensors_returns_gpu_tensors_equal_to_the_reference():
+    """compute_gae runs its recursion on the host; GPU inputs come back on the GPU with the reference's values."""
+    rewards, mask, values, *_ = make_batch(0)
+    adv, ret = get_adv_estimator("gae")(token_level_rewards=rewards.cuda(), values=values.cuda(),
+                                        response_mask=mask.cuda(), gamma=0.9, lam=0.95)
+    assert adv.is_cuda and ret.is_cuda
+    raw, returns, pos = naive_gae(rewards, values, mask, 0.9, 0.95)
+    assert_close(ret.cpu(), scatter(returns, pos, mask.shape))
+    assert_close(adv.cpu(), scatter(naive_whiten(raw), pos, mask.shape))
+
+
 def test_gae_skips_masked_holes_inside_a_response():
     """Tool-output tokens inside a response are masked: the recursion jumps over them."""
     rewards = torch.tensor([[0.1, 9.0, 9.0, 0.2, 1.0, 0.0]])

@@ -79,6 +79,7 @@ def test_install_replaces_only_the_local_fallbacks(monkeypatch):
 def test_l2_norm_never_syncs_with_the_host():
     """Mutation: megatron's local fallback in its place (it reads every tensor's norm back: the sync check raises)."""
     tensors = _tensors("cuda")
+    before = [t.clone() for t in tensors]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -86,5 +87,7 @@ def test_l2_norm_never_syncs_with_the_host():
         multi_tensor.foreach_scale(0, None, [tensors, tensors], 0.5)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    ref = torch.stack([t.double().norm() for t in tensors]).norm()
+    ref = torch.stack([t.double().norm() for t in before]).norm()
     torch.testing.assert_close(total.double().cpu(), ref.cpu().reshape(1), rtol=1e-5, atol=0)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b * 0.5)

@@ -167,9 +167,12 @@ def compute_gae(
     """
     if values is None:
         raise ValueError("adv_estimator='gae' needs critic values (values=...); enable a critic or use 'grpo'")
-    rewards = token_level_rewards.float()  # (B, T)
-    values = values.float()  # (B, T)
-    valid = response_mask.bool()  # (B, T)
+    # The recursion runs on the host: T sequential steps of (B,)-vector ops are bound by kernel launches on a GPU
+    # (~0.1 s for 512 tokens on an H200, BENCHMARKS.md) and take a few milliseconds on the CPU; same fp32 arithmetic.
+    device = token_level_rewards.device
+    rewards = token_level_rewards.detach().float().cpu()  # (B, T)
+    values = values.detach().float().cpu()  # (B, T)
+    valid = response_mask.bool().cpu()  # (B, T)
     next_value = torch.zeros_like(rewards[:, 0])  # (B,)
     next_adv = torch.zeros_like(rewards[:, 0])  # (B,)
     adv = torch.zeros_like(rewards)  # (B, T)
@@ -179,6 +182,7 @@ def compute_gae(
         next_value = torch.where(valid[:, t], values[:, t], next_value)
         next_adv = torch.where(valid[:, t], adv_t, next_adv)
         adv[:, t] = next_adv
+    adv, values = adv.to(device), values.to(device)
     mask = response_mask.float()
     returns = (adv + values) * mask  # (B, T)
     advantages = masked_whiten(adv, mask) * mask  # (B, T)
