@@ -141,6 +141,41 @@ def timed(obj, method: str, key: str, sink: dict) -> None:
     setattr(obj, method, wrapper)
 
 
+def timed_between(obj, first: str, last: str, key: str, sink: dict) -> None:
+    """Time from the start of `obj.first` to the end of `obj.last` (device-synchronised at both ends) as one
+    interval of `key`: a streaming rollout (open_stream ... close_stream), whose many `step` calls would each pay
+    the wrapper's two synchronisations if timed one by one."""
+    begin, end = getattr(obj, first), getattr(obj, last)
+    state = {}
+
+    @functools.wraps(begin)
+    def opening(*a, **kw):
+        from torch.profiler import record_function
+
+        _sync()
+        state["t0"] = time.perf_counter()
+        state["annotation"] = rf = record_function(PHASE_PREFIX + key)
+        rf.__enter__()
+        return begin(*a, **kw)
+
+    @functools.wraps(end)
+    def closing(*a, **kw):
+        try:
+            return end(*a, **kw)
+        finally:
+            _sync()
+            t1 = time.perf_counter()
+            rf, t0 = state.pop("annotation", None), state.pop("t0", None)
+            if rf is not None:
+                rf.__exit__(None, None, None)
+            if t0 is not None:
+                sink[key] = sink.get(key, 0.0) + t1 - t0
+                SPANS.append((key, t0, t1))
+
+    setattr(obj, first, opening)
+    setattr(obj, last, closing)
+
+
 PHASE_PREFIX = "bench_phase/"
 
 
@@ -259,10 +294,10 @@ class BenchHooks:
         self.cprofile = None  # a cProfile.Profile over the timed steps' host work (--cprofile)
         self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
         s = self.sub
-        timed(parts.rollout, "generate", "rollout/generate", s)
-        if getattr(parts.rollout, "supports_streaming", False):  # the trainer generates through the stream
-            for method in ("submit", "step"):
-                timed(parts.rollout, method, "rollout/generate", s)
+        if getattr(parts.rollout, "supports_streaming", False):  # generate() and the trainer's loop both stream
+            timed_between(parts.rollout, "open_stream", "close_stream", "rollout/generate", s)
+        else:
+            timed(parts.rollout, "generate", "rollout/generate", s)
         timed(parts.rollout, "wake", "rollout/wake_sleep", s)
         timed(parts.rollout, "sleep", "rollout/wake_sleep", s)
         timed(parts.scorer, "score", "rollout/reward", s)
