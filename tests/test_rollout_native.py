@@ -19,6 +19,7 @@ import torch
 from subprocess_env import child_env
 
 from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
+from rlhf_mcore.rollout.base import Request
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 from rlhf_mcore.rollout.native.weights import iter_safetensors
 
@@ -113,6 +114,39 @@ def test_continuous_batching_equals_one_at_a_time(tiny_model_dir, params):
     for a, b in zip(batched, alone):
         for sa, sb in zip(a.samples, b.samples):
             torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-5, rtol=0)
+
+
+def test_one_decode_step_in_flight_and_none_wasted_at_the_cap(tiny_model_dir):
+    """The engine launches step t+1 before it reads step t back (engine._decode_once). Rows that all run to their
+    caps take exactly cap - 1 decode steps (the first token comes from the prefill): no step is launched once every
+    row is certain to be done. A row that stopped at step t and ran once more at t+1 is reported once, with the
+    tokens it had at t. Mutations: launching regardless of the caps -> 12 decode steps for 11; reading back the
+    flagged rows of a step without skipping those that finished before it -> a KeyError in the compaction."""
+    d = tiny_model_dir("llama")
+    engine = NativeRolloutEngine(d, max_num_seqs=8, max_model_len=64, device=DEVICE)
+    prompts = make_prompts(4, seed=12)
+    capped = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3,
+                                                     stop_token_ids=()))
+    assert all(len(s.token_ids) == 12 for o in capped for s in o.samples)
+    assert engine.last_stats["decode_steps"] == 11
+    engine.open_stream(SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=()))
+    engine.submit([Request(0, prompts[0]), Request(1, prompts[1], max_new_tokens=5)])
+    assert engine.step() == [] and engine._inflight is not None  # one step launched, not read back yet
+    engine.close_stream()
+    # stop ids that end rows at different steps: each row once, cut at its own stop, equal to a one-row run
+    free = capped[0].samples[0].token_ids
+    stops = (free[2], capped[1].samples[0].token_ids[4])
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=stops)
+    batched = engine.generate(prompts, params)
+    alone = [engine.generate([p], params, request_ids=[i])[0] for i, p in enumerate(prompts)]
+    assert tokens(batched) == tokens(alone)
+    assert any(s.finish_reason == "stop" for o in batched for s in o.samples)
+    # rows reaching their caps at different steps: a capped row stays flagged while the others run on
+    caps = [3, 12, 6, 9]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=())
+    staggered = engine.generate(prompts, params, max_new_tokens=caps)
+    assert [[len(s.token_ids) for s in o.samples] for o in staggered] == [[c, c] for c in caps]
+    assert tokens(staggered) == [[s.token_ids[:c] for s in o.samples] for o, c in zip(capped, caps)]
 
 
 def test_seeds_reproduce_and_differ(tiny_model_dir):

@@ -179,7 +179,10 @@ def test_abort_then_continue_reproduces_uninterrupted(tiny_model_dir, abort_afte
         continuations = []
         for f in back:
             key, s = (f.request.request_id, f.request.sample), f.sample
-            assert s.finish_reason == FINISH_ABORT and f.request.tag == f"r{key[0] - 100}s{key[1]}"
+            assert f.request.tag == f"r{key[0] - 100}s{key[1]}"
+            if s.finish_reason != FINISH_ABORT:  # finished by the decode step in flight: its own reason, kept
+                done[key] = s
+                continue
             n = len(s.token_ids)
             assert s.token_ids == reference[key].token_ids[:n] and len(s.logprobs) == n
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(reference[key].logprobs[:n]),

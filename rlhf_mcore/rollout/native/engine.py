@@ -23,7 +23,11 @@ fit), so prefills run in batches instead of one prompt at a time between decode 
 
 Per-row state lives in persistent device buffers that the decode step (and its CUDA graph) updates in
 place: the step writes the sampled token into the row's input, advances positions, records the token and
-log-prob in a per-slot response buffer and flags finished rows; the host only reads the flags.
+log-prob in a per-slot response buffer and flags finished rows; the host only reads the flags. One step stays in
+flight: step t+1 is launched before the host reads step t's flags back, so that reading (a wait, the compaction of
+finished rows) overlaps the GPU's work instead of leaving it idle between steps. A row finished at step t runs
+once more at t+1 (its extra token lands past its end and is never read), and finishes are reported one step()
+later; abort() reads the step in flight back first, so requests it finished come back with their own reason.
 
 Randomness: each sequence has a key from (seed, request id, sample index) and response token t of it (prefix
 tokens counted) uses noise hash(key, t, vocab id) (sampling.py), so seeded results do not depend on slots,
@@ -88,6 +92,17 @@ class _Seq:
     limit: int            # cap on the response length, prefix included
     slot: int = -1
     reused: int = 0       # leading tokens whose keys/values its slot already held at admission
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not read back yet: the rows it ran on (in row order) and where its finished
+    flags and step counts land on the host once `event` (CUDA) has passed."""
+
+    rows: list[_Seq]
+    flags: torch.Tensor   # (b,) bool, host
+    steps: torch.Tensor   # (b,) int64, host: each row's response length after the step
+    event: "torch.cuda.Event | None"
 
 
 @dataclass
@@ -239,7 +254,14 @@ class NativeRolloutEngine(RolloutEngine):
         # Per-slot responses: token and log-prob of every generated step (+1 column of slack for clamping).
         self.resp_tokens = torch.zeros(n + 1, self.max_model_len + 1, dtype=torch.int64, device=dev)
         self.resp_logprobs = torch.zeros(n + 1, self.max_model_len + 1, dtype=torch.float32, device=dev)
-        self._done_host = torch.zeros(n, dtype=torch.bool, pin_memory=dev.type == "cuda")
+        # two host copies of the finished flags and step counts: the step in flight writes one while the host
+        # reads the other (_launch / _read_back)
+        on_cuda = dev.type == "cuda"
+        self._done_host = torch.zeros(2, n, dtype=torch.bool, pin_memory=on_cuda)
+        self._steps_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=on_cuda)
+        self._events = [torch.cuda.Event() for _ in range(2)] if on_cuda else [None, None]
+        self._flip = 0
+        self._inflight: _InFlight | None = None
         self.seq_routes = None  # (slots + 1, max_len + 1, moe layers, k): each slot's routes by position
         if self.record_routes:
             from rlhf_mcore.models.routing_replay import route_dtype
@@ -277,6 +299,7 @@ class NativeRolloutEngine(RolloutEngine):
             raise RuntimeError(f"sleep() with {len(self._rows)} requests running in the open stream would lose "
                                "their KV cache; call abort() first and resubmit them as continuations after wake().")
         freed = 0
+        self._inflight = None  # a step launched after the last rows finished: nothing to read back
         self._drop_retained()
         self.graphs.clear()
         if self.cache is not None:
@@ -416,6 +439,9 @@ class NativeRolloutEngine(RolloutEngine):
         self._waiting, self._rows, self._ready = deque(), [], []
         self._retained = OrderedDict()
         self._row_pos = np.zeros(self.max_num_seqs, dtype=np.int64)  # host mirror of r_pos
+        self._row_step = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_step after the steps launched
+        self._row_limit = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_limit
+        self._inflight = None
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         # prompt_tokens: tokens prefilled; reused_tokens: tokens admitted sequences found in their session's slot
         self._stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
@@ -455,10 +481,8 @@ class NativeRolloutEngine(RolloutEngine):
             finished += self._collect(done)
         if self._rows:
             t0 = time.perf_counter()
-            self._sampled += len(self._rows)  # a token for each running sequence
             done = self._decode_once()
             stats["decode_s"] += time.perf_counter() - t0
-            stats["decode_steps"] += 1
             finished += self._collect(done)
         trace.progress(tokens=self._sampled)
         return finished
@@ -468,6 +492,7 @@ class NativeRolloutEngine(RolloutEngine):
         "abort"; requests that had already finished come back with their own reason. The stream stays open;
         retained sessions are dropped (an abort usually precedes a weight update)."""
         self._require_stream("abort")
+        self._drain()
         self._drop_retained()
         out, self._ready = self._ready, []
         if self._rows:
@@ -496,6 +521,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._stats["total_s"] = time.perf_counter() - self._t_open
         self.last_stats = self._stats
         self._waiting, self._rows, self._ready = deque(), [], []
+        self._inflight = None
         self._retained = OrderedDict()
         self._stream_open = False
 
@@ -745,6 +771,8 @@ class NativeRolloutEngine(RolloutEngine):
         inv, greedy = self._temperature_rows(n)
         self.r_inv_temp[sl], self.r_greedy[sl], self.r_done[sl] = inv, greedy, False
         self._row_pos[b0:b0 + n] = pos
+        self._row_step[b0:b0 + n] = [s.n_prefix + 1 for s, _ in new]
+        self._row_limit[b0:b0 + n] = [s.limit for s, _ in new]
         self._rows.extend(s for s, _ in new)
 
     # ----------------------------------------------------------------------------------------------- decode
@@ -780,7 +808,23 @@ class NativeRolloutEngine(RolloutEngine):
         self.r_done[:bb] = stop_hit | (steps >= self.r_limit[:bb])
 
     def _decode_once(self) -> list[tuple[_Seq, int]]:
+        """Launch the next decode step over the running rows, then read back the one launched before it: one step
+        stays in flight, so the host's reading of step t (a wait, the finished flags, compaction) overlaps the
+        GPU's step t+1 instead of leaving the GPU idle between steps. A row that finished at step t runs once more
+        at t+1 (its token and keys/values land beyond its end and are never read); no step is launched when every
+        row is certain to have reached its length cap with the one in flight. Returns the rows read back as
+        finished, as (seq, response length)."""
+        prev, self._inflight = self._inflight, None
         b = len(self._rows)
+        if prev is None or not np.all(self._row_step[:b] >= self._row_limit[:b]):
+            self._inflight = self._launch(b)
+        finished = self._read_back(prev) if prev is not None else []
+        if self._inflight is not None:
+            self._sampled -= len(finished)  # their extra step in flight samples nothing anyone reads
+        return finished
+
+    def _launch(self, b: int) -> _InFlight:
+        """One decode step over rows [0, b), and the asynchronous copy of its finished flags and step counts."""
         if self.use_graphs:
             bb = bucket_for(b, self.buckets)
             self._pad_rows(b, bb)
@@ -797,26 +841,48 @@ class NativeRolloutEngine(RolloutEngine):
             with torch.inference_mode():
                 self._decode_step(b, int(self._row_pos[:b].max()) + 1, self._num_splits(b))
         self._row_pos[:b] += 1
-        if self.device.type == "cuda":  # one small device->pinned copy and a sync per step
-            flags = self._done_host[:b]
-            flags.copy_(self.r_done[:b], non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            done = np.flatnonzero(flags.numpy()).tolist()
-        else:
-            done = self.r_done[:b].nonzero().flatten().tolist()
-        if not done:
+        self._row_step[:b] += 1
+        i, self._flip = self._flip, self._flip ^ 1
+        flags, steps, event = self._done_host[i, :b], self._steps_host[i, :b], self._events[i]
+        flags.copy_(self.r_done[:b], non_blocking=event is not None)
+        steps.copy_(self.r_step[:b], non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        self._stats["decode_steps"] += 1
+        self._sampled += b  # a token for each running sequence
+        return _InFlight(list(self._rows), flags, steps, event)
+
+    def _read_back(self, done_step: _InFlight) -> list[tuple[_Seq, int]]:
+        """The rows `done_step` finished that still run (a row it ran after finishing earlier is skipped), taken
+        out of the running rows (device buffers and host mirrors compacted, in stream order after the step in
+        flight); returns them as (seq, response length at that step)."""
+        if done_step.event is not None:
+            done_step.event.synchronize()
+        flagged = np.flatnonzero(done_step.flags.numpy())
+        if not flagged.size:
             return []
-        done_set = set(done)
-        steps_host = self.r_step[:b].tolist()
-        finished = [(self._rows[i], steps_host[i]) for i in done]
-        keep = [i for i in range(b) if i not in done_set]
+        index = {id(s): i for i, s in enumerate(self._rows)}
+        steps = done_step.steps.numpy()
+        finished = [(done_step.rows[j], int(steps[j])) for j in flagged.tolist() if id(done_step.rows[j]) in index]
+        if not finished:
+            return []
+        gone = {index[id(s)] for s, _ in finished}
+        b = len(self._rows)
+        keep = [i for i in range(b) if i not in gone]
         if keep:
             idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
             for buf in self._row_buffers:
                 buf[:len(keep)] = buf[:b].index_select(0, idx)
+            for mirror in (self._row_pos, self._row_step, self._row_limit):
+                mirror[:len(keep)] = mirror[keep]
         self._rows = [self._rows[i] for i in keep]
-        self._row_pos[:len(keep)] = self._row_pos[keep] if keep else self._row_pos[:0]
         return finished
+
+    def _drain(self) -> None:
+        """Read back the step in flight; the rows it finished are returned by the next step() (or abort())."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._ready += self._collect(self._read_back(prev))
 
     def _num_splits(self, bb: int) -> int:
         if self.attention != "triton":
