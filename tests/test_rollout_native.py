@@ -121,7 +121,8 @@ def test_one_decode_step_in_flight_and_none_wasted_at_the_cap(tiny_model_dir):
     caps take exactly cap - 1 decode steps (the first token comes from the prefill): no step is launched once every
     row is certain to be done. A row that stopped at step t and ran once more at t+1 is reported once, with the
     tokens it had at t. Mutations: launching regardless of the caps -> 12 decode steps for 11; reading back the
-    flagged rows of a step without skipping those that finished before it -> a KeyError in the compaction."""
+    flagged rows of a step without skipping those that finished before it -> a KeyError in the compaction;
+    num_pending without the rows whose tokens are still being copied back -> the stopped request is never returned."""
     d = tiny_model_dir("llama")
     engine = NativeRolloutEngine(d, max_num_seqs=8, max_model_len=64, device=DEVICE)
     prompts = make_prompts(4, seed=12)
@@ -141,6 +142,18 @@ def test_one_decode_step_in_flight_and_none_wasted_at_the_cap(tiny_model_dir):
     alone = [engine.generate([p], params, request_ids=[i])[0] for i, p in enumerate(prompts)]
     assert tokens(batched) == tokens(alone)
     assert any(s.finish_reason == "stop" for o in batched for s in o.samples)
+    # the last row stops with a step still in flight: its tokens are still on their way to the host, and the
+    # request counts as pending until the next step() returns it
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=())
+    third = engine.generate(prompts[:1], greedy)[0].samples[0].token_ids[:3]
+    engine.open_stream(SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(third[2],)))
+    engine.submit([Request(0, prompts[0])])
+    back = []
+    while engine.num_pending:
+        back += engine.step()
+    engine.close_stream()
+    assert [(f.sample.token_ids, f.sample.finish_reason) for f in back] == [(third[:third.index(third[2]) + 1],
+                                                                              "stop")]
     # rows reaching their caps at different steps: a capped row stays flagged while the others run on
     caps = [3, 12, 6, 9]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=())

@@ -26,8 +26,10 @@ place: the step writes the sampled token into the row's input, advances position
 log-prob in a per-slot response buffer and flags finished rows; the host only reads the flags. One step stays in
 flight: step t+1 is launched before the host reads step t's flags back, so that reading (a wait, the compaction of
 finished rows) overlaps the GPU's work instead of leaving it idle between steps. A row finished at step t runs
-once more at t+1 (its extra token lands past its end and is never read), and finishes are reported one step()
-later; abort() reads the step in flight back first, so requests it finished come back with their own reason.
+once more at t+1 (its extra token lands past its end and is never read). Finished rows' tokens are copied to the
+host behind the step in flight and returned by the next step() (`num_pending` counts them until then), so a step
+where rows finish does not wait for the GPU either; abort() reads everything in flight back first, so requests it
+finished come back with their own reason.
 
 Randomness: each sequence has a key from (seed, request id, sample index) and response token t of it (prefix
 tokens counted) uses noise hash(key, t, vocab id) (sampling.py), so seeded results do not depend on slots,
@@ -102,6 +104,16 @@ class _InFlight:
     rows: list[_Seq]
     flags: torch.Tensor   # (b,) bool, host
     steps: torch.Tensor   # (b,) int64, host: each row's response length after the step
+    event: "torch.cuda.Event | None"
+
+
+@dataclass
+class _Collecting:
+    """Finished rows whose tokens and log-probs are being copied to the host behind the step in flight."""
+
+    finished: list[tuple[_Seq, int]]
+    tokens: torch.Tensor    # (R, width) int64, host (page-locked on CUDA)
+    logprobs: torch.Tensor  # (R, width) float32, host (page-locked on CUDA)
     event: "torch.cuda.Event | None"
 
 
@@ -225,6 +237,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._waiting: deque[_Seq] = deque()
         self._rows: list[_Seq] = []  # running sequences, in row order
         self._ready: list[Finished] = []  # finished at submit, returned by the next step()
+        self._collecting: list[_Collecting] = []  # finished, their tokens on their way to the host
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -442,6 +455,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._row_step = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_step after the steps launched
         self._row_limit = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_limit
         self._inflight = None
+        self._collecting: list[_Collecting] = []
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         # prompt_tokens: tokens prefilled; reused_tokens: tokens admitted sequences found in their session's slot
         self._stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
@@ -471,6 +485,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._require_stream("step")
         self._check_ready()
         finished, self._ready = self._ready, []
+        finished += self._finish_collecting()
         stats = self._stats
         if self._waiting and self._should_admit(len(self._waiting)):
             t0 = time.perf_counter()
@@ -483,7 +498,7 @@ class NativeRolloutEngine(RolloutEngine):
             t0 = time.perf_counter()
             done = self._decode_once()
             stats["decode_s"] += time.perf_counter() - t0
-            finished += self._collect(done)
+            finished += self._collect_later(done)
         trace.progress(tokens=self._sampled)
         return finished
 
@@ -511,7 +526,8 @@ class NativeRolloutEngine(RolloutEngine):
     def num_pending(self) -> int:
         """Requests submitted and not yet returned: waiting + running (+ finished at submit, returned by the
         next step()). 0 when no stream is open."""
-        return len(self._waiting) + len(self._rows) + len(self._ready)
+        return (len(self._waiting) + len(self._rows) + len(self._ready)
+                + sum(len(c.finished) for c in self._collecting))
 
     def close_stream(self) -> None:
         """End the stream (no-op when none is open); requests still pending are dropped (abort() first to get
@@ -521,7 +537,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._stats["total_s"] = time.perf_counter() - self._t_open
         self.last_stats = self._stats
         self._waiting, self._rows, self._ready = deque(), [], []
-        self._inflight = None
+        self._inflight, self._collecting = None, []
         self._retained = OrderedDict()
         self._stream_open = False
 
@@ -870,7 +886,7 @@ class NativeRolloutEngine(RolloutEngine):
         b = len(self._rows)
         keep = [i for i in range(b) if i not in gone]
         if keep:
-            idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+            idx = self._to_device(keep)
             for buf in self._row_buffers:
                 buf[:len(keep)] = buf[:b].index_select(0, idx)
             for mirror in (self._row_pos, self._row_step, self._row_limit):
@@ -879,8 +895,10 @@ class NativeRolloutEngine(RolloutEngine):
         return finished
 
     def _drain(self) -> None:
-        """Read back the step in flight; the rows it finished are returned by the next step() (or abort())."""
+        """Read back the step in flight and the rows being collected; all of them are returned by the next step()
+        (or abort())."""
         prev, self._inflight = self._inflight, None
+        self._ready += self._finish_collecting()
         if prev is not None:
             self._ready += self._collect(self._read_back(prev))
 
@@ -906,6 +924,43 @@ class NativeRolloutEngine(RolloutEngine):
         return restore
 
     # ---------------------------------------------------------------------------------------------- results
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 values on the engine's device; on CUDA through page-locked memory, without waiting for the stream
+        (a pageable copy would wait for the decode step in flight)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _collect_later(self, finished: list[tuple[_Seq, int]]) -> list[Finished]:
+        """`_collect` without waiting for the step in flight: the rows' tokens and log-probs are gathered and copied
+        to the host behind it, and the next step() returns them (`_finish_collecting`). With no step in flight
+        (the last ones) or where routes are recorded, they are collected at once. The same bookkeeping runs on the
+        CPU, where the copies are simply synchronous."""
+        if not finished or self._inflight is None or self.record_routes:
+            return self._collect(finished)
+        on_cuda = self.device.type == "cuda"
+        slots = self._to_device([s.slot for s, _ in finished])
+        width = max(n for _, n in finished)
+        toks = torch.empty(len(finished), width, dtype=torch.int64, pin_memory=on_cuda)
+        lps = torch.empty(len(finished), width, dtype=torch.float32, pin_memory=on_cuda)
+        toks.copy_(self.resp_tokens[slots, :width], non_blocking=on_cuda)
+        lps.copy_(self.resp_logprobs[slots, :width], non_blocking=on_cuda)
+        event = torch.cuda.Event() if on_cuda else None
+        if event is not None:
+            event.record()
+        self._collecting.append(_Collecting(finished, toks, lps, event))
+        return []
+
+    def _finish_collecting(self) -> list[Finished]:
+        out = []
+        for c in self._collecting:
+            if c.event is not None:
+                c.event.synchronize()
+            out += self._finished_from(c.finished, c.tokens.tolist(), c.logprobs.tolist())
+        self._collecting = []
+        return out
+
     def _collect(self, finished: list[tuple[_Seq, int]], reason: str | None = None) -> list[Finished]:
         """Read finished sequences' responses (prefix included) and free their slots (a session's is retained
         instead, unless aborted). reason: None -> "stop" if the last token is a stop id, else "length"."""
@@ -913,8 +968,13 @@ class NativeRolloutEngine(RolloutEngine):
             return []
         slots = torch.tensor([s.slot for s, _ in finished], dtype=torch.int64, device=self.device)
         width = max(n for _, n in finished)
-        toks = self.resp_tokens[slots, :width].tolist()
-        lps = self.resp_logprobs[slots, :width].tolist()
+        return self._finished_from(finished, self.resp_tokens[slots, :width].tolist(),
+                                   self.resp_logprobs[slots, :width].tolist(), reason)
+
+    def _finished_from(self, finished: list[tuple[_Seq, int]], toks: list[list[int]], lps: list[list[float]],
+                       reason: str | None = None) -> list[Finished]:
+        """The Finished results of rows whose response buffers were read (`toks`, `lps`: at least n columns each);
+        their slots freed, or retained for their session."""
         out = []
         for (seq, n), tk, lp in zip(finished, toks, lps):
             tk, lp = tk[:n], lp[:n]
