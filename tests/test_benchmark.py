@@ -310,6 +310,27 @@ def test_phase_busy_takes_the_union_of_the_kernels_inside_each_phase():
     assert abs(got["a"]["busy_s"] - 0.4) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got
 
 
+def test_phase_busy_splits_the_waits_for_the_host_by_length():
+    """phase_busy's idle time split into waits under 1 ms (launch-bound) and longer ones (syncs, host work), counting
+    the phase's lead-in and tail. Mutations: the tail left out (long_idle_s 0.4 short), the threshold compared the
+    wrong way round (the 0.2 ms waits counted as long) each fail it."""
+    from types import SimpleNamespace
+
+    import bench_ppo_step
+    from torch.autograd import DeviceType
+
+    def k(start, end):
+        return SimpleNamespace(name="k", time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
+                               device_type=DeviceType.CUDA, is_user_annotation=False)
+
+    # phase [1.0, 2.0]: lead-in 0.1 s, kernels back to back but for two 0.2 ms waits, a 0.3 s wait, a 0.4 s tail
+    events = [k(1.1, 1.2), k(1.2002, 1.25), k(1.2502, 1.3), k(1.6, 1.6 + 1e-6), k(1.59, 1.6)]
+    got = bench_ppo_step.phase_busy(SimpleNamespace(events=lambda: events), [("a", 1e6, 2e6)])["a"]
+    assert abs(got["short_idle_s"] - 4e-4) < 1e-9, got
+    assert abs(got["long_idle_s"] - (0.1 + 0.29 + 0.4 - 1e-6)) < 1e-9 and got["long_idles"] == 3, got
+    assert abs(got["span_s"] - got["busy_s"] - got["short_idle_s"] - got["long_idle_s"]) < 1e-9, got
+
+
 def test_profile_clock_spans_align_on_the_mark_kernel():
     """bench_ppo_step.profile_clock_spans: the timed phases' perf_counter intervals land on the profile's clock at
     the marker kernel (launched at perf_counter `mark`), or at the profiler's start without one; phase_busy then

@@ -185,9 +185,12 @@ def phase_busy(prof, spans=()) -> dict[str, dict[str, float]]:
     it) and the phase's own seconds. The phases are the host's `record_function` annotations when the profile has
     them (`--profile-cpu`); else `spans`, (phase, start, end) in microseconds on the profile's clock (the wrapper's
     perf_counter intervals shifted by the profiler's start: good to the profiler's start-up, about a millisecond).
-    The rest of a phase is where the GPU waited for the host. Kernels under programmatic dependent launch (the
-    rollout's decode kernels) start before their predecessors end and wait, so there the union overstates the busy
-    time."""
+    The rest of a phase is where the GPU waited for the host, split by the length of each wait (the time from the
+    phase's start to its first kernel, between kernels, and from the last kernel to the phase's end): `short_idle_s`
+    sums the waits under `SHORT_GAP_S` (the host launching kernels more slowly than the GPU runs them),
+    `long_idle_s` the longer ones (`long_idles` of them: synchronisations, host work between kernels). Kernels under
+    programmatic dependent launch (the rollout's decode kernels) start before their predecessors end and wait, so
+    there the union overstates the busy time."""
     from torch.autograd import DeviceType
 
     events = prof.events()
@@ -197,18 +200,34 @@ def phase_busy(prof, spans=()) -> dict[str, dict[str, float]]:
                      if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
                      and not e.name.startswith(PHASE_PREFIX))
     out: dict[str, dict[str, float]] = {}
+    short_us = SHORT_GAP_S * 1e6
     for name, lo, hi in chosen:
-        busy, end = 0.0, lo
+        busy, end, short, long, n_long = 0.0, lo, 0.0, 0.0, 0
         for a, b in kernels:
             if a < lo or a > hi:
                 continue
+            gaps = [a - end] if a > end else []
+            if a >= hi:
+                break
             a = max(a, end)
             if b > a:
                 busy, end = busy + b - a, b
-        d = out.setdefault(name, {"span_s": 0.0, "busy_s": 0.0})
+            for g in gaps:
+                short, long, n_long = (short + g, long, n_long) if g < short_us else (short, long + g, n_long + 1)
+        if end < hi:  # the phase's tail: its last kernel ended before the host moved on
+            g = hi - end
+            short, long, n_long = (short + g, long, n_long) if g < short_us else (short, long + g, n_long + 1)
+        d = out.setdefault(name, {"span_s": 0.0, "busy_s": 0.0, "short_idle_s": 0.0, "long_idle_s": 0.0,
+                                  "long_idles": 0})
         d["span_s"] += (hi - lo) / 1e6
         d["busy_s"] += busy / 1e6
+        d["short_idle_s"] += short / 1e6
+        d["long_idle_s"] += long / 1e6
+        d["long_idles"] += n_long
     return out
+
+
+SHORT_GAP_S = 1e-3  # phase_busy: a wait for the host shorter than this counts as launch-bound
 
 
 MARK_KERNEL = "spin_kernel"  # what torch.cuda._sleep launches
@@ -258,8 +277,10 @@ def kernel_table(prof, wall_s: float, top: int = 30, spans=()) -> tuple[str, dic
              f"{busy / max(wall_s, 1e-9):.0%} of wall", ""]
     phases = phase_busy(prof, spans) if on_gpu else {}
     if phases:
-        lines += [f"{'phase':<22} {'span s':>8} {'busy s':>8} {'span - busy':>12}"]
-        lines += [f"{k:<22} {d['span_s']:8.3f} {d['busy_s']:8.3f} {d['span_s'] - d['busy_s']:12.3f}"
+        lines += [f"{'phase':<22} {'span s':>8} {'busy s':>8} {'span - busy':>12} {'waits < 1 ms':>13} "
+                  f"{'waits >= 1 ms (n)':>18}"]
+        lines += [f"{k:<22} {d['span_s']:8.3f} {d['busy_s']:8.3f} {d['span_s'] - d['busy_s']:12.3f} "
+                  f"{d['short_idle_s']:13.3f} {d['long_idle_s']:10.3f} ({d['long_idles']})"
                   for k, d in sorted(phases.items(), key=lambda x: -x[1]["span_s"])]
         lines.append("")
     lines.append("by category:")
