@@ -485,7 +485,8 @@ class NativeRolloutEngine(RolloutEngine):
         self._require_stream("step")
         self._check_ready()
         finished, self._ready = self._ready, []
-        finished += self._finish_collecting()
+        if self._waiting:  # admission may need the slots of the rows being collected (its prefill waits anyway)
+            finished += self._finish_collecting()
         stats = self._stats
         if self._waiting and self._should_admit(len(self._waiting)):
             t0 = time.perf_counter()
@@ -498,7 +499,10 @@ class NativeRolloutEngine(RolloutEngine):
             t0 = time.perf_counter()
             done = self._decode_once()
             stats["decode_s"] += time.perf_counter() - t0
+            finished += self._finish_collecting()  # only now: waiting for them before the launch would idle the GPU
             finished += self._collect_later(done)
+        else:
+            finished += self._finish_collecting()
         trace.progress(tokens=self._sampled)
         return finished
 
@@ -524,8 +528,8 @@ class NativeRolloutEngine(RolloutEngine):
 
     @property
     def num_pending(self) -> int:
-        """Requests submitted and not yet returned: waiting + running (+ finished at submit, returned by the
-        next step()). 0 when no stream is open."""
+        """Requests submitted and not yet returned: waiting + running (+ finished at submit or read back from a
+        decode step, returned by the next step()). 0 when no stream is open."""
         return (len(self._waiting) + len(self._rows) + len(self._ready)
                 + sum(len(c.finished) for c in self._collecting))
 
