@@ -247,3 +247,37 @@ def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatc
         outs[pdl] = [(o.samples[0].token_ids, o.samples[0].logprobs) for o in engine.generate(prompts, params)]
         engine.shutdown()
     assert outs["1"] == outs["0"], "programmatic dependent launch changed the samples"
+
+
+def test_decode_step_in_flight_on_cuda(gpu_model_dirs):
+    """The engine's CUDA path of one decode step in flight (page-locked double buffers, events, finished rows'
+    tokens copied back behind the next step): bf16, CUDA graphs, rows reaching their caps at different steps, then
+    rows stopping early. Every request comes back once; capped rows with exactly their cap; with a stop id, each
+    sample either ends at its first stop id ("stop") or runs to the cap without one ("length"); decode steps = the
+    longest cap - 1 when every row runs to its cap. (Structure only: bf16 tokens may differ between batch sizes.)
+    Reading a host copy before its event (a race) returns stale flags or tokens: wrong lengths, a stop id inside
+    a response, or a request missing."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    engine = NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=64, max_model_len=128)
+    prompts = make_prompts(16, 900)
+    caps = [4 + 3 * (i % 8) for i in range(16)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=5, stop_token_ids=())
+    capped = engine.generate(prompts, params, max_new_tokens=caps)
+    assert [[len(s.token_ids) for s in o.samples] for o in capped] == [[c, c] for c in caps]
+    assert all(s.finish_reason == "length" and len(s.logprobs) == len(s.token_ids) for o in capped for s in o.samples)
+    full = engine.generate(prompts, params)
+    assert engine.last_stats["decode_steps"] == 31
+    stop = full[0].samples[0].token_ids[5]
+    stopped = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=5,
+                                                      stop_token_ids=(stop,)))
+    assert len(stopped) == 16 and all(len(o.samples) == 2 for o in stopped)
+    for s in (s for o in stopped for s in o.samples):
+        assert len(s.logprobs) == len(s.token_ids) >= 1
+        if s.finish_reason == "stop":
+            assert s.token_ids[-1] == stop and stop not in s.token_ids[:-1]
+        else:
+            assert s.finish_reason == "length" and len(s.token_ids) == 32 and stop not in s.token_ids
+    assert any(s.finish_reason == "stop" for o in stopped for s in o.samples)
+    engine.shutdown()
