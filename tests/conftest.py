@@ -74,3 +74,19 @@ def tiny_model_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def vla_llava(tmp_path_factory):
+    """The tiny LLaVA the VLA tests train (16-pixel images, 4-pixel patches), built once per session; read-only."""
+    from rlhf_mcore.models.vision.tiny import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("vla_llava"), image_size=16, patch_size=4)
+
+
+@pytest.fixture(scope="session")
+def cpu_only():
+    """For a test whose own process runs a CPU engine: on a GPU machine `cpu_compat` would hide the GPUs from the
+    whole process, and from the GPU tests its xdist worker runs next. Skipped there (CI, without CUDA, runs it)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")

@@ -24,15 +24,10 @@ ARGS = ["vla.enable=true", "trainer.device=cpu", "vla.num_envs=8", "actor_rollou
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    from rlhf_mcore.models.vision.tiny import make_tiny_llava
-
-    if torch.cuda.is_available():
-        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
-    llava = make_tiny_llava(tmp_path_factory.mktemp("vla_dp_llava"), image_size=16, patch_size=4)
+def dp2(vla_llava, cpu_only, tmp_path_factory):
     out = tmp_path_factory.mktemp("vla_dp")
-    launch("tests/vla_dp_worker.py", str(llava), str(out), *ARGS, nproc=2, timeout=600)
-    return llava, out, torch.load(out / "dp2.pt", weights_only=False)
+    launch("tests/vla_dp_worker.py", str(vla_llava), str(out), *ARGS, nproc=2, timeout=600)
+    return vla_llava, out, torch.load(out / "dp2.pt", weights_only=False)
 
 
 def _joined(batches: list[dict]) -> dict:

@@ -16,17 +16,13 @@ CFG = ["vla.enable=true", "trainer.device=cpu", "vla.num_envs=8", "actor_rollout
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(vla_llava, cpu_only, tmp_path_factory):
     from rlhf_mcore.config import load_config
-    from rlhf_mcore.models.vision.tiny import make_tiny_llava
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
     from rlhf_mcore.trainer.vla import VLARun
 
-    if torch.cuda.is_available():
-        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
-    llava = make_tiny_llava(tmp_path_factory.mktemp("vla_lp_llava"), image_size=16, patch_size=4)
     out = tmp_path_factory.mktemp("vla_lp_run")
-    cfg = load_config(None, [f"actor_rollout_ref.model.path={llava}", f"trainer.default_local_dir={out}", *CFG])
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={vla_llava}", f"trainer.default_local_dir={out}", *CFG])
     state = init_distributed(device="cpu", seed=1)
     r = VLARun(cfg, state, out)
     r.behaviour_cloning(8, 16)  # away from the near-uniform init: a mismatch of distributions shows more

@@ -21,10 +21,8 @@ PPO = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    from rlhf_mcore.models.vision.tiny import make_tiny_llava
-
-    return make_tiny_llava(tmp_path_factory.mktemp("vla_llava"), image_size=16, patch_size=4)
+def llava(vla_llava):
+    return vla_llava
 
 
 def cfg_of(llava, *extra):
@@ -121,11 +119,9 @@ def test_episode_advantages_and_group_filter_against_a_naive_loop():
 
 
 @pytest.fixture(scope="module")
-def cpu_state():
+def cpu_state(cpu_only):
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
-    if torch.cuda.is_available():
-        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
     yield init_distributed(device="cpu", seed=1)
     destroy_distributed()
 
@@ -274,14 +270,12 @@ def test_the_critic_fits_a_fixed_batch(ppo_run):
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_resume_equals_the_uninterrupted_run(llava, tmp_path, algorithm):
+def test_resume_equals_the_uninterrupted_run(llava, cpu_only, tmp_path, algorithm):
     """Two steps straight, against one step, a checkpoint, then the second step resumed: the same step-2 metrics and
     held-out success, bit for bit; with PPO the critic's too. Mutations: resume not loading the engine's checkpoint
     -> differs; (ppo) resume not loading the critic's -> differs (run once)."""
     from rlhf_mcore.trainer.vla import run_vla
 
-    if torch.cuda.is_available():
-        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
     common = ["vla.bc_steps=1", "vla.bc_batch_size=8", "trainer.save_freq=1", "trainer.test_freq=2",
               "trainer.val_before_train=false", *(PPO if algorithm == "ppo" else [])]
     straight, split = tmp_path / "straight", tmp_path / "split"
