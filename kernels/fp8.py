@@ -6,6 +6,8 @@ Two weight layouts, both with fp32 *decoding* scales (x ~= q * scale) and curren
   - "block": one scale per 128 x 128 tile of the weight (DeepSeek-V3 / veRL's layout), activations one scale per
     1 x 128 slice of a row; the GEMM is `torch.nn.functional.scaled_mm` with BlockWise1x128 x BlockWise128x128
     scales (cuBLAS >= 12.9 on Hopper).
+The training linear (`fp8_linear`) also quantizes a whole tensor under one scale (`quantize_tensor`, the
+"tensorwise" recipe: cuBLAS's tensor-wise scaled GEMM, and one pass that writes a tensor's codes in both layouts).
 A scale is amax / FP8_MAX, so the largest magnitude of a group lands on the format's largest finite value; values
 are clamped to +-FP8_MAX before the cast (saturation, never inf or nan); an all-zero group gets scale 1 and zero
 codes. Round-to-nearest of e4m3 (3 mantissa bits) bounds each element's error by 2**-4 of its magnitude where
@@ -87,6 +89,30 @@ def quantize_cols_t(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.T
 
         return quantize_cols_t_cuda(x, dtype)
     return quantize_rows(x.t().contiguous(), dtype)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the whole tensor, a 0-dim tensor in x's dtype (exact: it is one of x's values). One reduction
+    kernel on CUDA, no host synchronisation."""
+    return torch.linalg.vector_norm(x, ord=float("inf"))
+
+
+def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3, amax: torch.Tensor | None = None,
+                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One scale for all of x (M, K) ("tensorwise", Transformer Engine's per-tensor scaling): (codes (M, K),
+    scale (1, 1) fp32, and with `transpose` the codes of x.T (K, M), else None). The transposed codes are the same
+    codes, transposed: what the backward GEMMs take. `amax` (0-dim, max |x|) when the caller has it (a weight's,
+    cached between optimizer steps); else computed here. On CUDA one Triton kernel reads x once and writes both
+    layouts."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    amax = tensor_amax(x) if amax is None else amax
+    if x.is_cuda:
+        from .fp8_triton import quantize_tensor_cuda
+
+        return quantize_tensor_cuda(x, dtype, amax, transpose)
+    scale = _scale(amax.reshape(1, 1), dtype)
+    q = _cast(x, scale, dtype)
+    return q, scale, q.t().contiguous() if transpose else None
 
 
 def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, block: int = BLOCK

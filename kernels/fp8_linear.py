@@ -1,5 +1,6 @@
-"""A linear layer whose three GEMMs run in FP8 with current scaling (no Transformer Engine).
+"""A linear layer whose three GEMMs run in FP8 with current scaling (no Transformer Engine), in one of two recipes.
 
+"rowwise" (the default, `fp8_linear_train`):
     y = x @ W.T          x per token (row), W per output channel, both e4m3
     dx = dy @ W          dy per token in `grad_dtype` (e4m3 or e5m2), W per input channel (its columns), e4m3
     dW = dy.T @ x        dy per output channel (its columns), x per input channel (its columns)
@@ -8,10 +9,22 @@ Every operand is quantized along the GEMM's output dimension, so each scale is a
 `torch._scaled_mm` (one per row of the left operand, one per column of the right one) and the scales factor out
 of the K sum exactly. The operands are kept in their original dtype between forward and backward (re-quantized
 along the other axis there, by `fp8.quantize_cols_t`, which writes the transposed codes without a bf16 transpose
-copy), so activation memory is what a bf16 linear keeps; master weights, gradients and the
-optimizer stay as they are (fp32 main params under Megatron's optimizer). On CPU the GEMMs are the dequantized
-fp32 reference (`fp8.reference_mm`): slow, for tests only. cuBLAS wants every FP8 GEMM dim a multiple of 16: the
-token rows are zero-padded (zeros add nothing to dW).
+copy), so activation memory is what a bf16 linear keeps.
+
+"tensorwise" (`fp8_linear_train_tensorwise`, Transformer Engine's per-tensor scaling, with current amaxes): x, W and
+dy each have one scale, so one set of codes serves both axes. Each tensor is read once for its amax and once by
+one kernel that writes its codes and their transpose (`fp8.quantize_tensor`), against two quantizations (four
+reads) per tensor rowwise; cuBLAS's tensor-wise FP8 GEMM ran 1.66x bf16 against row-wise 1.57x at the 7B MLP
+shape (DESIGN.md). The forward keeps the transposed codes of x and W for the backward (1 byte an element, against
+the 2 of the bf16 x the rowwise recipe keeps). W's amax is kept between calls and recomputed when W changes (its
+storage or version counter: every optimizer step, load and copy into it bumps the counter); a CUDA graph
+capture computes it inside the graph, so replays after an optimizer step never use a stale one. The cost is
+range: a token's values share the tensor's scale, so values below amax * 2**-9 / 448 (e4m3) flush to zero, which
+is why Transformer Engine pairs it with e5m2 gradients ("hybrid").
+
+Master weights, gradients and the optimizer stay as they are (fp32 main params under Megatron's optimizer). On CPU
+the GEMMs are the dequantized fp32 reference (`fp8.reference_mm`): slow, for tests only. cuBLAS wants every FP8
+GEMM dim a multiple of 16: the token rows are zero-padded (zeros add nothing to dW).
 """
 
 from __future__ import annotations
@@ -19,9 +32,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .fp8 import E4M3, E5M2, quantize_cols_t, quantize_rows, reference_mm
+from .fp8 import E4M3, E5M2, quantize_cols_t, quantize_rows, quantize_tensor, reference_mm, tensor_amax
 
 GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
+RECIPES = ("rowwise", "tensorwise")
 _ALIGN = 16
 
 
@@ -80,4 +94,84 @@ def fp8_linear_train(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x (..., K) @ weight.T (+ bias) with FP8 GEMMs forward and backward; (..., N)."""
     lead = x.shape[:-1]
     y = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, grad_dtype, dgrad_group)
+    return y.reshape(*lead, weight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ tensorwise
+
+
+class WeightAmax:
+    """max |W| of one weight, kept between calls: recomputed when W's storage or version counter moved (an
+    optimizer step, a checkpoint load, an offload's new storage), and inside every CUDA graph capture (a replay
+    then recomputes it, since the graph cannot see the counter)."""
+
+    def __init__(self):
+        self.amax: torch.Tensor | None = None
+        self.key: tuple[int, int] | None = None
+        self.computed = 0  # how many times it was recomputed (tests)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return tensor_amax(weight)
+        key = (weight.data_ptr(), weight._version)
+        if self.amax is None or key != self.key or self.amax.device != weight.device:
+            self.amax, self.key = tensor_amax(weight.detach()), key
+            self.computed += 1
+        return self.amax
+
+
+def _mm_tensorwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """Codes aq (M, K) @ bq.T for bq (N, K) row-major, one scale each ((1, 1) fp32): (M, N) in out_dtype."""
+    if aq.is_cuda:
+        return torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return reference_mm(aq, sa, bq, sb).to(out_dtype)
+
+
+class Fp8TensorwiseLinearFunction(torch.autograd.Function):
+    """y = x @ weight.T (+ bias) for x (M, K) under per-tensor scales (see the module docstring); weight_amax: the
+    weight's `WeightAmax`; dgrad_group as in Fp8LinearFunction; backward: whether autograd will call backward
+    (decided by the caller: inside forward grad mode is always off)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group, weight_amax, backward):
+        m = x.shape[0]
+        xp = _pad_rows(x)
+        # a forward under no_grad (the first pass of activation recompute, log-probs) writes no transposes; the
+        # recompute pass then writes the same codes (the same amaxes of the same tensors) and the transposes
+        xq, xs, xq_t = quantize_tensor(xp, E4M3, transpose=backward)
+        wq, ws, wq_t = quantize_tensor(weight, E4M3, amax=weight_amax(weight), transpose=backward)
+        y = _mm_tensorwise(xq, xs, wq, ws, x.dtype)[:m]
+        if bias is not None:
+            y = y + bias
+        if backward:
+            ctx.save_for_backward(xq_t, xs, wq_t, ws)
+        ctx.m, ctx.has_bias, ctx.grad_dtype, ctx.group = m, bias is not None, grad_dtype, dgrad_group
+        ctx.x_dtype, ctx.w_dtype, ctx.w_needs_grad = x.dtype, weight.dtype, weight.requires_grad
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq_t, xs, wq_t, ws = ctx.saved_tensors
+        dyq, dys, dyq_t = quantize_tensor(_pad_rows(dy.contiguous()), ctx.grad_dtype, transpose=ctx.w_needs_grad)
+        # dx = dy @ W: W (N, K) column-major is W.T's codes (K, N) transposed back
+        dx = _mm_tensorwise(dyq, dys, wq_t, ws, ctx.x_dtype)[:ctx.m]
+        if ctx.group is not None:
+            dist.all_reduce(dx, group=ctx.group)
+        # dW = dy.T @ x: dy.T's codes (N, M), x (M, K) column-major is x.T's codes (K, M) transposed back;
+        # e5m2 x e5m2 has no FP8 GEMM, x stays e4m3
+        dw = _mm_tensorwise(dyq_t, dys, xq_t, xs, ctx.w_dtype) if ctx.w_needs_grad else None
+        db = dy.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_linear_train_tensorwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                                grad_dtype: torch.dtype = E4M3, dgrad_group=None,
+                                weight_amax: WeightAmax | None = None) -> torch.Tensor:
+    """x (..., K) @ weight.T (+ bias) with FP8 GEMMs under per-tensor scales, forward and backward; (..., N).
+    Pass the layer's own `weight_amax` to keep W's amax between calls (a fresh one recomputes it every call)."""
+    lead = x.shape[:-1]
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    y = Fp8TensorwiseLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, grad_dtype, dgrad_group,
+                                          weight_amax or WeightAmax(), backward)
     return y.reshape(*lead, weight.shape[0])

@@ -1,8 +1,9 @@
 """Just-in-time FP8 quantization of activations on the GPU: one Triton kernel per call (amax, scale, cast), instead
 of the half dozen torch kernels of `fp8.quantize_rows` that bound an FP8 decode step (BENCHMARKS.md, "FP8").
-`quantize_cols_t_cuda` quantizes the columns of x into the codes of x.T (the FP8 training linear's backward
-operands) in two tiled kernels -- column amax, then scaled cast with a transposed store -- instead of a bf16
-transpose copy and a row quantization of it (that copy measured 0.3 TB/s).
+`quantize_tensor_cuda` casts a tensor under one scale and can write its codes transposed from the same read (the
+tensorwise training recipe). `quantize_cols_t_cuda` quantizes the columns of x into the codes of x.T (the FP8
+training linear's backward operands) in two tiled kernels -- column amax, then scaled cast with a transposed store
+-- instead of a bf16 transpose copy and a row quantization of it (that copy measured 0.3 TB/s).
 
 Same meaning as the torch functions in :mod:`.fp8` (scale = amax / FP8_MAX, 1 for an all-zero group, values
 clamped to +-FP8_MAX), up to the last bit of the division.
@@ -106,3 +107,38 @@ def quantize_cols_t_cuda(x: torch.Tensor, dtype: torch.dtype, bm: int = 64, bk: 
     _col_amax_kernel[grid](x, amax, m, k, x.stride(0), BM=bm, BK=bk)
     _col_cast_t_kernel[grid](x, amax, q, scale, m, k, x.stride(0), q.stride(0), QMAX=FP8_MAX[dtype], BM=bm, BK=bk)
     return q, scale
+
+
+@triton.jit
+def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_qtk,
+                        QMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Program (row block, column block): the tile's codes under the one scale amax / QMAX, stored as they lie in q
+    (M, K) and, with TRANSPOSE, transposed in qt (K, M); program (0, 0) writes the scale."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    amax = tl.load(amax_ptr).to(tl.float32)
+    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    if TRANSPOSE:
+        tl.store(qt_ptr + cols[:, None] * stride_qtk + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(s_ptr, scale)
+
+
+def quantize_tensor_cuda(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, transpose: bool,
+                         bm: int = 64, bk: int = 64
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes (M, K) of x (contiguous rows) under one scale from `amax` (0-dim, any float dtype, on x's device),
+    the scale (1, 1), and with `transpose` the codes of x.T (K, M) from the same read, as `fp8.quantize_tensor`."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    qt = torch.empty(k, m, dtype=dtype, device=x.device) if transpose else q  # q: an unused pointer
+    scale = torch.empty(1, 1, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
+    _tensor_cast_kernel[grid](x, amax, q, qt, scale, m, k, x.stride(0), q.stride(0), qt.stride(0),
+                              QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=bm, BK=bk)
+    return q, scale, qt if transpose else None

@@ -511,7 +511,8 @@ def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
     keys left at their defaults, give no notice. Mutation: `return sorted(found.items())` -> `return []` in
     `rlhf_mcore/config/unused.py: unused_keys` -> fails; mutation: `if decided[i]:` -> `if not decided[i]:` -> fails."""
     monkeypatch.delenv("RANK", raising=False)
-    habit = ["critic.model.path=/nonexistent", "critic.optim.lr=1e-5", "algorithm.kl_ctrl.kl_coef=0.001"]
+    habit = ["critic.model.path=/nonexistent", "critic.optim.lr=1e-5", "algorithm.kl_ctrl.kl_coef=0.001",
+             "actor_rollout_ref.actor.megatron.fp8_recipe=rowwise"]
     cfg = load_config(None, MODEL + ["algorithm.adv_estimator=grpo", *habit])
     assert cfg.critic.model.path == "/nonexistent" and not critic_enabled(cfg)  # accepted, as veRL sets them
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
@@ -520,11 +521,14 @@ def test_keys_unused_in_the_setup_get_one_notice(tmp_path, capsys, monkeypatch):
     assert ("critic.model.path (algorithm.adv_estimator=grpo builds no critic; and critic.model.path='/nonexistent' "
             "does not exist)") in lines[0], lines[0]
     assert "algorithm.kl_ctrl.kl_coef (algorithm.use_kl_in_reward=false: no KL penalty in the reward)" in lines[0]
+    assert ("actor_rollout_ref.actor.megatron.fp8_recipe (actor_rollout_ref.actor.megatron.fp8=null: no FP8 GEMMs)"
+            in lines[0])
     assert "actor_rollout_ref.model.path" not in lines[0] and "adv_estimator (" not in lines[0]
 
     # where they are read: PPO builds the critic, use_kl_in_reward applies kl_ctrl (the path is then checked when
     # the critic is built); and nothing set beyond the defaults
-    load_config(None, MODEL + ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", *habit])
+    load_config(None, MODEL + ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+                               "actor_rollout_ref.actor.megatron.fp8=hybrid", *habit])
     load_config(None, MODEL + ["algorithm.adv_estimator=grpo"])
     assert capsys.readouterr().err == ""
 

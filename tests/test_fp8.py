@@ -124,6 +124,92 @@ def test_fp8_train_linear_gradients(grad):
     assert ((y - y2).norm() / y2.norm()).item() < tol
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_tensor_within_bound_and_transposed(dtype):
+    """Per-tensor quantization: one (1, 1) scale from max |x| (here a negative value), every element within
+    error_bound, the largest magnitude on +-FP8_MAX, the transposed codes exactly the codes transposed, a given
+    amax used as given, an all-zero tensor scale 1. Mutation: amax as x.amax() (the signed max, smaller than
+    max |x| here) -> the most negative value saturates and the bound fails."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 96, generator=g) * torch.logspace(-2, 1, 96)
+    x[3, 7] = -40.0
+    amax = x.abs().amax()
+    q, s, qt = fp8.quantize_tensor(x, dtype, transpose=True)
+    assert q.shape == (40, 96) and qt.shape == (96, 40) and s.shape == (1, 1) and q.dtype == qt.dtype == dtype
+    assert s.item() == pytest.approx(amax.item() / FP8_MAX[dtype], rel=1e-7)
+    err = (fp8.dequantize(q, s) - x).abs()
+    assert bool((err <= fp8.error_bound(x, s, dtype) * (1 + 1e-6)).all()), (err - fp8.error_bound(x, s, dtype)).max()
+    assert q[3, 7].float().item() == -FP8_MAX[dtype]
+    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    q2, s2, none = fp8.quantize_tensor(x, dtype, amax=2 * amax)  # a given amax (a cached weight's): used as is
+    assert none is None and s2.item() == pytest.approx(2 * s.item())
+    qz, sz, _ = fp8.quantize_tensor(torch.zeros(16, 16), dtype)
+    assert sz.item() == 1.0 and not qz.float().any()
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2"])
+def test_fp8_tensorwise_linear_gradients(grad):
+    """The tensorwise linear: y, dx, dW, db against fp32 autograd (tolerance 2**-3 relative, as the rowwise one),
+    and exactly the per-tensor reference composed by hand (quantize_tensor + reference_mm, rows padded to 16).
+    The forward under no_grad (the first pass of activation recompute) gives the same y bit for bit. Mutation:
+    dW's GEMM with x's scale replaced by ones -> dW off by the scale and the exact comparison fails (both)."""
+    from rlhf_mcore.kernels.fp8_linear import GRAD_DTYPES, fp8_linear_train_tensorwise
+
+    gd = GRAD_DTYPES[grad]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 21, 64, generator=g, requires_grad=True)
+    w = (torch.randn(48, 64, generator=g) * 0.1).requires_grad_()
+    b = torch.randn(48, generator=g, requires_grad=True)
+    dy = torch.randn(2, 21, 48, generator=g)
+    y = fp8_linear_train_tensorwise(x, w, b, gd)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad(torch.nn.functional.linear(x2, w2, b2), (x2, w2, b2), dy)
+    for name, got, want in zip(("dx", "dW", "db"), grads, ref):
+        assert got is not None and got.shape == want.shape, name
+        assert ((got - want).norm() / want.norm()).item() < 2 ** -3, name
+    # the same arithmetic by hand: per-tensor codes, the fp32 reference GEMM
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % 16))  # noqa: E731
+    xm, dym = pad(x.detach().reshape(42, 64)), pad(dy.reshape(42, 48))
+    xq, xs, _ = fp8.quantize_tensor(xm, E4M3)
+    wq, ws, _ = fp8.quantize_tensor(w.detach(), E4M3)
+    dq, ds, _ = fp8.quantize_tensor(dym, gd)
+    want_y = (fp8.reference_mm(xq, xs, wq, ws)[:42] + b.detach()).reshape(2, 21, 48)
+    want_dx = fp8.reference_mm(dq, ds, wq.t().contiguous(), ws)[:42].reshape(2, 21, 64)
+    want_dw = fp8.reference_mm(dq.t().contiguous(), ds, xq.t().contiguous(), xs)
+    torch.testing.assert_close(y.detach(), want_y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0], want_dx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[1], want_dw, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(fp8_linear_train_tensorwise(x, w, b, gd), y.detach())
+
+
+def test_weight_amax_follows_every_write_to_the_weight():
+    """WeightAmax keeps max |W| between calls and recomputes it after anything that writes W: an in-place update,
+    an optimizer step, new storage (`.data =`, as an offload restores it); not otherwise. The linear's output after
+    an in-place update is the one a fresh amax gives. Mutation: the key without `weight._version` -> the in-place
+    and optimizer cases keep the stale amax and fail."""
+    from rlhf_mcore.kernels.fp8_linear import WeightAmax, fp8_linear_train_tensorwise
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(32, 64, generator=g))
+    x = torch.randn(16, 64, generator=g)
+    cache = WeightAmax()
+    assert cache(w).item() == w.abs().max().item() and cache.computed == 1
+    cache(w)
+    assert cache.computed == 1  # unchanged weight: kept
+    with torch.no_grad():
+        w.mul_(4)
+    assert cache(w).item() == w.abs().max().item() and cache.computed == 2
+    y_cached = fp8_linear_train_tensorwise(x, w, None, E4M3, None, cache)
+    assert torch.equal(y_cached, fp8_linear_train_tensorwise(x, w, None, E4M3, None, WeightAmax()))
+    w.grad = torch.ones_like(w)
+    torch.optim.SGD([w], lr=100.0).step()
+    assert cache(w).item() == w.abs().max().item() and cache.computed == 3
+    w.data = w.data.clone() * 0.5
+    assert cache(w).item() == w.abs().max().item() and cache.computed == 4
+
+
 def test_refusals_are_one_line():
     """No CUDA, a GPU without FP8, and shapes off the 128 block: each refused in one line naming the key."""
     with pytest.raises(Fp8Unsupported, match=r"^k=fp8 needs a CUDA GPU .* device is cpu; unset k") as e:
@@ -146,8 +232,9 @@ def test_gpu_without_fp8_refused(monkeypatch):
 
 
 def test_config_keys_and_refusals():
-    """The two keys load with their defaults off; FP8 on a CPU run, under another rollout engine, on the
-    reference, or with an unknown format is refused in one line naming the key."""
+    """The keys load with their defaults off (recipe rowwise); FP8 on a CPU run, under another rollout engine, on
+    the reference, with an unknown format or recipe, or a recipe without FP8 is refused in one line naming the
+    key."""
     from rlhf_mcore.config import ConfigError, load_config
 
     cfg = load_config(None, ["actor_rollout_ref.model.path=/m"])
@@ -155,6 +242,10 @@ def test_config_keys_and_refusals():
     ok = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.quantization=fp8",
                             "actor_rollout_ref.actor.megatron.fp8=hybrid", "critic.megatron.fp8=e4m3"])
     assert ok.actor_rollout_ref.rollout.quantization == "fp8" and ok.critic.megatron.fp8 == "e4m3"
+    assert ok.critic.megatron.fp8_recipe == "rowwise"
+    tw = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.megatron.fp8=hybrid",
+                            "actor_rollout_ref.actor.megatron.fp8_recipe=tensorwise"])
+    assert tw.actor_rollout_ref.actor.megatron.fp8_recipe == "tensorwise"
     bad = {("actor_rollout_ref.rollout.quantization=fp8", "trainer.device=cpu"):
            r"'actor_rollout_ref.rollout.quantization' has value 'fp8'; it must be null with trainer.device=cpu",
            ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"):
@@ -164,7 +255,12 @@ def test_config_keys_and_refusals():
            ("actor_rollout_ref.ref.megatron.fp8=e4m3",): r"'actor_rollout_ref.ref.megatron.fp8' .* trained models",
            ("actor_rollout_ref.actor.megatron.fp8=e4m3", "actor_rollout_ref.actor.megatron.sequence_parallel=true"):
            r"null with sequence_parallel=true",
-           ("actor_rollout_ref.actor.megatron.fp8=e5m2",): r"choose one of e4m3, hybrid"}
+           ("actor_rollout_ref.actor.megatron.fp8=e5m2",): r"choose one of e4m3, hybrid",
+           ("critic.megatron.fp8_recipe=tensorwise",):
+           r"'critic.megatron.fp8_recipe' has value 'tensorwise'; it must be rowwise .* while critic.megatron.fp8 is "
+           r"null",
+           ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_recipe=blockwise"):
+           r"choose one of rowwise, tensorwise"}
     for overrides, msg in bad.items():
         with pytest.raises(ConfigError, match=msg) as e:
             load_config(None, ["actor_rollout_ref.model.path=/m", *overrides])
@@ -240,6 +336,54 @@ def test_fp8_training_refusals():
         enable_fp8_training([], "e5m2", "k")
     with pytest.raises(Fp8Unsupported, match=r"^k=e4m3: no Megatron local-spec linear layers in the decoder"):
         enable_fp8_training([torch.nn.Module()], "e4m3", "k")
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager", "full_recompute"])
+def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recompute):
+    """Two PPO updates of a tiny Megatron GPTModel (CPU, the reference GEMMs; the device check patched out) with
+    fp8=hybrid under the tensorwise recipe, against the same model without FP8: the gradient norm within 10% and
+    the losses within 5%; every switched layer computes its weight's amax once per optimizer step (once for each
+    update and once for the log-prob pass after them), however many micro-batches and recomputed forwards read it,
+    and the amax it then holds is the weight's current one. With full activation recompute the first forward runs
+    under no_grad (no transposed codes) and the recompute reads the same amaxes.
+    Mutation: WeightAmax's key without `weight._version` -> computed once, the amax the first update's, and the
+    last checks fail (both cases)."""
+    from test_train_cuda_graphs import rl_batch
+
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.engine.builder import recompute_overrides
+    from rlhf_mcore.kernels.fp8_linear import WeightAmax
+    from rlhf_mcore.models import build_model, fp8_training
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    monkeypatch.setattr(fp8_training, "check_fp8_device", lambda device, key: None)
+    model_dir = tiny_model_dir(arch="qwen2", vocab=512, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                               init_std=0.02)
+    state = init_distributed(device="cpu")
+    try:
+        batch = rl_batch(8, 512, "cpu")
+        res, layers = {}, []
+        for fp8_on in (False, True):
+            torch.manual_seed(0)
+            chunks = build_model(model_dir, state, role="actor", dtype=torch.float32,
+                                 config_overrides=recompute_overrides(recompute) or None)
+            if fp8_on:
+                assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise") == 8
+                layers = [m for m in chunks[0].modules() if isinstance(getattr(m, "fp8_weight_amax", None), WeightAmax)]
+            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
+                              OptimConfig(lr=1e-2))
+            res[fp8_on] = [eng.update_policy(batch) for _ in range(2)]
+            eng.compute_log_probs(batch)  # the first use after the second step: the amax is W's after it
+        assert len(layers) == 8
+        for m0, m1 in zip(res[False], res[True]):
+            assert abs(m1["actor/grad_norm"] - m0["actor/grad_norm"]) <= 0.1 * m0["actor/grad_norm"]
+            assert abs(m1["actor/pg_loss"] - m0["actor/pg_loss"]) <= 0.05 * abs(m0["actor/pg_loss"]) + 1e-3
+        for m in layers:
+            assert m.fp8_weight_amax.computed == 3, m.fp8_weight_amax.computed  # 2 updates of 4 micro-batches
+            assert m.fp8_weight_amax.amax.item() == m.weight.detach().abs().max().item()
+    finally:
+        destroy_distributed()
 
 
 def test_learn_gpu_variants_are_real_keys():

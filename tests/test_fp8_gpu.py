@@ -54,6 +54,26 @@ def test_fp8_train_linear_cuda_matches_cpu_reference():
         assert rel_err(a.cpu(), b) <= 1e-2, name
 
 
+def test_fp8_tensorwise_linear_cuda_matches_cpu_reference():
+    """The tensorwise training linear's three cuBLAS tensor-wise GEMMs (and the cast kernel) against the same
+    function's CPU path (the same codes, fp32 GEMMs): output and gradients within 1e-2 relative; W's amax kept on
+    the layer's WeightAmax."""
+    from rlhf_mcore.kernels.fp8_linear import E5M2, WeightAmax, fp8_linear_train_tensorwise
+
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = torch.randn(37, 256, generator=g), torch.randn(512, 256, generator=g) * 0.05, torch.randn(37, 512)
+    res = {}
+    for dev in ("cpu", "cuda"):
+        xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        cache = WeightAmax()
+        y = fp8_linear_train_tensorwise(xd, wd, None, E5M2, None, cache)
+        dx, dw = torch.autograd.grad(y, (xd, wd), dy.to(dev))
+        assert cache.computed == 1 and cache.amax.device.type == dev
+        res[dev] = (y, dx, dw)
+    for name, a, b in zip(("y", "dx", "dW"), res["cuda"], res["cpu"]):
+        assert rel_err(a.cpu(), b) <= 1e-2, name
+
+
 @pytest.fixture(scope="module")
 def real_shaped_dir(tmp_path_factory):
     """A random-weight model of Qwen2.5-0.5B's shape (transformers' init, std 0.02), bf16, no tokenizer."""
@@ -97,11 +117,12 @@ def test_fp8_rollout_tracks_bf16(real_shaped_dir, layout):
 
 
 def test_fp8_training_step_tracks_bf16(tiny_model_dir):
-    """One PPO update of a Megatron GPTModel with FP8 decoder linears (e4m3 and hybrid) against bf16 on the same
-    batch: log-probs within 0.1, the policy loss within 5% and the gradient norm within 10% (FP8 rounding of
-    every GEMM operand, 2**-4 relative for e4m3); measured 2026-12-02 (H200): |dlogprob| max 0.057, loss 0.0318 vs
-    0.0294, grad norm 2.843 (e4m3) / 2.834 (hybrid) vs 2.837. Mutation (not run on the device): the _forward_impl
-    assignment in enable_fp8_training dropped -> `switched` is 0 and it raises."""
+    """One PPO update of a Megatron GPTModel with FP8 decoder linears (e4m3 and hybrid, each rowwise and tensorwise)
+    against bf16 on the same batch: log-probs within 0.1, the policy loss within 5% and the gradient norm within 10%
+    (FP8 rounding of every GEMM operand, 2**-4 relative for e4m3); measured 2026-12-02 (H200, rowwise): |dlogprob|
+    max 0.057, loss 0.0318 vs 0.0294, grad norm 2.843 (e4m3) / 2.834 (hybrid) vs 2.837; tensorwise not yet run on a
+    GPU. Mutation (not run on the device): the _forward_impl assignment in enable_fp8_training dropped ->
+    `switched` is 0 and it raises."""
     from test_train_cuda_graphs import rl_batch
 
     from rlhf_mcore.config import OptimConfig
@@ -116,22 +137,24 @@ def test_fp8_training_step_tracks_bf16(tiny_model_dir):
     try:
         batch = rl_batch(16, 1024, "cuda")
         res = {}
-        for fmt in (None, "e4m3", "hybrid"):
+        for fmt in (None, "e4m3", "hybrid", "e4m3 tensorwise", "hybrid tensorwise"):
             torch.manual_seed(0)
             chunks = build_model(model_dir, state, role="actor", dtype=torch.bfloat16)
             if fmt:
-                assert enable_fp8_training(chunks, fmt, "actor_rollout_ref.actor.megatron.fp8") == 8
+                recipe = "tensorwise" if fmt.endswith("tensorwise") else "rowwise"
+                assert enable_fp8_training(chunks, fmt.split()[0], "actor_rollout_ref.actor.megatron.fp8",
+                                           recipe) == 8
             eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=4, mini_batch_size=16,
                                                           cuda_graphs=False), OptimConfig(lr=1e-4))
             lp, _ = eng.compute_log_probs(batch)
             m = eng.update_policy(batch)
             res[fmt] = (lp, m["actor/pg_loss"], m["actor/grad_norm"])
         lp0, loss0, gn0 = res[None]
-        for fmt in ("e4m3", "hybrid"):
+        for fmt in [f for f in res if f]:
             lp, loss, gn = res[fmt]
             print(f"fp8 {fmt}: |dlogprob| max {(lp - lp0).abs().max():.4f} mean {(lp - lp0).abs().mean():.5f}, "
                   f"loss {loss:.5f} vs {loss0:.5f}, grad norm {gn:.4f} vs {gn0:.4f}")
-        for fmt in ("e4m3", "hybrid"):
+        for fmt in [f for f in res if f]:
             lp, loss, gn = res[fmt]
             assert (lp - lp0).abs().max() <= 0.1 and (lp - lp0).abs().max() > 0
             assert abs(loss - loss0) <= 0.05 * max(abs(loss0), 1e-3) + 1e-3
@@ -173,3 +196,40 @@ def test_column_quantization_matches_transposed_rows(shape):
         assert q.shape == (shape[1], shape[0]) and q.dtype == dtype and s.shape == (shape[1], 1)
         assert torch.equal(s, sr) and s[5].item() == 1.0
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+def test_tensorwise_under_cuda_graphs_follows_the_weights(tiny_model_dir):
+    """The tensorwise recipe with the decoder as CUDA graphs: a replay cannot see W's version counter, so the graph
+    computes W's amax itself (WeightAmax under capture). Three updates at a large learning rate (W's amax moves
+    every step), graphed against eager on the same batches: the gradient norms and losses within 2% each step, and
+    the graphs replayed (captured once). Mutation (not run on the device): WeightAmax returning its cached amax
+    under capture -> the replays scale W by the first step's amax and the later steps drift apart."""
+    from test_train_cuda_graphs import rl_batch
+
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.models.fp8_training import enable_fp8_training
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    model_dir = tiny_model_dir(arch="qwen2", vocab=1024, layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512,
+                               init_std=0.02)
+    state = init_distributed(device="cuda")
+    try:
+        batch = rl_batch(16, 1024, "cuda")
+        runs = {}
+        for graphs in (False, True):
+            torch.manual_seed(0)
+            chunks = build_model(model_dir, state, role="actor", dtype=torch.bfloat16)
+            enable_fp8_training(chunks, "hybrid", "actor_rollout_ref.actor.megatron.fp8", "tensorwise")
+            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=4, mini_batch_size=16,
+                                                          cuda_graphs=graphs), OptimConfig(lr=3e-3))
+            runs[graphs] = [eng.update_policy(batch) for _ in range(3)]
+            if graphs:
+                assert eng.graph_captures >= 1
+        for step, (e, g) in enumerate(zip(runs[False], runs[True])):
+            print(f"step {step}: grad norm eager {e['actor/grad_norm']:.4f} graphed {g['actor/grad_norm']:.4f}")
+            assert abs(g["actor/grad_norm"] - e["actor/grad_norm"]) <= 0.02 * e["actor/grad_norm"], step
+            assert abs(g["actor/pg_loss"] - e["actor/pg_loss"]) <= 0.02 * abs(e["actor/pg_loss"]) + 1e-4, step
+    finally:
+        destroy_distributed()

@@ -7,6 +7,7 @@
     python launch/bench/bench_mfu.py --fused-kernels off             # Megatron without the fused layer kernels
     python launch/bench/bench_mfu.py --cuda-graphs off               # Megatron's decoder eager, not CUDA graphs
     python launch/bench/bench_mfu.py --fp8 e4m3                      # FP8 decoder GEMMs (FLOPs at the bf16 peak)
+    python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise   # one scale per tensor (megatron.fp8_recipe)
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -106,7 +107,7 @@ def profile_update(step, path: Path, label: str) -> None:
 
 def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
               layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
-              cuda_graphs: str = "auto", fp8: str | None = None) -> None:
+              cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise") -> None:
     """One shape, in this process: build the actor engine once, then time each sequence length."""
     import torch
 
@@ -133,8 +134,8 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
         if fp8:  # megatron.fp8: the decoder's linears in FP8 (rlhf_mcore.models.fp8_training); MFU stays at bf16 peak
             from rlhf_mcore.models.fp8_training import enable_fp8_training
 
-            result["fp8"] = fp8
-            result["fp8_linears"] = enable_fp8_training(chunks, fp8, "--fp8")
+            result["fp8"], result["fp8_recipe"] = fp8, fp8_recipe
+            result["fp8_linears"] = enable_fp8_training(chunks, fp8, "--fp8", fp8_recipe)
         result["params"] = sum(p.numel() for c in chunks for p in c.parameters())
         micro_sizes = {seq: (micro_override or plan["seqs"].get(seq, (1, 4))[0]) for seq in seqs}
         n_micro = {seq: plan["seqs"].get(seq, (1, 4))[1] for seq in seqs}
@@ -301,6 +302,8 @@ def main(argv=None) -> dict:
                    help="the decoder as CUDA graphs (auto: where supported: no recompute, TP = PP = 1)")
     p.add_argument("--fp8", choices=("e4m3", "hybrid"), default=None,
                    help="FP8 GEMMs in the decoder's linears (megatron.fp8); FLOPs still counted at the bf16 peak")
+    p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise"), default="rowwise",
+                   help="how --fp8 scales the GEMM operands (megatron.fp8_recipe)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, profile one more update per (shape, seq) and write op tables to DIR")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
@@ -321,7 +324,7 @@ def main(argv=None) -> dict:
                      args.peer_compile, prof)
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                      args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8)
+                      args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe)
         return {}
 
     import torch
@@ -348,7 +351,7 @@ def main(argv=None) -> dict:
             if prof is not None:
                 cmd += ["--profile", str(prof)]
             megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs,
-                            *(["--fp8", args.fp8] if args.fp8 else [])]
+                            *(["--fp8", args.fp8, "--fp8-recipe", args.fp8_recipe] if args.fp8 else [])]
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)
             if not args.no_peer:
                 peer_out = Path(tmp) / f"{name}.peer.json"

@@ -162,6 +162,8 @@ def _check_fp8(cfg: RLConfig, need) -> None:
              ("reward.reward_model.megatron", cfg.reward.reward_model.megatron, False)]
     for key, megatron, trained in roles:
         if megatron.fp8 is None:
+            need(f"{key}.fp8_recipe", megatron.fp8_recipe == "rowwise",
+                 f"rowwise (the default) while {key}.fp8 is null: the recipe only applies to FP8 GEMMs (set fp8 too)")
             continue
         need(f"{key}.fp8", trained, "null: FP8 GEMMs are built for the trained models (actor, critic); the "
                                     "reference and reward model score in their dtype")

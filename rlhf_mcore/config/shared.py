@@ -92,4 +92,8 @@ class MegatronConfig:
     # e4m3 (forward and gradients e4m3) or hybrid (gradients e5m2), Megatron's names; actor and critic only, CUDA
     # GPUs with FP8 tensor cores (sm >= 89)
     fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    # how fp8 scales its GEMM operands (rlhf_mcore.kernels.fp8_linear): rowwise (one scale per token and per
+    # channel; measured in BENCHMARKS.md) or tensorwise (one per tensor, Transformer Engine's; less quantization
+    # traffic, cuBLAS's faster tensor-wise GEMM, narrower range: pair it with fp8=hybrid). Read only with fp8 set
+    fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)

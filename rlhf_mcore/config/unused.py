@@ -53,6 +53,8 @@ def _old_pass_kept(cfg) -> str:
     return ""
 
 
+_FP8_SECTIONS = ("actor_rollout_ref.actor.megatron", "critic.megatron", "actor_rollout_ref.ref.megatron",
+                 "reward.reward_model.megatron")
 _RULES: tuple[_Rule, ...] = (
     ("critic.", ("critic.enable",), _critic_off,
      lambda c: ("critic.enable=false" if c.critic.enable is False else
@@ -87,6 +89,8 @@ _RULES: tuple[_Rule, ...] = (
        lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
     *((f"{m}.target_modules", (), lambda c, m=m: value_at(c, f"{m}.lora_rank") == 0,
        lambda c, m=m: f"{m}.lora_rank=0: no LoRA adapters") for m in ("actor_rollout_ref.model", "critic.model")),
+    *((f"{m}.fp8_recipe", (), lambda c, m=m: value_at(c, f"{m}.fp8") is None,
+       lambda c, m=m: f"{m}.fp8=null: no FP8 GEMMs") for m in _FP8_SECTIONS),
     ("actor_rollout_ref.actor.old_log_prob_from_update", (), _old_pass_kept, _old_pass_kept),
     ("actor_rollout_ref.rollout.lora_sync", (), lambda c: not lora_enabled(c),
      lambda c: "actor_rollout_ref.model.lora_rank=0: the actor has no adapters"),

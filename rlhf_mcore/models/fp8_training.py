@@ -3,7 +3,9 @@ Engine.
 
 Each `ColumnParallelLinear` / `RowParallelLinear` inside `model.decoder` (QKV, attention output, MLP fc1 and fc2)
 gets its `_forward_impl` replaced by :func:`rlhf_mcore.kernels.fp8_linear.fp8_linear_train` (forward e4m3,
-gradients e4m3 or e5m2, current per-row scaling). The embedding, the LM head (`model.output_layer`, outside the
+gradients e4m3 or e5m2, current scaling per row and channel), or under `<role>.megatron.fp8_recipe=tensorwise` by
+:func:`rlhf_mcore.kernels.fp8_linear.fp8_linear_train_tensorwise` (one scale per tensor; each layer keeps its
+weight's amax between optimizer steps). The embedding, the LM head (`model.output_layer`, outside the
 decoder), norms and attention stay in the model's dtype; parameters, gradients and the optimizer are untouched.
 
 Mixture-of-experts models are refused (their experts are `grouped_experts.GroupedExperts`, grouped bf16 GEMMs
@@ -15,19 +17,22 @@ Formats follow Megatron / Transformer Engine's names: "e4m3" (everything e4m3) a
 from __future__ import annotations
 
 from rlhf_mcore.kernels.fp8 import E4M3, E5M2, Fp8Unsupported, check_fp8_device
-from rlhf_mcore.kernels.fp8_linear import fp8_linear_train
+from rlhf_mcore.kernels.fp8_linear import RECIPES, WeightAmax, fp8_linear_train, fp8_linear_train_tensorwise
 
 FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forward is e4m3 in both)
 
 
-def enable_fp8_training(chunks, fmt: str, key: str) -> int:
-    """Switch the decoder linears of every model chunk to FP8 GEMMs; returns how many layers were switched.
-    Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8 GPU, with sequence parallelism,
-    gradient accumulation fusion, dims not multiples of 16, or no Megatron local-spec linears to switch."""
+def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> int:
+    """Switch the decoder linears of every model chunk to FP8 GEMMs under `recipe` (rowwise or tensorwise); returns
+    how many layers were switched. Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8
+    GPU, with sequence parallelism, gradient accumulation fusion, dims not multiples of 16, or no Megatron
+    local-spec linears to switch."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if fmt not in FORMATS:
         raise Fp8Unsupported(f"{key}={fmt!r}: choose e4m3 or hybrid (e5m2 gradients), or null (off).")
+    if recipe not in RECIPES:
+        raise Fp8Unsupported(f"{key}_recipe={recipe!r}: choose one of {', '.join(RECIPES)}.")
     grad_dtype, switched = FORMATS[fmt], 0
     _refuse_grouped_experts(chunks, fmt, key)
     for chunk in chunks:
@@ -43,7 +48,7 @@ def enable_fp8_training(chunks, fmt: str, key: str) -> int:
             if why is not None:
                 raise Fp8Unsupported(f"{key}={fmt}: decoder layer {name} cannot run FP8 GEMMs with {why}; set {key} "
                                      "to null for this run.")
-            mod._forward_impl = _fp8_impl(mod, grad_dtype)
+            mod._forward_impl = _fp8_impl(mod, grad_dtype, recipe)
             switched += 1
     if switched == 0:
         raise Fp8Unsupported(f"{key}={fmt}: no Megatron local-spec linear layers in the decoder to switch (a "
@@ -62,12 +67,17 @@ def _refuse_grouped_experts(chunks, fmt: str, key: str) -> None:
                                  "experts run as bf16 grouped GEMMs, which have no FP8 path here); set it to null.")
 
 
-def _fp8_impl(mod, grad_dtype):
-    """A `_forward_impl` with Megatron's keyword arguments (linear_with_grad_accumulation_and_async_allreduce)."""
+def _fp8_impl(mod, grad_dtype, recipe: str):
+    """A `_forward_impl` with Megatron's keyword arguments (linear_with_grad_accumulation_and_async_allreduce).
+    Tensorwise: the layer's weight amax lives on the layer (`mod.fp8_weight_amax`) between calls."""
+    if recipe == "tensorwise":
+        mod.fp8_weight_amax = WeightAmax()
 
     def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
              sequence_parallel=False, **_unused):
         group = getattr(mod, "tp_group", None) if allreduce_dgrad else None
+        if recipe == "tensorwise":
+            return fp8_linear_train_tensorwise(input, weight, bias, grad_dtype, group, mod.fp8_weight_amax)
         return fp8_linear_train(input, weight, bias, grad_dtype, group)
 
     return impl

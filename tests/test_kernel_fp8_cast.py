@@ -1,0 +1,67 @@
+"""The tensorwise FP8 cast kernel (`kernels/fp8_triton.py: _tensor_cast_kernel`, behind `fp8.quantize_tensor` on
+CUDA) against the torch path.
+
+Without CUDA it runs under the Triton interpreter, whose float8 conversion is not the GPU's (it rounds some ties
+the other way and maps a few values to the wrong code), so there the kernel writes fp32 instead of FP8 codes: the
+scaled, clamped values before the rounding, which are the kernel's own arithmetic (scale from the amax, division,
+saturation, the row-major store and the transposed one, the masks of ragged tiles) and must equal torch's exactly.
+On a GPU the codes themselves are compared bit for bit (the same fp32 division, then the hardware's round to
+nearest).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_kernels import import_kernel_module
+
+from rlhf_mcore.kernels import fp8
+
+CUDA = torch.cuda.is_available()
+ft = import_kernel_module("fp8_triton")
+
+SHAPES = [(37, 200), (64, 128), (130, 96), (1, 16)]
+
+
+def _scaled_clamped(x: torch.Tensor, amax: float, qmax: float) -> torch.Tensor:
+    """x / (amax / qmax) clamped, the scale divided in fp32 as the kernel (and fp8._scale) divide it."""
+    scale = torch.tensor(amax, dtype=torch.float32) / qmax if amax > 0 else torch.tensor(1.0)
+    return (x.float() / scale).clamp(-qmax, qmax)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's fp32 stand-in; on a GPU the next test compares the codes")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cast_kernel_arithmetic_under_the_interpreter(shape):
+    """The kernel with fp32 outputs: values and transposed values equal torch's x / scale clamped to +-QMAX, the
+    scale amax / QMAX, for ragged tiles, an amax below the largest value (saturation) and a zero tensor (scale
+    1). Mutations: the scale without / QMAX -> all 4 fail; the transposed store's mask not transposed -> it stores
+    out of bounds on the ragged shapes (the interpreter's process crashed)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g).bfloat16() * 3
+    for amax, qmax in ((x.float().abs().max().item(), 448.0), (1.0, 448.0), (2.5, 57344.0)):
+        for t in (x, torch.zeros_like(x)):
+            a = amax if t is x else 0.0
+            m, k = t.shape
+            q = torch.full((m, k), float("nan"))
+            qt = torch.full((k, m), float("nan"))
+            s = torch.empty(1, 1)
+            grid = (-(-m // 64), -(-k // 64))
+            ft._tensor_cast_kernel[grid](t, torch.tensor(a, dtype=torch.bfloat16), q, qt, s, m, k, t.stride(0),
+                                         q.stride(0), qt.stride(0), QMAX=qmax, TRANSPOSE=True, BM=64, BK=64)
+            want = _scaled_clamped(t, a, qmax)
+            assert torch.equal(q, want) and torch.equal(qt, want.t())
+            assert s.item() == pytest.approx(a / qmax if a > 0 else 1.0, rel=1e-7)
+
+
+@pytest.mark.skipif(not CUDA, reason="FP8 codes need a GPU (the interpreter's float8 conversion differs)")
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 1536)])
+def test_cast_kernel_codes_on_cuda(shape):
+    """`fp8.quantize_tensor` on CUDA against the CPU path on the same bf16 values and amax: equal scales, codes
+    and transposed codes bit for bit, both formats; without `transpose` no transposed codes."""
+    x = torch.randn(*shape, device="cuda").bfloat16() * 3
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        q, s, qt = fp8.quantize_tensor(x, dtype, transpose=True)
+        qc, sc, qtc = fp8.quantize_tensor(x.cpu(), dtype, transpose=True)
+        assert torch.equal(s.cpu(), sc)
+        assert torch.equal(q.cpu().view(torch.uint8), qc.view(torch.uint8))
+        assert torch.equal(qt.cpu().view(torch.uint8), qtc.view(torch.uint8))
+        assert fp8.quantize_tensor(x, dtype)[2] is None
