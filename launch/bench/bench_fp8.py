@@ -67,9 +67,10 @@ def bench_train_linear(s: dict, rows: int = 4096) -> dict:
     `s` at `rows` tokens: forward + backward of bf16 F.linear against fp8_linear_train, and each part of the FP8
     one alone -- the six quantizations, the three FP8 GEMMs -- against the three bf16 GEMMs, the column operands'
     earlier path (bf16 transpose copy + row quantization), and a bf16 copy of x and dy (the memory-bandwidth
-    yardstick of a one-pass, delayed-scaling cast). Microseconds (do_bench, eager: the small linears' forward +
-    backward is launch-bound here, unlike under the engine's CUDA graphs); `per_micro_batch_ms` sums them over the
-    decoder's layers."""
+    yardstick of a one-pass, delayed-scaling cast); and the same parts of the tensorwise recipe
+    (`fp8_linear_train_tensorwise`: three per-tensor quantizations writing both layouts, tensor-wise GEMMs).
+    Microseconds (do_bench, eager: the small linears' forward + backward is launch-bound here, unlike under the
+    engine's CUDA graphs); `per_micro_batch_ms` sums them over the decoder's layers."""
     h, f, d = s["hidden_size"], s["intermediate_size"], s["hidden_size"] // s["num_attention_heads"]
     linears = {"qkv": ((s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d, h), "o_proj": (h, h),
                "gate_up": (2 * f, h), "down": (h, f)}
@@ -86,7 +87,7 @@ def bench_train_linear(s: dict, rows: int = 4096) -> dict:
 def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
     from triton.testing import do_bench
 
-    from rlhf_mcore.kernels.fp8_linear import fp8_linear_train, scaled_mm_rows
+    from rlhf_mcore.kernels.fp8_linear import WeightAmax, fp8_linear_train, fp8_linear_train_tensorwise, scaled_mm_rows
 
     e4m3, bf16, q = fp8.E4M3, torch.bfloat16, fp8.quantize_rows
     x = torch.randn(rows, k, device="cuda").bfloat16().requires_grad_()
@@ -95,14 +96,30 @@ def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
     xd, wd = x.detach(), w.detach()
     wt, dyt, xt = wd.t().contiguous(), dy.t().contiguous(), xd.t().contiguous()
     (xq, xs), (wq, ws), (dq, ds), (wtq, wts), (dtq, dts), (xtq, xts) = (q(a) for a in (xd, wd, dy, wt, dyt, xt))
+    # the tensorwise recipe's codes: one scale each, both layouts from one read
+    (tx, txs, txt), (tw, tws, twt), (td, tds, tdt) = (fp8.quantize_tensor(a, e4m3, transpose=True)
+                                                      for a in (xd, wd, dy))
+    w_amax = WeightAmax()
     parts = {
         "bf16_fwd_bwd": lambda: torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), dy),
         "fp8_fwd_bwd": lambda: torch.autograd.grad(fp8_linear_train(x, w), (x, w), dy),
+        "fp8_tensorwise_fwd_bwd": lambda: torch.autograd.grad(
+            fp8_linear_train_tensorwise(x, w, None, e4m3, None, w_amax), (x, w), dy),
         "bf16_gemms": lambda: (xd @ wd.t(), dy @ wd, dyt @ xd),
         "fp8_gemms": lambda: (
             torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t().contiguous(), out_dtype=bf16),
             torch._scaled_mm(dq, wtq.t(), scale_a=ds, scale_b=wts.t().contiguous(), out_dtype=bf16),
             torch._scaled_mm(dtq, xtq.t(), scale_a=dts, scale_b=xts.t().contiguous(), out_dtype=bf16)),
+        "fp8_tensorwise_gemms": lambda: (
+            torch._scaled_mm(tx, tw.t(), scale_a=txs, scale_b=tws, out_dtype=bf16),
+            torch._scaled_mm(td, twt.t(), scale_a=tds, scale_b=tws, out_dtype=bf16),
+            torch._scaled_mm(tdt, txt.t(), scale_a=tds, scale_b=txs, out_dtype=bf16)),
+        # the tensorwise quantizations of a training step: x and dy (amax + one cast writing both layouts), W's
+        # cast with its amax kept (once per optimizer step: `tensor_amax_weight`)
+        "tensorwise_quant_x_dy": lambda: (fp8.quantize_tensor(xd, e4m3, transpose=True),
+                                          fp8.quantize_tensor(dy, e4m3, transpose=True)),
+        "tensorwise_quant_weight": lambda: fp8.quantize_tensor(wd, e4m3, amax=w_amax(wd), transpose=True),
+        "tensor_amax_weight": lambda: fp8.tensor_amax(wd),
         "fp8_gemms_with_quant": lambda: (scaled_mm_rows(xd, wd, e4m3, e4m3, bf16),
                                          scaled_mm_rows(dy, wt, e4m3, e4m3, bf16),
                                          scaled_mm_rows(dyt, xt, e4m3, e4m3, bf16)),
