@@ -118,10 +118,10 @@ def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, 
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     amax = tl.load(amax_ptr).to(tl.float32)
-    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    scale = tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)  # IEEE division: torch's codes, bit for bit
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX).to(q_ptr.dtype.element_ty)
+    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -QMAX), QMAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(qt_ptr + cols[:, None] * stride_qtk + rows[None, :], tl.trans(q), mask=tl.trans(mask))
