@@ -198,7 +198,10 @@ def main(argv=None) -> dict:
             if step % args.val_every == 0 or step == args.steps:
                 vals.append(validate(args, run, step))
     finally:
+        from rlhf_mcore.parallel import destroy_distributed
+
         run.close()
+        destroy_distributed()  # main() may run again in this process (the tests do)
     res = {"args": vars(args), "vals": vals, "train": hist, "seconds": round(time.time() - start, 1)}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "results.jsonl", "a") as f:

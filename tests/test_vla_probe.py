@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.cost(25)
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.cost(25)
 def test_probe_runs_and_reloads_its_cached_warm_start(tmp_path, capsys, cpu_only):
     """Two short probes of one seed: the first runs behaviour cloning and caches it, the second loads it (and says
     so) and starts from the same weights: the same first-step entropy. Every record has its diagnostics, finite;
-    both runs are appended to results.jsonl. Mutation: the `ck.load_checkpoint` call removed (its message kept) ->
+    both runs are appended to results.jsonl, and the process group is gone after each (a later test in the same
+    process found it initialized once). Mutation: the `ck.load_checkpoint` call removed (its message kept) ->
     the second run starts from the untrained model and the entropies differ."""
     sys.path.insert(0, str(ROOT / "launch"))
     import vla_probe
@@ -37,3 +39,4 @@ def test_probe_runs_and_reloads_its_cached_warm_start(tmp_path, capsys, cpu_only
     assert second["train"][0]["ent"] == pytest.approx(first["train"][0]["ent"], abs=1e-6)
     lines = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1])["args"]["bc_steps"] == 3
+    assert not torch.distributed.is_initialized()  # nothing left for the next test in this process
