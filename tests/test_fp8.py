@@ -327,6 +327,20 @@ def test_engine_quantizes_once_per_sync(tiny_model_dir, monkeypatch):
                                rtol=2 ** -4, atol=1e-6)
 
 
+def test_w8a16_decode_refusals(tiny_model_dir):
+    """The native engine's fp8_decode: an unknown mode, and weight-only FP8 with 128 x 128 block scales (its GEMM
+    reads one scale per output channel), are refused in one line saying what to choose. (Its numerics: the
+    interpreter checks of tests/test_rollout_native.py and the GPU test of tests/test_fp8_gpu.py.)"""
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    model_dir = tiny_model_dir("qwen2", hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512)
+    cpu = dict(max_num_seqs=2, max_model_len=16, device="cpu", quantization="fp8")
+    with pytest.raises(ValueError, match=r"^fp8_decode='w4a16': choose w8a8 or w8a16\.$"):
+        NativeRolloutEngine(model_dir, fp8_decode="w4a16", **cpu)
+    with pytest.raises(ValueError, match=r"fp8_layout='block' has 128 x 128 blocks: use fp8_layout='channel' or "):
+        NativeRolloutEngine(model_dir, fp8_decode="w8a16", fp8_layout="block", **cpu)
+
+
 def test_fp8_training_refusals():
     """enable_fp8_training: an unknown format, and a model with no Megatron local-spec linears to switch, are
     refused in one line naming the key (the CUDA / sm >= 89 refusal is check_fp8_device's, above)."""

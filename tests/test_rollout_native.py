@@ -433,6 +433,22 @@ def _triton_interpret_checks(model_dir: str) -> None:
     r1, h1 = tk.add_rms_norm(res.clone(), part, w, 1e-6)
     torch.testing.assert_close(r1, res + xd @ wd.T, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(h1, rms_norm(r1, w, 1e-6), atol=1e-5, rtol=1e-5)
+    # weight-only FP8 (fp8_decode="w8a16"): e4m3 / e5m2 codes widened in the kernel, each output channel's scale
+    # on the fp32 sum: x @ (codes * scale).T, plain with bias, with silu*mul (the up half's own scales) and as
+    # K-split partials. Mutation: the up half's scales not applied in the epilogue -> the silu check fails.
+    from rlhf_mcore.kernels import fp8 as kfp8
+
+    for fmt in (kfp8.E4M3, kfp8.E5M2):
+        wq, ws = kfp8.quantize_rows(wa * torch.logspace(-2, 0, 40)[:, None], fmt)
+        deq = wq.float() * ws
+        torch.testing.assert_close(tk.linear(xa, wq, ba, w_scale=ws), torch.nn.functional.linear(xa, deq, ba),
+                                   atol=1e-4, rtol=1e-4)
+        ref = torch.nn.functional.silu(xa @ deq[:20].T) * (xa @ deq[20:].T)
+        torch.testing.assert_close(tk.linear(xa, wq, silu_mul=True, w_scale=ws), ref, atol=1e-4, rtol=1e-4)
+        wdq, wds = kfp8.quantize_rows(wd, fmt)
+        part = tk.linear(xd, wdq, allow_split=True, config=cfg, w_scale=wds)
+        torch.testing.assert_close(part.sum(0), xd @ (wdq.float() * wds).T, atol=1e-3, rtol=1e-4)
+    _w8a16_decode_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32) + cache write (head_dim 16: padded halves; 32).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
     for d in (16, 32):
@@ -466,6 +482,44 @@ def _triton_interpret_checks(model_dir: str) -> None:
         for sa, sb in zip(a.samples, b.samples):
             torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-4, rtol=0)
     print("ALL OK")
+
+
+def _w8a16_decode_check(model_dir: str) -> None:
+    """A fused decode step with FP8 weights read by the Triton GEMMs (fp8_decode="w8a16") equals the torch decode
+    step of the same model whose o_proj, gate_up and down are the dequantized FP8 weights (fp32, 1e-4), on the same
+    cache, at 3 rows (gate_up's fused silu*mul path) and 70 (above FUSED_SILU_MAX_ROWS, where bf16 weights would
+    take cuBLAS): the FP8 copies are what it multiplies by, activations unquantized. Mutation: `_decode_weight`
+    returning the bf16 weight -> the logits move by the quantization error and the check fails."""
+    import copy
+
+    from rlhf_mcore.rollout.native import fp8 as native_fp8
+    from rlhf_mcore.rollout.native.model import KVCache, NativeModel
+
+    native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
+    eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
+                              attention="torch", sampler="torch", cuda_graphs=False, quantization="fp8",
+                              fp8_decode="w8a16")
+    eng._refresh_fp8()
+    fused = eng.model
+    assert fused.fp8_decode == "w8a16"
+    deq = copy.deepcopy(eng.weights)
+    for lw, q in zip(deq.layers, eng._fp8.layers):
+        for name, fw in q.items():
+            setattr(lw, name, fw.dequantize().to(getattr(lw, name).dtype))
+    plain = NativeModel(eng.spec, deq, 33, None, fused=False)
+    g = torch.Generator().manual_seed(5)
+    for rows in (3, 70):
+        cache = KVCache.allocate(eng.spec.num_layers, 72, 33, eng.weights.kv_heads, eng.spec.head_dim, DEVICE,
+                                 torch.float32)
+        cache.k.normal_(generator=g)
+        cache.v.normal_(generator=g)
+        twin = KVCache(cache.k.clone(), cache.v.clone())
+        tokens = torch.randint(0, eng.spec.vocab_size, (rows,), generator=g)
+        positions = torch.randint(0, 31, (rows,), generator=g)
+        slots = torch.randperm(72, generator=g)[:rows]
+        got = fused.decode(tokens, positions, slots, cache, "torch", 32)
+        want = plain.decode(tokens, positions, slots, twin, "torch", 32)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--triton-interpret":

@@ -8,7 +8,9 @@
 - train: the FP8 training linear's forward + backward at 4,096 tokens against bf16, and its parts (quantizations,
   transposes, GEMMs), per decoder linear of `--train-shape` (bench_train_linear);
 - rollout: tokens/s of the native engine (CUDA graphs, sampling at T = 1, eos ignored) bf16 vs FP8 at each shape
-  and batch, 256-token prompts + 256 new tokens, timed after a warm-up; the quantization seconds of one sync;
+  and batch, 256-token prompts + 256 new tokens, timed after a warm-up; the quantization seconds of one sync. The
+  FP8 variants: each `--layouts` scale layout through cuBLAS's FP8 GEMM, and `fp8_channel_w8a16` (the decode
+  GEMMs read the FP8 weights, activations unquantized: `fp8_decode="w8a16"`);
 - mismatch: greedy first-token agreement and |log-prob| difference (same context) over 64 prompts, and the k3 KL
   of FP8-rollout log-probs against bf16 teacher-forced scoring (transformers, bf16: the actor's numerics) of the
   same sampled tokens, with the share of tokens a TIS cap of 2 clips, next to the same numbers for the bf16 engine.
@@ -139,6 +141,15 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
 
 
+def fp8_variants(layouts) -> dict[str, dict]:
+    """The FP8 engine configurations compared with bf16: each scale layout with cuBLAS's FP8 GEMM (activations
+    quantized per token), and per-channel weights read by the Triton decode GEMMs (`fp8_decode="w8a16"`)."""
+    out = {f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}
+    if "channel" in layouts:
+        out["fp8_channel_w8a16"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_decode": "w8a16"}
+    return out
+
+
 def bench_rollout(model_dir: Path, s: dict, batches, prompt_len: int, new_tokens: int, variants) -> list[dict]:
     rows = []
     for name, cfg in variants.items():
@@ -210,8 +221,7 @@ def bench_mismatch(model_dir: Path, s: dict, layouts, n: int = 64, prompt_len: i
 
     rows, greedy = [], {}
     # fp32: the noise floor of a random model's flat logits (bf16 against fp32 agree only so often)
-    for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32},
-                      **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}}.items():
+    for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32}, **fp8_variants(layouts)}.items():
         eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **cfg)
         greedy[name] = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
                                                             ignore_eos=True))
@@ -252,7 +262,7 @@ def main(argv=None) -> dict:
     if "train" not in a.skip:
         report["train_linear"] = bench_train_linear(shape(a.train_shape))
     tmp = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
-    variants = {"bf16": {}, **{f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in a.layouts}}
+    variants = {"bf16": {}, **fp8_variants(a.layouts)}
     mismatch_shapes = a.shapes[:1] if a.mismatch_shapes is None else a.mismatch_shapes
     for name in a.shapes if {"rollout", "mismatch"} - set(a.skip) else ():  # the engine sections need a model
         s = shape(name)

@@ -154,7 +154,11 @@ class NativeRolloutEngine(RolloutEngine):
     load_weights: False leaves weights uninitialised until update_weights() (e.g. the trainer syncs them).
     quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py): in
     `finish_weight_update` at the sync's end, else at the next generation (`last_stats["fp8_quantize_s"]`);
-    fp8_layout "channel" (default) or "block" scales; None: the model's dtype.
+    fp8_layout "channel" (default) or "block" scales; None: the model's dtype. fp8_decode: how a fused (CUDA)
+    decode step multiplies by the FP8 weights: "w8a8" (default; activations quantized per token, cuBLAS's FP8 GEMM,
+    measured in BENCHMARKS.md) or "w8a16" (the Triton decode GEMMs read the FP8 codes and scale each output
+    channel; activations stay bf16, no quantization kernels; "channel" scales only; not yet measured on a GPU).
+    Prefill is w8a8 in both.
     record_routes (MoE models; routing replay R3): every sample comes back with `Sample.routes`, the top-k expert
     ids each MoE layer routed each of its tokens to (a per-slot, per-position buffer written by every prefill and
     decode step; a continuation's prefix is routed again by its prefill, under the weights of that time).
@@ -167,7 +171,8 @@ class NativeRolloutEngine(RolloutEngine):
                  attention: str | None = None, sampler: str | None = None, fused_kernels: bool | None = None,
                  decode_splits: int | None = None, max_prefill_tokens: int = 32768, admit_fraction: float = 0.125,
                  weight_offload: str = "cpu", load_weights: bool = True, show_progress: bool = False,
-                 quantization: str | None = None, fp8_layout: str | None = None, record_routes: bool = False):
+                 quantization: str | None = None, fp8_layout: str | None = None, fp8_decode: str = "w8a8",
+                 record_routes: bool = False):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model_dir={str(model_dir)!r} is not a directory; pass a Hugging Face model "
@@ -216,7 +221,12 @@ class NativeRolloutEngine(RolloutEngine):
 
         if quantization not in (None, "fp8"):
             raise ValueError(f"actor_rollout_ref.rollout.quantization={quantization!r}: choose fp8 or null.")
-        self.quantization, self.fp8_layout = quantization, fp8_layout
+        if fp8_decode not in ("w8a8", "w8a16"):
+            raise ValueError(f"fp8_decode={fp8_decode!r}: choose w8a8 or w8a16.")
+        if fp8_decode == "w8a16" and (fp8_layout or "channel") != "channel":
+            raise ValueError(f"fp8_decode='w8a16' reads one scale per output channel; fp8_layout={fp8_layout!r} "
+                             "has 128 x 128 blocks: use fp8_layout='channel' or fp8_decode='w8a8'.")
+        self.quantization, self.fp8_layout, self.fp8_decode = quantization, fp8_layout, fp8_decode
         self._fp8 = None  # fp8.Fp8Layers with quantization="fp8"
         self._fp8_stale = True  # the bf16 weights changed since the last quantization
         self._retained: OrderedDict = OrderedDict()  # session -> _Retained, least recently retained first
@@ -354,7 +364,7 @@ class NativeRolloutEngine(RolloutEngine):
         from .fp8 import DEFAULT_LAYOUT, Fp8Layers
 
         self._fp8 = Fp8Layers(self.weights, self.fp8_layout or DEFAULT_LAYOUT)
-        self.model.fp8 = self._fp8.layers
+        self.model.fp8, self.model.fp8_decode = self._fp8.layers, self.fp8_decode
         self._fp8_stale = True
 
     def finish_weight_update(self) -> dict[str, float]:

@@ -78,8 +78,11 @@ class NativeModel:
         self.sm_scale = spec.head_dim ** -0.5
         self.fused = fused
         # FP8 linear weights (fp8.Fp8Layers.layers: per layer, name -> Fp8Weight) set by an engine with
-        # quantization="fp8"; their GEMMs run through cuBLAS FP8 (no Triton decode GEMMs)
+        # quantization="fp8"; their GEMMs run through cuBLAS FP8 with activations quantized per token ("w8a8"), or
+        # in a fused decode step through the Triton decode GEMMs reading the FP8 weights ("w8a16": activations
+        # not quantized; per-channel scales only; prefill stays w8a8)
         self.fp8: list[dict] | None = None
+        self.fp8_decode = "w8a8"
         self.cos, self.sin = rope_tables(rope_inv_freq(spec), max_len, weights.device, weights.dtype)  # (L, hd)
         self.routing: list | None = None  # a list: each MoE layer's expert ids (N, k) of a forward are appended
 
@@ -108,12 +111,21 @@ class NativeModel:
 
         return fp8_linear(x, q, bias)
 
-    def _mlp_act(self, h: torch.Tensor, gate_up: torch.Tensor, triton_gemms: bool, i: int = 0) -> torch.Tensor:
-        """silu(h @ gate.T) * (h @ up.T) (N, I / tp) for gate_up = [gate; up]."""
-        if triton_gemms and h.shape[0] <= FUSED_SILU_MAX_ROWS:
-            from .triton_kernels import linear
+    def _decode_weight(self, i: int, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight a Triton decode GEMM reads for layer i's `name`: w, or its FP8 codes and per-channel scales
+        ("w8a16")."""
+        q = self.fp8[i].get(name) if self.fp8 is not None else None
+        return (w, None) if q is None else (q.q, q.scale)
 
-            return linear(h, gate_up, silu_mul=True)
+    def _mlp_act(self, h: torch.Tensor, gate_up: torch.Tensor, triton_gemms: bool, i: int = 0) -> torch.Tensor:
+        """silu(h @ gate.T) * (h @ up.T) (N, I / tp) for gate_up = [gate; up]. FP8 weights in a Triton decode
+        step always take the fused kernel (cuBLAS has no weight-only FP8 GEMM)."""
+        if triton_gemms:
+            w, scale = self._decode_weight(i, "gate_up", gate_up)
+            if scale is not None or h.shape[0] <= FUSED_SILU_MAX_ROWS:
+                from .triton_kernels import linear
+
+                return linear(h, w, silu_mul=True, w_scale=scale)
         gu = self._linear(i, "gate_up", h, gate_up)
         if self.fused:
             from .triton_kernels import silu_mul
@@ -130,7 +142,8 @@ class NativeModel:
             return self._all_reduce(self._linear(i, name, x, w))
         from .triton_kernels import linear
 
-        return self._all_reduce(linear(x, w, allow_split=self.tp_size == 1))
+        w, scale = self._decode_weight(i, name, w)
+        return self._all_reduce(linear(x, w, allow_split=self.tp_size == 1, w_scale=scale))
 
     def _split_rope(self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights):
         """Torch path: split qkv (N, ...) into rotated q (N, Hq, hd), rotated k and v (N, Hkv, hd)."""
@@ -151,7 +164,7 @@ class NativeModel:
         states h (N, D) to q, k, v and does rope, the cache write and attention, returning (N, Hq * hd).
         triton_gemms: o, gate_up and down as Triton GEMMs (decode). Returns the final-normed hidden states (N, D)."""
         layers = self.w.layers
-        triton_gemms = triton_gemms and self.fp8 is None
+        triton_gemms = triton_gemms and (self.fp8 is None or self.fp8_decode == "w8a16")
         residual, h = self._add_norm(x, None, layers[0].input_norm)
         for i, lw in enumerate(layers):
             attn = attend(i, h)  # (N, Hq hd)

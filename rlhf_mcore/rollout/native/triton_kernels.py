@@ -336,15 +336,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
+def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
 
     SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
     SPLIT_K > 1: program (n, m, s) sums k in split s and writes fp32 partials out[s, m, n] (the consumer,
-    `add_rms_norm`, adds the splits in order: deterministic, no atomics)."""
+    `add_rms_norm`, adds the splits in order: deterministic, no atomics).
+    W_SCALED: w holds FP8 codes with one fp32 scale per row (ws, 2N of them with SILU_MUL): each code is widened
+    to a's dtype (exact: e4m3 and e5m2 are subsets of bf16) and the row's scale multiplies the fp32 sum, which it
+    factors out of (weight-only FP8: the activations are not quantized)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -370,6 +373,8 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_w
             kmask = (k0 + offs_k) < k_hi
             a = tl.load(a_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(a_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -379,10 +384,16 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_w
                 u = tl.load(u_ptrs + k0, mask=nmask[:, None], other=0.0)
             else:
                 u = tl.load(u_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if W_SCALED:
+                u = u.to(a_ptr.dtype.element_ty)
             if IEEE:
                 acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee")
             else:
                 acc_u = tl.dot(a, tl.trans(u), acc_u)
+    if W_SCALED:
+        acc *= tl.load(ws_ptr + offs_n, mask=nmask, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_u *= tl.load(ws_ptr + N + offs_n, mask=nmask, other=0.0)[None, :]
     omask = mmask[:, None] & nmask[None, :]
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if SPLIT_K > 1:
@@ -403,14 +414,15 @@ def _num_sms() -> int:
 
 
 def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: bool = False,
-                  dtype: torch.dtype = torch.bfloat16) -> dict:
+                  dtype: torch.dtype = torch.bfloat16, fp8_weight: bool = False) -> dict:
     """Tile sizes, K splits, warps and stages of `linear` for an (m x k) @ (k x n) product (n: output columns).
 
     Chosen on one H200 at the Qwen2.5-0.5B shapes, 64 and 256 rows (launch/bench/profile_decode.py and BENCHMARKS.md,
     round 5): such products are latency-bound, so narrow tiles and K splits (up to ~2 programs an SM, each
-    split >= 4 K blocks) put more loads in flight; gate_up with silu*mul takes 128-wide K blocks."""
+    split >= 4 K blocks) put more loads in flight; gate_up with silu*mul takes 128-wide K blocks. FP8 weights
+    (one byte a value) take 128-wide K blocks too, so a row's load stays 128 bytes (not yet tuned on a GPU)."""
     bm = 64 if m > 32 else max(16, triton.next_power_of_2(m))
-    bk = 32 if dtype == torch.float32 else (128 if silu_mul else 64)
+    bk = 32 if dtype == torch.float32 else (128 if silu_mul or fp8_weight else 64)
     bn = 32 if k < 2048 and not silu_mul else 64
     split = 1
     if allow_split:
@@ -421,16 +433,24 @@ def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: b
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-           allow_split: bool = False, config: dict | None = None) -> torch.Tensor:
+           allow_split: bool = False, config: dict | None = None, w_scale: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """x (M, K) @ w.T for w (N, K) in transformers' orientation, + bias; a decode-sized (small M) GEMM.
 
     silu_mul: w is [gate; up] (2I, K) and the result is silu(x @ gate.T) * (x @ up.T), (M, I).
     allow_split: the consumer (`add_rms_norm`) takes K-split partials: the result may be (S, M, N) fp32
-    (S = the config's SPLIT_K), which `add_rms_norm` sums. Otherwise (M, N) in x's dtype."""
+    (S = the config's SPLIT_K), which `add_rms_norm` sums. Otherwise (M, N) in x's dtype.
+    w_scale: w is FP8 codes and w_scale its fp32 scale per row (2I with silu_mul): the product is x @ (w * w_scale).T
+    with x unquantized (weight-only FP8, `fp8_decode="w8a16"` of the engine)."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     assert x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
-    cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, x.dtype))
+    assert (w_scale is None) == (w.element_size() != 1), "FP8 weights need their scales, and only they take them"
+    if w_scale is not None:
+        w_scale = w_scale.reshape(-1)
+        assert w_scale.dtype == torch.float32 and w_scale.numel() == w.shape[0] and w_scale.is_contiguous()
+    cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, x.dtype,
+                                       fp8_weight=w_scale is not None))
     split = cfg.pop("SPLIT_K")
     if split > 1:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -438,9 +458,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     pdl = pdl_enabled()
-    _linear_kernel[grid](x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
-                         out.stride(-2), out.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None,
-                         SILU_MUL=silu_mul, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
+    _linear_kernel[grid](x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, out, m, n, k,
+                         x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+                         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split,
+                         EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, W_SCALED=w_scale is not None,
                          IEEE=x.dtype == torch.float32, PDL=pdl, **cfg, **_launch(pdl))
     return out
 
