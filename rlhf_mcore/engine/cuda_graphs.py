@@ -42,6 +42,9 @@ DOC_MULTIPLE = 8
 # GPU work is shorter than Megatron's host time for it (0.5B at 4 x 1,024 tokens: ~32 ms against ~90 ms); above it
 # the GPU is the bound, graphs gain nothing, and every new shape costs a capture (measured in TRL's GRPO step with
 # 16k-24k-token micro-batches and the graphs dropped at each offload: update 1.10-1.40 s graphed, 0.99-1.04 eager).
+# Open question (BENCHMARKS.md, round 5, session 20): the 0.5B configs no longer offload, so graphs would now
+# persist between steps, and the PPO step's 16k-token micro-batches at 0.5B measured host-bound (the critic's GPU
+# idle 35% of its update); `cuda_graphs: true` against this rule is the next measurement.
 AUTO_MAX_TOKENS = 8192
 REUSE_SLACK = 1.25  # a captured graph serves shapes down to 1/1.25 of its tokens (DecoderGraphs.reuse)
 
