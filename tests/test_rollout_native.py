@@ -488,11 +488,15 @@ def _w8a16_decode_check(model_dir: str) -> None:
     """A fused decode step with FP8 weights read by the Triton GEMMs (fp8_decode="w8a16") equals the torch decode
     step of the same model whose o_proj, gate_up and down are the dequantized FP8 weights (fp32, 1e-4), on the same
     cache, at 3 rows (gate_up's fused silu*mul path) and 70 (above FUSED_SILU_MAX_ROWS, where bf16 weights would
-    take cuBLAS): the FP8 copies are what it multiplies by, activations unquantized. Mutation: `_decode_weight`
-    returning the bf16 weight -> the logits move by the quantization error and the check fails."""
+    take cuBLAS): the FP8 copies are what it multiplies by, activations unquantized -- no quantization runs, and
+    each layer makes its three Triton GEMM calls. Mutations: `_decode_weight` returning the bf16 weight -> the
+    logits move by the quantization error and the check fails; `_mlp_act` sending FP8 weights above 64 rows to the
+    w8a8 `_linear` -> a quantization runs at 70 rows and the count check fails."""
     import copy
 
+    from rlhf_mcore.kernels import fp8 as kfp8
     from rlhf_mcore.rollout.native import fp8 as native_fp8
+    from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.model import KVCache, NativeModel
 
     native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
@@ -517,7 +521,21 @@ def _w8a16_decode_check(model_dir: str) -> None:
         tokens = torch.randint(0, eng.spec.vocab_size, (rows,), generator=g)
         positions = torch.randint(0, 31, (rows,), generator=g)
         slots = torch.randperm(72, generator=g)[:rows]
-        got = fused.decode(tokens, positions, slots, cache, "torch", 32)
+        calls = {"quantize": 0, "linear": 0}
+        real_q, real_l = kfp8.quantize_rows, tk.linear
+
+        def count(key, fn, calls=calls):
+            def wrapped(*a, **kw):
+                calls[key] += 1
+                return fn(*a, **kw)
+            return wrapped
+
+        kfp8.quantize_rows, tk.linear = count("quantize", real_q), count("linear", real_l)
+        try:
+            got = fused.decode(tokens, positions, slots, cache, "torch", 32)
+        finally:
+            kfp8.quantize_rows, tk.linear = real_q, real_l
+        assert calls == {"quantize": 0, "linear": 3 * eng.spec.num_layers}, (rows, calls)
         want = plain.decode(tokens, positions, slots, twin, "torch", 32)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
