@@ -435,7 +435,9 @@ def _triton_interpret_checks(model_dir: str) -> None:
     torch.testing.assert_close(h1, rms_norm(r1, w, 1e-6), atol=1e-5, rtol=1e-5)
     # weight-only FP8 (fp8_decode="w8a16"): e4m3 / e5m2 codes widened in the kernel, each output channel's scale
     # on the fp32 sum: x @ (codes * scale).T, plain with bias, with silu*mul (the up half's own scales) and as
-    # K-split partials. Mutation: the up half's scales not applied in the epilogue -> the silu check fails.
+    # K-split partials (two row tiles: the grid launches a weight tile's row tiles together, M_FASTEST). Mutations:
+    # the up half's scales not applied in the epilogue -> the silu check fails; M_FASTEST reading the program ids
+    # the other way round -> the partials check fails.
     from rlhf_mcore.kernels import fp8 as kfp8
 
     for fmt in (kfp8.E4M3, kfp8.E5M2):

@@ -338,8 +338,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @triton.jit
 def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr):
+                   W_SCALED: tl.constexpr, M_FASTEST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
 
     SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
@@ -347,9 +347,16 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
     `add_rms_norm`, adds the splits in order: deterministic, no atomics).
     W_SCALED: w holds FP8 codes with one fp32 scale per row (ws, 2N of them with SILU_MUL): each code is widened
     to a's dtype (exact: e4m3 and e5m2 are subsets of bf16) and the row's scale multiplies the fp32 sum, which it
-    factors out of (weight-only FP8: the activations are not quantized)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    factors out of (weight-only FP8: the activations are not quantized).
+    M_FASTEST: the grid is (row tiles, column tiles, splits), so the programs of one weight tile's row tiles are
+    launched together and share its reads in L2 (a weight larger than L2 would otherwise be read from memory once
+    per row tile); else (column tiles, row tiles, splits)."""
+    if M_FASTEST:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -456,12 +463,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    # FP8 weights (7B-sized ones exceed L2) launch a weight tile's row tiles together; the bf16 path keeps the
+    # order it was measured with
+    m_fastest = w_scale is not None and triton.cdiv(m, cfg["BLOCK_M"]) > 1
+    tiles = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    grid = (*(tiles[::-1] if m_fastest else tiles), split)
     pdl = pdl_enabled()
     _linear_kernel[grid](x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, out, m, n, k,
                          x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
                          HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split,
                          EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, W_SCALED=w_scale is not None,
+                         M_FASTEST=m_fastest,
                          IEEE=x.dtype == torch.float32, PDL=pdl, **cfg, **_launch(pdl))
     return out
 
