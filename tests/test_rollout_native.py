@@ -488,12 +488,14 @@ def _triton_interpret_checks(model_dir: str) -> None:
 
 def _w8a16_decode_check(model_dir: str) -> None:
     """A fused decode step with FP8 weights read by the Triton GEMMs (fp8_decode="w8a16") equals the torch decode
-    step of the same model whose o_proj, gate_up and down are the dequantized FP8 weights (fp32, 1e-4), on the same
+    step of the same model whose qkv, o_proj, gate_up and down are the dequantized FP8 weights (fp32, 1e-4; qkv
+    inside the fused QKV + RoPE + cache kernel), on the same
     cache, at 3 rows (gate_up's fused silu*mul path) and 70 (above FUSED_SILU_MAX_ROWS, where bf16 weights would
     take cuBLAS): the FP8 copies are what it multiplies by, activations unquantized -- no quantization runs, and
     each layer makes its three Triton GEMM calls. Mutations: `_decode_weight` returning the bf16 weight -> the
     logits move by the quantization error and the check fails; `_mlp_act` sending FP8 weights above 64 rows to the
-    w8a8 `_linear` -> a quantization runs at 70 rows and the count check fails."""
+    w8a8 `_linear` -> a quantization runs at 70 rows and the count check fails; the QKV kernel's second half without
+    its scales -> the logits check fails."""
     import copy
 
     from rlhf_mcore.kernels import fp8 as kfp8
@@ -507,7 +509,7 @@ def _w8a16_decode_check(model_dir: str) -> None:
                               fp8_decode="w8a16")
     eng._refresh_fp8()
     fused = eng.model
-    assert fused.fp8_decode == "w8a16"
+    assert fused.fp8_decode == "w8a16" and sorted(fused.fp8[0]) == ["down", "gate_up", "o_proj", "qkv"]
     deq = copy.deepcopy(eng.weights)
     for lw, q in zip(deq.layers, eng._fp8.layers):
         for name, fw in q.items():

@@ -157,8 +157,8 @@ class NativeRolloutEngine(RolloutEngine):
     fp8_layout "channel" (default) or "block" scales; None: the model's dtype. fp8_decode: how a fused (CUDA)
     decode step multiplies by the FP8 weights: "w8a8" (default; activations quantized per token, cuBLAS's FP8 GEMM,
     measured in BENCHMARKS.md) or "w8a16" (the Triton decode GEMMs read the FP8 codes and scale each output
-    channel; activations stay bf16, no quantization kernels; "channel" scales only; not yet measured on a GPU).
-    Prefill is w8a8 in both.
+    channel; activations stay bf16, no quantization kernels; QKV in FP8 too, inside the fused QKV + RoPE + cache
+    kernel; "channel" scales only; not yet measured on a GPU). Prefill is w8a8 in both.
     record_routes (MoE models; routing replay R3): every sample comes back with `Sample.routes`, the top-k expert
     ids each MoE layer routed each of its tokens to (a per-slot, per-position buffer written by every prefill and
     decode step; a continuation's prefix is routed again by its prefill, under the weights of that time).
@@ -361,9 +361,10 @@ class NativeRolloutEngine(RolloutEngine):
         """With quantization="fp8": FP8 copies of the model's linears (filled by the next _refresh_fp8)."""
         if self.quantization is None:
             return
-        from .fp8 import DEFAULT_LAYOUT, Fp8Layers
+        from .fp8 import DEFAULT_LAYOUT, LINEARS, LINEARS_W8A16, Fp8Layers
 
-        self._fp8 = Fp8Layers(self.weights, self.fp8_layout or DEFAULT_LAYOUT)
+        names = LINEARS_W8A16 if self.fp8_decode == "w8a16" else LINEARS
+        self._fp8 = Fp8Layers(self.weights, self.fp8_layout or DEFAULT_LAYOUT, names)
         self.model.fp8, self.model.fp8_decode = self._fp8.layers, self.fp8_decode
         self._fp8_stale = True
 

@@ -1,12 +1,13 @@
 """FP8 rollout weights for the native engine (`actor_rollout_ref.rollout.quantization=fp8`).
 
 The engine keeps its bf16 weights (what `update_weights` copies into, slice by slice) and an e4m3 copy of the
-decoder's o_proj, gate_up and down (LINEARS) with fp32 scales, per output channel or per 128 x 128 block
-(`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync -- at its end
-(`finish_weight_update`, timed as `sync/fp8_quantize_seconds`), or else before the next generation (a sync arrives
-in many `update_weights` buckets; quantizing once per sync, not per bucket) -- in place so
-captured CUDA graphs stay valid. Embeddings, norms, QKV, the LM head and the KV cache stay bf16; activations are
-quantized per token (channel) or per 1 x 128 slice (block) inside each GEMM.
+decoder's o_proj, gate_up and down (LINEARS; and qkv under fp8_decode="w8a16") with fp32 scales, per output channel
+or per 128 x 128 block (`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync --
+at its end (`finish_weight_update`, timed as `sync/fp8_quantize_seconds`), or else before the next generation (a
+sync arrives in many `update_weights` buckets; quantizing once per sync, not per bucket) -- in place so captured
+CUDA graphs stay valid. Embeddings, norms, the LM head and the KV cache stay bf16 (QKV too under "w8a8");
+activations are quantized per token (channel) or per 1 x 128 slice (block) inside each cuBLAS GEMM ("w8a8"), or
+not at all in the weight-only decode GEMMs ("w8a16").
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from .weights import ModelWeights
 
 log = logging.getLogger(__name__)
 
-# The QKV projection stays bf16: about 7% of the decoder's linear weights at the Qwen2.5 shapes, and in bf16 the
-# decode step keeps its fused QKV GEMM + RoPE + cache-write kernel (an FP8 QKV would add the torch RoPE path's
-# kernels to every layer; BENCHMARKS.md, "FP8").
+# Under cuBLAS's FP8 GEMM ("w8a8") the QKV projection stays bf16: about 7% of the decoder's linear weights at the
+# Qwen2.5 shapes, and in bf16 the decode step keeps its fused QKV GEMM + RoPE + cache-write kernel (an FP8 QKV would
+# add the torch RoPE path's kernels to every layer; BENCHMARKS.md, "FP8"). The weight-only decode GEMMs ("w8a16")
+# read FP8 codes in that fused kernel too, so there every decoder linear is FP8 (LINEARS_W8A16).
 LINEARS = ("o_proj", "gate_up", "down")
+LINEARS_W8A16 = ("qkv",) + LINEARS
 KEY = "actor_rollout_ref.rollout.quantization"
 # Per-output-channel scales (row-wise cuBLAS FP8 GEMM): chosen over 128 x 128 blocks by measurement (BENCHMARKS.md).
 DEFAULT_LAYOUT = "channel"
@@ -34,14 +37,14 @@ DEFAULT_LAYOUT = "channel"
 class Fp8Layers:
     """The e4m3 copies of `weights`' decoder linears, per layer name -> Fp8Weight (`layers`)."""
 
-    def __init__(self, weights: ModelWeights, layout: str = DEFAULT_LAYOUT):
+    def __init__(self, weights: ModelWeights, layout: str = DEFAULT_LAYOUT, names: tuple[str, ...] = LINEARS):
         if layout not in LAYOUTS:
             raise ValueError(f"fp8_layout={layout!r}: choose one of {LAYOUTS}.")
         check_fp8_device(weights.device, KEY)
         self.layout = layout
         self.layers: list[dict[str, Fp8Weight]] = []
         for i, lw in enumerate(weights.layers):
-            named = {n: getattr(lw, n, None) for n in LINEARS}
+            named = {n: getattr(lw, n, None) for n in names}
             if layout == "block":
                 for n, w in named.items():
                     if w is not None:

@@ -216,11 +216,14 @@ class NativeModel:
 
         def attend(i, h):
             lw = self.w.layers[i]
-            if self.fused and (self.fp8 is None or "qkv" not in self.fp8[i]):
+            qkv_fp8 = self.fp8 is not None and "qkv" in self.fp8[i]
+            if self.fused and (not qkv_fp8 or self.fp8_decode == "w8a16"):
                 from .triton_kernels import qkv_rope_cache
 
-                q = qkv_rope_cache(h, lw.qkv, lw.qkv_bias, positions, slots, self.cos, self.sin, cache.k[i],
-                                   cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
+                w, scale = self._decode_weight(i, "qkv", lw.qkv)
+                q = qkv_rope_cache(h, w, lw.qkv_bias, positions, slots, self.cos, self.sin, cache.k[i],
+                                   cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps,
+                                   w_scale=scale)
             else:
                 q, k, v = self._split_rope(self._linear(i, "qkv", h, lw.qkv, lw.qkv_bias), positions, lw)
                 cache.k[i].index_put_((slots, positions), k)

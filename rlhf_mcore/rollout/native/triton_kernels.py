@@ -558,16 +558,17 @@ def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, DT
 
 
 @triton.jit
-def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
-                           v_cache_ptr, M, K, stride_am, stride_wn, stride_cs, stride_cl, qn_ptr, kn_ptr, eps,
-                           HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                           HAS_BIAS: tl.constexpr,
+def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr,
+                           k_cache_ptr, v_cache_ptr, M, K, stride_am, stride_wn, stride_cs, stride_cl, qn_ptr, kn_ptr,
+                           eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                            EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
-    accumulators, so rotate_half needs no data movement (each padded to BLOCK_H >= 16 columns for tl.dot)."""
+    accumulators, so rotate_half needs no data movement (each padded to BLOCK_H >= 16 columns for tl.dot).
+    W_SCALED: w holds FP8 codes with one fp32 scale per row (ws), as in `_linear_kernel`."""
     head = tl.program_id(0)
     pid_m = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
@@ -593,12 +594,18 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, s
             a = tl.load(a_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w1 = tl.load(w1_ptrs + k0, mask=hmask[:, None] & kmask[None, :], other=0.0)
             w2 = tl.load(w2_ptrs + k0, mask=hmask[:, None] & kmask[None, :], other=0.0)
+        if W_SCALED:
+            w1 = w1.to(a_ptr.dtype.element_ty)
+            w2 = w2.to(a_ptr.dtype.element_ty)
         if IEEE:
             acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision="ieee")
             acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision="ieee")
         else:
             acc1 = tl.dot(a, tl.trans(w1), acc1)
             acc2 = tl.dot(a, tl.trans(w2), acc2)
+    if W_SCALED:
+        acc1 *= tl.load(ws_ptr + head * D + i, mask=hmask, other=0.0)[None, :]
+        acc2 *= tl.load(ws_ptr + head * D + HALF + i, mask=hmask, other=0.0)[None, :]
     if HAS_BIAS:
         acc1 += tl.load(bias_ptr + head * D + i, mask=hmask, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + head * D + HALF + i, mask=hmask, other=0.0).to(tl.float32)[None, :]
@@ -638,15 +645,21 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
                    slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None = None,
                    k_norm: torch.Tensor | None = None, eps: float = 1e-6, block_m: int | None = None,
-                   block_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                   block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+                   w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-step fusion of the QKV projection with what follows it: qkv = x @ w.T + bias (w (Hq + 2 Hkv) D x K),
     (optional per-head q/k RMSNorm), rotary embedding, and the KV-cache write.
 
     x (B, K) rows; positions, slots (B,); cos, sin (max_len, D) tables from `rope.rope_tables`; caches
-    (S, L, Hkv, D) of one layer. Writes k, v at cache[slot, position]; returns rotated q (B, Hq, D)."""
+    (S, L, Hkv, D) of one layer. Writes k, v at cache[slot, position]; returns rotated q (B, Hq, D).
+    w_scale: w is FP8 codes with this fp32 scale per row (weight-only FP8, as `linear`'s)."""
     m, k = x.shape
     D = cos.shape[1]
     assert x.stride(1) == 1 and w.is_contiguous() and w.shape == ((heads + 2 * kv_heads) * D, k)
+    assert (w_scale is None) == (w.element_size() != 1), "FP8 weights need their scales, and only they take them"
+    if w_scale is not None:
+        w_scale = w_scale.reshape(-1)
+        assert w_scale.dtype == torch.float32 and w_scale.numel() == w.shape[0] and w_scale.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and D == triton.next_power_of_2(D) and D >= 2
     fp32 = x.dtype == torch.float32
     bm = block_m or (64 if m > 32 else max(16, triton.next_power_of_2(m)))
@@ -655,9 +668,10 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     qk_norm = q_norm is not None
     pdl = pdl_enabled()
     _qkv_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(m, bm))](
-        x, w, bias if bias is not None else w, positions, slots, cos, sin, q_out, k_cache, v_cache, m, k,
-        x.stride(0), w.stride(0), k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos,
-        k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2),
-        HAS_BIAS=bias is not None, QK_NORM=qk_norm, BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
+        x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, positions, slots, cos, sin,
+        q_out, k_cache, v_cache, m, k, x.stride(0), w.stride(0), k_cache.stride(0), k_cache.stride(1),
+        q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2,
+        BLOCK_H=max(16, D // 2), HAS_BIAS=bias is not None, W_SCALED=w_scale is not None, QK_NORM=qk_norm,
+        BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
         PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch(pdl))
     return q_out
