@@ -330,8 +330,38 @@ def case_logprob_tp(model_dir, state, tmp):
     return {"tp": tp, "per_rank": per_rank}
 
 
+def case_fp8(model_dir, state, tmp):
+    """One PPO update with the decoder linears in FP8 (fp8=hybrid, each recipe) and without: loss and global
+    gradient norm. On the CPU the FP8 GEMMs are the dequantized fp32 reference, so the device check is patched out;
+    at TP=2 each rank quantizes its own shards (and the input gradient of a column-parallel layer is all-reduced by
+    the FP8 linear itself). Its own model: the shared one's init (std 0.2, chaotic on purpose for token-level
+    tests) turns FP8's rounding into whole nats; at transformers' 0.02 it stays at FP8's size. Rank 0 writes it
+    (transformers saves on the main process only), the others wait."""
+    from rlhf_mcore.models import fp8_training
+    from rlhf_mcore.models.tiny import make_tiny_model
+
+    fp8_training.check_fp8_device = lambda device, key: None
+    model_dir = Path(tmp) / "fp8_model"
+    if dist.get_rank() == 0:
+        make_tiny_model(model_dir, arch="qwen2", layers=4, init_std=0.02)
+    dist.barrier()
+    batch = make_batch(tokenizer_vocab(model_dir))
+    probe = build(state, model_dir, actor_config(role="ref"), role="ref")
+    lp, _ = probe.compute_log_probs(batch)
+    del probe
+    ppo = dp_share(add_ppo_fields(batch, lp), state)
+    out = {}
+    for recipe in ("off", "rowwise", "tensorwise"):
+        engine = build(state, model_dir, actor_config(micro_batch_size=4))
+        if recipe != "off":
+            fp8_training.enable_fp8_training(engine.chunks, "hybrid", "fp8", recipe)
+        m = engine.update_policy(ppo)
+        out[recipe] = {k: m[f"actor/{k}"] for k in ("grad_norm", "pg_loss", "loss")}
+    return out
+
+
 CASES = {"hf": case_hf, "layout": case_layout, "grads": case_grads, "offload": case_offload, "critic": case_critic,
-         "ckpt": case_ckpt, "logprob_tp": case_logprob_tp}
+         "ckpt": case_ckpt, "logprob_tp": case_logprob_tp, "fp8": case_fp8}
 
 
 def parse_layout(text: str):
