@@ -16,9 +16,10 @@ dy each have one scale, so one set of codes serves both axes. Each tensor is rea
 one kernel that writes its codes and their transpose (`fp8.quantize_tensor`), against two quantizations (four
 reads) per tensor rowwise; cuBLAS's tensor-wise FP8 GEMM ran 1.66x bf16 against row-wise 1.57x at the 7B MLP
 shape (DESIGN.md). The forward keeps the transposed codes of x and W for the backward (1 byte an element, against
-the 2 of the bf16 x the rowwise recipe keeps). W's amax is kept between calls and recomputed when W changes (its
-storage or version counter: every optimizer step, load and copy into it bumps the counter); a CUDA graph
-capture computes it inside the graph, so replays after an optimizer step never use a stale one. The cost is
+the 2 of the bf16 x the rowwise recipe keeps). W's amax is kept between calls and recomputed when W changes
+(`WeightAmax`: invalidated by the train engine after each optimizer step and load, and on a new storage or version
+counter); a CUDA graph capture computes it inside the graph, so replays after an optimizer step never use a stale
+one. The cost is
 range: a token's values share the tensor's scale, so values below amax * 2**-9 / 448 (e4m3) flush to zero, which
 is why Transformer Engine pairs it with e5m2 gradients ("hybrid").
 
@@ -101,14 +102,19 @@ def fp8_linear_train(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 class WeightAmax:
-    """max |W| of one weight, kept between calls: recomputed when W's storage or version counter moved (an
-    optimizer step, a checkpoint load, an offload's new storage), and inside every CUDA graph capture (a replay
-    then recomputes it, since the graph cannot see the counter)."""
+    """max |W| of one weight, kept between calls: recomputed after `invalidate()` (the train engine calls it after
+    every optimizer step and checkpoint load: Megatron's optimizer writes bf16 weights through its parameter
+    buffer, which leaves the parameter's version counter where it was), when W's storage or version counter moved
+    (in-place writes through the parameter itself, an offload's new storage), and inside every CUDA graph capture (a
+    replay then recomputes it, since the graph cannot see any of this)."""
 
     def __init__(self):
         self.amax: torch.Tensor | None = None
         self.key: tuple[int, int] | None = None
         self.computed = 0  # how many times it was recomputed (tests)
+
+    def invalidate(self) -> None:
+        self.amax = self.key = None
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():

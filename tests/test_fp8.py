@@ -186,7 +186,8 @@ def test_fp8_tensorwise_linear_gradients(grad):
 
 def test_weight_amax_follows_every_write_to_the_weight():
     """WeightAmax keeps max |W| between calls and recomputes it after anything that writes W: an in-place update,
-    an optimizer step, new storage (`.data =`, as an offload restores it); not otherwise. The linear's output after
+    an optimizer step, new storage (`.data =`, as an offload restores it), `invalidate()`; not otherwise (a write
+    through `.data` moves no counter: the engine invalidates after its optimizer steps). The linear's output after
     an in-place update is the one a fresh amax gives. Mutation: the key without `weight._version` -> the in-place
     and optimizer cases keep the stale amax and fail."""
     from rlhf_mcore.kernels.fp8_linear import WeightAmax, fp8_linear_train_tensorwise
@@ -208,6 +209,12 @@ def test_weight_amax_follows_every_write_to_the_weight():
     assert cache(w).item() == w.abs().max().item() and cache.computed == 3
     w.data = w.data.clone() * 0.5
     assert cache(w).item() == w.abs().max().item() and cache.computed == 4
+    # a write that moves neither (Megatron's optimizer writes bf16 weights so, through its parameter buffer): the
+    # kept amax is stale until invalidate(), which the train engine calls after every optimizer step
+    w.data.copy_(w.data * 2)
+    assert cache(w).item() == w.abs().max().item() / 2 and cache.computed == 4
+    cache.invalidate()
+    assert cache(w).item() == w.abs().max().item() and cache.computed == 5
 
 
 def test_refusals_are_one_line():
@@ -352,16 +359,20 @@ def test_fp8_training_refusals():
         enable_fp8_training([torch.nn.Module()], "e4m3", "k")
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["eager", "full_recompute"])
-def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recompute):
+@pytest.mark.parametrize("recompute, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],
+                         ids=["eager", "full_recompute", "bf16"])
+def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recompute, dtype):
     """Two PPO updates of a tiny Megatron GPTModel (CPU, the reference GEMMs; the device check patched out) with
     fp8=hybrid under the tensorwise recipe, against the same model without FP8: the gradient norm within 10% and
     the losses within 5%; every switched layer computes its weight's amax once per optimizer step (once for each
     update and once for the log-prob pass after them), however many micro-batches and recomputed forwards read it,
     and the amax it then holds is the weight's current one. With full activation recompute the first forward runs
-    under no_grad (no transposed codes) and the recompute reads the same amaxes.
-    Mutation: WeightAmax's key without `weight._version` -> computed once, the amax the first update's, and the
-    last checks fail (both cases)."""
+    under no_grad (no transposed codes) and the recompute reads the same amaxes. With bf16 parameters (the GPU's
+    case) Megatron's optimizer writes them through its parameter buffer without moving their version counter, so
+    only the engine's `invalidate_weight_amaxes` after the step keeps the amax current. Mutations: WeightAmax's key
+    without `weight._version` -> computed once in the fp32 cases, the amax the first update's, and the last checks
+    fail; the engine's `invalidate_weight_amaxes` call after the optimizer step removed -> the bf16 case fails the
+    same way (found by this test's bf16 case: the version-counter key alone was stale there)."""
     from test_train_cuda_graphs import rl_batch
 
     from rlhf_mcore.config import OptimConfig
@@ -380,7 +391,7 @@ def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recomput
         res, layers = {}, []
         for fp8_on in (False, True):
             torch.manual_seed(0)
-            chunks = build_model(model_dir, state, role="actor", dtype=torch.float32,
+            chunks = build_model(model_dir, state, role="actor", dtype=dtype,
                                  config_overrides=recompute_overrides(recompute) or None)
             if fp8_on:
                 assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise") == 8

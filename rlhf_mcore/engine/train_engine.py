@@ -56,6 +56,7 @@ from rlhf_mcore.engine.optim import (
     use_fused_adam,
     wrap_ddp,
 )
+from rlhf_mcore.models.fp8_training import invalidate_weight_amaxes
 from rlhf_mcore.trace import span
 
 __all__ = ["TrainEngine"]
@@ -320,6 +321,7 @@ class TrainEngine:
                     metrics, seqlens = self.forward_backward(sub, on_policy)
                     if math.isfinite(metrics.get("loss", 0.0)):
                         ok, grad_norm, _ = self.optimizer.step()
+                        invalidate_weight_amaxes(self.chunks)  # FP8 tensorwise: W changed
                     else:  # a NaN/inf loss (reduced, so every rank agrees) poisons the gradients: skip this step
                         ok, grad_norm = False, None
                     s.args.update(micro_batches=int(metrics.get("num_micro_batches", 0)), tokens=sum(seqlens))
@@ -530,6 +532,7 @@ class TrainEngine:
             g.reset()
         loaded = ckpt.load_checkpoint(path, self.modules, self.state, self.optimizer if load_optimizer else None,
                                       self.scheduler, load_optimizer=load_optimizer and self.optimizer is not None)
+        invalidate_weight_amaxes(self.chunks)
         if self.optimizer is not None:
             use_fused_adam(self.optimizer)  # loaded param groups carry the saving run's `fused` flag
         extra = loaded.get("extra") or {}

@@ -49,6 +49,8 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> 
                 raise Fp8Unsupported(f"{key}={fmt}: decoder layer {name} cannot run FP8 GEMMs with {why}; set {key} "
                                      "to null for this run.")
             mod._forward_impl = _fp8_impl(mod, grad_dtype, recipe)
+            if recipe == "tensorwise":  # kept on the chunk too, for invalidate_weight_amaxes (no module walk)
+                chunk.fp8_weight_amaxes = [*getattr(chunk, "fp8_weight_amaxes", ()), mod.fp8_weight_amax]
             switched += 1
     if switched == 0:
         raise Fp8Unsupported(f"{key}={fmt}: no Megatron local-spec linear layers in the decoder to switch (a "
@@ -65,6 +67,15 @@ def _refuse_grouped_experts(chunks, fmt: str, key: str) -> None:
         if any(isinstance(m, GroupedExperts) for m in chunk.modules()):
             raise Fp8Unsupported(f"{key}={fmt}: FP8 training of mixture-of-experts models is not supported (their "
                                  "experts run as bf16 grouped GEMMs, which have no FP8 path here); set it to null.")
+
+
+def invalidate_weight_amaxes(chunks) -> int:
+    """Forget every tensorwise layer's kept weight amax (after the weights changed: an optimizer step, a load);
+    returns how many. A no-op for rowwise or no FP8."""
+    caches = [c for chunk in chunks for c in getattr(chunk, "fp8_weight_amaxes", ())]
+    for cache in caches:
+        cache.invalidate()
+    return len(caches)
 
 
 def _fp8_impl(mod, grad_dtype, recipe: str):
