@@ -269,7 +269,7 @@ def test_column_quantization_matches_transposed_rows(shape):
 def test_tensorwise_under_a_cuda_graph_follows_the_weights():
     """A replay cannot see W's version counter, so under capture the tensorwise linear computes W's amax inside the
     graph (WeightAmax). The linear's forward captured in a CUDA graph, W then scaled 4x in place, the graph
-    replayed: its output equals the eager linear's on the new W (a fresh WeightAmax) bit for bit, and differs from
+    replayed: its output equals the eager linear's on the new W (a fresh WeightAmax; within 1e-2), and differs from
     the output before. Mutation (not run on the device): WeightAmax returning its cached amax under capture -> the
     replay scales the new W by the old amax, saturating it, and the equality fails."""
     from rlhf_mcore.kernels.fp8_linear import E4M3, WeightAmax, fp8_linear_train_tensorwise
@@ -293,5 +293,7 @@ def test_tensorwise_under_a_cuda_graph_follows_the_weights():
     graph.replay()
     with torch.no_grad():
         want = fp8_linear_train_tensorwise(x, w, None, E4M3, None, WeightAmax())
-    assert torch.equal(out, want)
+    # the same kernels on the same values: equal, or within cuBLAS's choice of algorithm under capture; a stale
+    # amax saturates most of W (4x its old max) and misses by far more
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert not torch.equal(out, before)
