@@ -111,7 +111,8 @@ def quantize_cols_t_cuda(x: torch.Tensor, dtype: torch.dtype, bm: int = 64, bk: 
 
 @triton.jit
 def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_qtk,
-                        QMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                        QMAX: tl.constexpr, TRANSPOSE: tl.constexpr, LOAD_T: tl.constexpr, BM: tl.constexpr,
+                        BK: tl.constexpr):
     """Program (row block, column block): the tile's codes under the one scale amax / QMAX, stored as they lie in q
     (M, K) and, with TRANSPOSE, transposed in qt (K, M); program (0, 0) writes the scale."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -121,10 +122,17 @@ def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, 
     scale = tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)  # IEEE division: torch's codes, bit for bit
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -QMAX), QMAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    qf = tl.minimum(tl.maximum(tl.div_rn(v, scale), -QMAX), QMAX)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], qf.to(q_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:
-        tl.store(qt_ptr + cols[:, None] * stride_qtk + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        if LOAD_T:  # read the tile again as x.T: tl.trans of an fp32 tile's codes wrote wrong bytes (H100, triton 3.6)
+            mt = (cols[:, None] < K) & (rows[None, :] < M)
+            vt = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=mt, other=0.0).to(tl.float32)
+            qt = tl.minimum(tl.maximum(tl.div_rn(vt, scale), -QMAX), QMAX).to(qt_ptr.dtype.element_ty)
+            tl.store(qt_ptr + cols[:, None] * stride_qtk + rows[None, :], qt, mask=mt)
+        else:
+            tl.store(qt_ptr + cols[:, None] * stride_qtk + rows[None, :], tl.trans(qf.to(qt_ptr.dtype.element_ty)),
+                     mask=tl.trans(mask))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(s_ptr, scale)
 
@@ -140,5 +148,6 @@ def quantize_tensor_cuda(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor
     scale = torch.empty(1, 1, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     _tensor_cast_kernel[grid](x, amax, q, qt, scale, m, k, x.stride(0), q.stride(0), qt.stride(0),
-                              QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=bm, BK=bk)
+                              QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, LOAD_T=x.element_size() > 2,
+                              BM=bm, BK=bk)
     return q, scale, qt if transpose else None

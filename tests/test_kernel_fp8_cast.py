@@ -29,12 +29,14 @@ def _scaled_clamped(x: torch.Tensor, amax: float, qmax: float) -> torch.Tensor:
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's fp32 stand-in; on a GPU the next test compares the codes")
+@pytest.mark.parametrize("load_t", [False, True], ids=["trans", "load_t"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_cast_kernel_arithmetic_under_the_interpreter(shape):
+def test_cast_kernel_arithmetic_under_the_interpreter(shape, load_t):
     """The kernel with fp32 outputs: values and transposed values equal torch's x / scale clamped to +-QMAX, the
     scale amax / QMAX, for ragged tiles, an amax below the largest value (saturation) and a zero tensor (scale
-    1). Mutations: the scale without / QMAX -> all 4 fail; the transposed store's mask not transposed -> it stores
-    out of bounds on the ragged shapes (the interpreter's process crashed)."""
+    1); both ways of writing the transpose (tl.trans of the tile, and the second read as x.T that fp32 inputs take
+    on CUDA). Mutations: the scale without / QMAX -> all 4 fail; the transposed store's mask not transposed -> it
+    stores out of bounds on the ragged shapes (the interpreter's process crashed)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(*shape, generator=g).bfloat16() * 3
     for amax, qmax in ((x.float().abs().max().item(), 448.0), (1.0, 448.0), (2.5, 57344.0)):
@@ -46,21 +48,23 @@ def test_cast_kernel_arithmetic_under_the_interpreter(shape):
             s = torch.empty(1, 1)
             grid = (-(-m // 64), -(-k // 64))
             ft._tensor_cast_kernel[grid](t, torch.tensor(a, dtype=torch.bfloat16), q, qt, s, m, k, t.stride(0),
-                                         q.stride(0), qt.stride(0), QMAX=qmax, TRANSPOSE=True, BM=64, BK=64)
+                                         q.stride(0), qt.stride(0), QMAX=qmax, TRANSPOSE=True, LOAD_T=load_t,
+                                         BM=64, BK=64)
             want = _scaled_clamped(t, a, qmax)
             assert torch.equal(q, want) and torch.equal(qt, want.t())
             assert s.item() == pytest.approx(a / qmax if a > 0 else 1.0, rel=1e-7)
 
 
 @pytest.mark.skipif(not CUDA, reason="FP8 codes need a GPU (the interpreter's float8 conversion differs)")
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES + [(4096, 1536)])
-def test_cast_kernel_codes_on_cuda(shape):
-    """`fp8.quantize_tensor` on CUDA against the CPU path on the same bf16 values and amax, both formats: the
+def test_cast_kernel_codes_on_cuda(shape, src):
+    """`fp8.quantize_tensor` on CUDA against the CPU path on the same bf16 or fp32 values and amax, both formats: the
     scale bit for bit (IEEE division in both); the transposed codes exactly the codes transposed; the codes within
     the rounding bound of torch's (both divide IEEE and round to nearest, so they should be equal: the share that is
     is printed; a conversion through fp16 on some GPU would double-round a few); without `transpose` no
     transposed codes."""
-    x = torch.randn(*shape, device="cuda").bfloat16() * 3
+    x = (torch.randn(*shape, device="cuda") * 3).to(src)
     for dtype in (fp8.E4M3, fp8.E5M2):
         q, s, qt = fp8.quantize_tensor(x, dtype, transpose=True)
         qc, sc, _ = fp8.quantize_tensor(x.cpu(), dtype, transpose=True)
