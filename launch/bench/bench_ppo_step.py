@@ -99,7 +99,9 @@ TINY_OVERRIDES = {
                   "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
+                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+                  # the config asks for CUDA graphs (a GPU config); the smoke run is on the CPU
+                  "actor_rollout_ref.actor.megatron.cuda_graphs=null", "critic.megatron.cuda_graphs=null"],
     "trl_grpo": ["data.train_batch_size=2", "data.max_train_samples=64", "actor_rollout_ref.rollout.n=2",
                  "data.max_response_length=16", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
