@@ -281,3 +281,48 @@ def test_decode_step_in_flight_on_cuda(gpu_model_dirs):
             assert s.finish_reason == "length" and len(s.token_ids) == 32 and stop not in s.token_ids
     assert any(s.finish_reason == "stop" for o in stopped for s in o.samples)
     engine.shutdown()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_weights_updated_while_awake_reach_the_captured_graphs(tiny_model_dir, quantization):
+    """An engine that stays awake between weight syncs (`rollout.free_cache_engine=false`, and the asynchronous
+    trainers' rollout pools) keeps its decode CUDA graphs: `update_weights` copies into the tensors the graphs
+    were captured on, and with quantization=fp8 `finish_weight_update` requantizes the FP8 copies in place. The
+    next generate replays the same graph objects (no capture) and samples, bit for bit, what an engine built from
+    the new weights samples (bf16, seeded sampling, tokens and log-probs). Mutations (written in session 24, not
+    yet run on a GPU): `update_weights` not marking the FP8 copies stale (the fp8 case samples from stale copies:
+    `after == reference` fails); `sleep`'s `self.graphs.clear()` moved into `update_weights` (the graph objects
+    differ)."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+    from rlhf_mcore.rollout.native.weights import iter_safetensors
+
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability >= 8.9 (Ada or Hopper)")
+    shape = dict(hidden=128, heads=4, kv_heads=2, vocab=1024)
+    old, new = tiny_model_dir("qwen2", **shape), tiny_model_dir("qwen2", seed=1, **shape)
+    prompts = make_prompts(16, 1024, seed=4)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=7, stop_token_ids=())
+    kw = dict(dtype=torch.bfloat16, max_num_seqs=32, max_model_len=128, quantization=quantization)
+
+    def samples(outs):
+        return [(s.token_ids, s.logprobs) for o in outs for s in o.samples]
+
+    fresh = NativeRolloutEngine(new, **kw)
+    reference = samples(fresh.generate(prompts, params))
+    fresh.shutdown()
+    engine = NativeRolloutEngine(old, **kw)
+    before = samples(engine.generate(prompts, params))
+    captured = dict(engine.graphs.graphs)
+    assert captured, "the engine captured no decode graph"
+    named = list(iter_safetensors(new))
+    engine.update_weights(named[: len(named) // 2])  # in buckets, as the weight sync sends them
+    engine.update_weights(named[len(named) // 2:])
+    engine.finish_weight_update()
+    after = samples(engine.generate(prompts, params))
+    replayed = dict(engine.graphs.graphs)
+    engine.shutdown()
+    assert after != before, "the new weights changed nothing: the test cannot tell stale weights from fresh ones"
+    assert after == reference, "the awake engine's graphs sampled differently from an engine built on the new weights"
+    assert replayed.keys() == captured.keys() and all(replayed[k] is g for k, g in captured.items()), \
+        "the weight update dropped or recaptured the decode graphs"
