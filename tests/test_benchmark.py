@@ -131,6 +131,8 @@ def test_rl_step_json(outputs, name):
     assert len(steps) == (3 if name == "ppo_step" else 2)  # warm-up + timed (+ profiled)
     assert all(s["response_length_max"] <= 16 for s in steps)
     assert "timing_s/step" in steps[-1]["metrics"]
+    # the rollout engine's counters of each step's generation (CPU: no CUDA graphs, so no captures)
+    assert all(s["rollout_stats"]["decode_steps"] > 0 and s["rollout_stats"]["graph_captures"] == 0 for s in steps)
 
 
 def test_ppo_profile(outputs):

@@ -383,7 +383,11 @@ class BenchHooks:
                "prompt_length_mean": float((batch["attention_mask"].sum(1) - mask.sum(1)).float().mean()),
                # the trainer's own per-step peak (a weight sync's measurement does not hide what came before)
                "peak_mem_gib": metrics.get("perf/max_memory_allocated_gb/max") if on_gpu else None,
-               "metrics": {k: v for k, v in metrics.items() if k.startswith(("perf/", "timing_s/", "sync/"))}}
+               "metrics": {k: v for k, v in metrics.items() if k.startswith(("perf/", "timing_s/", "sync/"))},
+               # the rollout engine's counters of this step's generation (the native engine: decode steps,
+               # prefills, graph_captures, ...)
+               "rollout_stats": {k: v for k, v in (getattr(parts.rollout, "last_stats", None) or {}).items()
+                                 if isinstance(v, (int, float))}}
         self.records.append(rec)
         if self.partial_out:  # steps so far survive a later crash or timeout
             Path(self.partial_out).write_text(json.dumps({"partial": True, "steps": self.records}, indent=1))

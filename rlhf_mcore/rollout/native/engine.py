@@ -471,6 +471,7 @@ class NativeRolloutEngine(RolloutEngine):
         # prompt_tokens: tokens prefilled; reused_tokens: tokens admitted sequences found in their session's slot
         self._stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0,
                        "generated_tokens": 0, "prompt_tokens": 0, "reused_tokens": 0}
+        self._captures_at_open = self.graphs.captures
         if self.quantization is not None:
             self._stats["fp8_quantize_s"] = quantize_s
         self._t_open = time.perf_counter()
@@ -550,6 +551,9 @@ class NativeRolloutEngine(RolloutEngine):
         if not self._stream_open:
             return
         self._stats["total_s"] = time.perf_counter() - self._t_open
+        # decode CUDA graphs captured in this stream: a count above 0 at every step means they are being dropped
+        # between streams (sleep clears them) or the batch buckets keep changing
+        self._stats["graph_captures"] = self.graphs.captures - self._captures_at_open
         self.last_stats = self._stats
         self._waiting, self._rows, self._ready = deque(), [], []
         self._inflight, self._collecting = None, []

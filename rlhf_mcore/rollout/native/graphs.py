@@ -33,6 +33,7 @@ class DecodeGraphs:
     def __init__(self):
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.captures = 0  # graphs captured so far, across clear() (the engine's `graph_captures` per stream)
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -61,4 +62,5 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             restore()
             self.graphs[key] = graph
+            self.captures += 1
         graph.replay()
