@@ -38,6 +38,8 @@ Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rol
 + `rollout/onload` (training state off/on the GPU around generation; only
 when the config sets `megatron.*_offload`), `rollout/wake_sleep`; `old_log_prob`,
 `ref`, `values`; `adv`; `critic_update`, `actor_update`; `sync`; `step` (the trainer's whole step).
+Each step's record also keeps the rollout engine's counters of its generation (`rollout_stats`; the native
+engine's `graph_captures` > 0 after the first step means its decode graphs are captured again every step).
 """
 from __future__ import annotations
 
