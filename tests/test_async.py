@@ -443,7 +443,7 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
     trace shows it; the resumed run below keeps the default, false) and loads them only after. Mutation: the
     announced version loaded before the step it arrives during is generated -> step 2's scores differ from the
     reference's (0.375 vs 0.4375); mutation: prefetch ignored (`Generate.prefetch` always None) -> the trace
-    check fails."""
+    check fails; mutation: the rollout worker's StepStats leaving out `rollout_engine/*` -> KeyError."""
     args = _setup(tmp_path, tiny_model_dir) + ["trainer.total_training_steps=4", "trainer.save_freq=2"]
     _with_reference("one_step_off_reference.py", args + [f"trainer.default_local_dir={tmp_path / 'ref'}"],
                     "launch/train.py", args + [f"trainer.default_local_dir={tmp_path / 'osp'}", "trainer.trace=true",
@@ -458,6 +458,8 @@ def test_one_step_off_equals_its_synchronous_reference(tmp_path, tiny_model_dir)
             assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (g["step"], k, g[k], w[k])
     assert got[1]["one_step_off/staleness/1"] == 4 and got[0]["one_step_off/staleness/0"] == 4
     assert got[2]["rollout/k3_kl"] > 0  # generated one update behind: off-policy, as in the reference
+    # the rollout pool's engine counters reach the step's metrics (with its StepStats)
+    assert all(g["rollout_engine/decode_steps"] > 0 and g["rollout_engine/graph_captures"] == 0 for g in got), got[0]
     # the weights of steps 1 and 2 reached the rollout while it generated steps 2 and 3 (prefetch_weights)
     _check_async_trace(tmp_path / "osp" / "trace.json", "one_step_off", [1, 2, 3, 4], train_ranks=(0,),
                        rollout_ranks=(1,), phases=[p for p in TRAIN_PHASES if p != "reward_model"], sequences=16,

@@ -248,7 +248,8 @@ def test_validation_matches_standalone_eval(assets, tmp_path):
     veRL's actor/reward_kl_penalty (k3 >= 0: 0 at step 1, where the actor is the reference; > 0 after an update)
     and its coefficient (tests/test_reward_kl_metrics.py checks the values against a naive loop).
 
-    Mutation: Learner.compute_advantages not returning the penalty's metrics -> fails (KeyError)."""
+    Mutation: Learner.compute_advantages not returning the penalty's metrics -> fails (KeyError); so does the
+    colocated rollout not passing `rollout_engine/*` on to the step's metrics."""
     out = tmp_path / "grpo"
     launch("train.py", *base_args(assets, out, 2, "trainer.test_freq=2", "algorithm.use_kl_in_reward=true",
                                   "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.kl_coef=0.05"))
@@ -258,6 +259,9 @@ def test_validation_matches_standalone_eval(assets, tmp_path):
     assert m[1]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
     assert m[2]["actor/reward_kl_penalty"] > 1e-5
     assert m[2]["critic/rewards/mean"] < m[2]["critic/score/mean"]  # the penalty lowered the rewards
+    # the native engine's counters of each step's generation (CPU: no CUDA graphs, so none captured)
+    assert all(m[s]["rollout_engine/decode_steps"] > 0 and m[s]["rollout_engine/prefills"] >= 1
+               and m[s]["rollout_engine/graph_captures"] == 0 for s in (1, 2)), m[2]
     val = val_metrics(out)[-1]
     assert val["step"] == 2 and "val/openai/gsm8k/acc" in val and "val/synthetic/arithmetic/acc" in val
     evaluated = standalone_accuracy(out / "hf_final", [assets / "syn" / "test.parquet", assets / "gsm8k_val.parquet"],

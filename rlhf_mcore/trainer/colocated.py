@@ -62,7 +62,7 @@ class ColocatedRollout:
         metrics.update(compose(rows, items, self.shaping, learned=self.reward_model, baseline=baseline))
         if self.reward_model is not None and "timing_s/reward_tail" in metrics:  # scoring left after the last sample
             metrics["timing_s/reward_tail"] += time.monotonic() - t0
-        metrics.update({k: v for k, v in stats.items() if k.startswith(("agent/", "reward_model/"))})
+        metrics.update({k: v for k, v in stats.items() if k.startswith(("agent/", "reward_model/", "rollout_engine/"))})
         return rows, metrics
 
     def streaming_reward_model(self):

@@ -28,6 +28,19 @@ def response_budgets(items: Sequence[dict[str, Any]], limit: int) -> Optional[li
     return [limit if c is None else max(1, min(int(c), limit)) for c in caps]
 
 
+# the native engine's counters of one generation (`last_stats`) reported as `rollout_engine/*` metrics
+ENGINE_COUNTERS = ("decode_steps", "prefills", "graph_captures", "prefill_s", "decode_s")
+
+
+def engine_counters(engine) -> dict[str, float]:
+    """The rollout engine's counters of its last generation as `rollout_engine/*` metrics (summed over rollout
+    replicas by the caller): decode steps, prefills, decode CUDA graphs captured (above 0 at every step means
+    they are captured again each step, e.g. after the engine's sleep drops them) and prefill / decode seconds.
+    {} for an engine without counters (the HF and SGLang backends)."""
+    st = getattr(engine, "last_stats", None) or {}
+    return {f"rollout_engine/{k}": float(st[k]) for k in ENGINE_COUNTERS if isinstance(st.get(k), (int, float))}
+
+
 def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:
     """(number of replicas, this rank's replica, rank within the replica)."""
     return world // rollout_tp, rank // rollout_tp, rank % rollout_tp
@@ -79,6 +92,8 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
         local, stats = _generate_scoring_as_they_finish(engine, scorer if sub_rank == 0 else None, prompts, share,
                                                         meta, params, tokenizer, caps, reward_model)
+        if sub_rank == 0:
+            stats = {**stats, **engine_counters(engine)}
         scored = True
     elif share:
         caps = response_budgets([meta[i] for i in share], params.max_new_tokens)
@@ -87,6 +102,7 @@ def generate_and_score(engine, scorer, prompts: Sequence[list[int]], meta: Seque
                              "native rollout engine takes: set actor_rollout_ref.rollout.name=native or drop the key.")
         kw = {"max_new_tokens": caps} if caps is not None else {}
         outs = engine.generate([list(prompts[i]) for i in share], params, request_ids=share, **kw)
+        stats = engine_counters(engine) if sub_rank == 0 else {}  # before the greedy baseline's generation
         baselines = None
         if greedy_baseline:
             greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=params.max_new_tokens,

@@ -198,7 +198,7 @@ class RolloutWorker:
         if self.state.rank == 0:
             metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
                        "rollouter/idle_ratio": self.idle_ratio(),
-                       **{k: v for k, v in stats.items() if k.startswith("agent/")}}
+                       **{k: v for k, v in stats.items() if k.startswith(("agent/", "rollout_engine/"))}}
             metrics.update(self.shaping.metrics(rows))
             self.coord.put(StepStats(step, metrics))
         if not self.leader:
