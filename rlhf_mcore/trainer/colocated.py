@@ -15,7 +15,7 @@ from rlhf_mcore.rewards import reward_metrics
 from rlhf_mcore.rewards.pipeline import OverlongShaping, compose
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.plan import plan_step
-from rlhf_mcore.trainer.rollout_phase import generate_and_score
+from rlhf_mcore.trainer.rollout_phase import ENGINE_METRIC_PREFIXES, generate_and_score
 from rlhf_mcore.trainer.step_batch import rows_to_batch
 from rlhf_mcore.trainer.validation import validate
 
@@ -62,7 +62,8 @@ class ColocatedRollout:
         metrics.update(compose(rows, items, self.shaping, learned=self.reward_model, baseline=baseline))
         if self.reward_model is not None and "timing_s/reward_tail" in metrics:  # scoring left after the last sample
             metrics["timing_s/reward_tail"] += time.monotonic() - t0
-        metrics.update({k: v for k, v in stats.items() if k.startswith(("agent/", "reward_model/", "rollout_engine/"))})
+        passed_on = ("agent/", "reward_model/", *ENGINE_METRIC_PREFIXES)
+        metrics.update({k: v for k, v in stats.items() if k.startswith(passed_on)})
         return rows, metrics
 
     def streaming_reward_model(self):

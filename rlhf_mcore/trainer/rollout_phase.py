@@ -28,17 +28,23 @@ def response_budgets(items: Sequence[dict[str, Any]], limit: int) -> Optional[li
     return [limit if c is None else max(1, min(int(c), limit)) for c in caps]
 
 
-# the native engine's counters of one generation (`last_stats`) reported as `rollout_engine/*` metrics
-ENGINE_COUNTERS = ("decode_steps", "prefills", "graph_captures", "prefill_s", "decode_s")
+# the native engine's counters of one generation (`last_stats`) reported as step metrics: counts as
+# `rollout_engine/*`, seconds as `timing_s/rollout_engine/*` (wall-clock metrics share the `timing_s/` prefix)
+ENGINE_COUNTS = ("decode_steps", "prefills", "graph_captures")
+ENGINE_SECONDS = {"prefill_s": "prefill", "decode_s": "decode"}
+ENGINE_METRIC_PREFIXES = ("rollout_engine/", "timing_s/rollout_engine/")
 
 
 def engine_counters(engine) -> dict[str, float]:
-    """The rollout engine's counters of its last generation as `rollout_engine/*` metrics (summed over rollout
-    replicas by the caller): decode steps, prefills, decode CUDA graphs captured (above 0 at every step means
-    they are captured again each step, e.g. after the engine's sleep drops them) and prefill / decode seconds.
-    {} for an engine without counters (the HF and SGLang backends)."""
+    """The rollout engine's counters of its last generation as step metrics (summed over rollout replicas by the
+    caller): decode steps, prefills, decode CUDA graphs captured (above 0 at every step means they are captured
+    again each step, e.g. after the engine's sleep drops them) and prefill / decode seconds. {} for an engine
+    without counters (the HF and SGLang backends)."""
     st = getattr(engine, "last_stats", None) or {}
-    return {f"rollout_engine/{k}": float(st[k]) for k in ENGINE_COUNTERS if isinstance(st.get(k), (int, float))}
+    out = {f"rollout_engine/{k}": float(st[k]) for k in ENGINE_COUNTS if isinstance(st.get(k), (int, float))}
+    out.update({f"timing_s/rollout_engine/{name}": float(st[k]) for k, name in ENGINE_SECONDS.items()
+                if isinstance(st.get(k), (int, float))})
+    return out
 
 
 def _replica_layout(world: int, rank: int, rollout_tp: int) -> tuple[int, int, int]:

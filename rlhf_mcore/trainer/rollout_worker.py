@@ -59,7 +59,7 @@ from rlhf_mcore.trainer.messages import (
     Weights,
     unknown,
 )
-from rlhf_mcore.trainer.rollout_phase import generate_and_score, response_budgets
+from rlhf_mcore.trainer.rollout_phase import ENGINE_METRIC_PREFIXES, generate_and_score, response_budgets
 from rlhf_mcore.trainer.sample_streams import SampleStream, TrajectoryStream
 from rlhf_mcore.trainer.validation import validate
 
@@ -198,7 +198,7 @@ class RolloutWorker:
         if self.state.rank == 0:
             metrics = {**reward_metrics(stats), "timing_s/rollout_gen": gen_s,
                        "rollouter/idle_ratio": self.idle_ratio(),
-                       **{k: v for k, v in stats.items() if k.startswith(("agent/", "rollout_engine/"))}}
+                       **{k: v for k, v in stats.items() if k.startswith(("agent/", *ENGINE_METRIC_PREFIXES))}}
             metrics.update(self.shaping.metrics(rows))
             self.coord.put(StepStats(step, metrics))
         if not self.leader:
