@@ -394,6 +394,23 @@ def test_rollout_sleep_level_2_syncs_at_wake_and_matches_level_1(assets, uninter
     assert_same_run(out, uninterrupted, steps=(1, 2, 3))
 
 
+@pytest.mark.slow
+def test_rollout_kept_awake_matches_the_default(assets, uninterrupted, tmp_path):
+    """`rollout.free_cache_engine=false` (the 0.5B configs' setting): the rollout never sleeps, so every weight sync
+    after step 1 goes into an awake engine that still holds its KV cache. The metrics and the final weights equal
+    those of the default run, which sleeps after generating and syncs into a sleeping engine.
+
+    Mutation: `NativeEngine.update_weights` returning before it loads while the engine holds a KV cache (a sync
+    that misses an awake engine) -> fails: the rollout keeps sampling from the first weights, and the run stops at
+    step 3 on `trainer.max_rollout_logprob_gap` (k3 KL 0.034 against the actor's log-probs)."""
+    out = tmp_path / "awake"
+    launch("train.py", *base_args(assets, out, 3, "actor_rollout_ref.rollout.free_cache_engine=false"))
+    got = train_metrics(out)
+    assert sorted(got) == [1, 2, 3]
+    assert all(got[step]["sync/bytes"] > 0 for step in got)
+    assert_same_run(out, uninterrupted, steps=(1, 2, 3))
+
+
 # The vanilla loss, NaN at call NAN_AT_CALL; every call saves the parameters its loss depends on (the leaves of its
 # autograd graph, keyed by identity: the same Parameter objects at every call of the process) to NAN_PARAMS_DIR.
 NAN_PLUGIN = '''
