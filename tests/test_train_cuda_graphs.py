@@ -1,9 +1,9 @@
 """The train engine's decoder as CUDA graphs (rlhf_mcore/engine/cuda_graphs.py).
 
-CPU: the static-shape padding the graphs need (token ladder, zero-length documents, `max_seqlen` = the packed
-length) leaves every log-prob unchanged; where graphs cannot run, an explicit `cuda_graphs=true` is refused
-with the reason. GPU: graphed log-probs and updates equal eager ones on the same shapes, a second update
-captures nothing new, and an offload drops the graphs (recaptured, same results)."""
+CPU: the static-shape padding the graphs need (token ladder, dummy documents no longer than the static
+`max_seqlen`, zero-length documents) leaves every log-prob unchanged; where graphs cannot run, an explicit
+`cuda_graphs=true` is refused with the reason. GPU: graphed log-probs and updates equal eager ones on the same
+shapes, a second update captures nothing new, and an offload drops the graphs (recaptured, same results)."""
 from __future__ import annotations
 
 import types
@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from rlhf_mcore.engine.cuda_graphs import graphs_supported, static_shape, token_bucket
+from rlhf_mcore.engine import cuda_graphs
+from rlhf_mcore.engine.cuda_graphs import fits, graphs_supported, seqlen_bucket, static_shape, token_bucket
 from rlhf_mcore.engine.packing import build_model_inputs
 
 CUDA = torch.cuda.is_available()
@@ -24,8 +25,25 @@ def test_token_ladder_pads_at_most_an_eighth():
         assert b <= max(128 * -(-n // 128), n * 9 // 8 + 1), n
     assert token_bucket(4096) == 4096 and token_bucket(4097) == 4608 and token_bucket(1000) == 1024
     assert len({token_bucket(n) for n in range(2048, 4097)}) == 8 + 1  # eight steps an octave (and 4096 itself)
-    assert static_shape([4096, 3000, 4000], [4, 3, 4]) == (4096, 8)
-    assert static_shape([100], [7]) == (128, 8) and static_shape([100], [8]) == (128, 16)
+
+
+def test_static_shape_sizes_max_seqlen_by_the_longest_document():
+    """max_seqlen: the longest document on powers of two (at least 128, at most the tokens), not the packed length
+    (Flash Attention launches ceil(max_seqlen / 128) blocks per document and head). The document count holds each
+    micro-batch's documents plus the dummies its padding takes at that length, rounded up to 8.
+
+    Mutations: max_seqlen = the tokens again -> the first and third asserts fail; one dummy whatever the padding
+    -> the (1024, 16, 256) case gives 8, and `fits` admits a shape its padding overflows."""
+    assert seqlen_bucket(349, 16384) == 512 and seqlen_bucket(512, 16384) == 512 and seqlen_bucket(3, 16384) == 128
+    assert seqlen_bucket(3000, 2048) == 2048
+    assert static_shape([15900] * 11, [47] * 11, 349) == (16384, 48, 512)  # TRL's GRPO workload's micro-batches
+    assert static_shape([4096, 3000, 4000], [4, 3, 4], 2000) == (4096, 8, 2048)
+    assert static_shape([100], [7], 50) == (128, 8, 128) and static_shape([100], [8], 50) == (128, 16, 128)
+    assert static_shape([600, 1000], [2, 6], 250) == (1024, 8, 256)  # 424 padding tokens: two dummies of <= 256
+    assert static_shape([500, 1000], [6, 6], 250) == (1024, 16, 256)  # 6 documents + 3 dummies: 9 -> 16
+    assert fits((1024, 8, 256), [600, 1000], [3, 6], 250) and not fits((1024, 8, 256), [500, 1000], [6, 6], 250)
+    assert not fits((1024, 8, 256), [600], [2], 300)  # a document longer than max_seqlen
+    assert not fits((1024, 8, 256), [1100], [2], 200)  # more tokens than the shape
 
 
 def test_static_padding_adds_empty_documents_and_keeps_the_map():
@@ -37,9 +55,20 @@ def test_static_padding_adds_empty_documents_and_keeps_the_map():
     assert static.input_ids.shape == (1, 128)
     assert p.cu_seqlens_q.tolist() == [0, 5, 12, 14, 128, 128, 128, 128, 128]  # a dummy, then empty documents
     assert p.max_seqlen_q == p.max_seqlen_kv == 128
+    assert getattr(p, cuda_graphs.STATIC_FLAG) and not hasattr(plain.packed_seq_params, cuda_graphs.STATIC_FLAG)
     assert torch.equal(static.rows, plain.rows) and torch.equal(static.labels, plain.labels)
     with pytest.raises(ValueError, match="do not fit a static shape of 2"):
         build_model_inputs(ids, mask, 3, packed=True, pad_to_length=128, pad_docs_to=2)
+    # a static max_seqlen of 32: the 114 padding tokens become dummies of 32, 32, 32 and 18, positions restarting
+    short = build_model_inputs(ids, mask, 3, packed=True, pad_to_length=128, pad_docs_to=8, static_max_seqlen=32)
+    q = short.packed_seq_params
+    assert q.cu_seqlens_q.tolist() == [0, 5, 12, 14, 46, 78, 110, 128, 128] and q.max_seqlen_q == q.max_seqlen_kv == 32
+    assert short.position_ids[0, 14:].tolist() == [*range(32), *range(32), *range(32), *range(18)]
+    assert torch.equal(short.rows, plain.rows) and torch.equal(short.labels, plain.labels)
+    with pytest.raises(ValueError, match="do not fit a static shape of 6"):  # 3 documents + 4 dummies
+        build_model_inputs(ids, mask, 3, packed=True, pad_to_length=128, pad_docs_to=6, static_max_seqlen=32)
+    with pytest.raises(ValueError, match="a document of 7 tokens exceeds the static max_seqlen 6"):
+        build_model_inputs(ids, mask, 3, packed=True, pad_to_length=128, pad_docs_to=64, static_max_seqlen=6)
 
 
 def _state(device="cuda", tp=1, pp=1):
@@ -85,18 +114,25 @@ def _engine(model_dir, state, graphs, dtype, static_eager=False):
                                                      cuda_graphs=graphs), OptimConfig(lr=1e-3))
     if static_eager:  # the graphs' padded shapes, run eagerly
         engine._static_shape = lambda plan, seqlens, grad: static_shape(
-            [sum(int(seqlens[i]) for i in rows) for rows in plan], [len(rows) for rows in plan])
+            [sum(int(seqlens[i]) for i in rows) for rows in plan], [len(rows) for rows in plan],
+            max(int(seqlens[i]) for rows in plan for i in rows))
     return engine
 
 
 @pytest.mark.skipif(CUDA, reason="a CPU engine would hide the GPUs from this whole process; on a GPU machine "
                     "test_graphed_decoder_equals_eager_on_the_gpu compares the padded and natural shapes")
-def test_static_padding_leaves_log_probs_and_updates_unchanged_on_cpu(tiny_model_dir):
-    """The static shapes (dummy and empty documents, max_seqlen = packed length) through the real model, fp32 on
-    CPU: log-probs equal the natural shapes' within fp32 rounding of matmuls over more rows (2e-5 on values
-    near -7; a wrong position, mask or document boundary moves them by 1e-2 or more), and so does an update."""
+def test_static_padding_leaves_log_probs_and_updates_unchanged_on_cpu(tiny_model_dir, monkeypatch):
+    """The static shapes (dummy documents no longer than the static max_seqlen of 32, empty documents) through the
+    real model, fp32 on CPU: log-probs equal the natural shapes' within fp32 rounding of matmuls over more rows
+    (2e-5 on values near -7; a wrong position, mask or document boundary moves them by 1e-2 or more), and so does
+    an update. (The 128-token floor of max_seqlen is lowered to 16 so that these 32-token documents get a
+    max_seqlen below the 128-token micro-batches, and the padding splits.)
+
+    Mutation: the padding as one dummy document of every padding token (longer than max_seqlen) -> the RoPE table
+    of max_seqlen rows is indexed past its end: an error."""
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
+    monkeypatch.setattr(cuda_graphs, "MIN_MAX_SEQLEN", 16)
     model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
     state = init_distributed(device="cpu")
     try:
@@ -117,13 +153,16 @@ def test_static_padding_leaves_log_probs_and_updates_unchanged_on_cpu(tiny_model
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: CUDA graphs")
-def test_graphed_decoder_equals_eager_on_the_gpu(tiny_model_dir):
+def test_graphed_decoder_equals_eager_on_the_gpu(tiny_model_dir, monkeypatch):
     """bf16 on the GPU: the graphed engine against an eager engine on the same padded shapes (the same kernels:
     log-probs within 1e-5, the update's loss and gradient norm within 1e-5 relative, parameters after it within
     bf16 rounding), and against the natural shapes within bf16 tolerance (0.05 in log-prob). A second update
-    captures no new graph; an offload drops the graphs, the next call recaptures with the same results."""
+    captures no new graph; an offload drops the graphs, the next call recaptures with the same results. The 128-token
+    floor of the static max_seqlen is lowered to 16, so Flash Attention runs with a max_seqlen of 32 below the
+    micro-batches' 128 tokens and the padding split into dummy documents of at most 32."""
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
+    monkeypatch.setattr(cuda_graphs, "MIN_MAX_SEQLEN", 16)
     model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
     state = init_distributed(device="cuda")
     try:
@@ -136,6 +175,7 @@ def test_graphed_decoder_equals_eager_on_the_gpu(tiny_model_dir):
         lp_e, ent_e = eager.compute_log_probs(batch)
         lp_n, _ = natural.compute_log_probs(batch)
         assert graphed.graph_captures == 1  # the forward-only graph
+        assert [key[2] for key in graphed._graphs[0]._graphs] == [32]  # (tokens, cu entries, max_seqlen, grad)
         torch.testing.assert_close(lp_g, lp_e, rtol=0, atol=1e-5)
         torch.testing.assert_close(ent_g, ent_e, rtol=0, atol=1e-5)
         assert (lp_g - lp_n).abs().max() < 0.05
@@ -165,32 +205,38 @@ def test_unset_graphs_only_take_host_bound_micro_batches():
     from rlhf_mcore.engine.cuda_graphs import AUTO_MAX_TOKENS
 
     def shape(graphs, lengths):
-        fake = types.SimpleNamespace(_graphs=[types.SimpleNamespace(reuse=lambda shape, grad: shape, failed=None)],
+        fake = types.SimpleNamespace(_graphs=[types.SimpleNamespace(reuse=lambda shape, *a: shape, failed=None)],
                                      cfg=types.SimpleNamespace(cuda_graphs=graphs))
         return TrainEngine._static_shape(fake, [[i] for i in range(len(lengths))], lengths, grad=True)
 
-    assert shape(None, [1024, AUTO_MAX_TOKENS]) == (AUTO_MAX_TOKENS, 8)
+    assert shape(None, [1024, AUTO_MAX_TOKENS]) == (AUTO_MAX_TOKENS, 8, AUTO_MAX_TOKENS)
     assert shape(None, [1024, AUTO_MAX_TOKENS + 1]) is None
-    assert shape(True, [1024, AUTO_MAX_TOKENS + 1]) == (token_bucket(AUTO_MAX_TOKENS + 1), 8)
+    big = token_bucket(AUTO_MAX_TOKENS + 1)
+    assert shape(True, [1024, AUTO_MAX_TOKENS + 1]) == (big, 8, big)
+    assert shape(True, [1024, 300, 2000]) == (2048, 8, 2048)  # one document a micro-batch: the longest sets it
     assert TrainEngine._static_shape(types.SimpleNamespace(_graphs=[]), [[0]], [5], grad=True) is None
     failed = types.SimpleNamespace(_graphs=[types.SimpleNamespace(failed="RuntimeError: ...")])
     assert TrainEngine._static_shape(failed, [[0]], [5], grad=True) is None  # a failed capture: eager, unpadded
 
 
 def test_a_captured_graph_serves_slightly_smaller_shapes():
-    """A call reuses the smallest captured graph of its grad mode that holds its tokens (at most a quarter more) and
-    documents, instead of capturing another."""
+    """A call reuses the smallest captured graph of its grad mode that holds its tokens (at most a quarter more), its
+    longest document (the graph's max_seqlen) and its documents with the dummies their padding takes, instead of
+    capturing another.
+
+    Mutation: reuse ignoring the graph's max_seqlen -> the 700-token document case takes the 512 graph."""
     from rlhf_mcore.engine.cuda_graphs import DecoderGraphs
 
     graphs = DecoderGraphs(types.SimpleNamespace(decoder=torch.nn.Linear(2, 2)))
-    for key in ((1024, 9, True), (1280, 17, True), (2048, 9, True), (1024, 9, False)):
-        graphs._graphs[key] = object()  # (tokens, cu_seqlens entries, grad): what the dispatcher caches
-    assert graphs.reuse((896, 8), True) == (1024, 8)  # 1024 <= 1.25 x 896
-    assert graphs.reuse((768, 8), True) == (768, 8)  # 1024 > 1.25 x 768: its own shape
-    assert graphs.reuse((1024, 16), True) == (1280, 16)  # more documents than the 1024-token graph holds
-    assert graphs.reuse((1792, 8), True) == (2048, 8)
-    assert graphs.reuse((1152, 24), True) == (1152, 24)  # no captured graph holds 24 documents
-    assert graphs.reuse((1152, 8), False) == (1152, 8)  # the forward-only graphs are their own set
+    for key in ((1024, 9, 512, True), (1280, 17, 512, True), (2048, 9, 1024, True), (1024, 9, 512, False)):
+        graphs._graphs[key] = object()  # (tokens, cu_seqlens entries, max_seqlen, grad): what the dispatcher caches
+    assert graphs.reuse((896, 8, 512), True, [896], [7], 400) == (1024, 8, 512)  # 1024 <= 1.25 x 896
+    assert graphs.reuse((768, 8, 512), True, [768], [7], 400) == (768, 8, 512)  # 1024 > 1.25 x 768: its own
+    assert graphs.reuse((1024, 16, 512), True, [1024], [15], 400) == (1280, 16, 512)  # more documents
+    assert graphs.reuse((1024, 8, 1024), True, [1000], [2], 700) == (1024, 8, 1024)  # longer than 512
+    assert graphs.reuse((1792, 8, 1024), True, [1700], [4], 900) == (2048, 8, 1024)
+    assert graphs.reuse((1152, 24, 512), True, [1152], [23], 400) == (1152, 24, 512)  # none holds 24 documents
+    assert graphs.reuse((1152, 8, 512), False, [1100], [7], 400) == (1152, 8, 512)  # forward-only: its own set
 
 
 @pytest.mark.skipif(CUDA, reason="a CPU model would hide the GPUs from this whole process; on a GPU machine "
@@ -219,13 +265,14 @@ def test_dispatcher_caches_evicts_and_recaptures_on_cpu(tiny_model_dir, monkeypa
                             dtype=torch.float32)[0]
         graphs = cuda_graphs.DecoderGraphs(model, max_graphs=2)
 
-        def run(lens, total, docs, active=True, grad=True):
+        def run(lens, total, docs, active=True, grad=True, max_seqlen=None):
             ids = torch.randint(0, 1000, (1, total), generator=torch.Generator().manual_seed(total))
             pos = torch.cat([torch.arange(n) for n in lens] + [torch.arange(total - sum(lens))])[None]
             cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
             cu = torch.tensor(cu + [total] * (docs + 1 - len(cu)), dtype=torch.int32)
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=total,
-                                     max_seqlen_kv=total)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=max_seqlen or total, max_seqlen_kv=max_seqlen or total)
+            setattr(params, cuda_graphs.STATIC_FLAG, True)  # as packing.build_model_inputs marks a static shape
             model.zero_grad(set_to_none=True)
             with torch.set_grad_enabled(grad):
                 if active:
@@ -254,7 +301,7 @@ def test_dispatcher_caches_evicts_and_recaptures_on_cpu(tiny_model_dir, monkeypa
         run([20, 30], 128, 8, grad=False)
         assert len(captured) == 3  # still cached
         unpacked = len(captured)
-        with graphs.active():  # a non-static call (max_seqlen below the packed length) runs eagerly
+        with graphs.active():  # a call without the static-shape mark runs eagerly
             cu = torch.tensor([0, 20, 50], dtype=torch.int32)
             model(torch.zeros(1, 50, dtype=torch.long), torch.arange(50)[None], None,
                   packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -264,6 +311,8 @@ def test_dispatcher_caches_evicts_and_recaptures_on_cpu(tiny_model_dir, monkeypa
         first.data = first.data.clone()  # the parameter moved: every graph is dropped and this one recaptured
         run([20, 30], 128, 8, grad=False)
         assert len(captured) == 4 and len(graphs) == 1
+        run([20, 30], 128, 8, grad=False, max_seqlen=96)  # another static max_seqlen: another graph
+        assert len(captured) == 5 and len(graphs) == 2
     finally:
         destroy_distributed()
 
@@ -296,6 +345,7 @@ def test_a_failed_capture_falls_back_to_eager_unless_graphs_are_required(tiny_mo
         cu = torch.tensor([0, 50, 128, 128, 128, 128, 128, 128, 128], dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=128,
                                  max_seqlen_kv=128)
+        setattr(params, cuda_graphs.STATIC_FLAG, True)
         eager = model(ids, pos, None, packed_seq_params=params).detach()
         key = "actor_rollout_ref.actor.megatron.cuda_graphs"
         graphs = cuda_graphs.DecoderGraphs(model, key=key)

@@ -8,14 +8,17 @@ Here the whole decoder (every layer of the chunk and the final norm) of one pack
 graph forward and one backward (`torch.cuda.make_graphed_callables`); embedding, LM head and loss stay eager.
 
 Static shapes: a graph replays fixed addresses and sizes, so the engine pads each micro-batch of a call to one
-shape (:func:`static_shape`): `tokens` on a coarse ladder (at most 1/8 of padding) and the document count
-(`cu_seqlens` entries) to a multiple of 8, with zero-length documents; `max_seqlen` is the token count (Flash
-Attention's blocks past a document's end return at once); a call whose shape a captured graph holds with at most
-a quarter more tokens reuses that graph. Graphs are cached by shape (least recently used out after
-`max_graphs`), one pool per chunk shared by all of them: the schedule without pipelining runs each micro-batch's
-forward and backward back to back, so no two graphs' working memory is live at once. Besides the shared pool
-each training graph keeps its own output buffers, among them one for the parameters' gradients (the parameters'
-size again): at most `max_graphs` (4) of them.
+shape (:func:`static_shape`): `tokens` on a coarse ladder (at most 1/8 of padding), `max_seqlen` the call's longest
+document rounded up to a power of two, and the document count (`cu_seqlens` entries) to a multiple of 8: the
+padding tokens form dummy documents of at most `max_seqlen` tokens each, then zero-length ones fill the count. A
+static `max_seqlen` near the real documents' lengths matters: Flash Attention's varlen kernels launch a grid of
+ceil(max_seqlen / 128) blocks per document and head, and with `max_seqlen` = the packed length (16k) and 48
+documents of ~350 tokens, 42 of every 43 blocks launch only to return at once, in every layer, forward and
+backward. A call whose shape a captured graph holds with at most a quarter more tokens reuses that graph. Graphs
+are cached by shape (least recently used out after `max_graphs`), one pool per chunk shared by all of them: the
+schedule without pipelining runs each micro-batch's forward and backward back to back, so no two graphs' working
+memory is live at once. Besides the shared pool each training graph keeps its own output buffers, among them one
+for the parameters' gradients (the parameters' size again): at most `max_graphs` (4) of them.
 
 Where graphs apply (:func:`graphs_supported`): CUDA, packed sequences, one pipeline stage and no virtual
 stages, TP = CP = 1, no activation recompute, no dropout. Left unset (`cuda_graphs: null`), the engine graphs
@@ -35,9 +38,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AUTO_MAX_TOKENS", "DecoderGraphs", "graphs_supported", "static_shape", "token_bucket"]
+__all__ = ["AUTO_MAX_TOKENS", "DecoderGraphs", "graphs_supported", "static_shape", "token_bucket", "seqlen_bucket",
+           "dummy_documents"]
 
 DOC_MULTIPLE = 8
+# set on the PackedSeqParams of a micro-batch padded to a static shape (packing.build_model_inputs): the calls the
+# dispatcher sends through graphs
+STATIC_FLAG = "rlhf_static_shape"
 # `cuda_graphs` unset: graphs for calls whose micro-batches hold at most this many tokens. Below it a micro-batch's
 # GPU work is shorter than Megatron's host time for it (0.5B at 4 x 1,024 tokens: ~32 ms against ~90 ms); above it
 # the GPU is the bound, graphs gain nothing, and every new shape costs a capture (measured in TRL's GRPO step with
@@ -57,12 +64,37 @@ def token_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def static_shape(totals: list[int], docs: list[int]) -> tuple[int, int]:
-    """The (tokens, documents) every micro-batch of a call is padded to: the largest total on the ladder
-    (:func:`token_bucket`) and room for the most documents plus one dummy for the padding, rounded up to a
-    multiple of 8."""
+MIN_MAX_SEQLEN = 128  # Flash Attention's block of query rows: a smaller static max_seqlen launches no fewer blocks
+
+
+def seqlen_bucket(longest: int, tokens: int) -> int:
+    """A graph's static `max_seqlen`: the longest document rounded up to a power of two (at least
+    `MIN_MAX_SEQLEN`), at most the packed length `tokens`."""
+    return min(max(MIN_MAX_SEQLEN, 1 << (max(int(longest), 1) - 1).bit_length()), int(tokens))
+
+
+def dummy_documents(pad: int, max_seqlen: int) -> int:
+    """How many dummy documents `pad` padding tokens take, none longer than `max_seqlen` (at least one: the static
+    document count keeps room for it)."""
+    return max(1, -(-int(pad) // int(max_seqlen)))
+
+
+def fits(shape: tuple[int, int, int], totals: list[int], docs: list[int], longest: int) -> bool:
+    """Whether every micro-batch (its token total and document count) fits the static `shape` (tokens, documents,
+    max_seqlen): its tokens, its longest document, and its documents plus the dummies its padding needs."""
+    tokens, slots, max_seqlen = shape
+    return (max(totals) <= tokens and longest <= max_seqlen
+            and all(d + dummy_documents(tokens - t, max_seqlen) <= slots for t, d in zip(totals, docs)))
+
+
+def static_shape(totals: list[int], docs: list[int], longest: int) -> tuple[int, int, int]:
+    """The (tokens, documents, max_seqlen) every micro-batch of a call is padded to: the largest total on the
+    ladder (:func:`token_bucket`), the longest document on :func:`seqlen_bucket`, and room for each micro-batch's
+    documents plus the dummies its padding needs (:func:`dummy_documents`), rounded up to a multiple of 8."""
     tokens = token_bucket(max(totals))
-    return tokens, -(-(max(docs) + 1) // DOC_MULTIPLE) * DOC_MULTIPLE
+    max_seqlen = seqlen_bucket(longest, tokens)
+    need = max(d + dummy_documents(tokens - t, max_seqlen) for t, d in zip(totals, docs))
+    return tokens, -(-need // DOC_MULTIPLE) * DOC_MULTIPLE, max_seqlen
 
 
 def graphs_supported(config, state, chunks: int, packed: bool) -> Optional[str]:
@@ -121,7 +153,7 @@ class DecoderGraphs:
         self._eager = self.decoder.forward
         self.decoder.forward = self._dispatch
         self.max_graphs, self.warmup_iters = max_graphs, warmup_iters
-        self._graphs: OrderedDict = OrderedDict()  # (tokens, cu entries, grad) -> graphed callable
+        self._graphs: OrderedDict = OrderedDict()  # (tokens, cu entries, max_seqlen, grad) -> graphed callable
         self._names = [n for n, _ in self.decoder.named_parameters()]
         self._params = [p for _, p in self.decoder.named_parameters()]
         self._ptrs: tuple = ()  # the parameters' addresses the graphs read
@@ -151,26 +183,28 @@ class DecoderGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def reuse(self, shape: tuple[int, int], grad: bool) -> tuple[int, int]:
-        """`shape` (tokens, documents), or the smallest captured shape of this grad mode that holds it with at most
-        `REUSE_SLACK` more tokens: padding a little more costs less than another capture and its memory."""
-        tokens, docs = shape
-        fits = [(t, cu - 1) for t, cu, g in self._graphs
-                if g == grad and tokens <= t <= tokens * REUSE_SLACK and docs <= cu - 1]
-        return min(fits) if fits else shape
+    def reuse(self, shape: tuple[int, int, int], grad: bool, totals: list[int], docs: list[int],
+              longest: int) -> tuple[int, int, int]:
+        """`shape` (tokens, documents, max_seqlen), or the smallest captured shape of this grad mode that holds the
+        call's micro-batches (:func:`fits`) with at most `REUSE_SLACK` more tokens: padding a little more costs
+        less than another capture and its memory."""
+        tokens = shape[0]
+        held = [(t, cu - 1, m) for t, cu, m, g in self._graphs
+                if g == grad and tokens <= t <= tokens * REUSE_SLACK and fits((t, cu - 1, m), totals, docs, longest)]
+        return min(held) if held else shape
 
     def _dispatch(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None, packed_seq_params=None,
                   **kwargs):
         if (not self._active or self.failed or args or attention_mask is not None or packed_seq_params is None
                 or packed_seq_params.qkv_format != "thd" or rotary_pos_emb is None
                 or any(v is not None for v in kwargs.values())
-                or packed_seq_params.max_seqlen_q != hidden_states.size(0)):
+                or not getattr(packed_seq_params, STATIC_FLAG, False)):
             return self._eager(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
                                packed_seq_params=packed_seq_params, **kwargs)
         cu = packed_seq_params.cu_seqlens_q
         grad = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self.decoder.parameters()))
-        key = (hidden_states.size(0), cu.numel(), grad)
+        key = (hidden_states.size(0), cu.numel(), int(packed_seq_params.max_seqlen_q), grad)
         if self._graphs and tuple(p.data_ptr() for p in self._params) != self._ptrs:
             self.reset()  # parameters moved (e.g. loaded or offloaded without reset): the graphs read old addresses
         graph = self._graphs.get(key)
@@ -197,10 +231,10 @@ class DecoderGraphs:
             self._graphs.popitem(last=False)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        call = _DecoderCall(self.decoder, self._eager, key[0])
+        call = _DecoderCall(self.decoder, self._eager, key[2])
         sample = (hidden.detach().clone().requires_grad_(hidden.requires_grad), rotary.detach().clone(),
                   cu.detach().clone())
-        if key[2]:
+        if key[3]:
             # The parameters enter the graph as explicit inputs, through aliases (same storage): Megatron's DDP
             # created the parameters' gradient accumulators on the default stream, and autograd would make that
             # stream wait on the capturing one ("operation would make the legacy stream depend on a capturing

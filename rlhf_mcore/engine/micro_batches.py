@@ -71,7 +71,7 @@ def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic
 
 def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, ...], packed: bool,
                        pad_to_multiple_of: int = 1, explicit_mask: bool = True,
-                       uniform_shape: bool = False, static_shape: Optional[tuple[int, int]] = None,
+                       uniform_shape: bool = False, static_shape: Optional[tuple[int, int, int]] = None,
                        routes_key: Optional[str] = None) -> list[MicroBatch]:
     """Cut `batch` along `plan` and build each part's model inputs; `keys` are the (B, R) loss inputs.
 
@@ -79,7 +79,7 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     stages exchange activations of a fixed shape (megatron-core's `variable_seq_lengths` shape exchange
     mismatches messages under the interleaved schedule at PP=2, so it is not used). With balanced
     micro-batches the padding is small.
-    `static_shape` (packed): `(tokens, documents)` every micro-batch is padded to (CUDA graphs, see
+    `static_shape` (packed): `(tokens, documents, max_seqlen)` every micro-batch is padded to (CUDA graphs, see
     :func:`rlhf_mcore.engine.cuda_graphs.static_shape`).
     `routes_key`: the batch's (B, L, n, k) routes each micro-batch replays, in its routers' order (`MicroBatch.routes`).
     A batch with `pixel_values` (B, C, H, W) (one image per row, read by a vision-language policy at the row's image
@@ -96,11 +96,11 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
                          "rows: the engine takes one image per row")
     device = batch["input_ids"].device
     lengths = batch["attention_mask"].sum(-1).tolist()
-    pad_length = pad_rows = pad_docs = 0
+    pad_length = pad_rows = pad_docs = max_seqlen = 0
     if static_shape is not None:
         if not packed:
             raise ValueError("a static micro-batch shape (CUDA graphs) needs packed sequences")
-        pad_length, pad_docs = static_shape
+        pad_length, pad_docs, max_seqlen = static_shape
     elif uniform_shape:
         pad_length = max(natural_length([int(lengths[i]) for i in rows], packed, pad_to_multiple_of) for rows in plan)
         pad_rows = 0 if packed else max(len(rows) for rows in plan)
@@ -111,7 +111,7 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
         mask = batch["attention_mask"].index_select(0, index)
         inputs = build_model_inputs(ids, mask, R, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
                                     explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows,
-                                    pad_docs_to=pad_docs)
+                                    pad_docs_to=pad_docs, static_max_seqlen=max_seqlen)
         data = {k: batch[k].index_select(0, index) for k in keys}
         routes = None
         if routes_key is not None:

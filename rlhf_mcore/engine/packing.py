@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from rlhf_mcore.engine.cuda_graphs import STATIC_FLAG
+
 __all__ = ["ModelInputs", "build_model_inputs", "natural_length"]
 
 
@@ -70,7 +72,8 @@ def natural_length(seqlens: list[int], packed: bool, pad_to_multiple_of: int = 1
 
 def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
                        packed: bool, pad_to_multiple_of: int = 1, explicit_mask: bool = True,
-                       pad_to_length: int = 0, pad_to_rows: int = 0, pad_docs_to: int = 0) -> ModelInputs:
+                       pad_to_length: int = 0, pad_to_rows: int = 0, pad_docs_to: int = 0,
+                       static_max_seqlen: int = 0) -> ModelInputs:
     """Build the model inputs of one micro-batch from its padded rows (see the module docstring).
 
     input_ids, attention_mask: `(B, L)` with the response in the last `response_length` columns.
@@ -80,7 +83,10 @@ def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
     least these sizes, so that every micro-batch of a pipeline schedule has the same shape (dummy tokens and
     rows; their outputs are never read).
     pad_docs_to (packed): a static shape for CUDA graphs: `cu_seqlens` gets `pad_docs_to + 1` entries (zero-length
-    documents at the end) and `max_seqlen` is the packed length, whatever the documents are.
+    documents at the end), `max_seqlen` is `static_max_seqlen` (default: the packed length) whatever the documents
+    are, and the padding tokens form dummy documents of at most that many tokens each
+    (:func:`rlhf_mcore.engine.cuda_graphs.static_shape` sizes these). The PackedSeqParams carries
+    `cuda_graphs.STATIC_FLAG`: the graphs' dispatcher takes only such calls.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must "
@@ -114,19 +120,29 @@ def build_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
         cu = torch.zeros(B + 1, dtype=torch.int32, device=device)
         cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
         pad = max(natural_length(seqlens, True, pad_to_multiple_of), pad_to_length) - num_tokens
-        if pad:  # one dummy trailing sequence; its outputs are never read
+        # the padding: dummy trailing sequences (one, or for a static shape none longer than its max_seqlen)
+        static_len = (static_max_seqlen or num_tokens + pad) if pad_docs_to else 0
+        if static_len and max(seqlens, default=0) > static_len:
+            raise ValueError(f"a document of {max(seqlens)} tokens exceeds the static max_seqlen {static_len}")
+        chunk = static_len or pad
+        if pad:  # their outputs are never read
+            dummies = [min(chunk, pad - start) for start in range(0, pad, chunk)]
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-            positions = torch.cat([positions, torch.arange(pad, device=device)])
-            cu = torch.cat([cu, cu[-1:] + pad])
+            positions = torch.cat([positions, *(torch.arange(n, device=device) for n in dummies)])
+            ends = torch.tensor(dummies, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+            cu = torch.cat([cu, cu[-1:] + ends])
         max_len = int(max(max(seqlens, default=1), pad, 1))
         if pad_docs_to:
             extra = pad_docs_to + 1 - cu.numel()
             if extra < 0:
-                raise ValueError(f"{cu.numel() - 1} packed documents do not fit a static shape of {pad_docs_to}")
+                raise ValueError(f"{cu.numel() - 1} packed documents (with the padding's dummies) do not fit a static "
+                                 f"shape of {pad_docs_to}")
             cu = torch.cat([cu, cu[-1:].expand(extra)])
-            max_len = int(tokens.numel())
+            max_len = static_len
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
                                  max_seqlen_kv=max_len)
+        if pad_docs_to:
+            setattr(params, STATIC_FLAG, True)
         rows = offsets[b_idx] + pred_pos  # (M,)
         return ModelInputs(tokens[None], positions[None], None, params, rows, labels, grid_index, B, R,
                            num_tokens, seqlens, router_index=torch.arange(num_tokens, device=device))

@@ -431,7 +431,7 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ the pipeline schedule
 
-    def _static_shape(self, plan: list[list[int]], seqlens: list, grad: bool) -> Optional[tuple[int, int]]:
+    def _static_shape(self, plan: list[list[int]], seqlens: list, grad: bool) -> Optional[tuple[int, int, int]]:
         """The one packed shape of this call's micro-batches when the decoder runs as CUDA graphs, else None: a
         graph already captured for a slightly larger shape is reused (`DecoderGraphs.reuse`)."""
         if not self._graphs or self._graphs[0].failed:  # no graphs, or a capture failed here: eager, unpadded
@@ -439,8 +439,10 @@ class TrainEngine:
         totals = [sum(int(seqlens[i]) for i in rows) for rows in plan]
         if self.cfg.cuda_graphs is None and max(totals) > AUTO_MAX_TOKENS:
             return None  # GPU-bound micro-batches: eager, no capture (cuda_graphs.AUTO_MAX_TOKENS)
-        shape = static_shape(totals, [len(rows) for rows in plan])
-        return self._graphs[0].reuse(shape, grad)  # one chunk: graphs need PP = 1 without virtual stages
+        docs, longest = [len(rows) for rows in plan], max(int(seqlens[i]) for rows in plan for i in rows)
+        shape = static_shape(totals, docs, longest)
+        # one chunk: graphs need PP = 1 without virtual stages
+        return self._graphs[0].reuse(shape, grad, totals, docs, longest)
 
     @property
     def graph_captures(self) -> int:
