@@ -5,7 +5,7 @@ counted, so MFU stays comparable whatever is recomputed):
 
     dense matmuls      6 · N_matmul                      N_matmul = parameters in QKV, attention output, MLP
     attention          6 · L · (heads · head_dim) · s_eff   QKᵀ and PV: 2 · 2 · s · h_attn forward, × 3
-    output projection  6 · hidden · vocab                (the critic's value head: vocab = 1)
+    output projection  6 · hidden · vocab                (the critic's value head: vocab = 1), per token it runs on
 
 Attention convention: **causal, so half of the full `12 · L · h · s`**: a token at position t attends to t
 keys, `s/2` on average — only the FLOPs a causal kernel has to do count (flash-attention's convention;
@@ -96,19 +96,21 @@ def effective_seqlen(seqlens: Sequence[int]) -> float:
     return sum(int(s) ** 2 for s in seqlens) / total if total else 0.0
 
 
-def train_flops(shape: FlopShape, seqlens: Sequence[int]) -> float:
-    """FLOPs of one forward + backward over sequences of lengths `seqlens` (causal attention, see above)."""
+def train_flops(shape: FlopShape, seqlens: Sequence[int], head_rows: Optional[int] = None) -> float:
+    """FLOPs of one forward + backward over sequences of lengths `seqlens` (causal attention, see above).
+    `head_rows`: the tokens the output projection ran on, when not all of them (the train engine runs it on the
+    scored response rows only, :mod:`rlhf_mcore.engine.scored_rows`): only the work done counts."""
     tokens = sum(int(s) for s in seqlens)
     h_attn = shape.num_attention_heads * shape.head_dim
     per_token = (6 * shape.matmul_params
-                 + 6 * shape.num_layers * h_attn * effective_seqlen(seqlens)  # = 12·L·h·s/2
-                 + 6 * shape.hidden_size * shape.vocab_size)
-    return per_token * tokens
+                 + 6 * shape.num_layers * h_attn * effective_seqlen(seqlens))  # = 12·L·h·s/2
+    head = 6 * shape.hidden_size * shape.vocab_size * (tokens if head_rows is None else int(head_rows))
+    return per_token * tokens + head
 
 
-def forward_flops(shape: FlopShape, seqlens: Sequence[int]) -> float:
+def forward_flops(shape: FlopShape, seqlens: Sequence[int], head_rows: Optional[int] = None) -> float:
     """FLOPs of one forward pass: a third of :func:`train_flops`."""
-    return train_flops(shape, seqlens) / 3
+    return train_flops(shape, seqlens, head_rows) / 3
 
 
 def peak_flops(device: torch.device | str | None = None) -> Optional[float]:

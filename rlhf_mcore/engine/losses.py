@@ -75,7 +75,9 @@ def _range_logits(output: torch.Tensor, inputs: ModelInputs, tp_group, lo: int, 
     restricted its sampling to these ids)."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    flat = output.reshape(-1, output.shape[-1]).index_select(0, inputs.rows)  # (M, V_local)
+    flat = output.reshape(-1, output.shape[-1])  # (M, V_local): the scored rows (rows=None) or every row
+    if inputs.rows is not None:
+        flat = flat.index_select(0, inputs.rows)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         flat = gather_from_tensor_model_parallel_region(flat, group=tp_group)  # (M, V_padded)
     if hi > flat.shape[-1]:
@@ -90,8 +92,8 @@ def _range_logits(output: torch.Tensor, inputs: ModelInputs, tp_group, lo: int, 
 
 def token_values(output: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     """Critic values `[.., S, 1]` at the positions that predict each response token, as a (B, R) grid."""
-    flat = output.reshape(-1)  # (B·S,) or (total,)
-    return inputs.to_grid(flat.index_select(0, inputs.rows).float())  # (B, R)
+    flat = output.reshape(-1)  # (B·S,) or (total,); (M,) when the head ran on the scored rows only (rows=None)
+    return inputs.to_grid((flat if inputs.rows is None else flat.index_select(0, inputs.rows)).float())  # (B, R)
 
 
 def _token_weighted(metrics: dict, n_tokens: torch.Tensor) -> dict:

@@ -56,6 +56,8 @@ def bradley_terry_loss(output: torch.Tensor, mb: MicroBatch, ctx: LossContext) -
 class RewardEngine(TrainEngine):
     """A :class:`TrainEngine` of role "reward": built without an optimizer it is frozen (scoring only)."""
 
+    SCORES_RESPONSE_ROWS = False  # its scores are the head's output at each sequence's last token
+
     def __init__(self, chunks, state, cfg, optim=None, **kwargs):
         if cfg.role != "reward":
             raise ValueError(f"RewardEngine needs an EngineConfig with role='reward', got {cfg.role!r}")

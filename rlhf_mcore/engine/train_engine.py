@@ -16,8 +16,10 @@ ranks: see :mod:`rlhf_mcore.engine.losses`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from contextlib import ExitStack, nullcontext
 from functools import partial
 from typing import Optional
 
@@ -56,6 +58,7 @@ from rlhf_mcore.engine.optim import (
     use_fused_adam,
     wrap_ddp,
 )
+from rlhf_mcore.engine.scored_rows import ScoredRowsHead, head_unsupported
 from rlhf_mcore.models.fp8_training import invalidate_weight_amaxes
 from rlhf_mcore.trace import span
 
@@ -65,6 +68,10 @@ __all__ = ["TrainEngine"]
 class TrainEngine:
     """Megatron chunks (one per virtual pipeline stage, as `rlhf_mcore.models.build_model` returns them)
     wrapped for training (`actor`, `critic`) or frozen for scoring (`ref`).
+
+    The output layer runs only on the rows that predict response tokens (:mod:`rlhf_mcore.engine.scored_rows`):
+    every loss and forward pass here reads the output there and nowhere else. A subclass whose loss reads other
+    positions sets `SCORES_RESPONSE_ROWS = False`.
 
     Args:
         chunks: the unwrapped GPTModel chunks of this rank.
@@ -80,6 +87,8 @@ class TrainEngine:
             trainer moves off the device around generation (:func:`rlhf_mcore.trainer.roles.colocated_rollout`);
             `param_offload` is also what :meth:`offload` does with parameters when not told.
     """
+
+    SCORES_RESPONSE_ROWS = True  # the losses read the output only at `ModelInputs.rows` (see the class docstring)
 
     def __init__(self, chunks: list[torch.nn.Module], state, cfg: EngineConfig, optim=None, *,
                  use_distributed_optimizer: bool = True, vocab_size: Optional[int] = None,
@@ -125,6 +134,8 @@ class TrainEngine:
         self.global_steps = 0
         self._offloader = StorageOffloader(state.device)
         self._graphs = self._build_graphs(chunks)
+        self._heads = [ScoredRowsHead(c) for c in chunks
+                       if self.SCORES_RESPONSE_ROWS and head_unsupported(c) is None]
 
     def _build_graphs(self, chunks) -> list[DecoderGraphs]:
         """CUDA graphs of the decoder (:mod:`rlhf_mcore.engine.cuda_graphs`): `cfg.cuda_graphs` None turns them
@@ -328,7 +339,7 @@ class TrainEngine:
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 metrics["update_skipped"] = 0.0 if ok else 1.0
                 steps.append(metrics)
-                flops += train_flops(self.flop_shape, seqlens)
+                flops += train_flops(self.flop_shape, seqlens, metrics.pop("head_rows", None))
                 tokens += sum(seqlens)
         if on_policy:  # one mini-batch: `sub` is the whole batch, its rows in `order`
             for k in ON_POLICY_KEYS:
@@ -387,6 +398,8 @@ class TrainEngine:
         metrics = reduce_metrics(per_micro, sum_groups=[state.dp_group], src_group=state.pp_group,
                                  src_has_data=state.is_last_stage, device=state.device)
         metrics["num_micro_batches"] = float(len(mbs))
+        if self._heads:  # the output layer ran on the scored rows only: what the FLOP count takes for it
+            metrics["head_rows"] = sum(int(mb.inputs.rows.numel()) for mb in mbs)
         return metrics, seqlens
 
     def loss_inputs(self, batch: dict) -> tuple[tuple[str, ...], object]:
@@ -454,8 +467,6 @@ class TrainEngine:
         """Run micro-batches through Megatron's schedule; `loss_func(mb, output) -> (loss, dict)` runs on the
         last pipeline stage. Returns the dicts (last stage only). A micro-batch's MoE layers replay `mb.routes`
         when set; `record_routes` fills `mb.recorded` (:func:`rlhf_mcore.models.routing_replay.routed`)."""
-        from contextlib import ExitStack, nullcontext
-
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from rlhf_mcore.models.routing_replay import route_dtype, routed
@@ -466,11 +477,16 @@ class TrainEngine:
             mb = next(data_iterator)
             x = mb.inputs
             replay = mb.routes is not None or record_routes
-            with routed(model, mb.routes, record_routes) if replay else nullcontext({}) as recorded:
+            with routed(model, mb.routes, record_routes) if replay else nullcontext({}) as recorded, \
+                    ExitStack() as heads:
+                for head in self._heads:  # the output layer on the scored rows only
+                    heads.enter_context(head.select(x.rows))
                 images = {} if mb.pixel_values is None else {"pixel_values": mb.pixel_values}  # vision chunks
                 output = model(x.input_ids, x.position_ids, x.attention_mask, packed_seq_params=x.packed_seq_params,
                                **images)
             mb.recorded.update({j: ids.to(compact) for j, ids in recorded.items()})
+            if any(h.used for h in self._heads):  # the output holds exactly the rows, in order
+                mb = dataclasses.replace(mb, inputs=dataclasses.replace(x, rows=None))
             return output, partial(loss_func, mb)
 
         iterators = [iter(mbs) for _ in self.modules] if len(self.modules) > 1 else iter(mbs)
