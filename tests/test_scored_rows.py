@@ -15,7 +15,7 @@ from rlhf_mcore.engine.scored_rows import head_unsupported
 CUDA = torch.cuda.is_available()
 
 
-def _engines(model_dir, state, role: str, packed: bool, monkeypatch):
+def _engines(model_dir, state, role: str, packed: bool, monkeypatch, dtype=torch.float32):
     """(rows-only engine, full-output engine) on the same weights, and the row counts the first one's output
     layer saw (one entry per call)."""
     from rlhf_mcore.config import OptimConfig
@@ -25,7 +25,7 @@ def _engines(model_dir, state, role: str, packed: bool, monkeypatch):
     out = []
     for rows_only in (True, False):
         monkeypatch.setattr(TrainEngine, "SCORES_RESPONSE_ROWS", rows_only)
-        chunks = build_model(model_dir, state, role=role, dtype=torch.float32)
+        chunks = build_model(model_dir, state, role=role, dtype=dtype)
         out.append(TrainEngine(chunks, state, EngineConfig(role=role, micro_batch_size=4, mini_batch_size=8,
                                                            use_remove_padding=packed), OptimConfig(lr=1e-3)))
     seen = []
@@ -143,5 +143,31 @@ def test_a_reward_model_keeps_its_full_output(tiny_model_dir):
         chunks = build_model(tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2), state,
                              role="reward", dtype=torch.float32)
         assert RewardEngine(chunks, state, EngineConfig(role="reward"))._heads == []
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the bf16 path with the fused log-prob kernel")
+def test_rows_only_tracks_the_full_output_layer_on_the_gpu(tiny_model_dir, monkeypatch):
+    """bf16 on the GPU (the fused Triton log-prob kernel's `rows=None` path, the graphed decoder where it applies):
+    the rows-only engine against the full output layer on the same weights: log-probs within 2e-2 (bf16 logits of
+    GEMMs blocked differently), the update's loss and gradient norm within 2%, the output layer on the response
+    tokens only."""
+    from test_train_cuda_graphs import rl_batch
+
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    model_dir = tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
+    state = init_distributed(device="cuda")
+    try:
+        batch = rl_batch(16, 1000, "cuda")
+        rows_only, full, seen = _engines(model_dir, state, "actor", True, monkeypatch, dtype=torch.bfloat16)
+        lp, _ = rows_only.compute_log_probs(batch)
+        lp_full, _ = full.compute_log_probs(batch)
+        assert (lp - lp_full).abs().max() < 2e-2
+        assert sum(seen) == int(batch["response_mask"].sum())
+        m, m_full = rows_only.update_policy(batch), full.update_policy(batch)
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert abs(m[key] - m_full[key]) <= 2e-2 * max(1.0, abs(m_full[key])), key
     finally:
         destroy_distributed()
