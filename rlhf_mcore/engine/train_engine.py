@@ -361,7 +361,8 @@ class TrainEngine:
         """Zero the gradients, then accumulate those of the loss of `mini_batch` (this rank's share) over its
         micro-batches; reduced over DP at the end (Megatron's finalize_model_grads). No optimizer step.
 
-        Returns the mini-batch's metrics (identical on every rank) and the sequence lengths it processed.
+        Returns the mini-batch's metrics (identical on every rank) and the sequence lengths it processed; with the
+        output layer on the scored rows only, `metrics["head_rows"]` is this rank's count of them (for the FLOPs).
         `on_policy` (see :meth:`update`): the loss's old log-probs are its own, detached; the log-probs and entropy
         it computed go into `mini_batch` as `old_log_probs` and `old_entropy` (b, R).
         """
