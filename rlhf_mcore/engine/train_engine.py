@@ -29,7 +29,7 @@ import torch.distributed as dist
 from rlhf_mcore.engine import checkpoint as ckpt
 from rlhf_mcore.engine.config import EngineConfig
 from rlhf_mcore.engine.cuda_graphs import AUTO_MAX_TOKENS, DecoderGraphs, graphs_supported, static_shape
-from rlhf_mcore.engine.flops import FlopShape, forward_flops, mfu, peak_flops, train_flops
+from rlhf_mcore.engine.flops import FlopShape, mfu, peak_flops, train_flops
 from rlhf_mcore.engine.losses import (
     ACTOR_KEYS,
     CRITIC_KEYS,
@@ -605,7 +605,3 @@ class TrainEngine:
     def _empty_cache(self) -> None:
         if self.state.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def forward_flops(self, seqlens: list[int]) -> float:
-        """FLOPs of one forward pass over sequences of these lengths (for the trainer's phase timings)."""
-        return forward_flops(self.flop_shape, seqlens)
