@@ -12,9 +12,10 @@ token's forward FLOPs, and prompts are 15-40% of an RL batch's tokens.
 micro-batch with `rows=None` (the output *is* the rows). Gradients reach the other rows' hidden states as zeros
 through the gather's backward, as they did through the full logits.
 
-Where it does not apply (:func:`head_unsupported`): a stage without the output layer, sequence parallelism (the
-output layer's input is the rank's slice of the sequence), context parallelism, multi-token prediction, and a
-vision-language model (its language model's output rows are not checked against the input rows here).
+Where it does not apply (:func:`head_unsupported`, a property of the model, so every pipeline stage agrees, and
+the FLOP count with it): sequence parallelism (the output layer's input is the rank's slice of the sequence),
+context parallelism, multi-token prediction, and a vision-language model (its language model's output rows are not
+checked against the input rows here).
 """
 from __future__ import annotations
 
@@ -27,10 +28,9 @@ __all__ = ["ScoredRowsHead", "head_unsupported"]
 
 
 def head_unsupported(chunk) -> Optional[str]:
-    """Why the output layer of `chunk` cannot be restricted to the scored rows, or None when it can."""
+    """Why the model of `chunk` (any pipeline stage) cannot run its output layer on the scored rows only, or None
+    when it can."""
     layer = getattr(chunk, "output_layer", None)
-    if not getattr(chunk, "post_process", False) or layer is None:
-        return "this pipeline stage has no output layer"
     config = chunk.config
     if getattr(layer, "sequence_parallel", False) or getattr(config, "sequence_parallel", False):
         return "sequence parallelism: the output layer's input is this rank's slice of the sequence"

@@ -134,8 +134,11 @@ class TrainEngine:
         self.global_steps = 0
         self._offloader = StorageOffloader(state.device)
         self._graphs = self._build_graphs(chunks)
-        self._heads = [ScoredRowsHead(c) for c in chunks
-                       if self.SCORES_RESPONSE_ROWS and head_unsupported(c) is None]
+        # the output layer on the scored rows (decided for the model, so that every stage counts the same FLOPs);
+        # wrapped on the stage that holds it
+        self._rows_only = self.SCORES_RESPONSE_ROWS and all(head_unsupported(c) is None for c in chunks)
+        self._heads = [ScoredRowsHead(c) for c in chunks if self._rows_only and getattr(c, "post_process", False)
+                       and getattr(c, "output_layer", None) is not None]
 
     def _build_graphs(self, chunks) -> list[DecoderGraphs]:
         """CUDA graphs of the decoder (:mod:`rlhf_mcore.engine.cuda_graphs`): `cfg.cuda_graphs` None turns them
@@ -399,7 +402,7 @@ class TrainEngine:
         metrics = reduce_metrics(per_micro, sum_groups=[state.dp_group], src_group=state.pp_group,
                                  src_has_data=state.is_last_stage, device=state.device)
         metrics["num_micro_batches"] = float(len(mbs))
-        if self._heads:  # the output layer ran on the scored rows only: what the FLOP count takes for it
+        if self._rows_only:  # the output layer ran on the scored rows only: what the FLOP count takes for it
             metrics["head_rows"] = sum(int(mb.inputs.rows.numel()) for mb in mbs)
         return metrics, seqlens
 
