@@ -32,6 +32,7 @@ def outputs(tmp_path_factory):
         import sys
         sys.path.insert(0, {str(ROOT / "launch" / "bench")!r})
         import bench_lora_linear, bench_memory, bench_mfu, bench_packed_attention, bench_ppo_step, bench_rollout
+        import profile_decode
         import bench_trl
         out, model = {str(out)!r}, {str(out / 'model')!r}
         bench_mfu.main(["--one-shape", "tiny", "--child-out", out + "/mfu.json", "--seqs", "32", "64",
@@ -48,6 +49,7 @@ def outputs(tmp_path_factory):
                         "--out", out + "/trl_no_gc.json"])
         bench_packed_attention.main(["--tiny", "--reps", "2", "--out", out + "/packed_attention.json"])
         bench_rollout.main(["--tiny", "--batches", "4", "--out", out + "/rollout.json"])
+        profile_decode.main(["--tiny", "--vocab", "512", "--out", out + "/profile_decode.json"])
         bench_lora_linear.main(["--shape", "tiny", "--tokens", "32", "--warmup", "0", "--reps", "1",
                                 "--out", out + "/lora_linear.json"])
     """)
@@ -76,6 +78,15 @@ def test_rollout_json(outputs):
     assert row["hf_s"] == min(row["hf_dynamic_s"], row["hf_static_s"]) == row[f"hf_{row['hf_best']}_s"]
     assert row["ratio_triton_vs_hf"] == pytest.approx(row["hf_s"] / row["native_triton_s"])
     assert row["native_triton_decode_ms_per_step"] > 0
+
+
+def test_profile_decode_json(outputs):
+    """The decode profile runs the shape it is given: `--vocab 512` (TRL's GRPO workload profiles at 8,192) reaches
+    the model built, and the bound counts it. Mutation run: the `--vocab` override not applied to the shape (the
+    tiny shape's 1,024 is built and reported)."""
+    res = outputs["profile_decode"]
+    assert res["vocab_size"] == 512
+    assert res["decode_steps"] > 0 and res["decode_step_ms"] > 0 and res["bound_ms"] > 0
 
 
 def test_mfu_json(outputs):

@@ -1,6 +1,8 @@
 """Where a native-engine decode step's time goes: wall time per step against the GPU kernels inside it.
 
-    python launch/bench/profile_decode.py [--batch 256] [--prompt-len 256] [--new-tokens 256] [--out FILE.json]
+    python launch/bench/profile_decode.py [--batch 256] [--prompt-len 256] [--new-tokens 256] [--vocab N]
+                                          [--out FILE.json]
+    python launch/bench/profile_decode.py --batch 512 --prompt-len 128 --vocab 8192   # TRL's GRPO workload's decode
     python launch/bench/profile_decode.py --tiny          # CPU smoke run (no CUDA: wall times only)
 
 Builds the Qwen2.5-0.5B-shaped random model of bench_rollout.py, warms the engine up at full length (every CUDA graph
@@ -92,6 +94,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size of the 0.5B shape (default its 151,936; TRL's GRPO workload uses 8,192)")
     p.add_argument("--profile-tokens", type=int, default=32, help="tokens generated under the profiler")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (kernel names when graph tracing fails)")
     p.add_argument("--top", type=int, default=25, help="kernel names listed")
@@ -104,6 +108,10 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = TINY if args.tiny else QWEN25_05B
+    if args.vocab is not None:
+        if args.vocab < 64:
+            raise SystemExit(f"--vocab {args.vocab}: the prompts draw token ids from [10, vocab - 10); give >= 64")
+        shape = {**shape, "vocab_size": args.vocab}
     if args.tiny:
         args.batch, args.prompt_len, args.new_tokens, args.profile_tokens = 4, 16, 8, 4
     gen = torch.Generator().manual_seed(0)
@@ -130,7 +138,9 @@ def main(argv=None) -> dict:
         step_ms = (wall - stats["prefill_s"]) / steps * 1e3
         out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "batch": args.batch, "prompt_len": args.prompt_len,
-               "new_tokens": args.new_tokens, "cuda_graphs": engine.use_graphs, "wall_s": wall,
+               "new_tokens": args.new_tokens,
+               "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"],
+               "cuda_graphs": engine.use_graphs, "wall_s": wall,
                "prefill_s": stats["prefill_s"],
                "decode_steps": steps, "decode_step_ms": step_ms,
                "bound_ms": decode_bound_s(shape, args.batch, args.prompt_len, args.new_tokens, 2 if cuda else 4) * 1e3}
