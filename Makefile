@@ -24,7 +24,12 @@ NPROC ?= 2
 
 install: $(STAMP)
 
+# The venv takes about 3 GiB (torch, triton, megatron-core, transformers, pyarrow): said before pip fails half-way.
+INSTALL_GIB ?= 3
 $(STAMP): setup.py
+	@$(PYTHON) -c 'import shutil, sys; d, need = sys.argv[1], float(sys.argv[2]); free = shutil.disk_usage(d).free / 2**30; \
+	sys.exit(f"make install: {free:.1f} GiB free under {d}, and .venv needs about {need:g} GiB: free some space, or set " \
+	         "VENV= to a disk with room" if free < need else 0)' "$(dir $(abspath $(VENV)))" $(INSTALL_GIB)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"

@@ -7,8 +7,11 @@ scripts (plain or under torchrun) through tests/launcher.py; the `cost` mark ord
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,15 @@ if _REPO not in sys.path:
 # a tiny model, 0.45 s with one thread, 8-35 s with two while the other core was busy).
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
+
+# The caches a test run writes go to one directory per test process (and the processes it starts), removed when it
+# exits: `datasets` keeps an arrow copy of every parquet file a test writes (~/.cache/huggingface/datasets had grown
+# to 1.1 GB of entries never read again), and Inductor its compiled kernels (/tmp/torchinductor_<user>). CI runs on
+# a machine whose disk other clones share; session 26's CI run failed its install with "No space left on device".
+_CACHE_ROOT = tempfile.mkdtemp(prefix="rlhf_mcore_test_caches_")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE_ROOT, "hf_datasets")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "torchinductor")
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
