@@ -11,6 +11,7 @@ same directory and compares:
   text model train), 1e-5;
 - where the tower lives at PP=2 (the first stage only), and a Megatron checkpoint saved at TP=2 loaded at PP=2;
 - the colocated rollout (`vision.decode`): greedy and sampled action tokens and their log-probs;
+- LLaVAs over Qwen3 and Llama 3 text models, and a checkpoint in transformers 4's names: logits and the export;
 and in-process, the config errors (the key, the value, what is supported).
 """
 import json
@@ -75,10 +76,39 @@ def batch(hf):
 
 
 @pytest.fixture(scope="module")
-def worker(llava_dir, batch, tmp_path_factory):
+def other_dirs(tmp_path_factory):
+    """{layout name: (directory the worker loads, directory transformers' reference loads)}: LLaVAs over the other
+    text models the loader maps (Qwen3's q/k norms, Llama 3's rope scaling), and a checkpoint in transformers 4's
+    names (the tower under `vision_tower.vision_model.`, as hub LLaVA checkpoints written by transformers 4 have it;
+    the head untied, so `language_model.lm_head.weight` is read too) made by renaming a transformers-5 save."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_mcore.models.vision.tiny import make_tiny_llava
+
+    root = tmp_path_factory.mktemp("llava_text_models")
+    dirs = {arch: (d, d) for arch in ("qwen3", "llama") for d in [make_tiny_llava(root / arch, text_arch=arch)]}
+    untied = make_tiny_llava(root / "untied", tie_word_embeddings=False)
+    t4 = root / "transformers4"
+    shutil.copytree(untied, t4)
+    tensors = load_file(str(untied / "model.safetensors"))
+    assert "language_model.lm_head.weight" in tensors and "vision_tower.embeddings.patch_embedding.weight" in tensors
+    save_file({("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
+               for k, v in tensors.items()}, str(t4 / "model.safetensors"), metadata={"format": "pt"})
+    dirs["transformers4"] = (t4, untied)
+    return dirs
+
+
+OTHER_TP = {"qwen3": 2, "llama": 1, "transformers4": 2}
+
+
+@pytest.fixture(scope="module")
+def worker(llava_dir, other_dirs, batch, tmp_path_factory):
     out = tmp_path_factory.mktemp("vision_worker")
     torch.save(batch, out / "batch.pt")
-    spec = {"model": str(llava_dir), "batch": str(out / "batch.pt"), "layouts": LAYOUTS}
+    others = [dict(name=name, tp=OTHER_TP[name], pp=1, model=str(d)) for name, (d, _) in other_dirs.items()]
+    spec = {"model": str(llava_dir), "batch": str(out / "batch.pt"), "layouts": LAYOUTS + others}
     (out / "spec.json").write_text(json.dumps(spec))
     run(WORKER, "--spec", str(out / "spec.json"), "--out", str(out), nproc=2, timeout=600,
         env_extra={**CPU, "PYTHONWARNINGS": "ignore"})
@@ -110,6 +140,37 @@ def test_logits_match_transformers(worker, hf, batch, layout):
             err = (saved["packed"][a:b] - want).abs().max().item()
             tol = ATOL * max(1.0, want.abs().max().item())
             assert err < tol, f"{layout} packed: max |Megatron - transformers| = {err:.3g} (tolerance {tol:.3g})"
+
+
+@pytest.mark.parametrize("name", list(OTHER_TP))
+def test_other_text_models_and_transformers4_names(worker, other_dirs, batch, name):
+    """LLaVAs over a Qwen3 (TP=2: its q/k norms on split heads) and a Llama 3 (rope scaling) text model, and a
+    checkpoint in transformers 4's names (TP=2), through the same loader: logits, padded and packed, equal
+    transformers' on the reference directory within 1e-5 of their scale, and the export is bitwise under the
+    checkpoint's own names. For the transformers-4 copy, transformers itself loads it to its source's logits
+    bitwise, so the renamed file is one transformers reads, not one both sides misread alike.
+
+    Mutations tried: the q/k norms dropped from the local layer spec (`qk_layernorm=False`): "qwen3" fails, max
+    error 7.5; the checkpoint's tower prefix ignored (`LlavaNames.detect` keeping transformers 5's `vision_tower.`):
+    the worker stops with "tensor 'vision_tower.embeddings.patch_embedding.weight' is not in the checkpoint"."""
+    from transformers import LlavaForConditionalGeneration
+
+    loaded, reference = other_dirs[name]
+    hf = LlavaForConditionalGeneration.from_pretrained(reference, dtype=torch.float32).eval()
+    ref = hf_logits(hf, batch["ids"], batch["pixel_values"])
+    if loaded != reference:
+        again = LlavaForConditionalGeneration.from_pretrained(loaded, dtype=torch.float32).eval()
+        assert torch.equal(hf_logits(again, batch["ids"], batch["pixel_values"]), ref)
+    saved = torch.load(worker[1] / f"{name}.pt")
+    tol = ATOL * max(1.0, ref.abs().max().item())
+    err = (saved["logits"] - ref).abs().max().item()
+    assert err < tol, f"{name}: max |Megatron - transformers| = {err:.3g} (tolerance {tol:.3g})"
+    cu = saved["cu"].tolist()
+    for doc, image, a, b in zip(batch["docs"], batch["doc_images"], cu[:-1], cu[1:]):
+        want = hf_logits(hf, doc[None], image[None])[0]
+        err = (saved["packed"][a:b] - want).abs().max().item()
+        assert err < ATOL * max(1.0, want.abs().max().item()), f"{name} packed: max error {err:.3g}"
+    assert worker[0][name]["roundtrip"] == []
 
 
 def test_the_processor_makes_what_the_model_reads(llava_dir):

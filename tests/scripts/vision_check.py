@@ -1,7 +1,7 @@
 """Worker for tests/test_vision_policy.py, run under torchrun with 2 processes (several layouts in one process group).
 
 For each layout (TP x PP; extra ranks are data-parallel replicas) it builds the tiny LLaVA's Megatron chunks from
-the HF directory and
+the HF directory (the spec's "model", or the layout's own) and
 - exports them with `export_hf_weights` and compares every tensor bitwise with the checkpoint (names included);
 - runs the batch the test saved (rows with images at the start and in the middle, `pixel_values`) and saves the
   TP-gathered logits; at PP=1 also the documents packed as THD, and at PP=2 through Megatron's pipeline schedule;
@@ -128,7 +128,7 @@ def run_layout(layout, spec, out: Path, results: dict):
 
     name, tp, pp = layout["name"], layout["tp"], layout["pp"]
     state = init_distributed(tp=tp, pp=pp, seed=3)
-    hf_dir = spec["model"]
+    hf_dir = layout.get("model", spec["model"])  # a layout may run another LLaVA directory (other text models)
     batch = torch.load(spec["batch"])
     ids, pix = batch["ids"], batch["pixel_values"]
     res = results.setdefault(name, {})

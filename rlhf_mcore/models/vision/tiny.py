@@ -1,4 +1,4 @@
-"""A tiny LLaVA (`LlavaForConditionalGeneration`: a SigLIP tower, a tiny Qwen2) for tests and CPU demos.
+"""A tiny LLaVA (`LlavaForConditionalGeneration`: a SigLIP tower, a tiny Qwen2, Qwen3 or Llama) for tests and CPU demos.
 
 The directory loads like a real LLaVA checkpoint (`llava-hf/llava-interleave-qwen-0.5b-hf` has this shape, much
 larger): `config.json`, `model.safetensors` (transformers' own initialisation, seeded), the tiny models' locally
@@ -20,10 +20,11 @@ def make_tiny_llava(out_dir, *, layers: int = 2, hidden: int = 64, heads: int = 
                     vocab: int = 1024, vision_hidden: int = 32, vision_layers: int = 3, vision_heads: int = 4,
                     image_size: int = 16, patch_size: int = 4, vision_feature_layer: int = -2,
                     vision_use_head: bool = True, tie_word_embeddings: bool = True, seed: int = 0,
-                    init_std: float = 0.2) -> Path:
-    """Write a tiny random LLaVA directory to `out_dir` and return its path. Text: `make_tiny_model`'s Qwen2 of the
-    same arguments; tower: `vision_layers` SigLIP layers of width `vision_hidden` over `image_size`² RGB images in
-    `patch_size`² patches (`(image_size / patch_size)²` image tokens per image)."""
+                    init_std: float = 0.2, text_arch: str = "qwen2") -> Path:
+    """Write a tiny random LLaVA directory to `out_dir` and return its path. Text: `make_tiny_model`'s model of the
+    same arguments, a Qwen2 (`text_arch` "qwen3" or "llama" for those); tower: `vision_layers` SigLIP layers of width
+    `vision_hidden` over `image_size`² RGB images in `patch_size`² patches (`(image_size / patch_size)²` image tokens
+    per image)."""
     from transformers import (
         GenerationConfig,
         LlavaConfig,
@@ -40,7 +41,7 @@ def make_tiny_llava(out_dir, *, layers: int = 2, hidden: int = 64, heads: int = 
     tokenizer = train_tokenizer(default_tokenizer_vocab(vocab) - 1)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_id, eot_id, im_end_id = tokenizer.convert_tokens_to_ids([IMAGE_TOKEN, ENDOFTEXT, IM_END])
-    text = _build_config("qwen2", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+    text = _build_config(text_arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                          intermediate=2 * hidden, head_dim=hidden // heads, tie=tie_word_embeddings, bos_id=eot_id,
                          eos_id=im_end_id, pad_id=eot_id, dtype="float32", max_position_embeddings=4096)
     text.initializer_range = init_std
