@@ -96,6 +96,41 @@ def test_truncated_safetensors_model(inputs, tiny_model_dir):
                     "is truncated", "re-download the model")
 
 
+def test_quantized_model(inputs, tiny_model_dir):
+    """A checkpoint whose config.json announces a quantization (Qwen3-8B-FP8's layout): refused in one line, not
+    loaded as if its codes were the weights. Mutation: `UnsupportedModelError` a plain ValueError again (as it was:
+    an unsupported architecture ended in a traceback) -> fails, exit 1 with a traceback."""
+    import json
+    import shutil
+
+    root, base = inputs
+    model = root / "fp8_model"
+    shutil.copytree(tiny_model_dir("qwen2"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:", "quantization_config",
+                    "quant_method 'fp8'", "unquantized (bf16) checkpoint")
+
+
+def test_weights_the_config_does_not_describe(inputs, tiny_model_dir):
+    """A Qwen2 checkpoint holding a q_norm its config does not announce: one line naming the tensor. Mutation: the
+    loader raising a plain ValueError there -> fails, exit 1 with a traceback."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root, base = inputs
+    model = root / "extra_tensor_model"
+    shutil.copytree(tiny_model_dir("qwen2"), model)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:",
+                    "model.layers.0.self_attn.q_norm.weight", "belong to no parameter", "architectures")
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # chat_template.jinja stays: the case reported
 
 

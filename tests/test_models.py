@@ -335,10 +335,44 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method 'fp8'"),
 ])
 def test_unsupported_features_fail_with_the_key(tmp_path, cfg, words):
     with pytest.raises(UnsupportedModelError, match=words):
         ModelShape.from_hf_dir(_write_config(tmp_path, **cfg))
+
+
+def test_checkpoint_tensors_the_config_does_not_describe_are_refused(tiny_model_dir, tmp_path):
+    """A Qwen2 checkpoint that also holds a q_norm (what a Qwen3 has, under a config that says Qwen2) fails the load
+    with the tensor's name, instead of a model that runs without it; RoPE's saved `inv_freq` (old transformers) is
+    still ignored. Mutation tried: the check skipped (`unmapped_layer_tensors` returning []): the build succeeds and
+    the test fails ("DID NOT RAISE")."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    if torch.cuda.is_available():  # as tests/test_lora.py's CPU engine
+        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
+    src = tiny_model_dir("qwen2", layers=2)
+    d = tmp_path / "extra"
+    shutil.copytree(src, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    state = init_distributed(device="cpu")
+    try:
+        with pytest.raises(ValueError, match=r"1 tensor\(s\) .* belong to no parameter, e.g. "
+                                             r"\['model.layers.1.self_attn.q_norm"):
+            build_model(str(d), state)
+        del tensors["model.layers.1.self_attn.q_norm.weight"]
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        assert len(build_model(str(d), state)) == 1
+    finally:
+        destroy_distributed()
 
 
 def test_model_shape_matches_transformers(model_dirs):

@@ -151,8 +151,10 @@ def test_other_text_models_and_transformers4_names(worker, other_dirs, batch, na
     bitwise, so the renamed file is one transformers reads, not one both sides misread alike.
 
     Mutations tried: the q/k norms dropped from the local layer spec (`qk_layernorm=False`): "qwen3" fails, max
-    error 7.5; the checkpoint's tower prefix ignored (`LlavaNames.detect` keeping transformers 5's `vision_tower.`):
-    the worker stops with "tensor 'vision_tower.embeddings.patch_embedding.weight' is not in the checkpoint"."""
+    error 7.5 (and, since the loader refuses checkpoint tensors no parameter is made of, the load stops naming
+    `q_norm` and `k_norm`); the checkpoint's tower prefix ignored (`LlavaNames.detect` keeping transformers 5's
+    `vision_tower.`): the worker stops with "tensor 'vision_tower.embeddings.patch_embedding.weight' is not in the
+    checkpoint"."""
     from transformers import LlavaForConditionalGeneration
 
     loaded, reference = other_dirs[name]

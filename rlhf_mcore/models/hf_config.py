@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from rlhf_mcore.errors import UserError
 from rlhf_mcore.models.moe import moe_config_kwargs, moe_shape_fields, validate_expert_layout
 from rlhf_mcore.models.vision.config import LLAVA_ARCHITECTURE, VisionShape, text_config_dict, validate_vision_layout
 
@@ -67,8 +68,9 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron's make_vocab_size_divisible_by
 
 
-class UnsupportedModelError(ValueError):
-    """The HF checkpoint uses an architecture or feature this project cannot convert exactly."""
+class UnsupportedModelError(UserError, ValueError):
+    """The HF checkpoint uses an architecture or feature this project cannot convert exactly (a user's input: the
+    entry points report it as one line)."""
 
 
 def read_config_json(hf_dir) -> dict:
@@ -158,6 +160,14 @@ class ModelShape:
     def from_config_dict(cls, cfg: dict) -> "ModelShape":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise UnsupportedModelError(
+                f"config.json has a quantization_config (quant_method {method!r}): quantized checkpoints are not "
+                "supported (their weights would load without their scales). Give the unquantized (bf16) "
+                "checkpoint; FP8 rollout quantizes the actor's weights itself "
+                "(actor_rollout_ref.rollout.quantization=fp8).")
         if arch == LLAVA_ARCHITECTURE:  # the text model's shape, with the tower and the projector beside it
             text = cls.from_config_dict(text_config_dict(cfg, UnsupportedModelError))
             if text.is_moe:

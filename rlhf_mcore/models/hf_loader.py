@@ -1,12 +1,13 @@
 """Load a Hugging Face safetensors checkpoint into this rank's Megatron shard, reading only what it owns.
 
 Each rank opens the checkpoint's safetensors files (one `model.safetensors`, or the shards listed in
-`model.safetensors.index.json`) and, for every parameter of its model chunks, reads just the rows/columns of
-the HF tensors that its TP shard is made of (`safe_open(...).get_slice(name)[...]`): at TP=2 a rank reads half
-of every sharded tensor, a PP stage reads only its own layers, and an expert-parallel rank only its experts.
-Nothing is materialised for the whole model. A `ReadLog` records every read, so tests (and curious users) can
-see what was touched. Before reading, every file's header is checked against its size (`safetensors_check`), on
-every rank: a truncated or corrupt file fails everywhere with its name.
+`model.safetensors.index.json`) and, for every parameter of its model chunks, reads just the rows/columns of the HF
+tensors that its TP shard is made of (`safe_open(...).get_slice(name)[...]`): at TP=2 a rank reads half of every
+sharded tensor, a PP stage reads only its own layers, and an expert-parallel rank only its experts. Nothing is
+materialised for the whole model. A `ReadLog` records every read, so tests (and curious users) can see what was
+touched. A checkpoint tensor of the rank's layers that no parameter is made of (a q/k norm, a bias or a quantization
+scale config.json does not announce) fails the load with its name. Before reading, every file's header is checked
+against its size (`safetensors_check`), on every rank: a truncated or corrupt file fails everywhere with its name.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from rlhf_mcore.models.safetensors_check import INDEX_FILE, ModelFileError, mode
 from rlhf_mcore.models.weight_map import WeightRule, read_shard, rule_for_param, rule_shape
 
 __all__ = ["INDEX_FILE", "ReadLog", "SafetensorsCheckpoint", "chunk_param_rule", "layer_numbers", "load_hf_weights",
-           "named_weights", "unwrap_model"]
+           "named_weights", "unmapped_layer_tensors", "unwrap_model"]
 
 
 @dataclass
@@ -162,8 +163,10 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
             role = getattr(chunk, "model_role", "actor")
             layers = layer_numbers(chunk)
             first_expert = expert_offset(shape, getattr(state, "ep_rank", 0), getattr(state.dims, "ep", 1))
+            mapped: set[str] = set()  # the checkpoint tensors this chunk's parameters are made of, on any TP rank
             for name, param in named_weights(chunk):
                 rule = chunk_param_rule(chunk, name, layers, shape, role, first_expert)
+                mapped.update(rule.hf_names)
                 if rule.optional and not all(n in ckpt for n in rule.hf_names):
                     continue
                 shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, rule_shape(rule, shape), param.dtype)
@@ -172,6 +175,34 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
                                      f"parameter is {tuple(param.shape)}; does config.json match the weights?")
                 with torch.no_grad():
                     param.copy_(shard)
+            unmapped = unmapped_layer_tensors(ckpt.weight_map, mapped, chunk, layers, getattr(state.dims, "ep", 1))
+            if unmapped:
+                raise ModelFileError(
+                    f"{hf_dir}: {len(unmapped)} tensor(s) of the layers this rank loads belong to no parameter, e.g. "
+                    f"{unmapped[:3]}: config.json ({shape.architecture}) does not describe these weights, and the "
+                    "model would run without them. Check config.json's architectures / model_type against the "
+                    "checkpoint, or give the checkpoint of a supported architecture.")
     finally:
         ckpt.close()
     return log
+
+
+# tensors a checkpoint may hold that no parameter is made of: old transformers saved RoPE's frequencies
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def unmapped_layer_tensors(checkpoint_names, mapped: set, chunk, layers: dict, ep: int = 1) -> list[str]:
+    """Checkpoint tensors of the text layers `chunk` holds that no parameter's rule names (`mapped`: the rules'
+    `hf_names`, whichever TP rank reads which rows): a q/k norm, a bias or a quantization scale that config.json
+    does not announce would otherwise be dropped without a word. Only this rank's layers are checked (a pipeline
+    stage maps no other layer), and with expert parallelism (`ep` > 1) not the experts (each rank maps its own)."""
+    names = getattr(chunk, "hf_layout", None)
+    prefix = (names.text if names is not None else "model.") + "layers."
+    held = {str(g) for g in layers.values()}
+    unmapped = []
+    for name in checkpoint_names:
+        if not name.startswith(prefix) or name in mapped or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name[len(prefix):].split(".", 1)[0] in held and not (ep > 1 and ".experts." in name):
+            unmapped.append(name)
+    return sorted(unmapped)
