@@ -28,14 +28,17 @@ if _REPO not in sys.path:
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 
-# The caches a test run writes go to one directory per test process (and the processes it starts), removed when it
-# exits: `datasets` keeps an arrow copy of every parquet file a test writes (~/.cache/huggingface/datasets had grown
-# to 1.1 GB of entries never read again), and Inductor its compiled kernels (/tmp/torchinductor_<user>). CI runs on
-# a machine whose disk other clones share; session 26's CI run failed its install with "No space left on device".
-_CACHE_ROOT = tempfile.mkdtemp(prefix="rlhf_mcore_test_caches_")
-os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE_ROOT, "hf_datasets")
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "torchinductor")
-atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
+# The caches a test run writes go to one directory per run, which the process that made it removes when it exits:
+# `datasets` keeps an arrow copy of every parquet file a test writes (~/.cache/huggingface/datasets had grown to
+# 1.1 GB of entries never read again), and Inductor its compiled kernels (/tmp/torchinductor_<user>). CI runs on a
+# machine whose disk other clones share; session 26's CI run failed its install with "No space left on device".
+# xdist's workers inherit the directory from the controller through the environment: a worker's own exit handlers
+# do not always run (two workers' directories were left behind).
+if "_RLHF_MCORE_TEST_CACHES" not in os.environ:
+    os.environ["_RLHF_MCORE_TEST_CACHES"] = tempfile.mkdtemp(prefix="rlhf_mcore_test_caches_")
+    atexit.register(shutil.rmtree, os.environ["_RLHF_MCORE_TEST_CACHES"], ignore_errors=True)
+os.environ["HF_DATASETS_CACHE"] = os.path.join(os.environ["_RLHF_MCORE_TEST_CACHES"], "hf_datasets")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["_RLHF_MCORE_TEST_CACHES"], "torchinductor")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
