@@ -131,6 +131,23 @@ def test_weights_the_config_does_not_describe(inputs, tiny_model_dir):
                     "model.layers.0.self_attn.q_norm.weight", "belong to no parameter", "architectures")
 
 
+def test_weights_missing_a_tensor_the_config_needs(inputs, tiny_model_dir):
+    """An untied model's checkpoint without its `lm_head.weight`: one line naming the tensor and the directory.
+    Mutation: the loader's missing-tensor error a KeyError again (as it was) -> fails, exit 1 with a traceback."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root, base = inputs
+    model = root / "no_head_model"
+    shutil.copytree(tiny_model_dir("qwen2", tie_word_embeddings=False), model)
+    tensors = load_file(str(model / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert_one_line(train(*base, f"actor_rollout_ref.model.path={model}"), "input error:", "'lm_head.weight'",
+                    f"not in the checkpoint {model}", "right model directory")
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # chat_template.jinja stays: the case reported
 
 

@@ -95,8 +95,9 @@ class SafetensorsCheckpoint:
 
     def _slice(self, name: str):
         if name not in self.weight_map:
-            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.dir} (it has {len(self.weight_map)} "
-                           "tensors); is this the right model directory?")
+            raise ModelFileError(f"tensor {name!r} is not in the checkpoint {self.dir} (it has "
+                                 f"{len(self.weight_map)} tensors), and config.json describes a model made of it: "
+                                 "is this the right model directory, and config.json the one of these weights?")
         return self._open(self.weight_map[name]).get_slice(name)
 
     def read(self, name: str, index: tuple) -> torch.Tensor:
@@ -171,7 +172,7 @@ def load_hf_weights(model_chunks, hf_dir, state, *, read_log: ReadLog | None = N
                     continue
                 shard = read_shard(ckpt.read, rule, param.shape, tp, tp_rank, rule_shape(rule, shape), param.dtype)
                 if shard.shape != param.shape:
-                    raise ValueError(f"{name}: assembled {tuple(shard.shape)} from {rule.hf_names} but the "
+                    raise ModelFileError(f"{name}: assembled {tuple(shard.shape)} from {rule.hf_names} but the "
                                      f"parameter is {tuple(param.shape)}; does config.json match the weights?")
                 with torch.no_grad():
                     param.copy_(shard)
