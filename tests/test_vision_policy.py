@@ -12,6 +12,7 @@ same directory and compares:
 - where the tower lives at PP=2 (the first stage only), and a Megatron checkpoint saved at TP=2 loaded at PP=2;
 - the colocated rollout (`vision.decode`): greedy and sampled action tokens and their log-probs;
 - LLaVAs over Qwen3 and Llama 3 text models, and a checkpoint in transformers 4's names: logits and the export;
+- the critic's Hugging Face export, loaded back as a critic and by transformers;
 and in-process, the config errors (the key, the value, what is supported).
 """
 import json
@@ -28,7 +29,7 @@ WORKER = ROOT / "tests" / "scripts" / "vision_check.py"
 ATOL = 1e-5
 SEQ = 28
 LAYOUTS = [dict(name="1x1", tp=1, pp=1, extras=["grads", "save_hf", "decode"]),
-           dict(name="2x1", tp=2, pp=1, extras=["grads", "decode", "save_mcore"]),
+           dict(name="2x1", tp=2, pp=1, extras=["grads", "decode", "save_mcore", "critic_hf"]),
            dict(name="1x2", tp=1, pp=2, extras=["decode"], load_mcore="2x1")]
 PAD = 3  # left padding of the second decode prompt
 ACTIONS = 64  # the decode's action vocabulary: the last 64 ids
@@ -173,6 +174,25 @@ def test_other_text_models_and_transformers4_names(worker, other_dirs, batch, na
         err = (saved["packed"][a:b] - want).abs().max().item()
         assert err < ATOL * max(1.0, want.abs().max().item()), f"{name} packed: max error {err:.3g}"
     assert worker[0][name]["roundtrip"] == []
+
+
+def test_critic_exports_as_a_llava_that_both_sides_load(worker, hf, batch):
+    """The critic (TP=2, its head moved off the initialisation) saved as Hugging Face: the directory is a
+    LlavaForConditionalGeneration with `score.*` beside the LM head; the critic built from it gives the same values
+    bitwise, and transformers loads it as the LLaVA (the trunk, the tied LM head) with the source's logits bitwise.
+    Mutation: the export naming the text model's Qwen2ForTokenClassification under model_type "llava" (as it did)
+    -> the rebuild fails ("config.json of Qwen2ForTokenClassification lacks 'hidden_size'")."""
+    from transformers import LlavaForConditionalGeneration
+
+    saved = torch.load(worker[1] / "2x1.pt")
+    out = worker[1] / "2x1_critic_hf"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlavaForConditionalGeneration"]
+    assert saved["critic_values"].shape == (*batch["ids"].shape, 1)
+    assert not torch.equal(saved["critic_values_trained"], saved["critic_values"])
+    assert torch.equal(saved["critic_values_reloaded"], saved["critic_values_trained"])
+    again = LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    assert torch.equal(hf_logits(again, batch["ids"], batch["pixel_values"]),
+                       hf_logits(hf, batch["ids"], batch["pixel_values"]))
 
 
 def test_the_processor_makes_what_the_model_reads(llava_dir):

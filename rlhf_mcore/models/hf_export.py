@@ -163,10 +163,15 @@ def _hf_config_for_export(src_hf_dir, shape, role: str, dtype: torch.dtype) -> d
     src = Path(src_hf_dir) / "config.json"
     cfg = json.loads(src.read_text()) if src.is_file() else {}
     if role in ("critic", "reward"):
-        heads = TOKEN_CLASSIFICATION_ARCHITECTURE if role == "critic" else SEQUENCE_CLASSIFICATION_ARCHITECTURE
-        cfg["architectures"] = [heads[shape.family]]
-        cfg["num_labels"] = 1
-        cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+        # transformers has no LLaVA with a value head: a LLaVA critic's directory stays a LlavaForConditionalGeneration
+        # (transformers loads the trunk and the LM head), its `score.*` beside the LM head, which
+        # `build_model(..., role="critic")` reads back. A text model's head name there made a config neither side
+        # could load (model_type "llava" with architectures Qwen2ForTokenClassification).
+        if shape.vision is None:
+            heads = TOKEN_CLASSIFICATION_ARCHITECTURE if role == "critic" else SEQUENCE_CLASSIFICATION_ARCHITECTURE
+            cfg["architectures"] = [heads[shape.family]]
+            cfg["num_labels"] = 1
+            cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     elif shape.vision is None and cfg.get("architectures", [None])[0] not in CAUSAL_LM_ARCHITECTURE.values():
         cfg["architectures"] = [CAUSAL_LM_ARCHITECTURE[shape.family]]
     name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
@@ -191,7 +196,8 @@ def save_hf_checkpoint(model_chunks, state, out_dir, src_hf_dir, *, dtype: Optio
     """Write an HF model directory from Megatron chunks (a collective over the model-parallel ranks of the
     first data-parallel replica; rank 0 writes). Shards `model-0000i-of-0000N.safetensors` + index, config
     (from `src_hf_dir`, dtype updated; a critic becomes `*ForTokenClassification` with num_labels=1, a reward model
-    `*ForSequenceClassification` with num_labels=1) and the
+    `*ForSequenceClassification` with num_labels=1; a LLaVA critic stays a LLaVA with `score.*` beside its LM head)
+    and the
     source's tokenizer / chat template / generation config. dtype: default the parameters' dtype."""
     from safetensors.torch import save_file
 

@@ -9,6 +9,7 @@ the HF directory (the spec's "model", or the layout's own) and
   tensors, end to end and with `freeze_vision`;
 - ("save_hf") writes an HF directory with `save_hf_checkpoint`; ("save_mcore") a Megatron distributed checkpoint,
   which a later layout ("load_mcore": the saving layout's name) loads and exports bitwise;
+- ("critic_hf") the critic's values, its Hugging Face export, and the values of the critic built from that;
 - ("decode") the colocated rollout (`vision.decode.decode`): greedy and sampled tokens restricted to the last ids
   after left-padded prompts with images, and their log-probs.
 pytest compares the logits and gradients with transformers run on the same model.
@@ -179,6 +180,19 @@ def run_layout(layout, spec, out: Path, results: dict):
         saved["sampled"] = decode(chunks, state, d["ids"], d["pixel_values"], temperature=d["temperature"],
                                   generator=torch.Generator().manual_seed(7), **kw)
     del chunks
+    if "critic_hf" in extras:  # the critic's values, its HF export, and the values of the critic built from that
+        critic = build_model(hf_dir, state, role="critic")
+        pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+        with torch.no_grad():
+            saved["critic_values"] = critic[0](ids, pos, None, pixel_values=pix)
+        with torch.no_grad():  # a head that is not the initialisation's, so reading it back is visible
+            critic[0].output_layer.weight.add_(0.5)
+            saved["critic_values_trained"] = critic[0](ids, pos, None, pixel_values=pix)
+        save_hf_checkpoint(critic, state, out / f"{name}_critic_hf", hf_dir)
+        again = build_model(out / f"{name}_critic_hf", state, role="critic")
+        with torch.no_grad():
+            saved["critic_values_reloaded"] = again[0](ids, pos, None, pixel_values=pix)
+        del critic, again
     if "grads" in extras:
         saved["grads"] = grads(state, hf_dir, ids, pix, batch["weights"], freeze=False)
         saved["grads_frozen"] = grads(state, hf_dir, ids, pix, batch["weights"], freeze=True)
