@@ -177,6 +177,7 @@ def main(argv=None) -> Path:
         p.error(f"--input {in_path}: file not found.")
 
     from rlhf_mcore.config import model_max_positions
+    from rlhf_mcore.errors import UserError
     from rlhf_mcore.models.tokenizer import load_tokenizer
     from rlhf_mcore.rollout import SamplingParams, build_rollout_engine
 
@@ -206,7 +207,10 @@ def main(argv=None) -> Path:
         cfg["device"] = args.device
     if args.engine == "hf":
         cfg["show_progress"] = True
-    engine = build_rollout_engine(args.engine, model_dir, **cfg)
+    try:
+        engine = build_rollout_engine(args.engine, model_dir, **cfg)
+    except UserError as e:  # the model directory: an unsupported architecture, weights config.json does not describe
+        p.error(str(e))
     if runner_kw is not None:
         records = run_agents(engine, tok, runner_kw, rows, messages, prompt_ids, params, p.error)
     else:

@@ -110,6 +110,52 @@ def test_model_without_tokenizer_files(tiny_model_dir, tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def _edited_model(src, dst, *, drop=(), add=None, config=None):
+    """A copy of the tiny model directory `src` with tensors dropped / added and config.json keys set."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in drop:
+        del tensors[name]
+    save_file({**tensors, **(add or {})}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+def test_model_directories_that_do_not_match_their_config(tiny_model_dir, tmp_path, capsys):
+    """The native engine loading a user's directory: a tensor config.json does not describe, one it needs but the
+    checkpoint lacks, a quantized checkpoint -- each one line naming the tensor or key, exit code 2, no traceback
+    (they were a KeyError, a RuntimeError at the first generate, and an UnsupportedModelError traceback).
+    Mutations, each run once: `_load_checkpoint` back to a bare `update_weights` -> fails at the first case (the
+    KeyError); the `except UserError` around the engine's build dropped -> fails (the ModelFileError's traceback)."""
+    write_parquet(tmp_path / "in.parquet")
+    qwen2, untied = tiny_model_dir("qwen2"), tiny_model_dir("qwen2", tie_word_embeddings=False)
+    cases = [
+        (_edited_model(qwen2, tmp_path / "extra", add={"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
+         ["unexpected weight 'model.layers.0.self_attn.q_norm.weight'", "config.json describes"]),
+        (_edited_model(untied, tmp_path / "no_head", drop=["lm_head.weight"]),
+         ["lack 1 tensors", "'lm_head.weight'", "right model directory"]),
+        (_edited_model(qwen2, tmp_path / "fp8", config={"quantization_config": {"quant_method": "fp8"}}),
+         ["quantization_config", "quant_method 'fp8'"]),
+    ]
+    for model, fragments in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(model), "--input", str(tmp_path / "in.parquet"), "--output",
+                  str(tmp_path / "o.jsonl"), "--device", "cpu", "--max-new-tokens", "4"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, err
+        line = err.strip().splitlines()[-1]
+        assert str(model) in line or "quantization_config" in line, line
+        for fragment in fragments:
+            assert fragment in line, (fragment, line)
+        assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_over_long_prompts_are_refused_or_cut(tiny_model_dir, tmp_path, capsys):
     """A 12k-token prompt on a 4k-context model: refused with the row named, or cut from the left on request."""
     model = tiny_model_dir("qwen2")  # max_position_embeddings 4096

@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from rlhf_mcore import trace
 from rlhf_mcore.models.hf_config import ModelShape
+from rlhf_mcore.models.safetensors_check import ModelFileError
 
 from ..base import (
     FINISH_ABORT,
@@ -233,7 +234,7 @@ class NativeRolloutEngine(RolloutEngine):
         self.weights: ModelWeights | None = ModelWeights(self.spec, self.device, self.dtype, tp_rank, tp_size)
         self._missing_weights: set[str] = set(self.weights.expected_names())
         if load_weights:
-            self.update_weights(iter_safetensors(self.model_dir))
+            self._load_checkpoint()
         self.model = NativeModel(self.spec, self.weights, max_model_len + 1, tp_group, self.fused_kernels)
         self._attach_fp8()
         self._cpu_weights: ModelWeights | None = None
@@ -295,6 +296,23 @@ class NativeRolloutEngine(RolloutEngine):
         self._splits_cache: dict[int, int] = {}
         self._row_buffers = (self.r_tokens, self.r_pos, self.r_slot, self.r_key, self.r_step, self.r_limit,
                              self.r_inv_temp, self.r_greedy, self.r_done)
+
+    def _load_checkpoint(self) -> None:
+        """The model directory's safetensors into the weights; what does not fit config.json is the user's problem
+        (a `ModelFileError` naming the directory and the tensor), unlike a bad name in a trainer's weight push."""
+        try:
+            self.update_weights(iter_safetensors(self.model_dir))
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            if isinstance(e, ModelFileError):
+                raise
+            why = e.args[0] if isinstance(e, KeyError) else str(e)  # str() of a KeyError adds quotes
+            raise ModelFileError(f"model directory {self.model_dir}: {why} Is it the model its config.json "
+                                 "describes?") from e
+        if self._missing_weights:
+            missing = sorted(self._missing_weights)
+            raise ModelFileError(f"model directory {self.model_dir}: its safetensors lack {len(missing)} tensors "
+                                 f"that config.json needs (e.g. {missing[:3]}); check that the download is "
+                                 "complete and that it is the right model directory.")
 
     def _check_ready(self) -> None:
         if self.weights is None or self.cache is None:
