@@ -74,3 +74,19 @@ startup.resume_gc()
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=child_env())
     assert marker.exists()
+
+
+def test_collections_are_timed_and_counted():
+    """`gc_time_since_last` reports the collector's seconds and full passes since its previous call, then starts
+    again from zero. Mutations: the generation test flipped to `== 0` -> fails (full passes not counted); the
+    "seen" marks never advanced -> fails (the second call repeats the first's figures)."""
+    gc.enable()
+    startup.gc_time_since_last()
+    junk = [[i] for i in range(20000)]
+    for _ in range(3):
+        gc.collect()  # full passes
+    gc.collect(0)  # a young one: timed, not counted as full
+    seconds, full = startup.gc_time_since_last()
+    assert full == 3 and seconds > 0, (seconds, full)
+    assert startup.gc_time_since_last() == (0.0, 0)
+    del junk

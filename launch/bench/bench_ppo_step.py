@@ -393,7 +393,7 @@ class BenchHooks:
         self.records.append(rec)
         if self.partial_out:  # steps so far survive a later crash or timeout
             Path(self.partial_out).write_text(json.dumps({"partial": True, "steps": self.records}, indent=1))
-        shown = {**rec["phases_s"], "step": timer.seconds["step"]}
+        shown = {**rec["phases_s"], "step": timer.seconds["step"], "gc": metrics.get("perf/gc_s/max", 0.0)}
         print(f"[bench] step {step}: " + json.dumps({k: round(v, 3) for k, v in shown.items()}), flush=True)
 
 
@@ -419,7 +419,9 @@ def main(argv=None) -> dict:
                    help="Python profile (cProfile) of the steps after the warm-up: the top functions to FILE")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
     args = p.parse_args(argv)
+    from rlhf_mcore.startup import pause_gc
 
+    pause_gc()  # as launch/train.py: start-up frozen once the models are built (a full pass then skips it)
     import torch
 
     from rlhf_mcore.config import load_config, model_max_positions, validate_config

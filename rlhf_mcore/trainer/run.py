@@ -16,7 +16,7 @@ from rlhf_mcore import trace
 from rlhf_mcore.config import RLConfig, expert_parallel_size, load_plugins, parallel_layout, to_dict
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
 from rlhf_mcore.parallel.collectives import broadcast_object
-from rlhf_mcore.startup import resume_gc
+from rlhf_mcore.startup import gc_time_since_last, resume_gc
 from rlhf_mcore.trainer import roles
 from rlhf_mcore.trainer.checkpoint import CheckpointManager
 from rlhf_mcore.trainer.errors import RolloutMismatchError
@@ -214,6 +214,7 @@ def step_record(batch, step_metrics: dict[str, float], timer: PhaseTimer, kl_coe
     local = {**batch_metrics(batch), **step_metrics, **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
              "perf/max_memory_allocated_gb/max": peak_memory_gb(),  # this step's (reset below)
              "actor/kl_coef": float(kl_coef)}
+    local["perf/gc_s/max"], local["perf/gc_full_collections/max"] = gc_time_since_last()  # the slowest rank's
     reset_peak_memory()
     tokens = float(batch["attention_mask"].sum())
     if "step" in timer.spans:  # the step's sizes on its trace span (recorded, not yet flushed)
