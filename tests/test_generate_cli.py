@@ -127,26 +127,33 @@ def _edited_model(src, dst, *, drop=(), add=None, config=None):
     return dst
 
 
-def test_model_directories_that_do_not_match_their_config(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_model_directories_that_do_not_match_their_config(tiny_model_dir, tmp_path, capsys, engine):
     """The native engine loading a user's directory: a tensor config.json does not describe, one it needs but the
     checkpoint lacks, a quantized checkpoint -- each one line naming the tensor or key, exit code 2, no traceback
-    (they were a KeyError, a RuntimeError at the first generate, and an UnsupportedModelError traceback).
-    Mutations, each run once: `_load_checkpoint` back to a bare `update_weights` -> fails at the first case (the
-    KeyError); the `except UserError` around the engine's build dropped -> fails (the ModelFileError's traceback)."""
+    (native: a KeyError, a RuntimeError at the first generate, an UnsupportedModelError traceback; hf: transformers
+    dropped the tensor, or initialised the head at random, and generated). Mutations, each run once:
+    `_load_checkpoint` back to a bare `update_weights` -> fails at the first case (the KeyError); the `except
+    UserError` around the engine's build dropped -> fails (the ModelFileError's traceback); `check_loading_info` not
+    called -> the hf case fails (it generates)."""
     write_parquet(tmp_path / "in.parquet")
     qwen2, untied = tiny_model_dir("qwen2"), tiny_model_dir("qwen2", tie_word_embeddings=False)
+    extra = {"native": ["unexpected weight 'model.layers.0.self_attn.q_norm.weight'", "config.json describes"],
+             "hf": ["belong to no parameter", "['model.layers.0.self_attn.q_norm.weight']"]}
+    missing = {"native": ["lack 1 tensors", "'lm_head.weight'", "right model directory"],
+               "hf": ["lacks tensors", "['lm_head.weight']", "right model directory"]}
     cases = [
         (_edited_model(qwen2, tmp_path / "extra", add={"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
-         ["unexpected weight 'model.layers.0.self_attn.q_norm.weight'", "config.json describes"]),
-        (_edited_model(untied, tmp_path / "no_head", drop=["lm_head.weight"]),
-         ["lack 1 tensors", "'lm_head.weight'", "right model directory"]),
-        (_edited_model(qwen2, tmp_path / "fp8", config={"quantization_config": {"quant_method": "fp8"}}),
-         ["quantization_config", "quant_method 'fp8'"]),
+         extra[engine]),
+        (_edited_model(untied, tmp_path / "no_head", drop=["lm_head.weight"]), missing[engine]),
     ]
+    if engine == "native":  # transformers has its own word on quantized checkpoints
+        cases.append((_edited_model(qwen2, tmp_path / "fp8", config={"quantization_config": {"quant_method": "fp8"}}),
+                      ["quantization_config", "quant_method 'fp8'"]))
     for model, fragments in cases:
         with pytest.raises(SystemExit) as e:
             main(["--model", str(model), "--input", str(tmp_path / "in.parquet"), "--output",
-                  str(tmp_path / "o.jsonl"), "--device", "cpu", "--max-new-tokens", "4"])
+                  str(tmp_path / "o.jsonl"), "--device", "cpu", "--max-new-tokens", "4", "--engine", engine])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "Traceback" not in err, err
         line = err.strip().splitlines()[-1]

@@ -53,6 +53,21 @@ class _LogprobRecorder:
         return torch.stack(self.steps, dim=1)
 
 
+def check_loading_info(model_dir, info: dict) -> None:
+    """transformers initialises a parameter the checkpoint lacks at random and drops a tensor no parameter takes,
+    with a printed table only: either means the directory is not the model its config.json describes."""
+    from rlhf_mcore.models.safetensors_check import ModelFileError
+
+    for key, what in (("missing_keys", "lacks tensors that config.json needs"),
+                      ("unexpected_keys", "holds tensors that belong to no parameter of the model config.json "
+                                          "describes")):
+        names = sorted(info.get(key) or ())
+        if names:
+            raise ModelFileError(f"model directory {model_dir}: its checkpoint {what} (e.g. {names[:3]}, "
+                                 f"{len(names)} in all); check that the download is complete, that it is the "
+                                 "right model directory, and its config.json's architectures.")
+
+
 class HFRolloutEngine(RolloutEngine):
     """Rollouts through `AutoModelForCausalLM.generate` (left-padded batches of `batch_size` prompts).
 
@@ -71,8 +86,10 @@ class HFRolloutEngine(RolloutEngine):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=self.dtype, attn_implementation=attn_implementation).to(self.device).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=self.dtype, attn_implementation=attn_implementation, output_loading_info=True)
+        check_loading_info(self.model_dir, info)
+        self.model = model.to(self.device).eval()
         self.batch_size, self.show_progress = batch_size, show_progress
         self._stop_ids_default = read_eos_token_ids(self.model_dir)
         gen_pad = getattr(self.model.generation_config, "pad_token_id", None)
