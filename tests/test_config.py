@@ -599,3 +599,43 @@ def test_a_section_rule_holds_wherever_the_section_is_nested(path, extra, bad):
     setattr(section, leaf, value)
     with pytest.raises(ConfigError, match=expected):
         validate_config(cfg, world_size=1, read_model=False)
+
+
+def test_recompute_layout_keys_are_checked(tmp_path):
+    """override_transformer_config.recompute_method / recompute_num_layers: only where the role recomputes, and
+    against the model's layers per chunk (uniform: a divisor; block: at most a chunk). Mutations: the
+    enable_gradient_checkpointing requirement dropped from `_check_recompute` -> the first refusal fails; the
+    uniform divisor rule dropped -> the 3-of-4 case fails."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "max_position_embeddings": 4096}))
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    on = ["actor_rollout_ref.model.enable_gradient_checkpointing=true", f"actor_rollout_ref.model.path={tmp_path}"]
+    validate_config(layout(*on, f"{key}.recompute_method=block", f"{key}.recompute_num_layers=3"), world_size=1)
+    validate_config(layout(*on, f"{key}.recompute_num_layers=2"), world_size=1)  # uniform, 2 divides 4
+    validate_config(layout(*on, f"{key}.recompute_num_layers=2",  # PP=2: chunks of 2 layers
+                           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"), world_size=2)
+    cases = [
+        ([f"{key}.recompute_method=block"], rf"{key}.recompute_method is set, but activation recompute is off: "
+                                            r"set actor_rollout_ref.model.enable_gradient_checkpointing=true"),
+        ([*on, f"{key}.recompute_num_layers=3"],
+         rf"{key}.recompute_num_layers=3 with recompute_method=uniform must divide the layers of each model chunk "
+         r".*4 layers: chunks of 4 at PP=1"),
+        ([*on, f"{key}.recompute_method=block", f"{key}.recompute_num_layers=3",
+          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
+         r"recompute_num_layers=3 with recompute_method=block is more than the 2 layers of a model chunk"),
+        ([*on, "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_num_layers=1"],
+         r"ref\.megatron\.override_transformer_config\.recompute_num_layers is set, but the reference policy runs no "
+         r"backward pass"),
+        ([*on, "critic.megatron.override_transformer_config.recompute_method=uniform", "algorithm.adv_estimator=gae"],
+         r"critic\.megatron\.override_transformer_config\.recompute_method is set, but activation recompute is off: "
+         r"set critic\.model\.enable_gradient_checkpointing=true"),
+    ]
+    for extra, message in cases:
+        world = 2 if any("pipeline_model_parallel_size=2" in e for e in extra) else 1
+        with pytest.raises(ConfigError, match=message):
+            validate_config(layout(*extra), world_size=world)
+    with pytest.raises(ConfigError, match=r"recompute_num_layers' has value 0; it must be unset or >= 1"):
+        layout(f"{key}.recompute_num_layers=0")
+    with pytest.raises(ConfigError, match=r"recompute_method' has value 'selective'; choose one of"):
+        layout(f"{key}.recompute_method=selective")

@@ -8,6 +8,7 @@
     python launch/bench/bench_mfu.py --cuda-graphs off               # Megatron's decoder eager, not CUDA graphs
     python launch/bench/bench_mfu.py --fp8 e4m3                      # FP8 decoder GEMMs (FLOPs at the bf16 peak)
     python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise   # one scale per tensor (megatron.fp8_recipe)
+    python launch/bench/bench_mfu.py --shapes 7b --recompute-block 8  # recompute 8 of 28 layers, keep the rest
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -107,7 +108,8 @@ def profile_update(step, path: Path, label: str) -> None:
 
 def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
               layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
-              cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise") -> None:
+              cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise",
+              recompute_block: int | None = None) -> None:
     """One shape, in this process: build the actor engine once, then time each sequence length."""
     import torch
 
@@ -123,12 +125,14 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
     plan = PLANS[name]
     result = {"shape": name, "device": torch.cuda.get_device_name(state.device) if on_gpu else "cpu",
               "params": None, "recompute": plan["recompute"], "layout": layout,
+              "recompute_block": recompute_block if plan["recompute"] else None,
               "grad_buffer": "fp32", "optimizer": "megatron distributed (Adam, fp32 master)", "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
         write_config(s, Path(tmp), dtype="bfloat16" if on_gpu else "float32")
         t0 = time.perf_counter()
         chunks = build_model(tmp, state, role="actor", load_weights=False,
-                             config_overrides=recompute_overrides(plan["recompute"]) or None,
+                             config_overrides=recompute_overrides(plan["recompute"], recompute_block and "block",
+                                                                  recompute_block) or None,
                              fused_kernels={"auto": None, "on": True, "off": False}[fused_kernels])
         result["fused_kernels"] = chunks[0].config.fused_rope_kernel
         if fp8:  # megatron.fp8: the decoder's linears in FP8 (rlhf_mcore.models.fp8_training); MFU stays at bf16 peak
@@ -304,6 +308,9 @@ def main(argv=None) -> dict:
                    help="FP8 GEMMs in the decoder's linears (megatron.fp8); FLOPs still counted at the bf16 peak")
     p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise"), default="rowwise",
                    help="how --fp8 scales the GEMM operands (megatron.fp8_recipe)")
+    p.add_argument("--recompute-block", type=int, default=None, metavar="N",
+                   help="where the shape recomputes activations (7B): only the first N layers (Megatron's block "
+                        "method, override_transformer_config.recompute_method=block); the others keep theirs")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, profile one more update per (shape, seq) and write op tables to DIR")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
@@ -324,7 +331,8 @@ def main(argv=None) -> dict:
                      args.peer_compile, prof)
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                      args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe)
+                      args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe,
+                      args.recompute_block)
         return {}
 
     import torch
@@ -351,7 +359,8 @@ def main(argv=None) -> dict:
             if prof is not None:
                 cmd += ["--profile", str(prof)]
             megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs,
-                            *(["--fp8", args.fp8, "--fp8-recipe", args.fp8_recipe] if args.fp8 else [])]
+                            *(["--fp8", args.fp8, "--fp8-recipe", args.fp8_recipe] if args.fp8 else []),
+                            *(["--recompute-block", str(args.recompute_block)] if args.recompute_block else [])]
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)
             if not args.no_peer:
                 peer_out = Path(tmp) / f"{name}.peer.json"

@@ -444,6 +444,48 @@ def check_moe_tensor_parallel(cfg: RLConfig, tp: int) -> None:
              f"Transformer Engine); {fix}(expert_model_parallel_size splits the experts)")
 
 
+def _check_recompute(cfg: RLConfig, pp: int, vpp: Optional[int], read_model: bool) -> None:
+    """`override_transformer_config.recompute_method` / `recompute_num_layers`: only where the role recomputes
+    (its model.enable_gradient_checkpointing=true), and against the layers of a model chunk where config.json is
+    readable (uniform: a divisor, else Megatron indexes past the chunk; block: at most the chunk's layers)."""
+    from rlhf_mcore.models.pipeline_layout import chunk_layers, resolve_split
+
+    arr = cfg.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor", arr.actor.megatron, "actor_rollout_ref.model", arr.model.path),
+             ("actor_rollout_ref.ref", arr.ref.megatron, None, None),
+             ("reward.reward_model", cfg.reward.reward_model.megatron, None, None)]
+    if critic_enabled(cfg):
+        roles.append(("critic", cfg.critic.megatron, "critic.model", cfg.critic.model.path or arr.model.path))
+    for role, megatron, model_key, path in roles:
+        o = megatron.override_transformer_config
+        if o.recompute_method is None and o.recompute_num_layers is None:
+            continue
+        key = f"{role}.megatron.override_transformer_config.recompute_" + (
+            "method" if o.recompute_method is not None else "num_layers")
+        who = {"actor_rollout_ref.ref": "the reference policy", "reward.reward_model": "the reward model"}.get(role)
+        require(who is None, f"{key} is set, but {who} runs no backward pass, so nothing is recomputed: remove it.")
+        require(value_at(cfg, f"{model_key}.enable_gradient_checkpointing"),
+                f"{key} is set, but activation recompute is off: set {model_key}.enable_gradient_checkpointing=true "
+                "to recompute, or remove it.")
+        layers = model_num_layers(path) if read_model else None
+        if layers is None or o.recompute_num_layers is None:
+            continue
+        split = pipeline_split(cfg)
+        first, last = resolve_split(layers, pp, vpp, split.get(_SPLIT_KEYS[0]), split.get(_SPLIT_KEYS[1]))
+        sizes = sorted({len(r) for stage in chunk_layers(layers, pp, first, last, vpp) for r in stage})
+        n, method = o.recompute_num_layers, o.recompute_method or "uniform"
+        nk = f"{role}.megatron.override_transformer_config.recompute_num_layers"
+        if method == "uniform":
+            require(all(k % n == 0 for k in sizes),
+                    f"{nk}={n} with recompute_method=uniform must divide the layers of each model chunk ({path} has "
+                    f"{layers} layers: chunks of {', '.join(map(str, sizes))} at PP={pp}"
+                    + (f", VPP={vpp}" if vpp else "") + "): choose a divisor, or recompute_method=block.")
+        else:
+            require(n <= max(sizes), f"{nk}={n} with recompute_method=block is more than the {max(sizes)} layers of a "
+                                     f"model chunk ({path} has {layers} at PP={pp}): at most {max(sizes)} (all of "
+                                     "them is what recompute_method=uniform with 1 does).")
+
+
 def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> None:
     """`megatron.cuda_graphs=true` where graphs cannot run is refused here, before anything is built (the engine
     checks again with the built model: `rlhf_mcore.engine.cuda_graphs.graphs_supported`)."""
@@ -512,6 +554,7 @@ def validate_config(cfg: RLConfig, world_size: int, model_max_positions: Optiona
         _check_pipeline_split(cfg, pp, vpp)
         _check_router_replay_model(cfg)
         check_moe_tensor_parallel(cfg, tp)
+    _check_recompute(cfg, pp, vpp, read_model)
     _check_cuda_graphs(cfg, tp, pp, vpp)
     dp = world_size // (tp * pp)
     ep = expert_parallel_size(cfg)

@@ -64,6 +64,13 @@ class OverrideTransformerConfig:
     moe_aux_loss_coeff: float = checked(0.0, ok=lambda v: finite(v) and v >= 0, what=">= 0 (0: off; e.g. 1e-3)")
     moe_z_loss_coeff: Optional[float] = checked(None, ok=unset_or(lambda v: finite(v) and v > 0),
                                                 what="unset (off) or > 0 (e.g. 1e-3)")
+    # Activation recompute, with the role's model.enable_gradient_checkpointing=true (Megatron's keys, where veRL
+    # passes them): `uniform` recomputes every layer, keeping the input of each run of recompute_num_layers layers
+    # (which must divide a model chunk's layers); `block` recomputes only the first recompute_num_layers layers of
+    # each model chunk, and the others keep their activations: fewer layers run twice, more memory held. Unset:
+    # uniform, 1 (the least memory).
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    recompute_num_layers: Optional[int] = checked(None, ok=unset_or(at_least(1)), what="unset or >= 1")
 
 
 @dataclass

@@ -17,10 +17,14 @@ def _dtype(name: str):
     return None if name == "auto" else _DTYPES[name]
 
 
-def recompute_overrides(enabled: bool) -> dict:
-    """TransformerConfig overrides for full activation recomputation, one layer at a time (`{}` when not
-    `enabled`): activation memory for long responses, paid for with a second forward pass of each layer."""
-    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if enabled else {}
+def recompute_overrides(enabled: bool, method: str | None = None, num_layers: int | None = None) -> dict:
+    """TransformerConfig overrides for full activation recomputation (`{}` when not `enabled`): activation memory
+    for long responses, paid for with a second forward pass of the recomputed layers. Unset, every layer, one at a
+    time; `method="block"` recomputes only the first `num_layers` layers of each model chunk."""
+    if not enabled:
+        return {}
+    return dict(recompute_granularity="full", recompute_method=method or "uniform",
+                recompute_num_layers=num_layers or 1)
 
 
 def _replay_overrides(path, role: str, ecfg: EngineConfig) -> dict:
@@ -77,7 +81,9 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
                              "the adapters off, which a captured CUDA graph cannot see; set it to false or leave it "
                              "unset (off with LoRA).")
         ecfg = dataclasses.replace(ecfg, cuda_graphs=False)
-    overrides = {**recompute_overrides(recompute), **pipeline_split(cfg),  # every role: the actor's stage split
+    o = megatron.override_transformer_config
+    overrides = {**recompute_overrides(recompute, o.recompute_method, o.recompute_num_layers),
+                 **pipeline_split(cfg),  # every role: the actor's stage split
                  **moe_overrides(megatron), **_replay_overrides(path, role, ecfg)}
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
