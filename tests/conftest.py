@@ -102,6 +102,27 @@ def vla_llava(tmp_path_factory):
     return make_tiny_llava(tmp_path_factory.mktemp("vla_llava"), image_size=16, patch_size=4)
 
 
+_CUDA_AT_START = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _gpus_stay_visible():
+    """On a GPU machine, a test that runs a CPU engine in its own process (`init_distributed(device="cpu")`) hides
+    the GPUs from its whole xdist worker (cpu_compat), and the GPU tests that worker runs next fail far from the
+    cause (session 28: test_gpu_learning, test_kernel_fused_layer after test_fp8's CPU engine). Such a test fails
+    here instead, by name; give it the `cpu_only` fixture."""
+    def hidden() -> bool:
+        compat = sys.modules.get("rlhf_mcore.parallel.cpu_compat")
+        return compat is not None and getattr(compat, "_ENABLED", False)
+
+    before = hidden()
+    yield
+    if _CUDA_AT_START and not before and hidden():
+        pytest.fail("this test ran a CPU engine in the pytest process, which hid the GPUs from the rest of its xdist "
+                    "worker (rlhf_mcore.parallel.cpu_compat): give it the `cpu_only` fixture (skipped with CUDA), or "
+                    "run the CPU engine in a subprocess", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def cpu_only():
     """For a test whose own process runs a CPU engine: on a GPU machine `cpu_compat` would hide the GPUs from the

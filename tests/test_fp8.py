@@ -361,7 +361,7 @@ def test_fp8_training_refusals():
 
 @pytest.mark.parametrize("recompute, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],
                          ids=["eager", "full_recompute", "bf16"])
-def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recompute, dtype):
+def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recompute, dtype, cpu_only):
     """Two PPO updates of a tiny Megatron GPTModel (CPU, the reference GEMMs; the device check patched out) with
     fp8=hybrid under the tensorwise recipe, against the same model without FP8: the gradient norm within 10% and
     the losses within 5%; every switched layer computes its weight's amax once per optimizer step (once for each

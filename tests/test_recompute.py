@@ -9,7 +9,7 @@ LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def state():
+def state(cpu_only):
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
     s = init_distributed(device="cpu")
