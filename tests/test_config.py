@@ -603,9 +603,11 @@ def test_a_section_rule_holds_wherever_the_section_is_nested(path, extra, bad):
 
 def test_recompute_layout_keys_are_checked(tmp_path):
     """override_transformer_config.recompute_method / recompute_num_layers: only where the role recomputes, and
-    against the model's layers per chunk (uniform: a divisor; block: at most a chunk). Mutations: the
-    enable_gradient_checkpointing requirement dropped from `_check_recompute` -> the first refusal fails; the
-    uniform divisor rule dropped -> the 3-of-4 case fails."""
+    against the model's layers per chunk (uniform: a divisor; block: at most a chunk); recompute_granularity
+    (veRL's megatron switch) and recompute_modules consistent with enable_gradient_checkpointing and with what runs
+    without Transformer Engine. Mutations: the recompute-on requirement dropped from `_check_recompute` -> the first
+    refusal fails; the uniform divisor rule dropped -> the 3-of-4 case fails; the Transformer Engine rule dropped ->
+    the mlp case fails."""
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "max_position_embeddings": 4096}))
@@ -630,6 +632,22 @@ def test_recompute_layout_keys_are_checked(tmp_path):
         ([*on, "critic.megatron.override_transformer_config.recompute_method=uniform", "algorithm.adv_estimator=gae"],
          r"critic\.megatron\.override_transformer_config\.recompute_method is set, but activation recompute is off: "
          r"set critic\.model\.enable_gradient_checkpointing=true"),
+    ]
+    validate_config(layout(f"{key}.recompute_granularity=full", f"{key}.recompute_method=block",  # veRL's way
+                           f"{key}.recompute_num_layers=2", f"actor_rollout_ref.model.path={tmp_path}"), world_size=1)
+    validate_config(layout(f"{key}.recompute_granularity=selective", f"{key}.recompute_modules=[core_attn]"),
+                    world_size=1)
+    cases += [
+        ([on[0], f"{key}.recompute_granularity=selective"],
+         r"recompute_granularity=selective with actor_rollout_ref.model.enable_gradient_checkpointing=true"),
+        ([f"{key}.recompute_granularity=selective", f"{key}.recompute_modules=[core_attn,mlp]"],
+         r"\['mlp'\] need Transformer Engine"),
+        ([f"{key}.recompute_modules=[mlp]"], r"recompute_modules=\['mlp'\] is read only with recompute_granularity="
+                                             r"selective"),
+        ([f"{key}.recompute_granularity=selective", f"{key}.recompute_num_layers=1"],
+         r"recompute_num_layers chooses which whole layers recompute"),
+        (["actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full"],
+         r"ref\.megatron\.override_transformer_config\.recompute_granularity is set, but the reference policy"),
     ]
     for extra, message in cases:
         world = 2 if any("pipeline_model_parallel_size=2" in e for e in extra) else 1

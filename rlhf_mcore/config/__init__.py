@@ -43,6 +43,8 @@ from rlhf_mcore.config.cross import (
     pipeline_split,
     pool_sizes,
     prime_enabled,
+    recompute_mode,
+    recompute_overrides_for,
     reference_enabled,
     rollout_records_routes,
     validate_config,
@@ -67,6 +69,7 @@ from rlhf_mcore.config.trainer import AsyncTrainingConfig, RolloutPoolConfig, Tr
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
     "lora_enabled", "parallel_layout", "pipeline_split", "expert_parallel_size", "moe_overrides",
+    "recompute_mode", "recompute_overrides_for",
     "pool_sizes", "rollout_records_routes", "model_max_positions", "model_num_layers", "to_yaml",
     "to_dict", "load_plugins", "FILTER_METRICS",
     # the sections

@@ -125,9 +125,10 @@ def _check_router_replay(cfg: RLConfig, need) -> None:
     need(key, not (mode == "R2" and arr.actor.use_rollout_log_probs),
          "R3 or disabled with actor.use_rollout_log_probs=true: R2 records the routes of the old-log-prob pass, "
          "which that setting skips")
-    need(key, not arr.model.enable_gradient_checkpointing,
-         f"disabled with model.enable_gradient_checkpointing=true: the recomputation in the backward pass would "
-         f"route again without the replayed routes (mode={mode} needs activation recompute off)")
+    need(key, recompute_mode(arr.model, arr.actor.megatron) != "full",
+         f"disabled with model.enable_gradient_checkpointing=true (or megatron.override_transformer_config."
+         f"recompute_granularity=full): the recomputation in the backward pass would route again without the "
+         f"replayed routes (mode={mode} needs whole-layer recompute off)")
     need(key, not arr.actor.megatron.sequence_parallel,
          "disabled with actor.megatron.sequence_parallel=true: the replayed routes are not split over the "
          "tensor-parallel ranks' sequence shards")
@@ -444,10 +445,31 @@ def check_moe_tensor_parallel(cfg: RLConfig, tp: int) -> None:
              f"Transformer Engine); {fix}(expert_model_parallel_size splits the experts)")
 
 
+def recompute_mode(model, megatron) -> Optional[str]:
+    """A training role's activation recompute: "full" (whole layers: model.enable_gradient_checkpointing=true, or
+    veRL's megatron way, override_transformer_config.recompute_granularity=full), "selective" (the modules of
+    recompute_modules), or None."""
+    granularity = megatron.override_transformer_config.recompute_granularity
+    if model.enable_gradient_checkpointing or granularity == "full":
+        return "full"
+    return granularity
+
+
+def recompute_overrides_for(model, megatron) -> dict:
+    """A training role's recompute as TransformerConfig overrides (`{}` without recompute)."""
+    from rlhf_mcore.engine.builder import recompute_overrides
+
+    o, mode = megatron.override_transformer_config, recompute_mode(model, megatron)
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(o.recompute_modules)}
+    return recompute_overrides(mode == "full", o.recompute_method, o.recompute_num_layers)
+
+
 def _check_recompute(cfg: RLConfig, pp: int, vpp: Optional[int], read_model: bool) -> None:
-    """`override_transformer_config.recompute_method` / `recompute_num_layers`: only where the role recomputes
-    (its model.enable_gradient_checkpointing=true), and against the layers of a model chunk where config.json is
-    readable (uniform: a divisor, else Megatron indexes past the chunk; block: at most the chunk's layers)."""
+    """`override_transformer_config`'s recompute keys: only on a role with a backward pass, consistent with its
+    model.enable_gradient_checkpointing, only what runs without Transformer Engine, and against the layers of a
+    model chunk where config.json is readable (uniform: a divisor, else Megatron indexes past the chunk; block: at
+    most the chunk's layers)."""
     from rlhf_mcore.models.pipeline_layout import chunk_layers, resolve_split
 
     arr = cfg.actor_rollout_ref
@@ -457,24 +479,40 @@ def _check_recompute(cfg: RLConfig, pp: int, vpp: Optional[int], read_model: boo
     if critic_enabled(cfg):
         roles.append(("critic", cfg.critic.megatron, "critic.model", cfg.critic.model.path or arr.model.path))
     for role, megatron, model_key, path in roles:
-        o = megatron.override_transformer_config
+        o, pre = megatron.override_transformer_config, f"{role}.megatron.override_transformer_config."
+        named = [k for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+                 if getattr(o, k) is not None] + (["recompute_modules"] if o.recompute_modules != ["core_attn"] else [])
+        if not named:
+            continue
+        who = {"actor_rollout_ref.ref": "the reference policy", "reward.reward_model": "the reward model"}.get(role)
+        require(who is None, f"{pre}{named[0]} is set, but {who} runs no backward pass, so nothing is recomputed: "
+                             "remove it.")
+        model = value_at(cfg, model_key)
+        mode = recompute_mode(model, megatron)
+        require(not (model.enable_gradient_checkpointing and o.recompute_granularity == "selective"),
+                f"{pre}recompute_granularity=selective with {model_key}.enable_gradient_checkpointing=true, which "
+                "recomputes whole layers: keep one of the two.")
+        require(mode == "selective" or o.recompute_modules == ["core_attn"],
+                f"{pre}recompute_modules={list(o.recompute_modules)} is read only with recompute_granularity="
+                "selective: set that, or remove recompute_modules.")
+        other = [m for m in o.recompute_modules if m != "core_attn"]
+        require(not other, f"{pre}recompute_modules={list(o.recompute_modules)}: {other} need Transformer Engine in "
+                           "megatron-core 0.16.1, which this trainer runs without; only core_attn recomputes here.")
         if o.recompute_method is None and o.recompute_num_layers is None:
             continue
-        key = f"{role}.megatron.override_transformer_config.recompute_" + (
-            "method" if o.recompute_method is not None else "num_layers")
-        who = {"actor_rollout_ref.ref": "the reference policy", "reward.reward_model": "the reward model"}.get(role)
-        require(who is None, f"{key} is set, but {who} runs no backward pass, so nothing is recomputed: remove it.")
-        require(value_at(cfg, f"{model_key}.enable_gradient_checkpointing"),
-                f"{key} is set, but activation recompute is off: set {model_key}.enable_gradient_checkpointing=true "
-                "to recompute, or remove it.")
+        key = pre + ("recompute_method" if o.recompute_method is not None else "recompute_num_layers")
+        require(mode is not None, f"{key} is set, but activation recompute is off: set {model_key}."
+                                  f"enable_gradient_checkpointing=true (or {pre}recompute_granularity=full) to "
+                                  "recompute, or remove it.")
+        require(mode == "full", f"{key} chooses which whole layers recompute; recompute_granularity=selective "
+                                "recomputes modules of every layer: remove it, or use recompute_granularity=full.")
         layers = model_num_layers(path) if read_model else None
         if layers is None or o.recompute_num_layers is None:
             continue
         split = pipeline_split(cfg)
         first, last = resolve_split(layers, pp, vpp, split.get(_SPLIT_KEYS[0]), split.get(_SPLIT_KEYS[1]))
         sizes = sorted({len(r) for stage in chunk_layers(layers, pp, first, last, vpp) for r in stage})
-        n, method = o.recompute_num_layers, o.recompute_method or "uniform"
-        nk = f"{role}.megatron.override_transformer_config.recompute_num_layers"
+        n, method, nk = o.recompute_num_layers, o.recompute_method or "uniform", pre + "recompute_num_layers"
         if method == "uniform":
             require(all(k % n == 0 for k in sizes),
                     f"{nk}={n} with recompute_method=uniform must divide the layers of each model chunk ({path} has "
@@ -491,11 +529,12 @@ def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> N
     checks again with the built model: `rlhf_mcore.engine.cuda_graphs.graphs_supported`)."""
     arr = cfg.actor_rollout_ref
     roles = [("actor_rollout_ref.actor", arr.actor.megatron, arr.model.use_remove_padding,
-              arr.model.enable_gradient_checkpointing),
+              recompute_mode(arr.model, arr.actor.megatron) is not None),
              ("actor_rollout_ref.ref", arr.ref.megatron, arr.model.use_remove_padding, False)]
     if critic_enabled(cfg):
         c = cfg.critic
-        roles.append(("critic", c.megatron, c.model.use_remove_padding, c.model.enable_gradient_checkpointing))
+        roles.append(("critic", c.megatron, c.model.use_remove_padding,
+                      recompute_mode(c.model, c.megatron) is not None))
     rm = cfg.reward.reward_model
     if rm.enable:
         roles.append(("reward_model", rm.megatron, rm.model.use_remove_padding, False))
@@ -506,7 +545,8 @@ def _check_cuda_graphs(cfg: RLConfig, tp: int, pp: int, vpp: Optional[int]) -> N
                "TP or PP > 1 (or virtual pipeline stages)" if tp > 1 or pp > 1 or vpp else
                "context_parallel_size > 1" if megatron.context_parallel_size > 1 else
                "padded sequences (use_remove_padding=false)" if not packed else
-               "activation recompute (enable_gradient_checkpointing=true)" if recompute else None)
+               "activation recompute (enable_gradient_checkpointing=true, or recompute_granularity)" if recompute
+               else None)
         require(why is None, f"{role}.megatron.cuda_graphs=true, but CUDA graphs cannot run with {why}: set it to "
                              "false, or leave it unset (graphs where they run).")
 

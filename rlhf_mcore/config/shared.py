@@ -64,11 +64,15 @@ class OverrideTransformerConfig:
     moe_aux_loss_coeff: float = checked(0.0, ok=lambda v: finite(v) and v >= 0, what=">= 0 (0: off; e.g. 1e-3)")
     moe_z_loss_coeff: Optional[float] = checked(None, ok=unset_or(lambda v: finite(v) and v > 0),
                                                 what="unset (off) or > 0 (e.g. 1e-3)")
-    # Activation recompute, with the role's model.enable_gradient_checkpointing=true (Megatron's keys, where veRL
-    # passes them): `uniform` recomputes every layer, keeping the input of each run of recompute_num_layers layers
-    # (which must divide a model chunk's layers); `block` recomputes only the first recompute_num_layers layers of
-    # each model chunk, and the others keep their activations: fewer layers run twice, more memory held. Unset:
-    # uniform, 1 (the least memory).
+    # Activation recompute (Megatron's keys, where veRL passes them). recompute_granularity: full recomputes whole
+    # layers, as the role's model.enable_gradient_checkpointing=true does; selective recomputes the modules of
+    # recompute_modules in every layer (only core_attn runs without Transformer Engine; veRL's default list, read
+    # only with selective). For whole layers, recompute_method `uniform` recomputes every layer, keeping the input
+    # of each run of recompute_num_layers layers (which must divide a model chunk's layers); `block` recomputes only
+    # the first recompute_num_layers layers of each model chunk, and the others keep their activations: fewer layers
+    # run twice, more memory held. Unset: uniform, 1 (the least memory).
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
     recompute_method: Optional[Literal["uniform", "block"]] = None
     recompute_num_layers: Optional[int] = checked(None, ok=unset_or(at_least(1)), what="unset or >= 1")
 

@@ -48,7 +48,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
     `model.lora_rank > 0` (actor, critic) the model gets LoRA adapters and only they train
     (:mod:`rlhf_mcore.models.lora`).
     """
-    from rlhf_mcore.config import moe_overrides, pipeline_split
+    from rlhf_mcore.config import moe_overrides, pipeline_split, recompute_overrides_for
     from rlhf_mcore.models import build_model
     from rlhf_mcore.models.lora import LoraSpec
 
@@ -59,18 +59,18 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         ecfg = EngineConfig.from_actor(arr.actor, arr.model, arr.rollout, dp)
         optim = dataclasses.replace(arr.actor.optim, total_training_steps=total_steps)
         megatron, dtype = arr.actor.megatron, _dtype(arr.model.dtype)
-        recompute = arr.model.enable_gradient_checkpointing
+        model = arr.model  # its recompute (with megatron.override_transformer_config's keys)
         lora = LoraSpec.from_config(arr.model, "actor_rollout_ref.model")
     elif role == "ref":
         path = arr.model.path
         ecfg, optim = EngineConfig.from_ref(arr.ref, arr.model, arr.rollout, arr.actor.router_replay.mode), None
-        megatron, dtype, recompute = arr.ref.megatron, _dtype(arr.model.dtype), False
+        megatron, dtype, model = arr.ref.megatron, _dtype(arr.model.dtype), None  # no backward: no recompute
     elif role == "critic":
         c = cfg.critic
         path = c.model.path or arr.model.path
         ecfg = EngineConfig.from_critic(c, arr.actor, arr.rollout, dp)
         optim = dataclasses.replace(c.optim, total_training_steps=total_steps)
-        megatron, dtype, recompute = c.megatron, _dtype(c.model.dtype), c.model.enable_gradient_checkpointing
+        megatron, dtype, model = c.megatron, _dtype(c.model.dtype), c.model
         lora = LoraSpec.from_config(c.model, "critic.model")
     else:
         raise ValueError(f"role={role!r}; choose actor, ref or critic")
@@ -81,8 +81,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
                              "the adapters off, which a captured CUDA graph cannot see; set it to false or leave it "
                              "unset (off with LoRA).")
         ecfg = dataclasses.replace(ecfg, cuda_graphs=False)
-    o = megatron.override_transformer_config
-    overrides = {**recompute_overrides(recompute, o.recompute_method, o.recompute_num_layers),
+    overrides = {**(recompute_overrides_for(model, megatron) if model is not None else {}),
                  **pipeline_split(cfg),  # every role: the actor's stage split
                  **moe_overrides(megatron), **_replay_overrides(path, role, ecfg)}
     if megatron.sequence_parallel and state.dims.tp > 1:
