@@ -112,7 +112,8 @@ def graphs_supported(config, state, chunks: int, packed: bool) -> Optional[str]:
         return ("a mixture-of-experts model (its experts' token groups change size with the routing, and routing "
                 "replay sets each micro-batch's routes)")
     if getattr(config, "recompute_granularity", None):
-        return "activation recompute (enable_gradient_checkpointing) re-runs layers in the backward"
+        return ("activation recompute (enable_gradient_checkpointing, or override_transformer_config."
+                "recompute_granularity) re-runs layers or modules in the backward")
     if getattr(config, "hidden_dropout", 0.0) or getattr(config, "attention_dropout", 0.0):
         return "dropout > 0"
     return None
