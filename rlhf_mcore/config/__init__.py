@@ -44,7 +44,6 @@ from rlhf_mcore.config.cross import (
     pool_sizes,
     prime_enabled,
     recompute_mode,
-    recompute_overrides_for,
     reference_enabled,
     rollout_records_routes,
     validate_config,
@@ -69,7 +68,7 @@ from rlhf_mcore.config.trainer import AsyncTrainingConfig, RolloutPoolConfig, Tr
 __all__ = [
     "RLConfig", "ConfigError", "load_config", "validate_config", "critic_enabled", "reference_enabled", "prime_enabled",
     "lora_enabled", "parallel_layout", "pipeline_split", "expert_parallel_size", "moe_overrides",
-    "recompute_mode", "recompute_overrides_for",
+    "recompute_mode",
     "pool_sizes", "rollout_records_routes", "model_max_positions", "model_num_layers", "to_yaml",
     "to_dict", "load_plugins", "FILTER_METRICS",
     # the sections

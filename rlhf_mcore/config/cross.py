@@ -455,16 +455,6 @@ def recompute_mode(model, megatron) -> Optional[str]:
     return granularity
 
 
-def recompute_overrides_for(model, megatron) -> dict:
-    """A training role's recompute as TransformerConfig overrides (`{}` without recompute)."""
-    from rlhf_mcore.engine.builder import recompute_overrides
-
-    o, mode = megatron.override_transformer_config, recompute_mode(model, megatron)
-    if mode == "selective":
-        return {"recompute_granularity": "selective", "recompute_modules": list(o.recompute_modules)}
-    return recompute_overrides(mode == "full", o.recompute_method, o.recompute_num_layers)
-
-
 def _check_recompute(cfg: RLConfig, pp: int, vpp: Optional[int], read_model: bool) -> None:
     """`override_transformer_config`'s recompute keys: only on a role with a backward pass, consistent with its
     model.enable_gradient_checkpointing, only what runs without Transformer Engine, and against the layers of a

@@ -27,6 +27,17 @@ def recompute_overrides(enabled: bool, method: str | None = None, num_layers: in
                 recompute_num_layers=num_layers or 1)
 
 
+def recompute_overrides_for(model, megatron) -> dict:
+    """A training role's recompute (its `model` section's enable_gradient_checkpointing and its `megatron`
+    override_transformer_config keys, checked by the config) as TransformerConfig overrides."""
+    from rlhf_mcore.config import recompute_mode
+
+    o, mode = megatron.override_transformer_config, recompute_mode(model, megatron)
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(o.recompute_modules)}
+    return recompute_overrides(mode == "full", o.recompute_method, o.recompute_num_layers)
+
+
 def _replay_overrides(path, role: str, ecfg: EngineConfig) -> dict:
     """Routers with a `RouterReplay` (rlhf_mcore.models.routing_replay) for a MoE actor (which also records its
     routes for the routing metrics) and for a reference that replays the rollout's routes; none otherwise."""
@@ -48,7 +59,7 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
     `model.lora_rank > 0` (actor, critic) the model gets LoRA adapters and only they train
     (:mod:`rlhf_mcore.models.lora`).
     """
-    from rlhf_mcore.config import moe_overrides, pipeline_split, recompute_overrides_for
+    from rlhf_mcore.config import moe_overrides, pipeline_split
     from rlhf_mcore.models import build_model
     from rlhf_mcore.models.lora import LoraSpec
 
