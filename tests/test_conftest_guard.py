@@ -5,13 +5,17 @@ import sys
 import textwrap
 from pathlib import Path
 
+from subprocess_env import child_env
+
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 
 def test_the_test_that_hides_the_gpus_fails_by_name(tmp_path):
     """The test that turns cpu_compat on fails with the fix named; the tests after it in the same process do not
-    (the GPU tests there fail on their own); a test that leaves it alone passes. Mutations: the check removed ->
-    the first fails (it passes); its `not before` dropped -> the third fails (an error on every later test)."""
+    (the GPU tests there fail on their own); a test that leaves it alone passes. The child imports this checkout
+    (`child_env`: where the package is not installed, as on the GPU machine, it failed to import rlhf_mcore).
+    Mutations: the check removed -> the first fails (it passes); its `not before` dropped -> the third fails (an
+    error on every later test)."""
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import torch
         torch.cuda.is_available = lambda: True  # a GPU machine, as far as the check can tell
@@ -29,8 +33,8 @@ def test_the_test_that_hides_the_gpus_fails_by_name(tmp_path):
             pass
         """))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rA",
-                           "-p", "no:xdist", str(tmp_path / "test_order.py")], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+                           "-p", "no:xdist", str(tmp_path / "test_order.py")], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "PASSED test_order.py::test_a_plain_one" in out, out[-3000:]
