@@ -30,6 +30,10 @@ class ModelConfig:
     dtype: Dtype = "auto"
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = True  # packed (THD) sequences in the train engine
+    # the rows of a micro-batch that share a prompt pack it once, their responses attending to it (the actor's update
+    # and log-prob passes, the reference's; rlhf_mcore.engine.shared_prefix): GRPO's n samples per prompt compute the
+    # prompt once instead of n times; the same log-probs and gradients up to summation order
+    share_prompt_prefix: bool = False
     # must stay false: models load through rlhf_mcore's own code, never the repo's
     trust_remote_code: bool = checked(False, ok=lambda v: not v, what=(
         "false: rlhf_mcore builds Qwen2/Qwen2.5/Qwen3/Llama models with its own code and never runs a model "

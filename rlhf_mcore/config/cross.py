@@ -96,6 +96,24 @@ def check_relations(cfg: RLConfig) -> None:
     _check_fp8(cfg, need)
     _check_lora(cfg, need)
     _check_router_replay(cfg, need)
+    _check_shared_prefix(cfg, need)
+
+
+def _check_shared_prefix(cfg: RLConfig, need) -> None:
+    """`model.share_prompt_prefix` runs in the engine's packed layout only (rlhf_mcore.engine.shared_prefix)."""
+    arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.model.share_prompt_prefix"
+    if not arr.model.share_prompt_prefix:
+        return
+    m = arr.actor.megatron
+    why = ("padded sequences (model.use_remove_padding=false): it packs" if not arr.model.use_remove_padding else
+           "pipeline parallelism (its stages exchange micro-batches of one shape)"
+           if (m.pipeline_model_parallel_size or 1) > 1 or m.virtual_pipeline_model_parallel_size else
+           "context parallelism" if m.context_parallel_size > 1 else
+           "actor.megatron.cuda_graphs=true (each micro-batch has its own layout)" if m.cuda_graphs is True else
+           "ref.megatron.cuda_graphs=true (each micro-batch has its own layout)" if arr.ref.megatron.cuda_graphs is True
+           else f"actor.router_replay.mode={arr.actor.router_replay.mode}" if arr.actor.router_replay.mode != "disabled"
+           else None)
+    need(key, why is None, f"false with {why}")
 
 
 def rollout_records_routes(cfg: RLConfig) -> bool:

@@ -27,6 +27,8 @@ class EngineConfig:
     seed: int = 1
     grad_clip: float = 1.0  # max global gradient norm (<= 0: no clipping)
     use_remove_padding: bool = True  # packed (THD) sequences; False: padded [B, S] with a causal mask
+    # packed: rows with the same prompt share one copy of it in a micro-batch (rlhf_mcore.engine.shared_prefix)
+    share_prompt_prefix: bool = False
     # -- forward-only passes (old/ref log-probs, values)
     forward_micro_batch_size: Optional[int] = None  # None: micro_batch_size
     forward_use_dynamic_bsz: Optional[bool] = None  # None: use_dynamic_bsz
@@ -127,6 +129,7 @@ class EngineConfig:
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu or 1, use_dynamic_bsz=actor.use_dynamic_bsz,
             max_token_len=actor.ppo_max_token_len_per_gpu, ppo_epochs=actor.ppo_epochs, shuffle=actor.shuffle,
             seed=actor.megatron.seed, use_remove_padding=model.use_remove_padding,
+            share_prompt_prefix=getattr(model, "share_prompt_prefix", False),
             forward_micro_batch_size=getattr(forward, "log_prob_micro_batch_size_per_gpu", None),
             forward_use_dynamic_bsz=getattr(forward, "log_prob_use_dynamic_bsz", None),
             forward_max_token_len=getattr(forward, "log_prob_max_token_len_per_gpu", None),
@@ -161,6 +164,7 @@ class EngineConfig:
             role="ref", micro_batch_size=ref.log_prob_micro_batch_size_per_gpu or 1,
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz, max_token_len=ref.log_prob_max_token_len_per_gpu,
             use_remove_padding=model.use_remove_padding, seed=ref.megatron.seed,
+            share_prompt_prefix=getattr(model, "share_prompt_prefix", False),
             temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
             logprob_backend=getattr(ref, "logprob_backend", "auto"), cuda_graphs=ref.megatron.cuda_graphs,
             router_replay=router_replay)

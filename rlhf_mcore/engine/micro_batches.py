@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from rlhf_mcore.engine.balance import split_by_token_budget
 from rlhf_mcore.engine.packing import ModelInputs, build_model_inputs, natural_length
+from rlhf_mcore.engine.shared_prefix import build_shared_prefix_inputs, plan_groups, prompt_groups
 
 __all__ = ["MicroBatch", "select_rows", "plan_micro_batches", "make_micro_batches", "batch_size_of",
            "response_length_of"]
@@ -51,11 +52,20 @@ def select_rows(batch: dict, index: torch.Tensor) -> dict:
 
 def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
                        multiple_of: int = 1, dp_group: Optional[dist.ProcessGroup] = None,
-                       keys: tuple[str, str] = ("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
-                       ) -> list[list[int]]:
+                       keys: tuple[str, str] = ("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),
+                       shared_prefix_of: Optional[dict] = None) -> list[list[int]]:
     """Row indices of each micro-batch. `multiple_of`: the count must be a multiple (interleaved PP).
-    `keys`: the config keys of the micro-batch size and token budget, for error messages."""
+    `keys`: the config keys of the micro-batch size and token budget, for error messages.
+    `shared_prefix_of` (a batch; with `use_dynamic_bsz`): the budget counts each prompt once per micro-batch, and
+    the rows sharing a prompt stay together where the budget allows (:func:`shared_prefix.plan_groups`)."""
     n = len(seqlens)
+    if use_dynamic_bsz and shared_prefix_of is not None:
+        R = response_length_of(shared_prefix_of)
+        mask = shared_prefix_of["attention_mask"]
+        units, costs = plan_groups(mask, R, prompt_groups(shared_prefix_of["input_ids"], mask, R), max_token_len)
+        parts = split_by_token_budget(costs, max_token_len, min_parts=multiple_of, multiple_of=multiple_of,
+                                      group=dp_group, budget_key=keys[1])
+        return [sorted(b for u in part for b in units[u]) for part in parts]
     if use_dynamic_bsz:
         return split_by_token_budget(seqlens, max_token_len, min_parts=multiple_of, multiple_of=multiple_of,
                                      group=dp_group, budget_key=keys[1])
@@ -72,7 +82,7 @@ def plan_micro_batches(seqlens: list[int], *, micro_batch_size: int, use_dynamic
 def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, ...], packed: bool,
                        pad_to_multiple_of: int = 1, explicit_mask: bool = True,
                        uniform_shape: bool = False, static_shape: Optional[tuple[int, int, int]] = None,
-                       routes_key: Optional[str] = None) -> list[MicroBatch]:
+                       routes_key: Optional[str] = None, share_prompt_prefix: bool = False) -> list[MicroBatch]:
     """Cut `batch` along `plan` and build each part's model inputs; `keys` are the (B, R) loss inputs.
 
     `uniform_shape`: pad every micro-batch to the largest one's shape. Pipeline parallelism needs it:
@@ -85,6 +95,8 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     A batch with `pixel_values` (B, C, H, W) (one image per row, read by a vision-language policy at the row's image
     tokens) gives each micro-batch its rows' images, in row order: the order the packed or padded layout keeps the
     rows in, so the model scatters each image into its own row.
+    `share_prompt_prefix` (packed): each micro-batch packs a prompt once for all its rows that have it
+    (:mod:`rlhf_mcore.engine.shared_prefix`); no static or uniform shape, routes or images.
     """
     missing = [k for k in ("input_ids", "attention_mask", *keys, *([routes_key] if routes_key else []))
                if k not in batch]
@@ -94,6 +106,12 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     if "pixel_values" in batch and batch["pixel_values"].shape[0] != batch_size_of(batch):
         raise ValueError(f"pixel_values holds {batch['pixel_values'].shape[0]} images for {batch_size_of(batch)} "
                          "rows: the engine takes one image per row")
+    if share_prompt_prefix:
+        why = ("padded sequences" if not packed else "a static shape (CUDA graphs)" if static_shape is not None
+               else "a uniform shape (pipeline parallelism)" if uniform_shape else "routing replay" if routes_key
+               else "images" if "pixel_values" in batch else None)
+        if why:
+            raise ValueError(f"shared-prompt packing (model.share_prompt_prefix) does not run with {why}")
     device = batch["input_ids"].device
     lengths = batch["attention_mask"].sum(-1).tolist()
     pad_length = pad_rows = pad_docs = max_seqlen = 0
@@ -109,9 +127,12 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
         index = torch.as_tensor(rows, dtype=torch.long, device=device)
         ids = batch["input_ids"].index_select(0, index)
         mask = batch["attention_mask"].index_select(0, index)
-        inputs = build_model_inputs(ids, mask, R, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
-                                    explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows,
-                                    pad_docs_to=pad_docs, static_max_seqlen=max_seqlen)
+        if share_prompt_prefix:
+            inputs = build_shared_prefix_inputs(ids, mask, R, pad_to_multiple_of=pad_to_multiple_of)
+        else:
+            inputs = build_model_inputs(ids, mask, R, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
+                                        explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows,
+                                        pad_docs_to=pad_docs, static_max_seqlen=max_seqlen)
         data = {k: batch[k].index_select(0, index) for k in keys}
         routes = None
         if routes_key is not None:

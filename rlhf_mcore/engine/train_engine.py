@@ -115,6 +115,8 @@ class TrainEngine:
         # packed total / padded length must split evenly over TP ranks under sequence parallelism
         self._pad_multiple = state.dims.tp if getattr(self.model_config, "sequence_parallel", False) else 1
         self._explicit_mask = state.device.type != "cuda"  # Megatron's default causal mask is CUDA-only
+        if cfg.share_prompt_prefix:
+            _check_shared_prefix(chunks, cfg, state)
         # the critic ends in a width-1 value head, not the vocabulary projection
         head_width = 1 if cfg.role == "critic" else (self.vocab_size or 0)
         self.flop_shape = FlopShape.from_transformer_config(self.model_config, head_width)
@@ -146,6 +148,8 @@ class TrainEngine:
         if self.cfg.cuda_graphs is False:
             return []
         why_not = graphs_supported(self.model_config, self.state, len(chunks), self.cfg.use_remove_padding)
+        if why_not is None and self.cfg.share_prompt_prefix:
+            why_not = "shared-prompt packing (model.share_prompt_prefix) gives every micro-batch its own layout"
         if why_not is None:
             return [DecoderGraphs(c, required=bool(self.cfg.cuda_graphs), key=self.cfg.graph_key) for c in chunks]
         if self.cfg.cuda_graphs:
@@ -237,13 +241,16 @@ class TrainEngine:
         B, R = batch_size_of(batch), response_length_of(batch)
         seqlens = batch["attention_mask"].sum(-1).tolist()
         cfg = self.cfg
+        shared = cfg.share_prompt_prefix
         plan = plan_micro_batches(seqlens, micro_batch_size=cfg.fwd_micro_batch_size,
                                   use_dynamic_bsz=cfg.fwd_use_dynamic_bsz, max_token_len=cfg.fwd_max_token_len,
-                                  multiple_of=self._multiple_of, dp_group=self.state.dp_group, keys=cfg.forward_keys)
+                                  multiple_of=self._multiple_of, dp_group=self.state.dp_group, keys=cfg.forward_keys,
+                                  shared_prefix_of=batch if shared else None)
         mbs = make_micro_batches(batch, plan, keys=(), packed=self.cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
                                  uniform_shape=self.state.dims.pp > 1,
-                                 static_shape=self._static_shape(plan, seqlens, grad=False), routes_key=replay_key)
+                                 static_shape=self._static_shape(plan, seqlens, grad=False), routes_key=replay_key,
+                                 share_prompt_prefix=shared)
         for m in self.modules:
             m.eval()
 
@@ -380,14 +387,16 @@ class TrainEngine:
         if state.dims.dp > 1:
             dist.all_reduce(counts, group=state.dp_group)
         seqlens = [int(s) for s in sub["attention_mask"].sum(-1).tolist()]
+        shared = cfg.share_prompt_prefix
         plan = plan_micro_batches(seqlens, micro_batch_size=cfg.micro_batch_size, use_dynamic_bsz=cfg.use_dynamic_bsz,
                                   max_token_len=cfg.max_token_len, multiple_of=self._multiple_of,
-                                  dp_group=state.dp_group, keys=cfg.update_keys)
+                                  dp_group=state.dp_group, keys=cfg.update_keys,
+                                  shared_prefix_of=sub if shared else None)
         mbs = make_micro_batches(sub, plan, keys=keys, packed=cfg.use_remove_padding,
                                  pad_to_multiple_of=self._pad_multiple, explicit_mask=self._explicit_mask,
                                  uniform_shape=self.state.dims.pp > 1,
                                  static_shape=self._static_shape(plan, seqlens, grad=True),
-                                 routes_key=self._replay_key("update", sub))
+                                 routes_key=self._replay_key("update", sub), share_prompt_prefix=shared)
         ctx = LossContext(cfg, state.tp_group, self.vocab_size, global_tokens=counts[0], global_seqs=counts[1],
                           scale=float(len(mbs) * state.dims.dp), on_policy=on_policy)
         for m in self.modules:
@@ -404,6 +413,9 @@ class TrainEngine:
         metrics["num_micro_batches"] = float(len(mbs))
         if self._rows_only:  # the output layer ran on the scored rows only: what the FLOP count takes for it
             metrics["head_rows"] = sum(int(mb.inputs.rows.numel()) for mb in mbs)
+        if shared:  # the tokens computed: each prompt once per micro-batch (the FLOP count and tokens/s take these;
+            # a response's attention to its prompt is left out of the FLOPs: the count errs low)
+            seqlens = [n for mb in mbs for n in mb.inputs.seqlens]
         return metrics, seqlens
 
     def loss_inputs(self, batch: dict) -> tuple[tuple[str, ...], object]:
@@ -608,3 +620,26 @@ class TrainEngine:
     def _empty_cache(self) -> None:
         if self.state.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _check_shared_prefix(chunks, cfg: EngineConfig, state) -> None:
+    """Shared-prompt packing runs on packed sequences through this package's attention (SDPACoreAttention: the
+    one that reads the layout), without pipeline or context parallelism, routing replay or images."""
+    from rlhf_mcore.models.attention import SDPACoreAttention
+
+    why = None
+    if not cfg.use_remove_padding:
+        why = "padded sequences (model.use_remove_padding=false): it packs"
+    elif state.dims.pp > 1 or len(chunks) > 1:
+        why = "pipeline parallelism (its stages exchange micro-batches of one shape)"
+    elif cfg.router_replay != "disabled":
+        why = f"routing replay ({cfg.router_replay})"
+    else:
+        cores = [m for c in chunks for m in c.modules() if type(m).__name__.endswith("Attention")
+                 and hasattr(m, "core_attention")]
+        other = {type(m.core_attention).__name__ for m in cores if not isinstance(m.core_attention, SDPACoreAttention)}
+        if other:
+            why = f"the attention {sorted(other)} (only the SDPA core attention reads the shared layout)"
+    if why:
+        raise ValueError(f"model.share_prompt_prefix=true does not run with {why}; set it to false")
+

@@ -34,6 +34,8 @@ from rlhf_mcore.models.attention_ops import (
     packed_attention_flex,
     packed_attention_per_document,
     packed_attention_varlen,
+    shared_prefix_attention,
+    shared_prefix_layout,
     varlen_available,
 )
 
@@ -81,6 +83,11 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * head_dim)
 
     def _packed(self, query, key, value, params: PackedSeqParams, dropout_p: float) -> torch.Tensor:
+        layout = shared_prefix_layout(params)
+        if layout is not None:  # each prompt packed once for its responses (rlhf_mcore.engine.shared_prefix)
+            if dropout_p:
+                raise ValueError("shared-prompt packing (model.share_prompt_prefix) takes no attention dropout")
+            return shared_prefix_attention(query, key, value, layout, self.softmax_scale)
         cu = _packed_boundaries(params)
         max_len = max(params.max_seqlen_q or 0, params.max_seqlen_kv or 0)
         if (query.is_cuda and dropout_p == 0.0 and query.dtype in (torch.bfloat16, torch.float16) and max_len > 0

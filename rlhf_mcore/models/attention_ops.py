@@ -7,6 +7,7 @@ tokens with document offsets `cu_seqlens` (int32, [0, ..., T]). Key/value may ha
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -149,23 +150,26 @@ class _FlashVarlen(torch.autograd.Function):
     as they are (Flash Attention takes fewer key heads than query heads), the scale is an argument, and no
     Python-level custom-op dispatch runs per call — the wrapper `torch.nn.attention.varlen.varlen_attn`
     costs several times the kernel's own launch on the host, and in some torch versions repeats the key and
-    value heads for GQA."""
+    value heads for GQA. Query and key documents may differ (`cu_k`, `max_k`): a key document longer than its
+    query document is causal aligned at the bottom right (Flash Attention's rule)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen, scale):
+    def forward(ctx, q, k, v, cu, max_seqlen, scale, cu_k=None, max_k=None):
+        cu_k = cu if cu_k is None else cu_k
+        max_k = max_seqlen if max_k is None else max_k
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+            q, k, v, cu, cu_k, max_seqlen, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, cu_k, rng_state, unused)
+        ctx.max_seqlen, ctx.max_k, ctx.scale = max_seqlen, max_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu, cu_k, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, rng_state,
+            grad.contiguous(), q, k, v, out, lse, cu, cu_k, ctx.max_seqlen, ctx.max_k, 0.0, True, rng_state,
             unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def packed_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -205,3 +209,60 @@ def _packed_attention_varlen_wrapper(q, k, v, cu_seqlens, max_seqlen, scale):
         q = q * (scale * q.size(-1) ** 0.5)
     cu = cu_seqlens.to(torch.int32)
     return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared-prompt packing (rlhf_mcore.engine.shared_prefix): query documents and key/value documents differ
+
+
+SHARED_PREFIX_ATTR = "rlhf_shared_prefix"  # the PackedSeqParams attribute that carries a SharedPrefixLayout
+
+
+@dataclass
+class SharedPrefixLayout:
+    """How packed queries attend when a prompt is packed once for all its responses: query document d is the
+    packed tokens `cu_q[d]:cu_q[d+1]`; it attends to the packed tokens `kv_index[cu_kv[d]:cu_kv[d+1]]`, causal
+    aligned at the bottom right (query i of a document of nq sees its keys 0 .. i + nk - nq)."""
+
+    cu_q: torch.Tensor  # (D + 1,) int32
+    cu_kv: torch.Tensor  # (D + 1,) int32, offsets into the gathered keys
+    kv_index: torch.Tensor  # (Tkv,) int64: the packed token behind each gathered key/value
+    max_q: int
+    max_kv: int
+    positions: torch.Tensor  # (T,) int64: each packed token's RoPE position
+
+
+def shared_prefix_layout(packed_seq_params) -> Optional[SharedPrefixLayout]:
+    """The shared-prompt layout a PackedSeqParams carries, or None."""
+    return getattr(packed_seq_params, SHARED_PREFIX_ATTR, None) if packed_seq_params is not None else None
+
+
+def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SharedPrefixLayout,
+                            scale: float) -> torch.Tensor:
+    """q (T, np, hn), k/v (T, ng, hn) in packed order -> (T, np, hn). The keys and values are gathered per
+    document (a prompt's once per response: key heads are few, the copy is small), then Flash Attention over
+    (cu_q, cu_kv) on CUDA in bf16/fp16, or one SDPA call per document with its bottom-right causal mask."""
+    kg, vg = k.index_select(0, layout.kv_index), v.index_select(0, layout.kv_index)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _flash_ops() is not None:
+        return _FlashVarlen.apply(q.contiguous(), kg.contiguous(), vg.contiguous(), layout.cu_q, int(layout.max_q),
+                                  float(scale), layout.cu_kv, int(layout.max_kv))
+    bq = [int(x) for x in layout.cu_q.tolist()]
+    bk = [int(x) for x in layout.cu_kv.tolist()]
+    gqa = q.size(1) != k.size(1)
+    outs = []
+    for d in range(len(bq) - 1):
+        nq, nk = bq[d + 1] - bq[d], bk[d + 1] - bk[d]
+        if nq == 0:
+            continue
+        qs = q[bq[d]:bq[d + 1]].transpose(0, 1)  # (heads, nq, hn)
+        ks, vs = (x[bk[d]:bk[d + 1]].transpose(0, 1) for x in (kg, vg))  # (groups, nk, hn)
+        if nq == nk:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    out = torch.cat(outs) if outs else q.new_empty(q.shape)
+    if out.size(0) < q.size(0):  # tokens past the last document (none are built): zeros, never read
+        out = torch.cat([out, out.new_zeros(q.size(0) - out.size(0), *out.shape[1:])])
+    return out

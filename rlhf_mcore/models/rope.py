@@ -72,6 +72,9 @@ def install_rope(model, shape: ModelShape, device) -> None:
 # the result is the same arithmetic as Megatron's, bit for bit (tests/test_models.py).
 # ---------------------------------------------------------------------------------------------------------------
 
+# a cu_seqlens tensor may carry its tokens' positions under this attribute ((total,) int64), when they do not restart
+# at 0 in every document: shared-prompt packing (rlhf_mcore.engine.shared_prefix) places a response after its prompt
+POSITIONS_ATTR = "rlhf_positions"
 _PACKED_TABLES: tuple = (None, -1, None, 0, None, None)  # (cu_seqlens, its _version, freqs, total, dtype, (cos, sin))
 _MEGATRON_APPLY = None  # megatron.core.transformer.attention.apply_rotary_pos_emb before install_packed_rope
 
@@ -99,7 +102,10 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, d
     if c[0] is cu_seqlens and c[1] == cu_seqlens._version and c[2] is freqs and c[3] == total and c[4] == (
             dtype, mscale):
         return c[5]
-    f = freqs.index_select(0, packed_positions(cu_seqlens, total))  # (total, 1, 1, rot_dim)
+    positions = getattr(cu_seqlens, POSITIONS_ATTR, None)
+    if positions is None or positions.numel() != total:
+        positions = packed_positions(cu_seqlens, total)
+    f = freqs.index_select(0, positions)  # (total, 1, 1, rot_dim)
     tables = ((torch.cos(f) * mscale).to(dtype), (torch.sin(f) * mscale).to(dtype))
     _PACKED_TABLES = (cu_seqlens, cu_seqlens._version, freqs, total, (dtype, mscale), tables)
     return tables
@@ -112,7 +118,8 @@ def apply_rope_packed(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: 
     other cases (unpacked, fused RoPE, context parallelism, multi-latent attention, interleaved rotation) go to
     Megatron's function unchanged.
 
-    Positions restart at 0 in every document (how the engine packs). When `freqs` happens to be exactly as long
+    Positions restart at 0 in every document (how the engine packs), unless `cu_seqlens` carries its tokens'
+    positions (`POSITIONS_ATTR`, shared-prompt packing). When `freqs` happens to be exactly as long
     as the packed tensor (`max_seqlen` = total, as in the CUDA graphs' static shapes), Megatron's function would
     switch to positions in the packed tensor (its mode for per-token frequency tables); this engine never builds
     those, and shifting all of a document's positions by one offset leaves rotary attention scores unchanged, so
@@ -122,6 +129,9 @@ def apply_rope_packed(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: 
     total = t.size(0)
     if (cu_seqlens is None or cp_group is None or cp_group.size() != 1 or config.apply_rope_fusion
             or config.multi_latent_attention or config.rotary_interleaved or t.dim() != 3):
+        if cu_seqlens is not None and getattr(cu_seqlens, POSITIONS_ATTR, None) is not None:
+            raise ValueError("shared-prompt packing (model.share_prompt_prefix) needs the engine's packed RoPE: "
+                             "unfused RoPE, no context parallelism, no multi-latent attention, no interleaved rotation")
         return _MEGATRON_APPLY(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
     rot_dim = freqs.size(-1)
     x = t.unsqueeze(1)  # (total, 1, heads, dim): the bshd layout Megatron rotates

@@ -8,7 +8,8 @@ writes `<out>/results.json` (`{case: {...}}`) and tensors as `<out>/<case>.pt`; 
 
 Cases:
 - hf: transformers' log-softmax gather and entropy of the batch (the reference).
-- layout: log-probs/entropy (packed, padded, dynamic micro-batches), then 2 PPO updates on this rank's DP share
+- layout: log-probs/entropy (packed, padded, dynamic micro-batches; without PP also on a batch whose rows share
+  prompts, whole rows against shared-prompt packing), then 2 PPO updates on this rank's DP share
   (2 epochs of one mini-batch each; KL loss and entropy bonus on); exports the updated weights; checks
   replicated parameters are bitwise equal across TP ranks.
 - grads: packed vs padded gradients; 1×8 vs 8×1 vs token-budget micro-batches (gradients and the update).
@@ -138,6 +139,17 @@ def case_layout(model_dir, state, tmp):
     engine.cfg.use_remove_padding, engine.cfg.forward_use_dynamic_bsz, engine.cfg.forward_max_token_len = True, True, 30
     lp_dynamic, _ = engine.compute_log_probs(batch)
     engine.cfg.forward_use_dynamic_bsz = None
+    shared = {}
+    if state.dims.pp == 1:  # shared-prompt packing (no pipeline parallelism): rows 0-3 and 4-7 share a prompt
+        grouped = {k: v.clone() for k, v in batch.items()}
+        for first in (0, 4):
+            for col in ("input_ids", "attention_mask"):
+                grouped[col][first + 1:first + 4, :P] = grouped[col][first, :P]
+        grouped["position_ids"] = (grouped["attention_mask"].cumsum(1) - 1).clamp(min=0)
+        shared["log_probs_grouped"] = engine.compute_log_probs(grouped)[0].tolist()
+        engine.cfg.share_prompt_prefix = True
+        shared["log_probs_grouped_shared"] = engine.compute_log_probs(grouped)[0].tolist()
+        engine.cfg.share_prompt_prefix = False
     ref_engine = build(state, model_dir, actor_config(role="ref"), role="ref")
     lp_ref, ent_ref = ref_engine.compute_log_probs(batch)
     del ref_engine
@@ -155,7 +167,7 @@ def case_layout(model_dir, state, tmp):
             "log_probs_dynamic": lp_dynamic.tolist(), "ref_log_probs": lp_ref.tolist(),
             "ref_entropy_is_none": ent_ref is None, "metrics": metrics, "log_probs_after": lp_after.tolist(),
             "loss_before": loss_before, "loss_after": loss_after,
-            "tp_mismatched_params": tp_replicas_equal(engine, state)}, {"weights": weights}
+            "tp_mismatched_params": tp_replicas_equal(engine, state), **shared}, {"weights": weights}
 
 
 def _grads(engine) -> dict:
