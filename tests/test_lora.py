@@ -139,7 +139,9 @@ def test_llama_and_qwen3_adapters_use_pefts_names(env, tiny_model_dir, tmp_path,
 
 
 def test_reference_is_the_base_model_bitwise(env, actor):
-    """The reference of a LoRA run is the actor with its adapters off: bitwise a separately built base model.
+    """The reference of a LoRA run is the actor with its adapters off: bitwise a separately built base model
+    micro-batched as the actor's forward passes are (2 sequences: on some CPUs, e.g. AMD EPYC, a GEMM's rows round
+    differently with the number of rows, so 1-sequence micro-batches differed by 1e-6 there).
     Mutation: `adapters_disabled` leaves `enabled` True -> fails."""
     from rlhf_mcore.config import lora_enabled, reference_enabled
     from rlhf_mcore.engine import build_engine
@@ -151,7 +153,8 @@ def test_reference_is_the_base_model_bitwise(env, actor):
     ref = roles.build_reference(cfg, state, actor)
     assert isinstance(ref, roles.AdapterFreeReference)
     batch = make_batch()
-    base = build_engine(config(model_dir, "actor_rollout_ref.model.lora_rank=0"), state, role="ref")
+    base = build_engine(config(model_dir, "actor_rollout_ref.model.lora_rank=0",
+                               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"), state, role="ref")
     want, _ = base.compute_log_probs(batch)
     got, _ = ref.compute_log_probs(batch)
     assert torch.equal(got, want)
