@@ -151,6 +151,37 @@ def test_log_probs_and_the_update_equal_whole_rows(tiny_model_dir, state, dynami
     assert ratio == pytest.approx(shared_tokens / int(b["attention_mask"].sum()))
 
 
+def test_the_critics_values_and_update_equal_whole_rows(tiny_model_dir, state):
+    """`critic.model.share_prompt_prefix`: the value head's outputs at the rows that predict each response token (the
+    first one at the shared prompt's last token) equal the whole rows' within 2e-5, and so do the critic update's
+    loss (1e-5 relative) and gradient norm. Mutation: each response's rows shifted to its own tokens (the first
+    token's value read at the response's first token instead of the prompt's last) -> values off by 0.46."""
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.models import build_model
+
+    model_dir = tiny_model_dir(arch="qwen2", vocab=512, layers=2, hidden=64, heads=4, kv_heads=2,
+                               intermediate=128, init_std=0.02)
+    b = grouped_batch(4, 4, 512, seed=4)
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for shared in (False, True):
+        torch.manual_seed(0)
+        chunks = build_model(model_dir, state, role="critic", dtype=torch.float32)
+        engine = TrainEngine(chunks, state, EngineConfig(role="critic", micro_batch_size=8, mini_batch_size=16,
+                                                         share_prompt_prefix=shared), OptimConfig(lr=1e-2))
+        values = engine.compute_values(dict(b))
+        if not out:
+            returns = (values + torch.randn(values.shape, generator=g)) * b["response_mask"]
+        metrics = engine.update_critic({**b, "values": values, "returns": returns})
+        out[shared] = (values, metrics)
+    (v0, m0), (v1, m1) = out[False], out[True]
+    assert v0[b["response_mask"].bool()].abs().min() > 0  # real values
+    torch.testing.assert_close(v1, v0, rtol=0, atol=2e-5)
+    assert m1["critic/vf_loss"] == pytest.approx(m0["critic/vf_loss"], rel=1e-5)
+    assert m1["critic/grad_norm"] == pytest.approx(m0["critic/grad_norm"], rel=1e-5)
+
+
 def test_the_engine_refuses_what_the_layout_cannot_run(tiny_model_dir, state):
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
@@ -165,15 +196,29 @@ def test_the_engine_refuses_what_the_layout_cannot_run(tiny_model_dir, state):
 
 @pytest.mark.parametrize("extra, why", [
     (["actor_rollout_ref.model.use_remove_padding=false"], "padded sequences"),
+    (["actor_rollout_ref.ref.megatron.cuda_graphs=true"], "ref.megatron.cuda_graphs=true"),
+    (["actor_rollout_ref.actor.router_replay.mode=R2"], "router_replay.mode=R2"),
     (["actor_rollout_ref.actor.megatron.cuda_graphs=true"], "cuda_graphs=true"),
     (["actor_rollout_ref.actor.megatron.context_parallel_size=2"], "context parallelism"),
 ])
 def test_the_config_refuses_what_the_layout_cannot_run(extra, why):
     from rlhf_mcore.config import load_config
 
-    with pytest.raises(ValueError, match=f"share_prompt_prefix.*{why}"):
+    with pytest.raises(ValueError, match=f"actor_rollout_ref.model.share_prompt_prefix.*{why}"):
         load_config(None, ["actor_rollout_ref.model.path=/nonexistent",
                            "actor_rollout_ref.model.share_prompt_prefix=true", *extra])
+
+
+def test_the_config_refuses_the_critics_key_where_its_layout_cannot_run():
+    from rlhf_mcore.config import load_config
+
+    base = ["actor_rollout_ref.model.path=/nonexistent", "algorithm.adv_estimator=gae",
+            "critic.model.share_prompt_prefix=true"]
+    load_config(None, base)  # packed, no graphs: accepted
+    with pytest.raises(ValueError, match="critic.model.share_prompt_prefix.*padded sequences"):
+        load_config(None, [*base, "critic.model.use_remove_padding=false"])
+    with pytest.raises(ValueError, match="critic.model.share_prompt_prefix.*critic.megatron.cuda_graphs=true"):
+        load_config(None, [*base, "critic.megatron.cuda_graphs=true"])
 
 
 @pytest.mark.skipif(not CUDA, reason="Flash Attention over differing query and key documents needs CUDA")

@@ -23,6 +23,8 @@ class CriticModelConfig:
     dtype: Dtype = "auto"
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = True
+    # as actor_rollout_ref.model.share_prompt_prefix, for the critic's value and update passes (PPO with rollout.n > 1)
+    share_prompt_prefix: bool = False
     # LoRA of the value model's trunk, its head trained in full (0: full fine-tuning); veRL's keys
     lora_rank: int = checked(0, **LORA_RANK)
     lora_alpha: float = checked(16.0, **LORA_ALPHA)

@@ -100,20 +100,28 @@ def check_relations(cfg: RLConfig) -> None:
 
 
 def _check_shared_prefix(cfg: RLConfig, need) -> None:
-    """`model.share_prompt_prefix` runs in the engine's packed layout only (rlhf_mcore.engine.shared_prefix)."""
-    arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.model.share_prompt_prefix"
-    if not arr.model.share_prompt_prefix:
-        return
+    """`model.share_prompt_prefix` (the actor's and reference's; the critic's) runs in the engine's packed layout
+    only (rlhf_mcore.engine.shared_prefix)."""
+    arr = cfg.actor_rollout_ref
     m = arr.actor.megatron
-    why = ("padded sequences (model.use_remove_padding=false): it packs" if not arr.model.use_remove_padding else
-           "pipeline parallelism (its stages exchange micro-batches of one shape)"
-           if (m.pipeline_model_parallel_size or 1) > 1 or m.virtual_pipeline_model_parallel_size else
-           "context parallelism" if m.context_parallel_size > 1 else
-           "actor.megatron.cuda_graphs=true (each micro-batch has its own layout)" if m.cuda_graphs is True else
-           "ref.megatron.cuda_graphs=true (each micro-batch has its own layout)" if arr.ref.megatron.cuda_graphs is True
-           else f"actor.router_replay.mode={arr.actor.router_replay.mode}" if arr.actor.router_replay.mode != "disabled"
-           else None)
-    need(key, why is None, f"false with {why}")
+    layout = ("pipeline parallelism (its stages exchange micro-batches of one shape)"
+              if (m.pipeline_model_parallel_size or 1) > 1 or m.virtual_pipeline_model_parallel_size else
+              "context parallelism" if m.context_parallel_size > 1 else None)
+    if arr.model.share_prompt_prefix:
+        why = ("padded sequences (model.use_remove_padding=false): it packs" if not arr.model.use_remove_padding
+               else layout or
+               ("actor.megatron.cuda_graphs=true (each micro-batch has its own layout)" if m.cuda_graphs is True else
+                "ref.megatron.cuda_graphs=true (each micro-batch has its own layout)"
+                if arr.ref.megatron.cuda_graphs is True else
+                f"actor.router_replay.mode={arr.actor.router_replay.mode}"
+                if arr.actor.router_replay.mode != "disabled" else None))
+        need("actor_rollout_ref.model.share_prompt_prefix", why is None, f"false with {why}")
+    c = cfg.critic
+    if c.model.share_prompt_prefix and critic_enabled(cfg):
+        why = ("padded sequences (critic.model.use_remove_padding=false): it packs" if not c.model.use_remove_padding
+               else layout or ("critic.megatron.cuda_graphs=true (each micro-batch has its own layout)"
+                               if c.megatron.cuda_graphs is True else None))
+        need("critic.model.share_prompt_prefix", why is None, f"false with {why}")
 
 
 def rollout_records_routes(cfg: RLConfig) -> bool:

@@ -153,7 +153,8 @@ class EngineConfig:
             forward_micro_batch_size=getattr(critic, "forward_micro_batch_size_per_gpu", None),
             forward_max_token_len=getattr(critic, "forward_max_token_len_per_gpu", None),
             ppo_epochs=critic.ppo_epochs or actor.ppo_epochs, shuffle=actor.shuffle, seed=critic.megatron.seed,
-            use_remove_padding=critic.model.use_remove_padding, loss_agg_mode=critic.loss_agg_mode,
+            use_remove_padding=critic.model.use_remove_padding,
+            share_prompt_prefix=getattr(critic.model, "share_prompt_prefix", False), loss_agg_mode=critic.loss_agg_mode,
             cliprange_value=critic.cliprange_value, grad_clip=critic.grad_clip, cuda_graphs=critic.megatron.cuda_graphs)
 
     @classmethod
