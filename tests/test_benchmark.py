@@ -89,6 +89,38 @@ def test_profile_decode_json(outputs):
     assert res["decode_steps"] > 0 and res["decode_step_ms"] > 0 and res["bound_ms"] > 0
 
 
+def test_tune_decode_gemms_json(tmp_path):
+    """The decode-GEMM tuner (CPU: Triton's interpreter, no timing; its own process, since the interpreter is chosen
+    when the kernels are imported) checks every candidate against the fp32 product and runs the end-to-end generate
+    with its choice patched in and with the engine's own."""
+    out = tmp_path / "tune.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "tune_decode_gemms.py"), "--tiny", "--out",
+                           str(out)], cwd=ROOT, env=child_env(**QUIET, TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    res = json.loads(out.read_text())
+    per = res["rows"]["4"]
+    assert set(per) == {"o_proj", "down", "gate_up", "qkv"}
+    for name, r in per.items():
+        assert r["wrong"] == [], (name, r["wrong"])
+        assert all(err is None or err < 1e-5 for _, err in r["all"].values()), (name, r["all"])  # fp32 on CPU
+    e2e = res["e2e"]
+    assert e2e["batch"] == 4 and len(e2e["default"]["decode_step_ms"]) == len(e2e["tuned"]["decode_step_ms"]) == 2
+
+
+def test_tuner_never_chooses_a_wrong_or_failed_candidate():
+    """`best_of` takes the fastest candidate within the tolerance. Mutation run: the error filter dropped (the
+    0.5 us candidate with a 10% error is chosen)."""
+    import tune_decode_gemms as t
+
+    cands = {"default": {"ms": 0.0001, "err": None, "cfg": None},
+             "fast but wrong": {"ms": 0.0005, "err": 0.1, "cfg": {}},
+             "failed": {"ms": float("inf"), "err": None, "cfg": None},
+             "right": {"ms": 0.002, "err": 1e-3, "cfg": {"BLOCK_M": 64}},
+             "slower": {"ms": 0.003, "err": 0.0, "cfg": {"BLOCK_M": 128}}}
+    assert t.best_of(cands)[0] == "right"
+
+
 def test_mfu_json(outputs):
     res = outputs["mfu"]
     assert res["shape"] == "tiny" and res["params"] > 0 and res["layout"] == "packed"

@@ -1,0 +1,305 @@
+"""Tile configurations of the native engine's decode-step GEMMs, timed at given batch sizes on one GPU.
+
+    python launch/bench/tune_decode_gemms.py [--rows 256 512] [--vocab 8192] [--e2e-batch 512] [--out FILE.json]
+    python launch/bench/tune_decode_gemms.py --tiny     # CPU smoke run of the plumbing (no timing)
+
+For each layer GEMM of the Qwen2.5-0.5B decode step, with what consumes it:
+  - qkv: `qkv_rope_cache` (the projection, RoPE and the cache write in one kernel);
+  - o_proj and down_proj: `linear` (K-split fp32 partials allowed) + the `add_rms_norm` that sums them, against
+    cuBLAS (`F.linear`) + the same norm on its bf16 output;
+  - gate_up: `linear(silu_mul=True)` against cuBLAS + `silu_mul`;
+it times a grid of tile sizes, K splits, warps and stages (CUDA-graph replays, `triton.testing.do_bench_cudagraph`;
+programmatic dependent launch off, so each kernel is timed alone), checks every candidate against the fp32 product
+(a wrong configuration is reported and never chosen), and prints the fastest per shape and row count.
+
+Then, end to end: one generate at `--e2e-batch` rows (prompt 128, 256 new tokens, TRL's GRPO decode) with the
+engine's own choices and with the fastest found patched in (`triton_kernels.linear_config`, `qkv_rope_cache`'s
+tiles, and cuBLAS for o/down or gate_up where it won), each in a fresh engine, decode ms per step of both. What
+wins goes into `linear_config` / the row thresholds of `model.py` by hand, with the figures in BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_shapes import QWEN25_05B, TINY, git_commit, random_model_dir  # noqa: E402
+
+TOL = 2e-2  # max |candidate - fp32 product| / max |fp32 product| a bf16 GEMM must stay inside
+
+
+def _time_ms(fn, cuda: bool) -> float:
+    if not cuda:
+        fn()
+        return float("nan")
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20))
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def linear_grid(silu: bool, split_ok: bool, tiny: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) candidates."""
+    if tiny:
+        return [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)]
+    out = []
+    for bm, bn, bk, warps in itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8)):
+        if bm * bn >= 128 * 128 and warps == 4 or silu and bn == 128 and bm == 128:
+            continue  # register-starved or (silu: two accumulators) over the shared-memory budget
+        for split in ((1, 2) if split_ok else (1,)):
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                            num_stages=3 if silu or bk == 128 else 4))
+    return out
+
+
+def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool) -> dict:
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.rope import rope_tables
+
+    cuda = device.type == "cuda"
+    D, inter = shape["hidden_size"], shape["intermediate_size"]
+    H, Hkv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = D // H
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device=device, dtype=dtype)
+
+    w_o, w_down = rnd(D, H * hd, scale=0.02), rnd(D, inter, scale=0.02)
+    w_gu, w_qkv, b_qkv = rnd(2 * inter, D, scale=0.02), rnd((H + 2 * Hkv) * hd, D, scale=0.02), rnd((H + 2 * Hkv) * hd)
+    norm_w = rnd(D, scale=0.1) + 1
+    results: dict = {}
+    for rows in rows_list:
+        res = results[rows] = {}
+        resid = rnd(rows, D)
+        for name, w, k in (("o_proj", w_o, H * hd), ("down", w_down, inter)):
+            x = rnd(rows, k)
+            ref = x.float() @ w.float().T
+            cands = {}
+            for cfg in linear_grid(False, True, tiny):
+                label = "triton " + ",".join(f"{v}" for v in cfg.values())
+                try:
+                    out = tk.linear(x, w, allow_split=True, config=cfg)
+                    got = out.sum(0) if out.dim() == 3 else out
+                    err = _rel_err(got, ref)
+
+                    gemm = functools.partial(tk.linear, x, w, allow_split=True, config=cfg)
+                    cands[label] = {"ms": _time_ms(_then_norm(gemm, resid, norm_w), cuda), "err": err, "cfg": cfg}
+                except Exception as e:  # a tile the compiler refuses (shared memory, registers)
+                    cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+
+            cands["cublas"] = {"ms": _time_ms(_then_norm(functools.partial(F.linear, x, w), resid, norm_w), cuda),
+                               "err": _rel_err(F.linear(x, w), ref), "cfg": None}
+            default = functools.partial(tk.linear, x, w, allow_split=True)
+            cands["default"] = {"ms": _time_ms(_then_norm(default, resid, norm_w), cuda), "err": None,
+                                "cfg": tk.linear_config(rows, D, k, allow_split=True)}
+            res[name] = cands
+            _report(rows, name, cands)
+        x = rnd(rows, D)
+        ref = x.float() @ w_gu.float().T
+        ref = F.silu(ref[:, :inter]) * ref[:, inter:]
+        cands = {}
+        for cfg in linear_grid(True, False, tiny):
+            label = "triton " + ",".join(f"{v}" for v in cfg.values())
+            try:
+                err = _rel_err(tk.linear(x, w_gu, silu_mul=True, config=cfg), ref)
+                cands[label] = {"ms": _time_ms(functools.partial(tk.linear, x, w_gu, silu_mul=True, config=cfg), cuda),
+                                "err": err, "cfg": cfg}
+            except Exception as e:
+                cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+        cands["cublas"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda),
+                           "err": _rel_err(tk.silu_mul(F.linear(x, w_gu)), ref), "cfg": None}
+        res["gate_up"] = cands
+        _report(rows, "gate_up", cands)
+        # qkv + rope + cache write
+        max_len = 512
+        cos, sin = rope_tables(torch.full((hd // 2,), 1e-2, device=device), max_len, device, dtype)
+        k_cache = torch.zeros(rows + 1, max_len, Hkv, hd, device=device, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        positions = torch.randint(0, max_len, (rows,), generator=g).to(device)
+        slots = torch.arange(rows, device=device)
+        cands = {}
+        ref_q = None
+        for bm, bk, warps in itertools.product(*(((16,), (32,), (4,)) if tiny else ((32, 64, 128), (64, 128), (4, 8)))):
+            label = f"triton {bm},{bk},{warps}"
+            try:
+                q = tk.qkv_rope_cache(x, w_qkv, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv,
+                                      block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk == 128 else 4)
+                ref_q = q if ref_q is None else ref_q
+                err = _rel_err(q, ref_q.float())
+                cands[label] = {"ms": _time_ms(functools.partial(
+                    tk.qkv_rope_cache, x, w_qkv, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv,
+                    block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk == 128 else 4), cuda),
+                    "err": err, "cfg": dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk == 128 else 4)}
+            except Exception as e:
+                cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+        cands["default"] = {"ms": _time_ms(functools.partial(
+            tk.qkv_rope_cache, x, w_qkv, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv), cuda),
+            "err": None, "cfg": None}
+        res["qkv"] = cands
+        _report(rows, "qkv", cands)
+    return results
+
+
+def _report(rows: int, name: str, cands: dict) -> None:
+    label, best = best_of(cands)
+    print(f"[tune] rows {rows} {name}: best {best['ms'] * 1e3:.2f} us ({label}); default "
+          f"{cands.get('default', {}).get('ms', float('nan')) * 1e3:.2f} us; cublas "
+          f"{cands.get('cublas', {}).get('ms', float('nan')) * 1e3:.2f} us; {len(cands)} candidates", flush=True)
+
+
+def _then_norm(gemm, resid: torch.Tensor, norm_w: torch.Tensor):
+    """The GEMM and the add+norm that consumes its output (partials summed there), on a copy of `resid`."""
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    r = resid.clone()
+    return lambda: tk.add_rms_norm(r, gemm(), norm_w, 1e-6)
+
+
+def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    return tk.silu_mul(F.linear(x, w))
+
+
+def best_of(cands: dict) -> tuple[str, dict]:
+    ok = {k: v for k, v in cands.items() if k != "default" and v.get("err") is not None and v["err"] <= TOL}
+    return min(ok.items(), key=lambda kv: kv[1]["ms"])
+
+
+def e2e(shape: dict, batch: int, choice: dict | None, device, dtype, tmp: Path, tiny: bool) -> dict:
+    """One timed generate (after a warm-up one) in a fresh engine; `choice` (per GEMM: the best candidate at
+    this batch) patched in for its duration."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native import model as nm
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    prompt_len, new = (16, 8) if tiny else (128, 256)
+    saved = (tk.linear_config, tk.qkv_rope_cache, nm.FUSED_SILU_MAX_ROWS, nm.NativeModel._out_proj)
+    if choice:
+        by_nk = {}
+        D, inter, H = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+        hd = D // H
+        for name, n, k, silu in (("o_proj", D, H * hd, False), ("down", D, inter, False), ("gate_up", inter, D, True)):
+            label, c = choice[name]
+            if c["cfg"] is not None:
+                by_nk[(n, k, silu)] = c["cfg"]
+        orig_cfg, orig_qkv = tk.linear_config, tk.qkv_rope_cache
+
+        def linear_config(m, n, k, silu_mul=False, allow_split=False, dtype=torch.bfloat16, fp8_weight=False):
+            cfg = by_nk.get((n, k, silu_mul))
+            if cfg is None or m <= 64 or fp8_weight:
+                return orig_cfg(m, n, k, silu_mul, allow_split, dtype, fp8_weight)
+            return dict(cfg) if allow_split or cfg["SPLIT_K"] == 1 else {**cfg, "SPLIT_K": 1}
+        tk.linear_config = linear_config
+        qcfg = choice["qkv"][1]["cfg"]
+        if qcfg is not None:
+            tk.qkv_rope_cache = _qkv_with(orig_qkv, qcfg)
+        if choice["gate_up"][0] != "cublas":
+            nm.FUSED_SILU_MAX_ROWS = 1 << 30
+        if choice["o_proj"][0] == "cublas" and choice["down"][0] == "cublas":
+            orig_out = nm.NativeModel._out_proj
+
+            def out_proj(self, x, w, triton_gemms, i=0, name="o_proj"):
+                return orig_out(self, x, w, triton_gemms and x.shape[0] <= 64, i, name)
+            nm.NativeModel._out_proj = out_proj
+    try:
+        model_dir = tmp / "model"
+        if not (model_dir / "config.json").exists():
+            random_model_dir(shape, model_dir, device, dtype, seed=0)
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(10, shape["vocab_size"] - 10, (batch, prompt_len), generator=gen).tolist()
+        engine = NativeRolloutEngine(model_dir, device=device, max_num_seqs=batch, max_model_len=prompt_len + new + 8)
+        times = []
+        for seed in (1, 2, 3):
+            params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=seed)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.generate(prompts, params)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall, st = time.perf_counter() - t0, engine.last_stats
+            times.append((wall - st["prefill_s"]) / max(1, st["decode_steps"]) * 1e3)
+        engine.shutdown()
+        return {"decode_step_ms": times[1:], "warmup_ms": times[0]}
+    finally:
+        tk.linear_config, tk.qkv_rope_cache, nm.FUSED_SILU_MAX_ROWS, nm.NativeModel._out_proj = saved
+
+
+def _qkv_with(orig, cfg):
+    def qkv_rope_cache(*a, **kw):
+        if a[0].shape[0] > 64:
+            kw = {**cfg, **kw}
+        return orig(*a, **kw)
+    return qkv_rope_cache
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--rows", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--e2e-batch", type=int, default=512, help="0: skip the end-to-end generate")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["RLHF_MCORE_DECODE_PDL"] = "0"  # each kernel alone in the grid; the end-to-end runs put it back
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = {**(TINY if args.tiny else QWEN25_05B), "vocab_size": args.vocab}
+    rows = [4] if args.tiny else args.rows
+    t0 = time.perf_counter()
+    res = tune_shapes(shape, rows, device, dtype, args.tiny)
+    out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "torch": torch.__version__, "tune_s": round(time.perf_counter() - t0, 1), "rows": {}}
+    for r, per in res.items():
+        out["rows"][r] = {}
+        for name, cands in per.items():
+            label, best = best_of(cands)
+            d = cands.get("default", {}).get("ms")
+            cub = cands.get("cublas", {}).get("ms")
+            bad = [k for k, v in cands.items() if v.get("err") is not None and v["err"] > TOL]
+            out["rows"][r][name] = {"best": label, "best_ms": best["ms"], "best_cfg": best["cfg"], "default_ms": d,
+                                    "cublas_ms": cub, "wrong": bad,
+                                    "all": {k: (v["ms"], v.get("err")) for k, v in cands.items()}}
+            print(f"rows {r:4d} {name:8s} best {best['ms'] * 1e3:8.2f} us ({label})  default "
+                  f"{(d or float('nan')) * 1e3:8.2f} us  cublas {(cub or float('nan')) * 1e3:8.2f} us"
+                  + (f"  WRONG: {bad}" if bad else ""), flush=True)
+    if args.e2e_batch:
+        b = 4 if args.tiny else args.e2e_batch
+        r = min(out["rows"], key=lambda x: abs(int(x) - b))
+        choice = {name: (v["best"], {"cfg": v["best_cfg"]}) for name, v in out["rows"][r].items()}
+        os.environ["RLHF_MCORE_DECODE_PDL"] = "1"
+        with tempfile.TemporaryDirectory() as tmp:
+            base = e2e(shape, b, None, device, dtype, Path(tmp), args.tiny)
+            tuned = e2e(shape, b, choice, device, dtype, Path(tmp), args.tiny)
+            base2 = e2e(shape, b, None, device, dtype, Path(tmp), args.tiny)
+        out["e2e"] = {"batch": b, "tuned_at_rows": r, "default": base, "tuned": tuned, "default_again": base2}
+        print(f"end to end, batch {b}: decode step default {base['decode_step_ms']} ms, tuned {tuned['decode_step_ms']}"
+              f" ms, default again {base2['decode_step_ms']} ms", flush=True)
+    path = args.out or os.path.join(os.environ.get("OUT", "."), "tune_decode_gemms.json")
+    Path(path).write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
