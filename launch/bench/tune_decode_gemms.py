@@ -57,7 +57,7 @@ def linear_grid(silu: bool, split_ok: bool, tiny: bool):
     if tiny:
         return [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)]
     out = []
-    for bm, bn, bk, warps in itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8)):
+    for bm, bn, bk, warps in itertools.product((64, 128), (32, 64, 128), (64, 128) if silu else (64,), (4, 8)):
         if bm * bn >= 128 * 128 and warps == 4 or silu and bn == 128 and bm == 128:
             continue  # register-starved or (silu: two accumulators) over the shared-memory budget
         for split in ((1, 2) if split_ok else (1,)):
