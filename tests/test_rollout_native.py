@@ -486,6 +486,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
         part = tk.linear(xd, wdq, allow_split=True, config=cfg, w_scale=wds)
         torch.testing.assert_close(part.sum(0), xd @ (wdq.float() * wds).T, atol=1e-3, rtol=1e-4)
     _w8a16_decode_check(model_dir)
+    _out_proj_routing_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32) + cache write (head_dim 16: padded halves; 32).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
     for d in (16, 32):
@@ -577,6 +578,50 @@ def _w8a16_decode_check(model_dir: str) -> None:
         assert calls == {"quantize": 0, "linear": 3 * eng.spec.num_layers}, (rows, calls)
         want = plain.decode(tokens, positions, slots, twin, "torch", 32)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _out_proj_routing_check(model_dir: str) -> None:
+    """Above `TRITON_OUT_PROJ_MAX_ROWS` rows (lowered to 64 here) a fused decode step sends bf16 o_proj and down_proj to
+    cuBLAS and still equals the torch decode step (fp32, 1e-4); at or below it they stay on the Triton GEMMs, and FP8
+    weights ("w8a16") stay on them above it too (cuBLAS has no weight-only FP8 GEMM). Mutations: the row test dropped
+    (every bf16 product on cuBLAS) -> the 40-row count fails; FP8 weights routed by rows too -> `_w8a16_decode_check`'s
+    per-layer count at 70 rows fails (run under the lowered threshold below)."""
+    from rlhf_mcore.rollout.native import model as nm
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.model import KVCache, NativeModel
+
+    eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
+                              attention="torch", sampler="torch", cuda_graphs=False)
+    plain = NativeModel(eng.spec, eng.weights, 33, None, fused=False)
+    g = torch.Generator().manual_seed(7)
+    saved = nm.TRITON_OUT_PROJ_MAX_ROWS
+    nm.TRITON_OUT_PROJ_MAX_ROWS = 64
+    real = tk.linear
+    try:
+        for rows, want_calls in ((40, 3 * eng.spec.num_layers), (70, 0)):  # gate_up: silu*mul fused up to 64 rows
+            cache = KVCache.allocate(eng.spec.num_layers, 72, 33, eng.weights.kv_heads, eng.spec.head_dim, DEVICE,
+                                     torch.float32)
+            cache.k.normal_(generator=g)
+            cache.v.normal_(generator=g)
+            twin = KVCache(cache.k.clone(), cache.v.clone())
+            tokens = torch.randint(0, eng.spec.vocab_size, (rows,), generator=g)
+            positions = torch.randint(0, 31, (rows,), generator=g)
+            slots = torch.randperm(72, generator=g)[:rows]
+            calls = [0]
+
+            def counted(*a, calls=calls, **kw):
+                calls[0] += 1
+                return real(*a, **kw)
+            tk.linear = counted
+            got = eng.model.decode(tokens, positions, slots, cache, "torch", 32)
+            tk.linear = real
+            assert calls[0] == want_calls, (rows, calls)
+            torch.testing.assert_close(got, plain.decode(tokens, positions, slots, twin, "torch", 32), atol=1e-4,
+                                       rtol=1e-4)
+        _w8a16_decode_check(model_dir)  # FP8 weights at 70 rows: still three Triton GEMMs a layer
+    finally:
+        tk.linear = real
+        nm.TRITON_OUT_PROJ_MAX_ROWS = saved
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--triton-interpret":

@@ -127,7 +127,7 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool) ->
         _report(rows, "gate_up", cands)
         # qkv + rope + cache write
         max_len = 512
-        cos, sin = rope_tables(torch.full((hd // 2,), 1e-2, device=device), max_len, device, dtype)
+        cos, sin = rope_tables(torch.full((hd // 2,), 1e-2), max_len, device, dtype)
         k_cache = torch.zeros(rows + 1, max_len, Hkv, hd, device=device, dtype=dtype)
         v_cache = torch.zeros_like(k_cache)
         positions = torch.randint(0, max_len, (rows,), generator=g).to(device)

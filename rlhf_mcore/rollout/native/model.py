@@ -16,7 +16,8 @@ CUDA-graph decode step; with `fused=False` they are torch ops (CPU, and the refe
 transformers does. A fused decode step also runs its layer GEMMs as Triton kernels (cuBLAS stays for prefill and
 the LM head): the QKV GEMM does rope and the cache write in its epilogue, o_proj and down_proj split K over more
 programs and leave fp32 partials that the next add+norm sums (no separate reduce), and at small batches the
-gate_up GEMM applies silu*mul itself — 7 kernels a layer (8 above 64 rows), against 10 with cuBLAS.
+gate_up GEMM applies silu*mul itself — 7 kernels a layer (8 above 64 rows), against 10 with cuBLAS. Above 256 rows
+(`TRITON_OUT_PROJ_MAX_ROWS`) o_proj and down_proj go back to cuBLAS, which is faster there.
 
 Tensor parallelism: each rank holds its heads / MLP columns (see weights.py) and the outputs of o_proj and
 down_proj are summed over `tp_group` with one all-reduce each.
@@ -41,6 +42,11 @@ from .weights import LayerWeights, ModelWeights
 # Decode batches up to this many rows run gate_up with silu*mul in the GEMM's epilogue (Triton); larger ones use
 # cuBLAS and a separate silu*mul kernel, which measured faster at 256 rows (launch/bench/profile_decode.py).
 FUSED_SILU_MAX_ROWS = 64
+# Above this many rows o_proj and down_proj run on cuBLAS (their bf16 output summed by the add+norm) instead of the
+# Triton K-split GEMMs, whose tiles were chosen at 64-256 rows: at 512 rows (TRL's GRPO decode) cuBLAS took o_proj +
+# its add+norm 7.4 -> 6.4 us and down 17.0 -> 12.6 us, and the decode step 2.35 -> 2.22 ms on an H100; at 256 rows
+# the two are level (launch/bench/tune_decode_gemms.py, BENCHMARKS.md session 30). FP8 weights stay on Triton.
+TRITON_OUT_PROJ_MAX_ROWS = 256
 
 
 @dataclass
@@ -137,13 +143,14 @@ class NativeModel:
     def _out_proj(self, x: torch.Tensor, w: torch.Tensor, triton_gemms: bool, i: int = 0, name: str = "o_proj"
                   ) -> torch.Tensor:
         """x @ w.T for o_proj / down_proj, summed over TP ranks; the Triton GEMM may return K-split fp32
-        partials (S, N, D) for the following add+norm to sum (only without TP: the all-reduce wants the sum)."""
-        if not triton_gemms:
+        partials (S, N, D) for the following add+norm to sum (only without TP: the all-reduce wants the sum).
+        Above `TRITON_OUT_PROJ_MAX_ROWS` rows a bf16 weight goes to cuBLAS."""
+        wd, scale = self._decode_weight(i, name, w) if triton_gemms else (w, None)
+        if not triton_gemms or (scale is None and x.shape[0] > TRITON_OUT_PROJ_MAX_ROWS):
             return self._all_reduce(self._linear(i, name, x, w))
         from .triton_kernels import linear
 
-        w, scale = self._decode_weight(i, name, w)
-        return self._all_reduce(linear(x, w, allow_split=self.tp_size == 1, w_scale=scale))
+        return self._all_reduce(linear(x, wd, allow_split=self.tp_size == 1, w_scale=scale))
 
     def _split_rope(self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights):
         """Torch path: split qkv (N, ...) into rotated q (N, Hq, hd), rotated k and v (N, Hkv, hd)."""

@@ -663,7 +663,9 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and D == triton.next_power_of_2(D) and D >= 2
     fp32 = x.dtype == torch.float32
     bm = block_m or (64 if m > 32 else max(16, triton.next_power_of_2(m)))
-    bk = block_k or (32 if fp32 else 128)
+    # K blocks of 64 above 256 rows (bf16 weights): 10.4 -> 8.1 us at 512 rows on an H100, level at 256
+    # (launch/bench/tune_decode_gemms.py, BENCHMARKS.md session 30); FP8 codes keep 128-byte row loads
+    bk = block_k or (32 if fp32 else 64 if m > 256 and w_scale is None else 128)
     q_out = torch.empty(m, heads, D, dtype=x.dtype, device=x.device)
     qk_norm = q_norm is not None
     pdl = pdl_enabled()
