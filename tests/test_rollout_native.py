@@ -522,6 +522,21 @@ def _triton_interpret_checks(model_dir: str) -> None:
     print("ALL OK")
 
 
+def _decode_inputs(eng, rows: int, g: torch.Generator):
+    """A random fp32 cache of 72 slots x 33 positions and its twin (a copy for the reference), and `rows` random
+    tokens at positions < 31 in distinct slots, for one decode step of `eng`'s model."""
+    from rlhf_mcore.rollout.native.model import KVCache
+
+    cache = KVCache.allocate(eng.spec.num_layers, 72, 33, eng.weights.kv_heads, eng.spec.head_dim, DEVICE,
+                             torch.float32)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    twin = KVCache(cache.k.clone(), cache.v.clone())
+    tokens = torch.randint(0, eng.spec.vocab_size, (rows,), generator=g)
+    positions = torch.randint(0, 31, (rows,), generator=g)
+    return cache, twin, tokens, positions, torch.randperm(72, generator=g)[:rows]
+
+
 def _w8a16_decode_check(model_dir: str) -> None:
     """A fused decode step with FP8 weights read by the Triton GEMMs (fp8_decode="w8a16") equals the torch decode
     step of the same model whose qkv, o_proj, gate_up and down are the dequantized FP8 weights (fp32, 1e-4; qkv
@@ -537,7 +552,7 @@ def _w8a16_decode_check(model_dir: str) -> None:
     from rlhf_mcore.kernels import fp8 as kfp8
     from rlhf_mcore.rollout.native import fp8 as native_fp8
     from rlhf_mcore.rollout.native import triton_kernels as tk
-    from rlhf_mcore.rollout.native.model import KVCache, NativeModel
+    from rlhf_mcore.rollout.native.model import NativeModel
 
     native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
     eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
@@ -553,14 +568,7 @@ def _w8a16_decode_check(model_dir: str) -> None:
     plain = NativeModel(eng.spec, deq, 33, None, fused=False)
     g = torch.Generator().manual_seed(5)
     for rows in (3, 70):
-        cache = KVCache.allocate(eng.spec.num_layers, 72, 33, eng.weights.kv_heads, eng.spec.head_dim, DEVICE,
-                                 torch.float32)
-        cache.k.normal_(generator=g)
-        cache.v.normal_(generator=g)
-        twin = KVCache(cache.k.clone(), cache.v.clone())
-        tokens = torch.randint(0, eng.spec.vocab_size, (rows,), generator=g)
-        positions = torch.randint(0, 31, (rows,), generator=g)
-        slots = torch.randperm(72, generator=g)[:rows]
+        cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
         calls = {"quantize": 0, "linear": 0}
         real_q, real_l = kfp8.quantize_rows, tk.linear
 
@@ -588,7 +596,7 @@ def _out_proj_routing_check(model_dir: str) -> None:
     per-layer count at 70 rows fails (run under the lowered threshold below)."""
     from rlhf_mcore.rollout.native import model as nm
     from rlhf_mcore.rollout.native import triton_kernels as tk
-    from rlhf_mcore.rollout.native.model import KVCache, NativeModel
+    from rlhf_mcore.rollout.native.model import NativeModel
 
     eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
                               attention="torch", sampler="torch", cuda_graphs=False)
@@ -599,14 +607,7 @@ def _out_proj_routing_check(model_dir: str) -> None:
     real = tk.linear
     try:
         for rows, want_calls in ((40, 3 * eng.spec.num_layers), (70, 0)):  # gate_up: silu*mul fused up to 64 rows
-            cache = KVCache.allocate(eng.spec.num_layers, 72, 33, eng.weights.kv_heads, eng.spec.head_dim, DEVICE,
-                                     torch.float32)
-            cache.k.normal_(generator=g)
-            cache.v.normal_(generator=g)
-            twin = KVCache(cache.k.clone(), cache.v.clone())
-            tokens = torch.randint(0, eng.spec.vocab_size, (rows,), generator=g)
-            positions = torch.randint(0, 31, (rows,), generator=g)
-            slots = torch.randperm(72, generator=g)[:rows]
+            cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
             calls = [0]
 
             def counted(*a, calls=calls, **kw):
