@@ -61,6 +61,80 @@ def test_the_layout_packs_each_prompt_once_and_scores_every_response_token():
     assert first.tolist() == list(range(int(plen[0]))) + list(range(int(plen[0]), int(plen[0] + rlen[0])))
 
 
+def _loop_layout(ids: torch.Tensor, mask: torch.Tensor, R: int, pad_to: int) -> dict:
+    """The shared-prompt layout by a plain loop over groups and rows (the module's first implementation): the
+    reference for the vectorised builder."""
+    L = ids.shape[1]
+    groups: dict[tuple, list[int]] = {}
+    for b in range(ids.shape[0]):
+        groups.setdefault(tuple(ids[b, :L - R][mask[b, :L - R].bool()].tolist()), []).append(b)
+    out = {k: [] for k in ("tokens", "positions", "q_docs", "kv_docs", "kv_index", "rows", "labels", "grid")}
+    offset = 0
+    for prompt, g in groups.items():
+        P, at = len(prompt), offset
+        out["tokens"] += prompt
+        out["positions"] += range(P)
+        out["q_docs"].append(P)
+        out["kv_docs"].append(P)
+        out["kv_index"] += range(at, at + P)
+        offset += P
+        for b in g:
+            cols = [j for j in range(R) if mask[b, L - R + j]]
+            if not cols:
+                continue
+            n = len(cols)
+            resp = [int(ids[b, L - R + j]) for j in cols]
+            out["tokens"] += resp
+            out["positions"] += range(P, P + n)
+            out["q_docs"].append(n)
+            out["kv_docs"].append(P + n)
+            out["kv_index"] += [*range(at, at + P), *range(offset, offset + n)]
+            out["rows"] += [at + P - 1, *range(offset, offset + n - 1)]
+            out["labels"] += resp
+            out["grid"] += [b * R + j for j in cols]
+            offset += n
+    pad = -(-max(offset, 1) // pad_to) * pad_to - offset
+    if pad:
+        out["tokens"] += [0] * pad
+        out["positions"] += range(pad)
+        out["q_docs"].append(pad)
+        out["kv_docs"].append(pad)
+        out["kv_index"] += range(offset, offset + pad)
+    out["num_tokens"] = offset
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_vectorised_layout_equals_a_loop_over_rows(seed):
+    """The builder (whole-array numpy) against `_loop_layout` on batches with shuffled rows (a group's rows apart),
+    empty responses, gaps inside responses and padding to a multiple of 8: every index map equal.
+
+    Mutations (each run once, each fails here): the first response token predicted by the token before it in the
+    packing instead of the prompt's last (the `rows[...] = prompt_at + P - 1` line dropped); a response's keys
+    without its prompt (the prompt piece's length 0 for responses); positions restarting at 0 for responses."""
+    from rlhf_mcore.engine.shared_prefix import build_shared_prefix_inputs
+    from rlhf_mcore.models.attention_ops import shared_prefix_layout
+
+    b = grouped_batch(5, 4, 60, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(20, generator=g)
+    ids, mask = b["input_ids"][order].clone(), b["attention_mask"][order].clone()
+    mask[3, P + 1] = 0  # a gap inside a response
+    ids[3, P + 1] = 0
+    ref = _loop_layout(ids, mask, R, 8)
+    inp = build_shared_prefix_inputs(ids, mask, R, pad_to_multiple_of=8)
+    layout = shared_prefix_layout(inp.packed_seq_params)
+    got = {"tokens": inp.input_ids[0], "positions": inp.position_ids[0], "q_docs": layout.cu_q.diff(),
+           "kv_docs": layout.cu_kv.diff(), "kv_index": layout.kv_index, "rows": inp.rows, "labels": inp.labels,
+           "grid": inp.grid_index}
+    for k, v in got.items():
+        assert v.tolist() == list(ref[k]), k
+    padded = len(ref["tokens"]) > ref["num_tokens"]
+    assert inp.num_tokens == ref["num_tokens"] and inp.seqlens == ref["q_docs"][:len(ref["q_docs"]) - padded]
+    assert torch.equal(layout.positions, inp.position_ids[0])
+    assert layout.max_q == max(ref["q_docs"]) and layout.max_kv == max(ref["kv_docs"])
+
+
 def test_an_empty_prompt_is_refused():
     from rlhf_mcore.engine.shared_prefix import build_shared_prefix_inputs
 

@@ -122,14 +122,17 @@ def make_micro_batches(batch: dict, plan: list[list[int]], *, keys: tuple[str, .
     elif uniform_shape:
         pad_length = max(natural_length([int(lengths[i]) for i in rows], packed, pad_to_multiple_of) for rows in plan)
         pad_rows = 0 if packed else max(len(rows) for rows in plan)
+    if share_prompt_prefix:  # the layout is computed on the host: read the batch back once, not per micro-batch
+        ids_h, mask_h = batch["input_ids"].cpu().numpy(), batch["attention_mask"].cpu().numpy()
     out = []
     for rows in plan:
         index = torch.as_tensor(rows, dtype=torch.long, device=device)
-        ids = batch["input_ids"].index_select(0, index)
         mask = batch["attention_mask"].index_select(0, index)
         if share_prompt_prefix:
-            inputs = build_shared_prefix_inputs(ids, mask, R, pad_to_multiple_of=pad_to_multiple_of)
+            inputs = build_shared_prefix_inputs(torch.from_numpy(ids_h[rows]), torch.from_numpy(mask_h[rows]), R,
+                                                pad_to_multiple_of=pad_to_multiple_of, device=device)
         else:
+            ids = batch["input_ids"].index_select(0, index)
             inputs = build_model_inputs(ids, mask, R, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
                                         explicit_mask=explicit_mask, pad_to_length=pad_length, pad_to_rows=pad_rows,
                                         pad_docs_to=pad_docs, static_max_seqlen=max_seqlen)
