@@ -105,7 +105,7 @@ def test_tune_decode_gemms_json(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     res = json.loads(out.read_text())
     per = res["rows"]["4"]
-    assert set(per) == {"o_proj", "down", "gate_up", "qkv"}
+    assert set(per) == {"o_proj", "down", "gate_up", "qkv", "attention"}
     for name, r in per.items():
         assert r["wrong"] == [], (name, r["wrong"])
         assert all(err is None or err < 1e-5 for _, err in r["all"].values()), (name, r["all"])  # fp32 on CPU

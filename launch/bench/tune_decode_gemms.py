@@ -3,19 +3,21 @@
     python launch/bench/tune_decode_gemms.py [--rows 256 512] [--vocab 8192] [--e2e-batch 512] [--out FILE.json]
     python launch/bench/tune_decode_gemms.py --tiny     # CPU smoke run of the plumbing (no timing)
 
-For each layer GEMM of the Qwen2.5-0.5B decode step, with what consumes it:
+For each layer GEMM of the Qwen2.5-0.5B decode step, with what consumes it, and its attention:
   - qkv: `qkv_rope_cache` (the projection, RoPE and the cache write in one kernel);
   - o_proj and down_proj: `linear` (K-split fp32 partials allowed) + the `add_rms_norm` that sums them, against
     cuBLAS (`F.linear`) + the same norm on its bf16 output;
   - gate_up: `linear(silu_mul=True)` against cuBLAS + `silu_mul`;
+  - attention: `decode_attention` over contexts of 128-384 tokens, by keys a block, warps, stages and splits;
 it times a grid of tile sizes, K splits, warps and stages (CUDA-graph replays, `triton.testing.do_bench_cudagraph`;
 programmatic dependent launch off, so each kernel is timed alone), checks every candidate against the fp32 product
 (a wrong configuration is reported and never chosen), and prints the fastest per shape and row count.
 
 Then, end to end: one generate at `--e2e-batch` rows (prompt 128, 256 new tokens, TRL's GRPO decode) with the
 engine's own choices and with the fastest found patched in (`triton_kernels.linear_config`, `qkv_rope_cache`'s
-tiles, and cuBLAS for o/down or gate_up where it won), each in a fresh engine, decode ms per step of both. What
-wins goes into `linear_config` / the row thresholds of `model.py` by hand, with the figures in BENCHMARKS.md.
+tiles, the attention's `attention_config` and splits, and cuBLAS for o/down or gate_up where it won), each in a
+fresh engine, decode ms per step of both. What wins goes into `linear_config`, `attention_config` / the row
+thresholds of `model.py` by hand, with the figures in BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -152,7 +154,50 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool) ->
             "err": None, "cfg": None}
         res["qkv"] = cands
         _report(rows, "qkv", cands)
+        res["attention"] = tune_attention(rows, H, Hkv, hd, rnd, device, tiny)
+        _report(rows, "attention", res["attention"])
     return results
+
+
+def attention_grid(tiny: bool):
+    """(BLOCK_N, num_warps, num_stages, splits) candidates of the decode attention."""
+    if tiny:
+        return [(16, 4, 2, 1), (16, 4, 2, 2)]
+    return list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2)))
+
+
+def tune_attention(rows: int, H: int, Hkv: int, hd: int, rnd, device, tiny: bool) -> dict:
+    """`decode_attention` over a cache like TRL's GRPO decode (contexts of 128 + 0..256 tokens, one slot a row),
+    each candidate checked against the fp32 reference."""
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.attention import decode_attention_torch
+
+    cuda = device.type == "cuda"
+    max_len = 24 if tiny else 392
+    k_cache, v_cache = rnd(rows + 1, max_len, Hkv, hd), rnd(rows + 1, max_len, Hkv, hd)
+    q = rnd(rows, H, hd)
+    g = torch.Generator().manual_seed(1)
+    lo = max_len // 3
+    lens = torch.randint(lo, max_len + 1, (rows,), generator=g).to(device)
+    slots = torch.randperm(rows, generator=g).to(device)
+    scale = hd ** -0.5
+    ref = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), slots, lens, scale, max_len)
+    cands = {}
+    for bn, warps, stages, splits in attention_grid(tiny):
+        cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        label = f"triton {bn},{warps},{stages},{splits}"
+        try:
+            err = _rel_err(tk.decode_attention(q, k_cache, v_cache, slots, lens, scale, splits, config=cfg), ref)
+            cands[label] = {"ms": _time_ms(functools.partial(tk.decode_attention, q, k_cache, v_cache, slots, lens,
+                                                             scale, splits, config=cfg), cuda),
+                            "err": err, "cfg": {**cfg, "splits": splits}}
+        except Exception as e:  # a tile the compiler refuses
+            cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+    splits = tk.num_splits_for(rows, Hkv, max_len, hd)
+    cands["default"] = {"ms": _time_ms(functools.partial(tk.decode_attention, q, k_cache, v_cache, slots, lens, scale,
+                                                         splits), cuda),
+                        "err": None, "cfg": {**tk.attention_config(rows, hd), "splits": splits}}
+    return cands
 
 
 def _report(rows: int, name: str, cands: dict) -> None:
@@ -190,7 +235,8 @@ def e2e(shape: dict, batch: int, choice: dict | None, device, dtype, tmp: Path, 
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
     prompt_len, new = (16, 8) if tiny else (128, 256)
-    saved = (tk.linear_config, tk.qkv_rope_cache, nm.FUSED_SILU_MAX_ROWS, nm.NativeModel._out_proj)
+    saved = (tk.linear_config, tk.qkv_rope_cache, nm.FUSED_SILU_MAX_ROWS, nm.NativeModel._out_proj,
+             tk.attention_config, tk.num_splits_for)
     if choice:
         by_nk = {}
         D, inter, H = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
@@ -218,6 +264,12 @@ def e2e(shape: dict, batch: int, choice: dict | None, device, dtype, tmp: Path, 
             def out_proj(self, x, w, triton_gemms, i=0, name="o_proj"):
                 return orig_out(self, x, w, triton_gemms and x.shape[0] <= 64, i, name)
             nm.NativeModel._out_proj = out_proj
+        acfg = choice.get("attention", (None, {"cfg": None}))[1]["cfg"]
+        if acfg is not None:
+            orig_attn, orig_splits = tk.attention_config, tk.num_splits_for
+            tk.attention_config = lambda rows, hd: (orig_attn(rows, hd) if rows <= 64 else
+                                                    {k: v for k, v in acfg.items() if k != "splits"})
+            tk.num_splits_for = lambda b, *a, **kw: orig_splits(b, *a, **kw) if b <= 64 else acfg["splits"]
     try:
         model_dir = tmp / "model"
         if not (model_dir / "config.json").exists():
@@ -239,7 +291,8 @@ def e2e(shape: dict, batch: int, choice: dict | None, device, dtype, tmp: Path, 
         engine.shutdown()
         return {"decode_step_ms": times[1:], "warmup_ms": times[0]}
     finally:
-        tk.linear_config, tk.qkv_rope_cache, nm.FUSED_SILU_MAX_ROWS, nm.NativeModel._out_proj = saved
+        (tk.linear_config, tk.qkv_rope_cache, nm.FUSED_SILU_MAX_ROWS, nm.NativeModel._out_proj, tk.attention_config,
+         tk.num_splits_for) = saved
 
 
 def _qkv_with(orig, cfg):

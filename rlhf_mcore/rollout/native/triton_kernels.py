@@ -299,13 +299,20 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int, head_dim: int = 64) 
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 16)
 
 
+def attention_config(rows: int, head_dim: int) -> dict:
+    """Keys a block, warps and pipeline stages of the decode attention's split kernel (`_block_n`; Triton's
+    default warps and stages)."""
+    return dict(BLOCK_N=_block_n(head_dim, rows), num_warps=4, num_stages=3)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     seq_lens: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
+                     config: dict | None = None) -> torch.Tensor:
     """Attention of one new query per sequence over its cached keys/values.
 
     q (B, Hq, D); k_cache, v_cache (S, L, Hkv, D) (one layer, slot-major); slots, seq_lens (B,) int;
-    returns (B, Hq, D) in q's dtype. Keys at positions >= seq_lens[b] are ignored.
+    returns (B, Hq, D) in q's dtype. Keys at positions >= seq_lens[b] are ignored. `config`: the split kernel's
+    BLOCK_N, num_warps and num_stages (default `attention_config`; launch/bench/tune_decode_gemms.py times others).
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -313,7 +320,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert D == triton.next_power_of_2(D) and D >= 16, f"head_dim={D} must be a power of two >= 16"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1
     block_g = max(16, triton.next_power_of_2(G))
-    block_n = _block_n(D, B)
+    cfg = dict(config or attention_config(B, D))
+    block_n = cfg.pop("BLOCK_N")
     nsplit = num_splits
     if out is None:
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
@@ -327,7 +335,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D, IEEE=q.dtype == torch.float32, PDL=pdl,
-        **_launch(pdl))
+        **cfg, **_launch(pdl))
     if nsplit > 1:
         _attn_combine_kernel[(B, Hkv)](po, pm, pl, out, out.stride(0), out.stride(1), G=G, NSPLIT=nsplit,
                                        BLOCK_G=block_g, D=D, PDL=pdl, **_launch(pdl))
