@@ -113,6 +113,25 @@ def test_tune_decode_gemms_json(tmp_path):
     assert e2e["batch"] == 4 and len(e2e["default"]["decode_step_ms"]) == len(e2e["tuned"]["decode_step_ms"]) == 2
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason=
+    "on a GPU machine the kernels are timed compiled (launch/bench/bench_layer_kernels.py, BENCHMARKS.md); the "
+    "interpreter of the triton that torch 2.11 ships cannot run loops bounded by a program id")
+def test_layer_kernels_json(tmp_path):
+    """bench_layer_kernels (CPU: Triton's interpreter, its own process): each fused kernel's output and gradients
+    agree with the eager op's (fp32) and both were timed."""
+    out = tmp_path / "layer_kernels.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "bench_layer_kernels.py"), "--tiny",
+                           "--out", str(out)], cwd=ROOT, env=child_env(**QUIET, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    res = json.loads(out.read_text())
+    assert set(res["cases"]) == {"rms_norm", "swiglu"}
+    for name, c in res["cases"].items():
+        assert c["max_rel_diff"] < 1e-5, (name, c)
+        assert c["fused_ms"] > 0 and c["eager_ms"] > 0
+
+
 def test_tuner_never_chooses_a_wrong_or_failed_candidate():
     """`best_of` takes the fastest candidate within the tolerance. Mutation run: the error filter dropped (the
     0.5 us candidate with a 10% error is chosen)."""
