@@ -1,4 +1,4 @@
-"""Fused element-wise parts of a transformer layer for the train engine (Triton): SwiGLU, packed RoPE, RMSNorm.
+"""Fused element-wise parts of a transformer layer for the train engine (Triton): SwiGLU and packed RoPE.
 
 Without Transformer Engine, Megatron's local layer runs these as chains of small eager kernels: SwiGLU is a
 chunk, a SiLU and a multiply forward, and a SiLU backward, two multiplies and a concatenation backward; the
@@ -13,11 +13,8 @@ last bit; fp32 inputs agree with the references to rounding).
                            x (T, H, D), cos/sin (T, D): x * cos + rotate_half(x) * sin, rotate_half(x) =
                            cat(-x[..., D/2:], x[..., :D/2])  (the reference: `rope_reference`; Megatron's
                            non-interleaved rotation over the whole head dimension)
-    rms_norm(x, w, eps)    x (..., D) * rsqrt(mean(x^2) + eps) * w  (the reference: `rms_norm_reference`, torch's
-                           RMSNorm; the backward computes dx and the weight gradient's per-program partial sums in
-                           one pass, where torch runs a second kernel over x and dy for the weight)
 
-All three are `torch.autograd.Function`s. Triton runs on CUDA tensors, or on CPU tensors under the Triton
+Both are `torch.autograd.Function`s. Triton runs on CUDA tensors, or on CPU tensors under the Triton
 interpreter (`TRITON_INTERPRET=1` set before this module is imported; slow, for tests).
 """
 from __future__ import annotations
@@ -32,16 +29,10 @@ try:
 except ImportError:  # the module still imports; calling a kernel raises a clear error
     triton = None
 
-__all__ = ["swiglu", "swiglu_reference", "rope_rotate", "rope_reference", "rope_supported", "rms_norm",
-           "rms_norm_reference", "triton_available"]
+__all__ = ["swiglu", "swiglu_reference", "rope_rotate", "rope_reference", "rope_supported", "triton_available"]
 
 # Columns one SwiGLU program handles (a power of two).
 BLOCK_F = 1024
-# RMSNorm: a program's tile holds about this many elements (rows x the padded width), and the backward runs at most
-# this many programs a streaming multiprocessor (each loops over row blocks and keeps one fp32 row of the weight's
-# gradient)
-NORM_TILE = 4096
-NORM_PROGRAMS_PER_SM = 4
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -64,11 +55,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) rotated by per-token cos/sin (T, D), eagerly (Megatron's `_apply_rotary_pos_emb_bshd`)."""
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch's RMSNorm over the last dimension (what Megatron's local spec runs, `torch.nn.RMSNorm`)."""
-    return torch.nn.functional.rms_norm(x, (x.size(-1),), weight, eps)
 
 
 def rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -130,43 +116,6 @@ if triton is not None:
         tl.store(out_ptr + base, o1.to(out_ptr.dtype.element_ty), mask=hmask)
         tl.store(out_ptr + base + HALF, o2.to(out_ptr.dtype.element_ty), mask=hmask)
 
-    @triton.jit
-    def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_D)
-        mask = (rows < N)[:, None] & (cols < D)[None, :]
-        offs = rows[:, None] * D + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)  # (ROWS,)
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        y = x * rstd[:, None] * w[None, :]
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(rstd_ptr + rows, rstd, mask=rows < N)
-
-    @triton.jit
-    def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, N, D, ROWS: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-        """dx = rstd * (w*dy - xhat * mean(w*dy*xhat)), xhat = x*rstd, for row blocks pid, pid + P, ... (P programs);
-        dw_part[pid] = the sum over those rows of dy*xhat (the caller sums the P partials)."""
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_D], tl.float32)
-        for r0 in range(pid * ROWS, N, tl.num_programs(0) * ROWS):
-            rows = r0 + tl.arange(0, ROWS).to(tl.int64)
-            mask = (rows < N)[:, None] & cmask[None, :]
-            offs = rows[:, None] * D + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=rows < N, other=0.0)
-            xhat = x * rstd[:, None]
-            g = dy * w[None, :]
-            c = tl.sum(g * xhat, 1) / D  # (ROWS,)
-            dx = rstd[:, None] * (g - xhat * c[:, None])
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * xhat, 0)
-        tl.store(dw_part_ptr + pid * D + cols, dw, mask=cmask)
 
 def _check_runnable(t: torch.Tensor, what: str) -> None:
     if triton is None:
@@ -242,52 +191,3 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         raise ValueError(f"rope_rotate takes x (T, H, D) with D/2 a power of two and cos/sin (T, D); got x "
                          f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)} (use rope_reference).")
     return _RopeRotate.apply(x, cos, sin)
-
-
-def _norm_launch(d: int) -> dict:
-    block = triton.next_power_of_2(d)
-    return dict(ROWS=max(1, min(16, NORM_TILE // block)), BLOCK_D=block, num_warps=8 if block >= 4096 else 4)
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        shape = x.shape
-        x2 = x.contiguous().view(-1, shape[-1])
-        n, d = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
-        launch = _norm_launch(d)
-        if n:
-            _rms_fwd_kernel[(triton.cdiv(n, launch["ROWS"]),)](x2, weight, y, rstd, n, d, eps, **launch)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = shape
-        return y.view(shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        n, d = x2.shape
-        dy2 = dy.contiguous().view(n, d)
-        dx = torch.empty_like(x2)
-        launch = _norm_launch(d)
-        programs = max(1, min(triton.cdiv(n, launch["ROWS"]), NORM_PROGRAMS_PER_SM * _num_sms(x2.device)))
-        part = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
-        if n:
-            _rms_bwd_kernel[(programs,)](dy2, x2, weight, rstd, dx, part, n, d, **launch)
-        dw = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)
-        return dx.view(ctx.shape), dw, None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., D) * rsqrt(mean(x^2, -1) + eps) * weight (D,), one kernel each way (fp32 inside, x's dtype out);
-    gradients to x and to the weight."""
-    _check_runnable(x, "rms_norm")
-    if weight.dim() != 1 or weight.numel() != x.size(-1):
-        raise ValueError(f"rms_norm takes a weight of the last dimension's size; got x {tuple(x.shape)}, weight "
-                         f"{tuple(weight.shape)} (use rms_norm_reference)")
-    return _RMSNorm.apply(x, weight, float(eps))

@@ -61,7 +61,7 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
     dtype None: bf16 on GPU, fp32 on CPU.
     attention_backend: see `layer_specs.BACKENDS`. config_overrides: extra `TransformerConfig` fields
     (e.g. recompute_granularity). load_weights=False leaves Megatron's random initialisation.
-    fused_kernels: SwiGLU, packed RoPE and RMSNorm as fused Triton kernels (`fused_layers`); None: on for CUDA models
+    fused_kernels: SwiGLU and packed RoPE as fused Triton kernels (`fused_layers`); None: on for CUDA models
     on the "sdpa" backend when triton is installed.
     lora: a `lora.LoraSpec` (None: no adapters): adapters on the base weights once loaded, everything else frozen
     (see `rlhf_mcore.models.lora.apply_lora`; `lora_seed` seeds their initialisation).
@@ -102,7 +102,7 @@ def build_model(hf_dir, state, *, role: str = "actor", dtype: Optional[torch.dty
         raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec: the local spec's torch "
                          f"RMSNorm refuses it (attention backend here: {backend!r}). Turn sequence parallelism off "
                          "or install Transformer Engine.")
-    spec = layer_spec(shape, backend, fused_kernels=bool(fused_kernels))
+    spec = layer_spec(shape, backend, fused_swiglu=bool(fused_kernels))
     install_packed_rope()
     model_cls, extra = GPTModel, {}
     if vision is not None:

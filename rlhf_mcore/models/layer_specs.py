@@ -41,11 +41,10 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def layer_spec(shape: ModelShape, backend: str = "auto", fused_kernels: bool = False):
-    """The `ModuleSpec` of one transformer layer for this model family and backend. fused_kernels (the "sdpa"
+def layer_spec(shape: ModelShape, backend: str = "auto", fused_swiglu: bool = False):
+    """The `ModuleSpec` of one transformer layer for this model family and backend. fused_swiglu (the "sdpa"
     backend only): the MLP's activation is `fused_layers.FusedSwiGLU` (the config then needs
-    `use_te_activation_func=True`, which makes Megatron's MLP call a module activation) and the two layer norms
-    `fused_layers.FusedRMSNorm`."""
+    `use_te_activation_func=True`, which makes Megatron's MLP call a module activation)."""
     backend = resolve_backend(backend)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -60,10 +59,8 @@ def layer_spec(shape: ModelShape, backend: str = "auto", fused_kernels: bool = F
 
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if fused_kernels:
-        from rlhf_mcore.models.fused_layers import FusedRMSNorm, FusedSwiGLU
+    if fused_swiglu:
+        from rlhf_mcore.models.fused_layers import FusedSwiGLU
 
         spec.submodules.mlp.submodules.activation_func = FusedSwiGLU
-        spec.submodules.input_layernorm = FusedRMSNorm
-        spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     return spec
