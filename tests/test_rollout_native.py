@@ -487,6 +487,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
         torch.testing.assert_close(part.sum(0), xd @ (wdq.float() * wds).T, atol=1e-3, rtol=1e-4)
     _w8a16_decode_check(model_dir)
     _out_proj_routing_check(model_dir)
+    _shared_prompt_reads_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32) + cache write (head_dim 16: padded halves; 32).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
     for d in (16, 32):
@@ -520,6 +521,20 @@ def _triton_interpret_checks(model_dir: str) -> None:
         for sa, sb in zip(a.samples, b.samples):
             torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-4, rtol=0)
     print("ALL OK")
+
+
+def test_rows_whose_source_slot_left_read_one_live_members_slot():
+    """`retarget_sources`: a group whose shared source slot is no longer any live row's own slot moves, all of it, to
+    its first live member's slot; groups with a live source stay. Mutation: each row sent to its own slot (the
+    group no longer reads one copy) -> fails."""
+    import numpy as np
+
+    from rlhf_mcore.rollout.native.engine import retarget_sources
+
+    src = np.array([8, 8, 3, 7, 7, 5])
+    own = np.array([2, 9, 3, 7, 4, 5])  # slot 8 left; 7, 3 and 5 are live rows' own slots
+    assert retarget_sources(src, own).tolist() == [2, 2, 3, 7, 7, 5]
+    assert retarget_sources(src[:0], own[:0]).tolist() == []
 
 
 def _decode_inputs(eng, rows: int, g: torch.Generator):
@@ -623,6 +638,67 @@ def _out_proj_routing_check(model_dir: str) -> None:
     finally:
         tk.linear = real
         nm.TRITON_OUT_PROJ_MAX_ROWS = saved
+
+
+def _shared_prompt_reads_check(model_dir: str) -> None:
+    """The rows of one prefilled prompt read its keys/values from one slot (`engine.SHARE_PROMPT_READS`).
+
+    Kernel: each row's own slot holds garbage below its shared length and the source slot garbage above it; the
+    attention equals the reference over the true values (1 and 2 splits). Engine: 6 prompts x 4 samples through 5
+    slots, the model's 3 most frequent tokens as stop tokens, so rows leave early, sources are retargeted and freed
+    slots are prefilled again while their groups still decode; tokens and log-probs are bit for bit those with every
+    row reading its own slot.
+    Mutations (each run once, each fails here): the kernel ignoring `shared` (the own slot's garbage is read); `<=`
+    for `<` on the shared length (one garbage key); the engine skipping the retarget (rows read a freed slot after
+    another prompt was prefilled into it)."""
+    from rlhf_mcore.rollout.native import engine as eng_mod
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.attention import decode_attention_torch
+
+    g = torch.Generator().manual_seed(11)
+    S, L, hkv, d, hq = 6, 40, 2, 16, 8
+    true_k, true_v = torch.randn(S, L, hkv, d, generator=g), torch.randn(S, L, hkv, d, generator=g)
+    slots, src = torch.tensor([1, 2, 4]), torch.tensor([5, 5, 4])
+    shared, lens = torch.tensor([20, 20, 0]), torch.tensor([33, 20, 17])
+    for s_, n in zip(slots.tolist(), shared.tolist()):  # the source's copy of the prompt is the row's own
+        true_k[s_, :n], true_v[s_, :n] = true_k[5, :n], true_v[5, :n]
+    kc, vc = true_k.clone(), true_v.clone()
+    kc[1:3, :20], vc[1:3, :20] = 1e3, -1e3  # the rows' own copies: garbage where they read the source
+    kc[5, 20:], vc[5, 20:] = -1e3, 1e3  # the source beyond the shared length: garbage
+    q = torch.randn(3, hq, d, generator=g)
+    ref = decode_attention_torch(q, true_k, true_v, slots, lens, d ** -0.5, L)
+    for splits in (1, 2):
+        torch.testing.assert_close(tk.decode_attention(q, kc, vc, slots, lens, d ** -0.5, splits, shared=(src, shared)),
+                                   ref, atol=1e-5, rtol=1e-5)
+    # the engine, with and without shared reads
+    prompts = make_prompts(6, seed=5, lengths=(6, 14))
+    probe = NativeRolloutEngine(model_dir, max_num_seqs=12, max_model_len=32, device=DEVICE).generate(
+        prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=2, stop_token_ids=()))
+    common = torch.tensor([t for o in probe for s_ in o.samples for t in s_.token_ids]).bincount().argsort(
+        descending=True)[:3]  # the model's most frequent tokens as stop tokens: rows finish at many lengths
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=2, stop_token_ids=tuple(common.tolist()))
+    real, retargets = eng_mod.retarget_sources, [0]
+
+    def counted(src_, own):
+        out = real(src_, own)
+        retargets[0] += int((out != src_).any())
+        return out
+    outs = {}
+    try:
+        eng_mod.retarget_sources = counted
+        for on in (True, False):
+            eng_mod.SHARE_PROMPT_READS = on
+            engine = NativeRolloutEngine(model_dir, max_num_seqs=5, max_model_len=32, attention="triton",
+                                         sampler="triton", fused_kernels=True, device=DEVICE)
+            outs[on] = engine.generate(prompts, params)
+    finally:
+        eng_mod.SHARE_PROMPT_READS, eng_mod.retarget_sources = True, real
+    lengths = {len(s.token_ids) for o in outs[True] for s in o.samples}
+    assert len(lengths) > 2 and retargets[0] > 0, (lengths, retargets)  # rows left early; sources moved
+    assert tokens(outs[True]) == tokens(outs[False])
+    for a, b in zip(outs[True], outs[False]):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.logprobs == sb.logprobs
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--triton-interpret":

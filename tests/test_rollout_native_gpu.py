@@ -250,6 +250,27 @@ def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatc
     assert outs["1"] == outs["0"], "programmatic dependent launch changed the samples"
 
 
+def test_shared_prompt_reads_change_no_bit_on_the_gpu(gpu_model_dirs, monkeypatch):
+    """GRPO's layout on the GPU (bf16, CUDA graphs, Triton attention): 16 prompts x 8 samples through 64 slots, the
+    rows of one prefilled prompt reading it from one slot (`engine.SHARE_PROMPT_READS`, the default) against every
+    row reading its own copy: tokens and log-probs bit for bit (the copies hold the same values; a mismatch is a row
+    reading a slot that no longer holds its prompt). The interpreter test (`_shared_prompt_reads_check`) has the
+    mutations."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native import engine as eng_mod
+
+    prompts = make_prompts(16, 900)
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=40, seed=5, stop_token_ids=(7, 11, 13))
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(eng_mod, "SHARE_PROMPT_READS", on)
+        engine = eng_mod.NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=64,
+                                             max_model_len=128)
+        outs[on] = [[(s.token_ids, s.logprobs) for s in o.samples] for o in engine.generate(prompts, params)]
+        engine.shutdown()
+    assert outs[True] == outs[False], "reading a group's prompt from one slot changed the samples"
+
+
 def test_decode_step_in_flight_on_cuda(gpu_model_dirs):
     """The engine's CUDA path of one decode step in flight (page-locked double buffers, events, finished rows'
     tokens copied back behind the next step): bf16, CUDA graphs, rows reaching their caps at different steps, then

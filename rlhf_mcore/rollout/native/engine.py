@@ -95,6 +95,8 @@ class _Seq:
     limit: int            # cap on the response length, prefix included
     slot: int = -1
     reused: int = 0       # leading tokens whose keys/values its slot already held at admission
+    src_slot: int = -1    # the slot its decode attention reads the first `shared_len` keys/values from
+    shared_len: int = 0   # (SHARE_PROMPT_READS: a prompt prefilled once for several rows)
 
 
 @dataclass
@@ -133,6 +135,25 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+# The rows of one prefilled prompt (a request's samples) read the prompt's keys and values from one slot in the Triton
+# decode attention, not each from its own copy (the same values: the prefill wrote them to every slot), so a group's
+# rows, decoded side by side, read one set of addresses (L2) instead of n. A row whose source slot was freed reads
+# from another live row of its group (`retarget_sources`). Tests turn it off for the reference run.
+SHARE_PROMPT_READS = True
+
+
+def retarget_sources(src: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Each row's source slot after rows left: a row whose source is no longer any live row's own slot takes, with
+    the rest of its group (the rows that had that source), the own slot of the group's first live row. src, own:
+    (b,) int, the live rows' source and own slots."""
+    live = set(own.tolist())
+    out = src.copy()
+    for s in set(src.tolist()) - live:
+        members = np.flatnonzero(src == s)
+        out[members] = own[members[0]]
+    return out
 
 
 def _round_up(x: int, m: int) -> int:
@@ -274,6 +295,7 @@ class NativeRolloutEngine(RolloutEngine):
         self.r_key, self.r_step, self.r_limit = z(torch.int64), z(torch.int64), z(torch.int64)
         self.r_inv_temp, self.r_greedy = z(torch.float32), z(torch.bool)
         self.r_done = z(torch.bool)
+        self.r_src, self.r_shared = z(torch.int64), z(torch.int64)  # decode attention: (source slot, its keys)
         self.stop_ids = torch.full((_MAX_STOP_IDS,), -1, dtype=torch.int64, device=dev)
         # Per-slot responses: token and log-prob of every generated step (+1 column of slack for clamping).
         self.resp_tokens = torch.zeros(n + 1, self.max_model_len + 1, dtype=torch.int64, device=dev)
@@ -295,7 +317,7 @@ class NativeRolloutEngine(RolloutEngine):
                                           dtype=route_dtype(spec.num_experts), device=dev)
         self._splits_cache: dict[int, int] = {}
         self._row_buffers = (self.r_tokens, self.r_pos, self.r_slot, self.r_key, self.r_step, self.r_limit,
-                             self.r_inv_temp, self.r_greedy, self.r_done)
+                             self.r_inv_temp, self.r_greedy, self.r_done, self.r_src, self.r_shared)
 
     def _load_checkpoint(self) -> None:
         """The model directory's safetensors into the weights; what does not fit config.json is the user's problem
@@ -483,6 +505,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._row_pos = np.zeros(self.max_num_seqs, dtype=np.int64)  # host mirror of r_pos
         self._row_step = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_step after the steps launched
         self._row_limit = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_limit
+        self._row_src = np.zeros(self.max_num_seqs, dtype=np.int64)  # ... of r_src
         self._inflight = None
         self._collecting: list[_Collecting] = []
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))
@@ -763,6 +786,15 @@ class NativeRolloutEngine(RolloutEngine):
                 finished.append((seq, seq.n_prefix + 1))
             else:
                 keep.append((seq, first))
+        # the keys/values of a fresh input are the same in every slot it was written to: its kept rows read them from
+        # the first one's (SHARE_PROMPT_READS)
+        p_of = {id(s): p for s, p in zip(admitted, p_idx)}
+        source: dict[int, int] = {}
+        for seq, _ in keep:
+            p = p_of[id(seq)]
+            shared = SHARE_PROMPT_READS and not seq.reused
+            seq.src_slot = source.setdefault(p, seq.slot) if shared else seq.slot
+            seq.shared_len = lengths[p] if shared else 0
         if keep:
             self._append_rows(keep)
         return finished
@@ -817,15 +849,18 @@ class NativeRolloutEngine(RolloutEngine):
         # next decode step samples random-stream step (and writes buffer column) n_prefix + 1
         pos = [len(s.tokens) for s, _ in new]
         ints = torch.tensor([[f for _, f in new], pos, [s.slot for s, _ in new], [s.key for s, _ in new],
-                             [s.n_prefix + 1 for s, _ in new], [s.limit for s, _ in new]],
-                            dtype=torch.int64, device=self.device)  # (6, n): one host->device copy
+                             [s.n_prefix + 1 for s, _ in new], [s.limit for s, _ in new],
+                             [s.src_slot if s.src_slot >= 0 else s.slot for s, _ in new],
+                             [s.shared_len for s, _ in new]],
+                            dtype=torch.int64, device=self.device)  # (8, n): one host->device copy
         (self.r_tokens[sl], self.r_pos[sl], self.r_slot[sl], self.r_key[sl], self.r_step[sl],
-         self.r_limit[sl]) = ints
+         self.r_limit[sl], self.r_src[sl], self.r_shared[sl]) = ints
         inv, greedy = self._temperature_rows(n)
         self.r_inv_temp[sl], self.r_greedy[sl], self.r_done[sl] = inv, greedy, False
         self._row_pos[b0:b0 + n] = pos
         self._row_step[b0:b0 + n] = [s.n_prefix + 1 for s, _ in new]
         self._row_limit[b0:b0 + n] = [s.limit for s, _ in new]
+        self._row_src[b0:b0 + n] = [s.src_slot if s.src_slot >= 0 else s.slot for s, _ in new]
         self._rows.extend(s for s, _ in new)
 
     # ----------------------------------------------------------------------------------------------- decode
@@ -837,13 +872,16 @@ class NativeRolloutEngine(RolloutEngine):
             self.r_step[b:bb] = 0
             self.r_tokens[b:bb] = 0
             self.r_limit[b:bb] = 1 << 30
+            self.r_src[b:bb] = self.scratch_slot
+            self.r_shared[b:bb] = 0
 
     def _decode_step(self, bb: int, attn_len: int, num_splits: int) -> None:
         """One decode step on rows [0, bb): everything here is captured into the CUDA graph."""
         slots, steps = self.r_slot[:bb], self.r_step[:bb]
         self._start_routes()
+        shared = (self.r_src[:bb], self.r_shared[:bb]) if SHARE_PROMPT_READS else None
         logits = self.model.decode(self.r_tokens[:bb], self.r_pos[:bb], slots, self.cache, self.attention,
-                                   attn_len, num_splits)
+                                   attn_len, num_splits, shared=shared)
         self._keep_routes(slots, self.r_pos[:bb])  # the fed tokens' positions (advanced below)
         tok, lp = self._sample(logits, self.r_key[:bb], steps, self.r_inv_temp[:bb], self.r_greedy[:bb])
         if self.fused_kernels:
@@ -926,9 +964,14 @@ class NativeRolloutEngine(RolloutEngine):
             idx = self._to_device(keep)
             for buf in self._row_buffers:
                 buf[:len(keep)] = buf[:b].index_select(0, idx)
-            for mirror in (self._row_pos, self._row_step, self._row_limit):
+            for mirror in (self._row_pos, self._row_step, self._row_limit, self._row_src):
                 mirror[:len(keep)] = mirror[keep]
         self._rows = [self._rows[i] for i in keep]
+        n = len(keep)
+        src = retarget_sources(self._row_src[:n], np.array([s.slot for s in self._rows], dtype=np.int64))
+        if n and not np.array_equal(src, self._row_src[:n]):  # a group's source slot left: another member's
+            self._row_src[:n] = src
+            self.r_src[:n] = self._to_device(src.tolist())
         return finished
 
     def _drain(self) -> None:

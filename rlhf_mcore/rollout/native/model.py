@@ -212,11 +212,14 @@ class NativeModel:
         return F.linear(h.index_select(0, layout.last_token), self.w.lm_head)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-               attention: str, attn_len: int = 0, num_splits: int = 1) -> torch.Tensor:
+               attention: str, attn_len: int = 0, num_splits: int = 1,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step. tokens, positions, slots (B,); returns logits (B, V).
 
         attention: "triton" (flash-decoding kernel, reads each sequence's own length) or "torch" (reads cache
-        positions [0, attn_len) for every row; attn_len >= max(positions) + 1).
+        positions [0, attn_len) for every row; attn_len >= max(positions) + 1). `shared` (src, lens) (B,): row b's
+        first lens[b] keys/values are read from slot src[b], which holds the same ones (`decode_attention`; the torch
+        path reads the row's own copy).
         """
         seq_lens = positions + 1
         b = tokens.shape[0]
@@ -238,7 +241,8 @@ class NativeModel:
             if attention == "triton":
                 from .triton_kernels import decode_attention
 
-                out = decode_attention(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, num_splits)
+                out = decode_attention(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, num_splits,
+                                       shared=shared)
             else:
                 out = decode_attention_torch(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, attn_len)
             return out.reshape(b, self.q_size)

@@ -207,16 +207,22 @@ def advance_rows(tok, lp, slots, pos, steps, limit, in_tokens, done, stop_ids, r
 
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, sm_scale,
-                       stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr,
+                       sm_scale, stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
                        stride_ob, stride_oh, G: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SRC: tl.constexpr,
+                       PDL: tl.constexpr):
+    """HAS_SRC: row b reads its first shared[b] keys/values from slot src[b] (which holds the same ones: a prompt
+    prefilled once for several rows), the rest from its own slot."""
     _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     seqlen = tl.load(lens_ptr + b).to(tl.int32)
+    if HAS_SRC:
+        src = tl.load(src_ptr + b).to(tl.int64)
+        shared = tl.load(shared_ptr + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seqlen, NSPLIT), BLOCK_N) * BLOCK_N
     start = sp * chunk
     end = tl.minimum(start + chunk, seqlen)
@@ -233,7 +239,14 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, po_ptr, pm_ptr,
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=nmask[:, None], other=0.0)  # (BLOCK_N, D)
+        if HAS_SRC:  # each key's slot: the shared one below `shared`, the row's own above
+            s_n = tl.where(n < shared, src, slot)[:, None]
+            k_rows = k_ptr + s_n * stride_ks + kvh * stride_kh + n[:, None] * stride_kl
+            v_rows = v_ptr + s_n * stride_vs + kvh * stride_vh + n[:, None] * stride_vl
+        else:
+            k_rows = k_base + n[:, None] * stride_kl
+            v_rows = v_base + n[:, None] * stride_vl
+        k = tl.load(k_rows + d[None, :], mask=nmask[:, None], other=0.0)  # (BLOCK_N, D)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -243,7 +256,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, po_ptr, pm_ptr,
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(v_rows + d[None, :], mask=nmask[:, None], other=0.0)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -307,12 +320,16 @@ def attention_config(rows: int, head_dim: int) -> dict:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """Attention of one new query per sequence over its cached keys/values.
 
     q (B, Hq, D); k_cache, v_cache (S, L, Hkv, D) (one layer, slot-major); slots, seq_lens (B,) int;
     returns (B, Hq, D) in q's dtype. Keys at positions >= seq_lens[b] are ignored. `config`: the split kernel's
     BLOCK_N, num_warps and num_stages (default `attention_config`; launch/bench/tune_decode_gemms.py times others).
+    `shared` (src, lens), (B,) int each: row b reads positions < lens[b] from slot src[b] instead of its own, which
+    must hold the same keys and values there (the engine's rows of one prefilled prompt all read one copy of it, so
+    the copies of a group's rows, read together, are one set of addresses in L2 instead of n).
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -330,12 +347,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pm = torch.empty(B * Hkv * parts * block_g if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pdl = pdl_enabled()
+    src, shared_lens = shared if shared is not None else (slots, seq_lens)
     _attn_split_kernel[(B, Hkv, nsplit)](
-        q, k_cache, v_cache, slots, seq_lens, po, pm, pl, out, sm_scale,
+        q, k_cache, v_cache, slots, seq_lens, src, shared_lens, po, pm, pl, out, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D, IEEE=q.dtype == torch.float32, PDL=pdl,
-        **cfg, **_launch(pdl))
+        G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D, IEEE=q.dtype == torch.float32,
+        HAS_SRC=shared is not None, PDL=pdl, **cfg, **_launch(pdl))
     if nsplit > 1:
         _attn_combine_kernel[(B, Hkv)](po, pm, pl, out, out.stride(0), out.stride(1), G=G, NSPLIT=nsplit,
                                        BLOCK_G=block_g, D=D, PDL=pdl, **_launch(pdl))
