@@ -50,7 +50,7 @@ def outputs(tmp_path_factory):
                         "--out", out + "/trl_no_gc.json"])
         bench_packed_attention.main(["--tiny", "--reps", "2", "--out", out + "/packed_attention.json"])
         bench_rollout.main(["--tiny", "--batches", "4", "--out", out + "/rollout.json"])
-        profile_decode.main(["--tiny", "--vocab", "512", "--out", out + "/profile_decode.json"])
+        profile_decode.main(["--tiny", "--vocab", "512", "--samples", "2", "--out", out + "/profile_decode.json"])
         bench_lora_linear.main(["--shape", "tiny", "--tokens", "32", "--warmup", "0", "--reps", "1",
                                 "--out", out + "/lora_linear.json"])
     """)
@@ -88,6 +88,7 @@ def test_profile_decode_json(outputs):
     res = outputs["profile_decode"]
     assert res["vocab_size"] == 512
     assert res["decode_steps"] > 0 and res["decode_step_ms"] > 0 and res["bound_ms"] > 0
+    assert res["samples"] == 2 and res["batch"] == 4 and res["shared_prompt_reads"] is True  # 2 prompts x 2 samples
 
 
 @pytest.mark.skipif(

@@ -3,6 +3,9 @@
     python launch/bench/profile_decode.py [--batch 256] [--prompt-len 256] [--new-tokens 256] [--vocab N]
                                           [--out FILE.json]
     python launch/bench/profile_decode.py --batch 512 --prompt-len 128 --vocab 8192   # TRL's GRPO workload's decode
+    python launch/bench/profile_decode.py --batch 512 --samples 8 --prompt-len 128 --vocab 8192 [--own-slot-reads]
+                                          # the same with GRPO's 8 samples a prompt (64 prompts), each group's rows
+                                          # reading the prompt from one slot (engine.SHARE_PROMPT_READS) or not
     python launch/bench/profile_decode.py --tiny          # CPU smoke run (no CUDA: wall times only)
 
 Builds the Qwen2.5-0.5B-shaped random model of bench_rollout.py, warms the engine up at full length (every CUDA graph
@@ -94,6 +97,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--samples", type=int, default=1, help="samples a prompt (GRPO's n): batch / samples prompts")
+    p.add_argument("--own-slot-reads", action="store_true",
+                   help="every row reads its prompt from its own slot (engine.SHARE_PROMPT_READS off)")
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary size of the 0.5B shape (default its 151,936; TRL's GRPO workload uses 8,192)")
     p.add_argument("--profile-tokens", type=int, default=32, help="tokens generated under the profiler")
@@ -102,7 +108,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native import engine as engine_mod
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    engine_mod.SHARE_PROMPT_READS = not args.own_slot_reads
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -114,8 +123,11 @@ def main(argv=None) -> dict:
         shape = {**shape, "vocab_size": args.vocab}
     if args.tiny:
         args.batch, args.prompt_len, args.new_tokens, args.profile_tokens = 4, 16, 8, 4
+    if args.batch % args.samples:
+        raise SystemExit(f"--batch {args.batch} is not a multiple of --samples {args.samples}")
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, shape["vocab_size"] - 10, (args.batch, args.prompt_len), generator=gen).tolist()
+    prompts = torch.randint(10, shape["vocab_size"] - 10, (args.batch // args.samples, args.prompt_len),
+                            generator=gen).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = random_model_dir(shape, Path(tmp) / "model", device, dtype, seed=0)
         engine = NativeRolloutEngine(model_dir, device=device, max_num_seqs=args.batch,
@@ -123,7 +135,7 @@ def main(argv=None) -> dict:
                                      cuda_graphs=False if args.eager else None)
 
         def run(n_new: int, seed: int):
-            params = SamplingParams(temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=seed)
+            params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=seed)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -137,7 +149,8 @@ def main(argv=None) -> dict:
         steps = max(1, stats["decode_steps"])
         step_ms = (wall - stats["prefill_s"]) / steps * 1e3
         out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "torch": torch.__version__, "batch": args.batch, "prompt_len": args.prompt_len,
+               "torch": torch.__version__, "batch": args.batch, "samples": args.samples,
+               "shared_prompt_reads": engine_mod.SHARE_PROMPT_READS, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens,
                "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"],
                "cuda_graphs": engine.use_graphs, "wall_s": wall,
