@@ -385,6 +385,35 @@ def test_phase_busy_takes_the_union_of_the_kernels_inside_each_phase():
     assert abs(got["a"]["busy_s"] - 0.4) < 1e-9 and abs(got["b"]["busy_s"] - 0.5) < 1e-9, got
 
 
+def test_the_benchmark_times_the_rule_scorer_without_draining_the_device(monkeypatch):
+    """bench_ppo_step.BenchHooks wraps every timed call; the rule scorer, which the streaming rollout calls between
+    decode steps while one is in flight, must not synchronise the device (that idled the GPU at every finished
+    batch of a GRPO step), while the model phases keep their two synchronisations. Mutation: the scorer wrapped
+    with the default `sync=True` fails it (2 synchronisations per call)."""
+    from types import SimpleNamespace
+
+    import bench_ppo_step
+
+    syncs = []
+    monkeypatch.setattr(bench_ppo_step, "_sync", lambda: syncs.append(1))
+    calls = []
+
+    def method(name):
+        return lambda *a, **kw: calls.append(name) or name
+
+    def part(*names):
+        return SimpleNamespace(**{n: method(n) for n in names})
+
+    parts = SimpleNamespace(rollout=part("generate", "wake", "sleep"), scorer=part("score"),
+                            actor=part("compute_log_probs", "update_policy", "offload", "onload"),
+                            ref=None, critic=None)
+    hooks = bench_ppo_step.BenchHooks(parts, profile_step=None)
+    assert parts.scorer.score([]) == "score" and syncs == [], syncs
+    assert "rollout/reward" in hooks.sub
+    parts.actor.update_policy()
+    assert len(syncs) == 2 and calls == ["score", "update_policy"], (syncs, calls)
+
+
 def test_phase_busy_splits_the_waits_for_the_host_by_length():
     """phase_busy's idle time split into waits under 1 ms (launch-bound) and longer ones (syncs, host work), counting
     the phase's lead-in and tail. Mutations: the tail left out (long_idle_s 0.4 short), the threshold compared the

@@ -122,22 +122,27 @@ def _sync():
 SPANS: list[tuple[str, float, float]] = []  # every timed call: (phase, perf_counter start, end), for phase_busy
 
 
-def timed(obj, method: str, key: str, sink: dict) -> None:
-    """Replace `obj.method` by a wrapper adding its wall time (device-synchronised) to `sink[key]` (and its
-    interval to `SPANS`)."""
+def timed(obj, method: str, key: str, sink: dict, sync: bool = True) -> None:
+    """Replace `obj.method` by a wrapper adding its wall time (device-synchronised unless `sync=False`) to
+    `sink[key]` (and its interval to `SPANS`). `sync=False` for host-only work called inside another timed phase:
+    the rule scorer, which the streaming rollout calls between decode steps while a step is in flight; a
+    synchronisation there drained the engine's queue at every finished batch (~29 times a GRPO step), idling the
+    GPU during the host work the in-flight step exists to hide, which the trainer without the benchmark never
+    does."""
     fn = getattr(obj, method)
+    wait = _sync if sync else (lambda: None)
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         from torch.profiler import record_function
 
-        _sync()
+        wait()
         t0 = time.perf_counter()
         try:
             with record_function(PHASE_PREFIX + key):  # a profiled step's per-phase device busy (phase_busy)
                 return fn(*a, **kw)
         finally:
-            _sync()
+            wait()
             t1 = time.perf_counter()
             sink[key] = sink.get(key, 0.0) + t1 - t0
             SPANS.append((key, t0, t1))
@@ -325,7 +330,7 @@ class BenchHooks:
             timed(parts.rollout, "generate", "rollout/generate", s)
         timed(parts.rollout, "wake", "rollout/wake_sleep", s)
         timed(parts.rollout, "sleep", "rollout/wake_sleep", s)
-        timed(parts.scorer, "score", "rollout/reward", s)
+        timed(parts.scorer, "score", "rollout/reward", s, sync=False)  # host work, inside the generation
         timed(parts.actor, "compute_log_probs", "old_log_prob", s)
         timed(parts.actor, "update_policy", "actor_update", s)
         for e in (parts.actor, parts.ref, parts.critic):
