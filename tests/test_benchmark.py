@@ -407,11 +407,19 @@ def test_the_benchmark_times_the_rule_scorer_without_draining_the_device(monkeyp
     parts = SimpleNamespace(rollout=part("generate", "wake", "sleep"), scorer=part("score"),
                             actor=part("compute_log_probs", "update_policy", "offload", "onload"),
                             ref=None, critic=None)
+    from rlhf_mcore.trainer import colocated
+
+    originals = colocated.compose, colocated.rows_to_batch, colocated.generate_and_score
     hooks = bench_ppo_step.BenchHooks(parts, profile_step=None)
-    assert parts.scorer.score([]) == "score" and syncs == [], syncs
-    assert "rollout/reward" in hooks.sub
-    parts.actor.update_policy()
-    assert len(syncs) == 2 and calls == ["score", "update_policy"], (syncs, calls)
+    try:
+        assert parts.scorer.score([]) == "score" and syncs == [], syncs
+        assert "rollout/reward" in hooks.sub
+        parts.actor.update_policy()
+        assert len(syncs) == 2 and calls == ["score", "update_policy"], (syncs, calls)
+        assert colocated.compose is not originals[0]  # the generation phase's host parts are timed too
+    finally:
+        hooks.close()
+    assert (colocated.compose, colocated.rows_to_batch, colocated.generate_and_score) == originals
 
 
 def test_phase_busy_splits_the_waits_for_the_host_by_length():

@@ -122,13 +122,13 @@ def _sync():
 SPANS: list[tuple[str, float, float]] = []  # every timed call: (phase, perf_counter start, end), for phase_busy
 
 
-def timed(obj, method: str, key: str, sink: dict, sync: bool = True) -> None:
+def timed(obj, method: str, key: str, sink: dict, sync: bool = True):
     """Replace `obj.method` by a wrapper adding its wall time (device-synchronised unless `sync=False`) to
     `sink[key]` (and its interval to `SPANS`). `sync=False` for host-only work called inside another timed phase:
     the rule scorer, which the streaming rollout calls between decode steps while a step is in flight; a
     synchronisation there drained the engine's queue at every finished batch (~29 times a GRPO step), idling the
     GPU during the host work the in-flight step exists to hide, which the trainer without the benchmark never
-    does."""
+    does. Returns the undo (the method put back)."""
     fn = getattr(obj, method)
     wait = _sync if sync else (lambda: None)
 
@@ -148,6 +148,7 @@ def timed(obj, method: str, key: str, sink: dict, sync: bool = True) -> None:
             SPANS.append((key, t0, t1))
 
     setattr(obj, method, wrapper)
+    return lambda: setattr(obj, method, fn)
 
 
 def timed_between(obj, first: str, last: str, key: str, sink: dict) -> None:
@@ -331,6 +332,13 @@ class BenchHooks:
         timed(parts.rollout, "wake", "rollout/wake_sleep", s)
         timed(parts.rollout, "sleep", "rollout/wake_sleep", s)
         timed(parts.scorer, "score", "rollout/reward", s, sync=False)  # host work, inside the generation
+        # the synchronous trainer's generation phase around the stream (host work; module functions, put back by
+        # close()): generation and scoring with the rows' gathering, the reward pipeline's composition, the batch
+        from rlhf_mcore.trainer import colocated
+
+        self.undo = [timed(colocated, "generate_and_score", "rollout/generate_and_score", s, sync=False),
+                     timed(colocated, "compose", "rollout/compose", s, sync=False),
+                     timed(colocated, "rows_to_batch", "rollout/to_batch", s, sync=False)]
         timed(parts.actor, "compute_log_probs", "old_log_prob", s)
         timed(parts.actor, "update_policy", "actor_update", s)
         for e in (parts.actor, parts.ref, parts.critic):
@@ -342,6 +350,11 @@ class BenchHooks:
         if parts.critic is not None:
             timed(parts.critic, "compute_values", "values", s)
             timed(parts.critic, "update_critic", "critic_update", s)
+
+    def close(self) -> None:
+        """Put back the module functions the hooks wrapped."""
+        while self.undo:
+            self.undo.pop()()
 
     def step_start(self, parts, step):
         import torch
@@ -471,6 +484,7 @@ def main(argv=None) -> dict:
     finally:
         fit_s = time.perf_counter() - t0
         trainer.close()
+        hooks.close()
     recs = hooks.records
     timed_recs = [r for r in recs[1:] if not r["profiled"]] or recs[-1:]
     phases = sorted({k for r in timed_recs for k in r["phases_s"]})
