@@ -6,6 +6,7 @@ the 2-core CI machines instead of ~2 min for one process each); the driver itsel
 benchmark (the computed memory plan).
 """
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,8 @@ def outputs(tmp_path_factory):
                         "--warmup", "1", "--steps", "1"])
         bench_mfu.main(["--one-shape", "tiny", "--peer", "--child-out", out + "/mfu_peer.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
+        bench_mfu.main(["--one-shape", "tiny", "--peer", "--peer-params", "bf16", "--child-out",
+                        out + "/mfu_peer_bf16.json", "--seqs", "32", "--warmup", "0", "--steps", "1"])
         bench_ppo_step.main(["--workload", "gsm8k_ppo", "--tiny", "--steps", "1", "--profile", "--model-dir", model,
                              "--out", out + "/ppo_step.json"])
         bench_ppo_step.main(["--workload", "trl_grpo", "--tiny", "--steps", "1", "--model-dir", model,
@@ -165,7 +168,8 @@ def test_mfu_json(outputs):
 
 def test_mfu_peer_json(outputs):
     """The plain transformers peer ran the same micro-batches (not compiled on a CPU unless asked), and the ratio
-    lines its tokens/s up with Megatron's per sequence length."""
+    lines its tokens/s up with Megatron's per sequence length. `--peer-params bf16` steps bf16 weights (mutation:
+    the peer's `model.to(torch.bfloat16)` skipped fails it)."""
     import bench_mfu
 
     peer, res = outputs["mfu_peer"], outputs["mfu"]
@@ -177,6 +181,10 @@ def test_mfu_peer_json(outputs):
         for key in ("tokens_per_step", "micro_batch_seqs", "micro_batches"):
             assert case[key] == mine[key], key
         assert case["step_s"] > 0 and case["grad_norm"] > 0
+    assert peer["params_dtype"] == "float32"
+    light = outputs["mfu_peer_bf16"]  # --peer-params bf16: weights and AdamW state in bf16 (the 7B peer that fits)
+    assert light["params_dtype"] == "bfloat16" and light["cases"]["32"]["tokens_per_s"] > 0
+    assert math.isfinite(light["cases"]["32"]["grad_norm"])
     ratios = bench_mfu.peer_ratios(res, peer)
     assert ratios["32"] == pytest.approx(res["cases"]["32"]["tokens_per_s"] / peer["cases"]["32"]["tokens_per_s"])
     assert bench_mfu.peer_ratios(res, {"cases": {"32": {"error": "out of memory"}}})["32"] is None

@@ -9,6 +9,7 @@
     python launch/bench/bench_mfu.py --fp8 e4m3                      # FP8 decoder GEMMs (FLOPs at the bf16 peak)
     python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise   # one scale per tensor (megatron.fp8_recipe)
     python launch/bench/bench_mfu.py --shapes 7b --recompute-block 8  # recompute 8 of 28 layers, keep the rest
+    python launch/bench/bench_mfu.py --shapes 7b --peer-params bf16  # the peer in bf16 (its fp32 run is OOM at 7B)
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -29,7 +30,10 @@ The peer, measured in the same call (`--no-peer` leaves it out): a plain transfo
 same shape (random init, fp32 weights, AMP bf16 autocast, `torch.compile`, fused AdamW, gradient clipping) on the
 same micro-batches (padded: every sequence is `seq` long, so nothing is padding) and the same PPO clipped loss over
 the response tokens; the table prints its tokens/s and the ratio Megatron / peer. On a CPU the peer is not compiled
-unless `--peer-compile on` (compiling takes minutes there) and runs fp32 without autocast.
+unless `--peer-compile on` (compiling takes minutes there) and runs fp32 without autocast. At 7B the fp32 peer
+needs 16 bytes a parameter (122 GB) plus its activations and ran out of memory on an H200 at 139 GiB (session 32);
+`--peer-params bf16` keeps its weights, gradients and AdamW state in bf16 (8 bytes a parameter), a lighter optimizer
+than the engine's fp32 master weights.
 
 Memory settings per shape (`PLANS`): 0.5B and 1.5B train without activation recomputation; 7B on one GPU holds
 16 bytes a parameter before any activation (bf16 params 15.2 GB, fp32 grads 30.5, fp32 master 30.5, Adam 60.9 =
@@ -194,8 +198,11 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
 
 
 def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
-             compile_mode: str, profile_dir: Path | None = None) -> None:
-    """The plain PyTorch peer of `run_shape` for one shape, in this process: same shape, micro-batches and loss."""
+             compile_mode: str, profile_dir: Path | None = None, params: str = "fp32") -> None:
+    """The plain PyTorch peer of `run_shape` for one shape, in this process: same shape, micro-batches and loss.
+    `params`: fp32 (weights and AdamW state fp32, AMP bf16: the standard recipe) or bf16 (weights, gradients and AdamW
+    state bf16, no master copy: 8 bytes a parameter against 16, the configuration that fits a 7B update with its
+    optimizer on one H200, numerically weaker than both the fp32 peer and the engine's fp32 master weights)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -212,6 +219,9 @@ def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mic
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
+    if params == "bf16":
+        model.to(torch.bfloat16)
+    result["params_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # what the optimizer steps
     if plan["recompute"]:
         model.gradient_checkpointing_enable()
     model.train()
@@ -297,6 +307,9 @@ def main(argv=None) -> dict:
     p.add_argument("--no-peer", action="store_true", help="leave the compiled transformers peer out")
     p.add_argument("--peer-compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the peer (auto: on a GPU only)")
+    p.add_argument("--peer-params", choices=("fp32", "bf16"), default="fp32",
+                   help="the peer's weights and AdamW state: fp32 with AMP (default) or bf16 (8 bytes a parameter: "
+                        "what fits a 7B peer with its optimizer on one H200, where fp32's 16 run out of memory)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense bf16 peak in TFLOP/s (default: looked up by device name)")
     p.add_argument("--out", default=None)
@@ -328,7 +341,7 @@ def main(argv=None) -> dict:
     if args.one_shape:
         if args.peer:
             run_peer(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                     args.peer_compile, prof)
+                     args.peer_compile, prof, args.peer_params)
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
                       args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe,
@@ -364,7 +377,8 @@ def main(argv=None) -> dict:
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)
             if not args.no_peer:
                 peer_out = Path(tmp) / f"{name}.peer.json"
-                cmd = [*cmd[:5], str(peer_out), *cmd[6:], "--peer", "--peer-compile", args.peer_compile]
+                cmd = [*cmd[:5], str(peer_out), *cmd[6:], "--peer", "--peer-compile", args.peer_compile,
+                       "--peer-params", args.peer_params]
                 report["peer"][name] = peer = _child(cmd, peer_out, name, env, args.timeout)
                 peer["ratio_megatron_over_peer"] = peer_ratios(report["results"][name], peer)
     print(f"\n{report['device']}  torch {report['torch']}  commit {report['commit']}")
