@@ -41,6 +41,8 @@ def outputs(tmp_path_factory):
                         "--warmup", "1", "--steps", "1"])
         bench_mfu.main(["--one-shape", "tiny", "--peer", "--child-out", out + "/mfu_peer.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
+        bench_mfu.main(["--one-shape", "tiny", "--grad-accum-fusion", "--child-out", out + "/mfu_fusion.json",
+                        "--seqs", "32", "--warmup", "0", "--steps", "1"])
         bench_mfu.main(["--one-shape", "tiny", "--peer", "--peer-params", "bf16", "--child-out",
                         out + "/mfu_peer_bf16.json", "--seqs", "32", "--warmup", "0", "--steps", "1"])
         bench_ppo_step.main(["--workload", "gsm8k_ppo", "--tiny", "--steps", "1", "--profile", "--model-dir", model,
@@ -164,6 +166,16 @@ def test_mfu_json(outputs):
             assert 0 < case["mfu"] < 1
         assert case["grad_norm"] > 0
         assert (case["graph_captures"] > 0) is res["cuda_graphs"]
+
+
+def test_mfu_grad_accum_fusion_json(outputs):
+    """`bench_mfu.py --grad-accum-fusion` runs the update with the weight gradients accumulated into main_grad
+    (its equality with the unfused update: tests/test_grad_accum_fusion.py) and says so in its JSON."""
+    res = outputs["mfu_fusion"]
+    assert res["grad_accum_fusion"] is True and res["cuda_graphs"] is False
+    case = res["cases"]["32"]
+    assert "error" not in case, case
+    assert case["tokens_per_s"] > 0 and math.isfinite(case["grad_norm"])
 
 
 def test_mfu_peer_json(outputs):

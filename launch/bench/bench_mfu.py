@@ -10,6 +10,7 @@
     python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise   # one scale per tensor (megatron.fp8_recipe)
     python launch/bench/bench_mfu.py --shapes 7b --recompute-block 8  # recompute 8 of 28 layers, keep the rest
     python launch/bench/bench_mfu.py --shapes 7b --peer-params bf16  # the peer in bf16 (its fp32 run is OOM at 7B)
+    python launch/bench/bench_mfu.py --shapes 0.5b --grad-accum-fusion   # weight gradients straight into main_grad
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -113,7 +114,7 @@ def profile_update(step, path: Path, label: str) -> None:
 def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
               layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
               cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise",
-              recompute_block: int | None = None) -> None:
+              recompute_block: int | None = None, grad_accum_fusion: bool = False) -> None:
     """One shape, in this process: build the actor engine once, then time each sequence length."""
     import torch
 
@@ -134,9 +135,15 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
     with tempfile.TemporaryDirectory() as tmp:
         write_config(s, Path(tmp), dtype="bfloat16" if on_gpu else "float32")
         t0 = time.perf_counter()
-        chunks = build_model(tmp, state, role="actor", load_weights=False,
-                             config_overrides=recompute_overrides(plan["recompute"], recompute_block and "block",
-                                                                  recompute_block) or None,
+        overrides = recompute_overrides(plan["recompute"], recompute_block and "block", recompute_block)
+        if grad_accum_fusion:  # override_transformer_config.gradient_accumulation_fusion (as build_engine sets it)
+            from rlhf_mcore.models.grad_accum_fusion import install
+
+            install()
+            overrides["gradient_accumulation_fusion"] = True
+            cuda_graphs = "off"  # graphed layers see parameter aliases without main_grad
+        result["grad_accum_fusion"] = grad_accum_fusion
+        chunks = build_model(tmp, state, role="actor", load_weights=False, config_overrides=overrides or None,
                              fused_kernels={"auto": None, "on": True, "off": False}[fused_kernels])
         result["fused_kernels"] = chunks[0].config.fused_rope_kernel
         if fp8:  # megatron.fp8: the decoder's linears in FP8 (rlhf_mcore.models.fp8_training); MFU stays at bf16 peak
@@ -321,6 +328,9 @@ def main(argv=None) -> dict:
                    help="FP8 GEMMs in the decoder's linears (megatron.fp8); FLOPs still counted at the bf16 peak")
     p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise"), default="rowwise",
                    help="how --fp8 scales the GEMM operands (megatron.fp8_recipe)")
+    p.add_argument("--grad-accum-fusion", action="store_true",
+                   help="the weight-gradient GEMMs accumulate into main_grad (megatron.override_transformer_config."
+                        "gradient_accumulation_fusion; the decoder then runs eager)")
     p.add_argument("--recompute-block", type=int, default=None, metavar="N",
                    help="where the shape recomputes activations (7B): only the first N layers (Megatron's block "
                         "method, override_transformer_config.recompute_method=block); the others keep theirs")
@@ -345,7 +355,7 @@ def main(argv=None) -> dict:
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
                       args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe,
-                      args.recompute_block)
+                      args.recompute_block, args.grad_accum_fusion)
         return {}
 
     import torch
@@ -373,7 +383,8 @@ def main(argv=None) -> dict:
                 cmd += ["--profile", str(prof)]
             megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs,
                             *(["--fp8", args.fp8, "--fp8-recipe", args.fp8_recipe] if args.fp8 else []),
-                            *(["--recompute-block", str(args.recompute_block)] if args.recompute_block else [])]
+                            *(["--recompute-block", str(args.recompute_block)] if args.recompute_block else []),
+                            *(["--grad-accum-fusion"] if args.grad_accum_fusion else [])]
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)
             if not args.no_peer:
                 peer_out = Path(tmp) / f"{name}.peer.json"

@@ -94,6 +94,7 @@ def check_relations(cfg: RLConfig) -> None:
     _check_dapo(cfg, need)
     _check_multi_turn(cfg, need)
     _check_fp8(cfg, need)
+    _check_grad_accum_fusion(cfg, need)
     _check_lora(cfg, need)
     _check_router_replay(cfg, need)
     _check_shared_prefix(cfg, need)
@@ -172,6 +173,28 @@ def _check_vision(cfg: RLConfig) -> None:
                 f"{key}={path} is a {arch} (a vision-language policy): this trainer feeds it no images and its rollout "
                 "engines run text models. Train it with the VLA trainer (vla.enable=true, e.g. "
                 "configs/vla_reachpush_cpu.yaml), or point this trainer at a text model.")
+
+
+def _check_grad_accum_fusion(cfg: RLConfig, need) -> None:
+    """`override_transformer_config.gradient_accumulation_fusion` (rlhf_mcore.models.grad_accum_fusion) accumulates
+    the weight gradients into the trained parameters' main_grad: a role that trains them, eager, in bf16/fp32."""
+    arr = cfg.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, "actor_rollout_ref.model"),
+             ("critic.megatron", cfg.critic.megatron, "critic.model"),
+             ("actor_rollout_ref.ref.megatron", arr.ref.megatron, None),
+             ("reward.reward_model.megatron", cfg.reward.reward_model.megatron, None)]
+    for key, megatron, model in roles:
+        if not megatron.override_transformer_config.gradient_accumulation_fusion:
+            continue
+        k = f"{key}.override_transformer_config.gradient_accumulation_fusion"
+        need(k, model is not None, "false: this model runs no backward pass (only the actor and the critic train)")
+        need(k, value_at(cfg, f"{model}.lora_rank") == 0,
+             f"false with {model}.lora_rank > 0: the frozen base weights have no main_grad to accumulate into")
+        need(k, megatron.fp8 is None, f"false with {key}.fp8={megatron.fp8}: the FP8 linears compute their own "
+                                      "weight gradients")
+        need(k, megatron.cuda_graphs is not True,
+             f"false with {key}.cuda_graphs=true: the captured decoder's layers see parameter aliases without "
+             "main_grad (leave cuda_graphs unset: off with the fusion)")
 
 
 def _check_fp8(cfg: RLConfig, need) -> None:

@@ -75,6 +75,11 @@ class OverrideTransformerConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
     recompute_method: Optional[Literal["uniform", "block"]] = None
     recompute_num_layers: Optional[int] = checked(None, ok=unset_or(at_least(1)), what="unset or >= 1")
+    # Megatron's fusion of each linear layer's weight-gradient GEMM with its accumulation into the fp32 main_grad
+    # (rlhf_mcore.models.grad_accum_fusion: cuBLAS through torch, no APEX needed): no bf16 gradient per micro-batch,
+    # no separate add. Trained roles only (actor, critic); the decoder then runs eager (no CUDA graphs), and it is
+    # refused with LoRA and FP8 training. Off by default until measured on a GPU (BENCHMARKS.md)
+    gradient_accumulation_fusion: bool = False
 
 
 @dataclass

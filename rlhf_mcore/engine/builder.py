@@ -95,6 +95,12 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
     overrides = {**(recompute_overrides_for(model, megatron) if model is not None else {}),
                  **pipeline_split(cfg),  # every role: the actor's stage split
                  **moe_overrides(megatron), **_replay_overrides(path, role, ecfg)}
+    if model is not None and megatron.override_transformer_config.gradient_accumulation_fusion:
+        from rlhf_mcore.models.grad_accum_fusion import install
+
+        install()  # megatron-core's linears then accumulate weight gradients into main_grad without APEX
+        overrides["gradient_accumulation_fusion"] = True
+        ecfg = dataclasses.replace(ecfg, cuda_graphs=False)  # graphed layers see aliases without main_grad
     if megatron.sequence_parallel and state.dims.tp > 1:
         overrides["sequence_parallel"] = True
     chunks = build_model(path, state, role=role, dtype=dtype, load_weights=load_weights,
