@@ -372,8 +372,33 @@ def case_fp8(model_dir, state, tmp):
     return out
 
 
+def case_fusion(model_dir, state, tmp):
+    """One PPO update (micro-batches of 2) with `gradient_accumulation_fusion` (rlhf_mcore.models.grad_accum_fusion:
+    each linear's weight gradient accumulated into main_grad by the GEMM) and without: loss and global gradient
+    norm, for the layouts (TP shards, DP ranks, pipeline stages) to compare with one process's unfused update."""
+    from rlhf_mcore.engine import TrainEngine
+    from rlhf_mcore.models import build_model
+    from rlhf_mcore.models.grad_accum_fusion import install
+
+    batch = make_batch(tokenizer_vocab(model_dir))
+    probe = build(state, model_dir, actor_config(role="ref"), role="ref")
+    lp, _ = probe.compute_log_probs(batch)
+    del probe
+    ppo = dp_share(add_ppo_fields(batch, lp), state)
+    out = {}
+    for fused in (False, True):
+        if fused:
+            install()
+        chunks = build_model(model_dir, state, role="actor",
+                             config_overrides={"gradient_accumulation_fusion": True} if fused else None)
+        engine = TrainEngine(chunks, state, actor_config(micro_batch_size=2), optim_config(1e-4))
+        m = engine.update_policy(ppo)
+        out["fused" if fused else "off"] = {k: m[f"actor/{k}"] for k in ("grad_norm", "pg_loss", "loss")}
+    return out
+
+
 CASES = {"hf": case_hf, "layout": case_layout, "grads": case_grads, "offload": case_offload, "critic": case_critic,
-         "ckpt": case_ckpt, "logprob_tp": case_logprob_tp, "fp8": case_fp8}
+         "ckpt": case_ckpt, "logprob_tp": case_logprob_tp, "fp8": case_fp8, "fusion": case_fusion}
 
 
 def parse_layout(text: str):
