@@ -123,6 +123,17 @@ def _gpus_stay_visible():
                     "run the CPU engine in a subprocess", pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def cpu_state(cpu_only):
+    """One process's CPU process groups (gloo, TP = PP = 1) for a module's in-process CPU engines; destroyed after
+    the module."""
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    s = init_distributed(device="cpu")
+    yield s
+    destroy_distributed()
+
+
 @pytest.fixture(scope="session")
 def cpu_only():
     """For a test whose own process runs a CPU engine: on a GPU machine `cpu_compat` would hide the GPUs from the

@@ -3,6 +3,7 @@ gradient_accumulation_fusion`, rlhf_mcore.models.grad_accum_fusion): the accumul
 update through `build_engine` against the unfused one, and the config's refusals."""
 import pytest
 import torch
+from test_recompute import config  # the CPU actor's run config (micro-batches of 4 unless overridden)
 
 pytestmark = pytest.mark.cost(20)
 
@@ -30,26 +31,9 @@ def test_wgrad_accumulates_onto_main_grad_like_a_loop_over_tokens(dtype):
     torch.testing.assert_close(main.double(), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def state(cpu_only):
-    from rlhf_mcore.parallel import destroy_distributed, init_distributed
-
-    s = init_distributed(device="cpu")
-    yield s
-    destroy_distributed()
-
-
-def _config(model_dir, *extra):
-    from rlhf_mcore.config import load_config
-
-    return load_config(None, [f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
-                              "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.train_batch_size=8",
-                              *extra])
-
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_the_fused_update_equals_the_unfused_one(tiny_model_dir, state, monkeypatch, tied):
+def test_the_fused_update_equals_the_unfused_one(tiny_model_dir, cpu_state, monkeypatch, tied):
     """Two updates of 4 micro-batches each through `build_engine`, with and without the fusion: the same losses and
     gradient norms and the same parameters after (fp32 on CPU, within rounding: the fused sum accumulates in another
     order), every decoder and output linear's weight gradient went through the fused accumulation (the DDP hook then
@@ -73,7 +57,8 @@ def test_the_fused_update_equals_the_unfused_one(tiny_model_dir, state, monkeypa
     results = {}
     for fused in (False, True):
         torch.manual_seed(0)
-        engine = build_engine(_config(model_dir, f"{KEY}={str(fused).lower()}"), state, role="actor")
+        engine = build_engine(config(model_dir, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                     f"{KEY}={str(fused).lower()}"), cpu_state, role="actor")
         calls.clear()
         metrics = [engine.update_policy(batch) for _ in range(2)]
         results[fused] = metrics, [p.detach().clone() for p in engine.chunks[0].parameters()], len(calls)

@@ -9,12 +9,8 @@ LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def state(cpu_only):
-    from rlhf_mcore.parallel import destroy_distributed, init_distributed
-
-    s = init_distributed(device="cpu")
-    yield s
-    destroy_distributed()
+def state(cpu_state):
+    return cpu_state
 
 
 def config(model_dir, *extra):

@@ -165,12 +165,8 @@ def test_the_token_budget_keeps_groups_whole_and_splits_a_group_too_large():
 
 
 @pytest.fixture(scope="module")
-def state(cpu_only):
-    from rlhf_mcore.parallel import destroy_distributed, init_distributed
-
-    s = init_distributed(device="cpu")
-    yield s
-    destroy_distributed()
+def state(cpu_state):
+    return cpu_state
 
 
 def _engine(model_dir, state, shared: bool, dynamic: bool):

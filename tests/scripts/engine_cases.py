@@ -55,6 +55,15 @@ def add_ppo_fields(batch: dict, log_probs: torch.Tensor) -> dict:
             "ref_log_prob": (log_probs + 0.1 * noise_ref) * m, "advantages": adv * m}
 
 
+def ppo_share(model_dir, state) -> dict:
+    """This DP rank's share of the PPO batch whose old / ref log-probs are near the model's own (a reference pass)."""
+    batch = make_batch(tokenizer_vocab(model_dir))
+    probe = build(state, model_dir, actor_config(role="ref"), role="ref")
+    lp, _ = probe.compute_log_probs(batch)
+    del probe
+    return dp_share(add_ppo_fields(batch, lp), state)
+
+
 def dp_share(batch: dict, state) -> dict:
     per = B // state.dims.dp
     lo = state.dp_rank * per
@@ -357,11 +366,7 @@ def case_fp8(model_dir, state, tmp):
     if dist.get_rank() == 0:
         make_tiny_model(model_dir, arch="qwen2", layers=4, init_std=0.02)
     dist.barrier()
-    batch = make_batch(tokenizer_vocab(model_dir))
-    probe = build(state, model_dir, actor_config(role="ref"), role="ref")
-    lp, _ = probe.compute_log_probs(batch)
-    del probe
-    ppo = dp_share(add_ppo_fields(batch, lp), state)
+    ppo = ppo_share(model_dir, state)
     out = {}
     for recipe in ("off", "rowwise", "tensorwise"):
         engine = build(state, model_dir, actor_config(micro_batch_size=4))
@@ -380,11 +385,7 @@ def case_fusion(model_dir, state, tmp):
     from rlhf_mcore.models import build_model
     from rlhf_mcore.models.grad_accum_fusion import install
 
-    batch = make_batch(tokenizer_vocab(model_dir))
-    probe = build(state, model_dir, actor_config(role="ref"), role="ref")
-    lp, _ = probe.compute_log_probs(batch)
-    del probe
-    ppo = dp_share(add_ppo_fields(batch, lp), state)
+    ppo = ppo_share(model_dir, state)
     out = {}
     for fused in (False, True):
         if fused:
