@@ -107,8 +107,11 @@ def test_wgrad_accumulates_in_place_on_the_gpu():
     """On CUDA, bf16 operands: `torch.addmm(main_grad, dy^T, x, out_dtype=float32, out=main_grad)` adds into
     main_grad itself (the same storage, nothing allocated for the product) and matches the fp64 sum within fp32
     accumulation of bf16 products, over two calls."""
-    from rlhf_mcore.models.grad_accum_fusion import wgrad_gemm_accum_fp32
+    from rlhf_mcore.models.grad_accum_fusion import cuda_form, wgrad_gemm_accum_fp32
 
+    form = cuda_form(torch.device("cuda"))
+    assert form == "addmm_out_dtype", (f"torch {torch.__version__}: addmm with out_dtype cannot accumulate in place "
+                                       f"({form}): the fusion then gains nothing")
     g = torch.Generator(device="cuda").manual_seed(0)
     main = torch.randn(896, 4864, device="cuda", generator=g)
     want, ptr = main.double(), main.data_ptr()
@@ -157,3 +160,16 @@ def test_the_fused_update_tracks_the_unfused_one_on_the_gpu(tiny_model_dir):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
     finally:
         destroy_distributed()
+
+
+def test_a_torch_without_the_in_place_fp32_gemm_falls_back_with_a_warning(monkeypatch):
+    """`cuda_form` probes once whether `addmm(out_dtype=float32, out=acc)` accumulates a bf16 GEMM into acc in place;
+    where it cannot (here: the CPU has no `addmm.dtype_out` kernel, as some torch releases refuse an fp32 `self`),
+    the fusion adds the bf16 product instead and says so once. Mutation: the probe's exception not caught (the first
+    fused backward would crash) fails it."""
+    from rlhf_mcore.models import grad_accum_fusion
+
+    monkeypatch.setattr(grad_accum_fusion, "_CUDA_FORM", None)
+    with pytest.warns(UserWarning, match="cannot accumulate a bf16 GEMM into an fp32 tensor in place"):
+        assert grad_accum_fusion.cuda_form(torch.device("cpu")) == "product_add"
+    assert grad_accum_fusion.cuda_form(torch.device("cpu")) == "product_add"  # probed once

@@ -7,7 +7,8 @@ parameter per micro-batch, reading both). With it, the GEMM accumulates into `ma
 `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`, which megatron-core imports if it is installed and refuses
 the setting otherwise. :func:`install` gives megatron-core these two functions instead, on cuBLAS through torch:
 `torch.addmm(main_grad, dy^T, x, out_dtype=float32, out=main_grad)` (bf16 operands, fp32 output accumulated in
-place, CUDA), and on a CPU (tests) the same sum in `main_grad`'s dtype.
+place, CUDA; a torch whose `addmm` refuses that gets the bf16 product added instead, with a warning: `cuda_form`), and
+on a CPU (tests) the same sum in `main_grad`'s dtype.
 
 Where it does not apply (refused by the config checks): the decoder as CUDA graphs (the captured layers see
 parameter aliases without `main_grad`), LoRA (frozen base weights have no `main_grad`), FP8 training (its own GEMMs).
@@ -15,18 +16,48 @@ parameter aliases without `main_grad`), LoRA (frozen base weights have no `main_
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 
 __all__ = ["install", "wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"]
 
 
+# How this torch accumulates a bf16 GEMM into an fp32 tensor on CUDA, found by `cuda_form()` on the first call:
+# "addmm_out_dtype" (cuBLAS, beta = 1, in place) or, where torch's `addmm.dtype_out` refuses an fp32 `self` with bf16
+# operands (its checks changed between releases), "product_add" (the bf16 product, then the add: no gain over the
+# unfused path, but the same sum)
+_CUDA_FORM: str | None = None
+
+
+def cuda_form(device: torch.device) -> str:
+    """The form `wgrad_gemm_accum_fp32` uses on CUDA (probed once with a 16 x 16 call)."""
+    global _CUDA_FORM
+    if _CUDA_FORM is None:
+        acc = torch.zeros(16, 16, device=device)
+        a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+        try:
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _CUDA_FORM = "addmm_out_dtype" if bool((acc == 32).all()) else "product_add"
+        except (RuntimeError, TypeError):
+            _CUDA_FORM = "product_add"
+        if _CUDA_FORM != "addmm_out_dtype":
+            warnings.warn(f"gradient_accumulation_fusion: torch {torch.__version__} cannot accumulate a bf16 GEMM "
+                          "into an fp32 tensor in place (addmm with out_dtype); each weight gradient is a bf16 product "
+                          "added to main_grad, as without the fusion", stacklevel=2)
+    return _CUDA_FORM
+
+
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad (out, in) fp32 += grad_output (tokens, out)^T @ total_input (tokens, in), APEX's argument order."""
     dy_t = grad_output.t()
     if main_grad.is_cuda and dy_t.dtype != main_grad.dtype:
-        # cuBLAS with beta = 1: reads main_grad, writes the sum back; no bf16 product tensor
-        torch.addmm(main_grad, dy_t, total_input, out_dtype=main_grad.dtype, out=main_grad)
+        if cuda_form(main_grad.device) == "addmm_out_dtype":
+            # cuBLAS with beta = 1: reads main_grad, writes the sum back; no bf16 product tensor
+            torch.addmm(main_grad, dy_t, total_input, out_dtype=main_grad.dtype, out=main_grad)
+        else:
+            main_grad.add_(dy_t @ total_input)
     else:
         main_grad.addmm_(dy_t.to(main_grad.dtype), total_input.to(main_grad.dtype))
 
