@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-__all__ = ["install", "wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"]
+__all__ = ["cuda_form", "install", "wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"]
 
 
 # How this torch accumulates a bf16 GEMM into an fp32 tensor on CUDA, found by `cuda_form()` on the first call:
