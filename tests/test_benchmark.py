@@ -342,7 +342,8 @@ def test_targets_table():
     import benchmark
 
     results = {
-        "mfu": {"result": {"results": {"qwen2.5-0.5b": {"cases": {"4096": {"mfu": 0.20, "micro_batch_seqs": 2},
+        "mfu": {"result": {"results": {"qwen2.5-0.5b": {"cases": {"4096": {"mfu": 0.20, "micro_batch_seqs": 2,
+                                                                           "micro_batches": 8},
                                                                   "1024": {"mfu": 0.30, "micro_batch_seqs": 4}}},
                                        "qwen2.5-7b": {"cases": {"4096": {"mfu": 0.55}}}},
                            "peer": {"qwen2.5-0.5b": {"ratio_megatron_over_peer": {"4096": 1.3, "1024": 0.9}}}}},
@@ -360,6 +361,7 @@ def test_targets_table():
     assert rows["actor update vs compiled peer qwen2.5-0.5b seq 1024"]["met"] is False
     assert rows["actor MFU qwen2.5-0.5b seq 4096"]["met"] is False
     assert "missed by 2.00x" in rows["actor MFU qwen2.5-0.5b seq 4096"]["note"]
+    assert "8 micro-batches of 2 x 4096 tokens" in rows["actor MFU qwen2.5-0.5b seq 4096"]["note"]  # the plan beside it
     assert rows["actor MFU qwen2.5-7b seq 4096"]["met"] is True
     ppo = next(r for k, r in rows.items() if k.startswith("GSM8K PPO step"))
     assert ppo["goal"] == "<= 4 s" and ppo["met"] is False and "missed by 2.00x" in ppo["note"]
