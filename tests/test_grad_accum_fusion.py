@@ -39,7 +39,8 @@ def test_the_fused_update_equals_the_unfused_one(tiny_model_dir, cpu_state, monk
     order), every decoder and output linear's weight gradient went through the fused accumulation (the DDP hook then
     skips its add: `grad_added_to_main_grad`), and the engine runs the decoder eager. With tied embeddings (Qwen2.5's
     small models) the output layer's fused sum and the embedding's gradient both reach the shared main_grad
-    (Megatron's `zero_out_wgrad`). Mutations: the builder not
+    (Megatron's `zero_out_wgrad`). Between the two updates both engines offload and onload their parameters,
+    gradients and optimizer state (the fused sums land in the restored buffers). Mutations: the builder not
     passing `gradient_accumulation_fusion` to the TransformerConfig (no fused call), the accumulation replaced by
     an assignment (each micro-batch's gradient overwrites the others': the updates differ) each fail it."""
     from test_train_cuda_graphs import rl_batch
@@ -60,7 +61,11 @@ def test_the_fused_update_equals_the_unfused_one(tiny_model_dir, cpu_state, monk
         engine = build_engine(config(model_dir, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                                      f"{KEY}={str(fused).lower()}"), cpu_state, role="actor")
         calls.clear()
-        metrics = [engine.update_policy(batch) for _ in range(2)]
+        metrics = [engine.update_policy(batch)]
+        moved = engine.offload(params=True)  # the 7B config's colocation: parameters, gradients, optimizer off
+        assert moved["grads"] > 0 and moved["params"] > 0 and moved["optimizer"] > 0, moved
+        engine.onload()
+        metrics.append(engine.update_policy(batch))
         results[fused] = metrics, [p.detach().clone() for p in engine.chunks[0].parameters()], len(calls)
         if fused:
             assert engine.cfg.cuda_graphs is False
