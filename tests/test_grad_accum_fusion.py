@@ -42,7 +42,8 @@ def test_the_fused_update_equals_the_unfused_one(tiny_model_dir, cpu_state, monk
     (Megatron's `zero_out_wgrad`). Between the two updates both engines offload and onload their parameters,
     gradients and optimizer state (the fused sums land in the restored buffers). Mutations: the builder not
     passing `gradient_accumulation_fusion` to the TransformerConfig (no fused call), the accumulation replaced by
-    an assignment (each micro-batch's gradient overwrites the others': the updates differ) each fail it."""
+    an assignment (each micro-batch's gradient overwrites the others': the updates differ) each fail it; an onload
+    that leaves the parked buffers empty crashes it."""
     from test_train_cuda_graphs import rl_batch
 
     from rlhf_mcore.engine import build_engine
