@@ -6,9 +6,14 @@
     python launch/bench/profile_decode.py --batch 512 --samples 8 --prompt-len 128 --vocab 8192 [--own-slot-reads]
                                           # the same with GRPO's 8 samples a prompt (64 prompts), each group's rows
                                           # reading the prompt from one slot (engine.SHARE_PROMPT_READS) or not
+    python launch/bench/profile_decode.py --shape 7b --batch 64 [--quantization fp8 [--fp8-decode w8a16]]
+                                          [--model-dir DIR]   # another shape, FP8 weights; DIR keeps the random
+                                          # model between runs (written there once)
+    python launch/bench/profile_decode.py --shape 7b --cublas-gemms   # o, gate_up and down on cuBLAS at every
+                                          # batch (model.TRITON_OUT_PROJ_MAX_ROWS, FUSED_SILU_MAX_ROWS = 0)
     python launch/bench/profile_decode.py --tiny          # CPU smoke run (no CUDA: wall times only)
 
-Builds the Qwen2.5-0.5B-shaped random model of bench_rollout.py, warms the engine up at full length (every CUDA graph
+Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, warms the engine up at full length (every CUDA graph
 captured), then
   1. times one generate at full length: decode ms per step = (wall - prefill) / decode steps;
   2. profiles `--profile-tokens` more decode steps with torch.profiler (CUDA activity; kernels replayed inside a CUDA
@@ -33,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_shapes import QWEN25_05B, TINY, git_commit, num_params, random_model_dir  # noqa: E402
+from bench_shapes import TINY, git_commit, num_params, random_model_dir  # noqa: E402
+from bench_shapes import shape as shape_of  # noqa: E402
 
 COPY_BW = 4.3e12  # bytes/s, a device-to-device copy on one H200 (BENCHMARKS.md, "Targets and reference figures")
 
@@ -100,8 +106,16 @@ def main(argv=None) -> dict:
     p.add_argument("--samples", type=int, default=1, help="samples a prompt (GRPO's n): batch / samples prompts")
     p.add_argument("--own-slot-reads", action="store_true",
                    help="every row reads its prompt from its own slot (engine.SHARE_PROMPT_READS off)")
+    p.add_argument("--shape", default="0.5b", help="bench_shapes name: 0.5b (default), 1.5b, 7b")
     p.add_argument("--vocab", type=int, default=None,
-                   help="vocabulary size of the 0.5B shape (default its 151,936; TRL's GRPO workload uses 8,192)")
+                   help="vocabulary size (default the shape's, 151,936 at 0.5B; TRL's GRPO workload uses 8,192)")
+    p.add_argument("--quantization", choices=("fp8",), default=None, help="the engine's FP8 weights (rollout "
+                   "quantization=fp8, per-channel scales)")
+    p.add_argument("--fp8-decode", choices=("w8a8", "w8a16"), default="w8a8",
+                   help="with --quantization fp8: the engine's fp8_decode")
+    p.add_argument("--cublas-gemms", action="store_true",
+                   help="o_proj, gate_up and down on cuBLAS at every batch (bf16 weights), QKV still fused")
+    p.add_argument("--model-dir", default=None, help="keep the random model here (reused when it has config.json)")
     p.add_argument("--profile-tokens", type=int, default=32, help="tokens generated under the profiler")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (kernel names when graph tracing fails)")
     p.add_argument("--top", type=int, default=25, help="kernel names listed")
@@ -109,14 +123,17 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native import engine as engine_mod
+    from rlhf_mcore.rollout.native import model as model_mod
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
     engine_mod.SHARE_PROMPT_READS = not args.own_slot_reads
+    if args.cublas_gemms:
+        model_mod.TRITON_OUT_PROJ_MAX_ROWS = model_mod.FUSED_SILU_MAX_ROWS = 0
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = TINY if args.tiny else QWEN25_05B
+    shape = TINY if args.tiny else shape_of(args.shape)
     if args.vocab is not None:
         if args.vocab < 64:
             raise SystemExit(f"--vocab {args.vocab}: the prompts draw token ids from [10, vocab - 10); give >= 64")
@@ -129,10 +146,13 @@ def main(argv=None) -> dict:
     prompts = torch.randint(10, shape["vocab_size"] - 10, (args.batch // args.samples, args.prompt_len),
                             generator=gen).tolist()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = random_model_dir(shape, Path(tmp) / "model", device, dtype, seed=0)
+        model_dir = Path(args.model_dir or Path(tmp) / "model")
+        if not (model_dir / "config.json").is_file():
+            random_model_dir(shape, model_dir, device, dtype, seed=0)
         engine = NativeRolloutEngine(model_dir, device=device, max_num_seqs=args.batch,
                                      max_model_len=args.prompt_len + args.new_tokens + 8,
-                                     cuda_graphs=False if args.eager else None)
+                                     cuda_graphs=False if args.eager else None, quantization=args.quantization,
+                                     fp8_decode=args.fp8_decode)
 
         def run(n_new: int, seed: int):
             params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=seed)
@@ -149,7 +169,9 @@ def main(argv=None) -> dict:
         steps = max(1, stats["decode_steps"])
         step_ms = (wall - stats["prefill_s"]) / steps * 1e3
         out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "torch": torch.__version__, "batch": args.batch, "samples": args.samples,
+               "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "batch": args.batch,
+               "samples": args.samples, "quantization": args.quantization,
+               "fp8_decode": args.fp8_decode if args.quantization else None, "cublas_gemms": args.cublas_gemms,
                "shared_prompt_reads": engine_mod.SHARE_PROMPT_READS, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens,
                "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"],

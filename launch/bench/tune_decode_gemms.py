@@ -1,15 +1,19 @@
 """Tile configurations of the native engine's decode-step GEMMs, timed at given batch sizes on one GPU.
 
     python launch/bench/tune_decode_gemms.py [--rows 256 512] [--vocab 8192] [--e2e-batch 512] [--out FILE.json]
+    python launch/bench/tune_decode_gemms.py --shape 7b --rows 64 256 [--fp8-weights] --e2e-batch 0
+                                                        # another shape; weight-only FP8 candidates (w8a16)
     python launch/bench/tune_decode_gemms.py --tiny     # CPU smoke run of the plumbing (no timing)
 
-For each layer GEMM of the Qwen2.5-0.5B decode step, with what consumes it, and its attention:
+For each layer GEMM of the Qwen2.5-0.5B (or `--shape`) decode step, with what consumes it, and its attention:
   - qkv: `qkv_rope_cache` (the projection, RoPE and the cache write in one kernel);
   - o_proj and down_proj: `linear` (K-split fp32 partials allowed) + the `add_rms_norm` that sums them, against
     cuBLAS (`F.linear`) + the same norm on its bf16 output;
   - gate_up: `linear(silu_mul=True)` against cuBLAS + `silu_mul`;
   - attention: `decode_attention` over contexts of 128-384 tokens, by keys a block, warps, stages and splits;
-it times a grid of tile sizes, K splits, warps and stages (CUDA-graph replays, `triton.testing.do_bench_cudagraph`;
+with `--fp8-weights` the Triton candidates read e4m3 codes with per-row scales (the engine's `fp8_decode="w8a16"`)
+and "cublas" is cuBLAS's row-wise FP8 GEMM after the per-token activation quantization ("w8a8"); the bf16 cuBLAS
+product is timed beside them as "cublas_bf16". It times a grid of tile sizes, K splits, warps and stages (CUDA-graph replays, `triton.testing.do_bench_cudagraph`;
 programmatic dependent launch off, so each kernel is timed alone), checks every candidate against the fp32 product
 (a wrong configuration is reported and never chosen), and prints the fastest per shape and row count.
 
@@ -36,9 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_shapes import QWEN25_05B, TINY, git_commit, random_model_dir  # noqa: E402
+from bench_shapes import TINY, git_commit, random_model_dir  # noqa: E402
+from bench_shapes import shape as shape_of  # noqa: E402
 
 TOL = 2e-2  # max |candidate - fp32 product| / max |fp32 product| a bf16 GEMM must stay inside
+TOL_W8A8 = 0.1  # the same for cuBLAS's FP8 GEMM, whose activations are quantized too (e4m3 per token)
 
 
 def _time_ms(fn, cuda: bool) -> float:
@@ -54,22 +60,31 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
-def linear_grid(silu: bool, split_ok: bool, tiny: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) candidates."""
+def linear_grid(silu: bool, split_ok: bool, tiny: bool, rows: int = 256, k: int = 896, fp8: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) candidates for `rows` x `k` activations. Row
+    tiles above `rows` are left out; K of 2,048 and more (1.5B and up) also try 4 and 8 splits, FP8 codes K
+    blocks of 128 and 256 (one byte a value)."""
     if tiny:
         return [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)]
     out = []
-    for bm, bn, bk, warps in itertools.product((64, 128), (32, 64, 128), (64, 128) if silu else (64,), (4, 8)):
+    bks = (128, 256) if fp8 else (64, 128) if silu else (64,)
+    splits = (1, 2, 4, 8) if k >= 2048 else (1, 2)
+    for bm, bn, bk, warps in itertools.product((64, 128), (32, 64, 128), bks, (4, 8)):
         if bm * bn >= 128 * 128 and warps == 4 or silu and bn == 128 and bm == 128:
             continue  # register-starved or (silu: two accumulators) over the shared-memory budget
-        for split in ((1, 2) if split_ok else (1,)):
+        if bm > max(64, rows) or fp8 and bk == 256 and bm * bn > 64 * 64:
+            continue  # no rows for the tile; over the shared-memory budget
+        for split in (splits if split_ok else (1,)):
             out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                             num_stages=3 if silu or bk == 128 else 4))
     return out
 
 
-def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool) -> dict:
+def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp8: bool = False,
+                skip_attention: bool = False) -> dict:
+    from rlhf_mcore.kernels.fp8 import Fp8Weight, fp8_linear
     from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.model import FUSED_SILU_MAX_ROWS
     from rlhf_mcore.rollout.native.rope import rope_tables
 
     cuda = device.type == "cuda"
@@ -84,47 +99,70 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool) ->
     w_o, w_down = rnd(D, H * hd, scale=0.02), rnd(D, inter, scale=0.02)
     w_gu, w_qkv, b_qkv = rnd(2 * inter, D, scale=0.02), rnd((H + 2 * Hkv) * hd, D, scale=0.02), rnd((H + 2 * Hkv) * hd)
     norm_w = rnd(D, scale=0.1) + 1
+    q8 = {}  # FP8 copies (codes, per-row scales, the cuBLAS w8a8 weight) and their dequantized values
+    if fp8:
+        for name, w in (("o_proj", w_o), ("down", w_down), ("gate_up", w_gu), ("qkv", w_qkv)):
+            fw = Fp8Weight.empty_like(w, "channel")
+            fw.update_(w)
+            q8[name] = (fw.q, fw.scale.reshape(-1), fw, fw.dequantize().to(dtype))
     results: dict = {}
     for rows in rows_list:
         res = results[rows] = {}
         resid = rnd(rows, D)
         for name, w, k in (("o_proj", w_o, H * hd), ("down", w_down, inter)):
             x = rnd(rows, k)
-            ref = x.float() @ w.float().T
+            wq, ws, fw, wd = q8.get(name, (w, None, None, w))
+            ref = x.float() @ wd.float().T
             cands = {}
-            for cfg in linear_grid(False, True, tiny):
+            for cfg in linear_grid(False, True, tiny, rows, k, fp8):
                 label = "triton " + ",".join(f"{v}" for v in cfg.values())
                 try:
-                    out = tk.linear(x, w, allow_split=True, config=cfg)
+                    out = tk.linear(x, wq, allow_split=True, config=cfg, w_scale=ws)
                     got = out.sum(0) if out.dim() == 3 else out
                     err = _rel_err(got, ref)
 
-                    gemm = functools.partial(tk.linear, x, w, allow_split=True, config=cfg)
+                    gemm = functools.partial(tk.linear, x, wq, allow_split=True, config=cfg, w_scale=ws)
                     cands[label] = {"ms": _time_ms(_then_norm(gemm, resid, norm_w), cuda), "err": err, "cfg": cfg}
                 except Exception as e:  # a tile the compiler refuses (shared memory, registers)
                     cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
 
-            cands["cublas"] = {"ms": _time_ms(_then_norm(functools.partial(F.linear, x, w), resid, norm_w), cuda),
-                               "err": _rel_err(F.linear(x, w), ref), "cfg": None}
-            default = functools.partial(tk.linear, x, w, allow_split=True)
+            cublas = functools.partial(fp8_linear, x, fw) if fp8 else functools.partial(F.linear, x, w)
+            cands["cublas"] = {"ms": _time_ms(_then_norm(cublas, resid, norm_w), cuda), "err": _rel_err(cublas(), ref),
+                               "cfg": None, **({"tol": TOL_W8A8} if fp8 else {})}
+            if fp8:
+                cands["cublas_bf16"] = {"ms": _time_ms(_then_norm(functools.partial(F.linear, x, w), resid, norm_w),
+                                                       cuda), "err": None, "cfg": None}
+            default = functools.partial(tk.linear, x, wq, allow_split=True, w_scale=ws)
             cands["default"] = {"ms": _time_ms(_then_norm(default, resid, norm_w), cuda), "err": None,
-                                "cfg": tk.linear_config(rows, D, k, allow_split=True)}
+                                "cfg": tk.linear_config(rows, D, k, allow_split=True, fp8_weight=fp8)}
             res[name] = cands
             _report(rows, name, cands)
         x = rnd(rows, D)
-        ref = x.float() @ w_gu.float().T
+        wq, ws, fw, wd = q8.get("gate_up", (w_gu, None, None, w_gu))
+        ref = x.float() @ wd.float().T
         ref = F.silu(ref[:, :inter]) * ref[:, inter:]
         cands = {}
-        for cfg in linear_grid(True, False, tiny):
+        for cfg in linear_grid(True, False, tiny, rows, D, fp8):
             label = "triton " + ",".join(f"{v}" for v in cfg.values())
             try:
-                err = _rel_err(tk.linear(x, w_gu, silu_mul=True, config=cfg), ref)
-                cands[label] = {"ms": _time_ms(functools.partial(tk.linear, x, w_gu, silu_mul=True, config=cfg), cuda),
-                                "err": err, "cfg": cfg}
+                err = _rel_err(tk.linear(x, wq, silu_mul=True, config=cfg, w_scale=ws), ref)
+                cands[label] = {"ms": _time_ms(functools.partial(tk.linear, x, wq, silu_mul=True, config=cfg,
+                                                                 w_scale=ws), cuda), "err": err, "cfg": cfg}
             except Exception as e:
                 cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
-        cands["cublas"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda),
-                           "err": _rel_err(tk.silu_mul(F.linear(x, w_gu)), ref), "cfg": None}
+        if fp8:
+            cands["cublas"] = {"ms": _time_ms(lambda: tk.silu_mul(fp8_linear(x, fw)), cuda),
+                               "err": _rel_err(tk.silu_mul(fp8_linear(x, fw)), ref), "cfg": None, "tol": TOL_W8A8}
+            cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda), "err": None,
+                                    "cfg": None}
+        else:
+            cands["cublas"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda),
+                               "err": _rel_err(tk.silu_mul(F.linear(x, w_gu)), ref), "cfg": None}
+        if fp8 or rows <= FUSED_SILU_MAX_ROWS:  # what the engine runs: the fused Triton GEMM, else cuBLAS + silu_mul
+            cands["default"] = {"ms": _time_ms(functools.partial(tk.linear, x, wq, silu_mul=True, w_scale=ws), cuda),
+                                "err": None, "cfg": tk.linear_config(rows, inter, D, True, fp8_weight=fp8)}
+        else:
+            cands["default"] = {**cands["cublas"], "err": None}
         res["gate_up"] = cands
         _report(rows, "gate_up", cands)
         # qkv + rope + cache write
@@ -136,26 +174,32 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool) ->
         slots = torch.arange(rows, device=device)
         cands = {}
         ref_q = None
-        for bm, bk, warps in itertools.product(*(((16,), (32,), (4,)) if tiny else ((32, 64, 128), (64, 128), (4, 8)))):
+        wq, ws, fw, wd = q8.get("qkv", (w_qkv, None, None, w_qkv))
+        bks = (128, 256) if fp8 else (64, 128)
+        for bm, bk, warps in itertools.product(*(((16,), (32,), (4,)) if tiny else ((32, 64, 128), bks, (4, 8)))):
+            if bm > max(32, rows):
+                continue
             label = f"triton {bm},{bk},{warps}"
+            kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk >= 128 else 4, w_scale=ws)
             try:
-                q = tk.qkv_rope_cache(x, w_qkv, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv,
-                                      block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk == 128 else 4)
+                q = tk.qkv_rope_cache(x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw)
                 ref_q = q if ref_q is None else ref_q
                 err = _rel_err(q, ref_q.float())
                 cands[label] = {"ms": _time_ms(functools.partial(
-                    tk.qkv_rope_cache, x, w_qkv, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv,
-                    block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk == 128 else 4), cuda),
-                    "err": err, "cfg": dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk == 128 else 4)}
+                    tk.qkv_rope_cache, x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw),
+                    cuda), "err": err, "cfg": {k: v for k, v in kw.items() if k != "w_scale"}}
             except Exception as e:
                 cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
         cands["default"] = {"ms": _time_ms(functools.partial(
-            tk.qkv_rope_cache, x, w_qkv, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv), cuda),
+            tk.qkv_rope_cache, x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, w_scale=ws), cuda),
             "err": None, "cfg": None}
+        cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(F.linear, x, w_qkv, b_qkv), cuda), "err": None,
+                                "cfg": None}  # the projection alone (no RoPE, no cache write): a yardstick
         res["qkv"] = cands
         _report(rows, "qkv", cands)
-        res["attention"] = tune_attention(rows, H, Hkv, hd, rnd, device, tiny)
-        _report(rows, "attention", res["attention"])
+        if not skip_attention:
+            res["attention"] = tune_attention(rows, H, Hkv, hd, rnd, device, tiny)
+            _report(rows, "attention", res["attention"])
     return results
 
 
@@ -222,7 +266,8 @@ def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def best_of(cands: dict) -> tuple[str, dict]:
-    ok = {k: v for k, v in cands.items() if k != "default" and v.get("err") is not None and v["err"] <= TOL}
+    ok = {k: v for k, v in cands.items()
+          if k != "default" and v.get("err") is not None and v["err"] <= v.get("tol", TOL)}
     return min(ok.items(), key=lambda kv: kv[1]["ms"])
 
 
@@ -307,6 +352,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--rows", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--shape", default="0.5b", help="bench_shapes name: 0.5b (default), 1.5b, 7b")
+    p.add_argument("--fp8-weights", action="store_true", help="weight-only FP8 Triton candidates against cuBLAS "
+                   "w8a8 (the e2e generate is bf16: pass --e2e-batch 0)")
+    p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--e2e-batch", type=int, default=512, help="0: skip the end-to-end generate")
     p.add_argument("--out", default=None)
@@ -317,19 +366,22 @@ def main(argv=None) -> dict:
     os.environ["RLHF_MCORE_DECODE_PDL"] = "0"  # each kernel alone in the grid; the end-to-end runs put it back
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = {**(TINY if args.tiny else QWEN25_05B), "vocab_size": args.vocab}
+    if args.fp8_weights and args.e2e_batch and not args.tiny:
+        raise SystemExit("--fp8-weights: the end-to-end generate patches bf16 choices only; pass --e2e-batch 0")
+    shape = {**(TINY if args.tiny else shape_of(args.shape)), "vocab_size": args.vocab}
     rows = [4] if args.tiny else args.rows
     t0 = time.perf_counter()
-    res = tune_shapes(shape, rows, device, dtype, args.tiny)
+    res = tune_shapes(shape, rows, device, dtype, args.tiny, args.fp8_weights and cuda, args.skip_attention)
     out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "tune_s": round(time.perf_counter() - t0, 1), "rows": {}}
+           "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "fp8_weights": args.fp8_weights,
+           "tune_s": round(time.perf_counter() - t0, 1), "rows": {}}
     for r, per in res.items():
         out["rows"][r] = {}
         for name, cands in per.items():
             label, best = best_of(cands)
             d = cands.get("default", {}).get("ms")
             cub = cands.get("cublas", {}).get("ms")
-            bad = [k for k, v in cands.items() if v.get("err") is not None and v["err"] > TOL]
+            bad = [k for k, v in cands.items() if v.get("err") is not None and v["err"] > v.get("tol", TOL)]
             out["rows"][r][name] = {"best": label, "best_ms": best["ms"], "best_cfg": best["cfg"], "default_ms": d,
                                     "cublas_ms": cub, "wrong": bad,
                                     "all": {k: (v["ms"], v.get("err")) for k, v in cands.items()}}
