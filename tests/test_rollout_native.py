@@ -488,15 +488,15 @@ def _triton_interpret_checks(model_dir: str) -> None:
     _w8a16_decode_check(model_dir)
     _out_proj_routing_check(model_dir)
     _shared_prompt_reads_check(model_dir)
-    # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32) + cache write (head_dim 16: padded halves; 32).
+    # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32 and 64) + cache write (head_dim 16: padded halves).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
-    for d in (16, 32):
+    for d in (16, 32, 64):
         cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
         h_in = torch.randn(3, 48, generator=g)
         wqkv, bqkv = torch.randn((hq + 2 * hkv) * d, 48, generator=g), torch.randn((hq + 2 * hkv) * d, generator=g)
         qkv = torch.nn.functional.linear(h_in, wqkv, bqkv)
         pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
-        for norm_w in ((None,) if d == 32 else ()) + ((torch.randn(d, generator=g), torch.randn(d, generator=g)),):
+        for norm_w in ((None,) if d >= 32 else ()) + ((torch.randn(d, generator=g), torch.randn(d, generator=g)),):
             kc2, vc2 = torch.zeros(S, 64, hkv, d), torch.zeros(S, 64, hkv, d)
             q_out = tk.qkv_rope_cache(h_in, wqkv, bqkv, pos, slot, cos, sin, kc2, vc2, hq, hkv,
                                       *(norm_w if norm_w else (None, None)))
@@ -508,6 +508,12 @@ def _triton_interpret_checks(model_dir: str) -> None:
             torch.testing.assert_close(kc2[slot, pos], apply_rope(k_ref, cos[pos], sin[pos]), atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(vc2[slot, pos], qkv[:, (hq + hkv) * d:].view(3, hkv, d), atol=1e-4, rtol=1e-4)
             assert int((kc2.abs().sum(-1) != 0).sum()) == 3 * hkv, "only the (slot, position) rows are written"
+            if norm_w is None and d == 64:  # two programs a head (16 of each half's 32 columns): the same q, k, v
+                # Mutation: the column offset of the second part dropped (i = tl.arange(0, BLOCK_H)) -> fails.
+                kc3, vc3 = torch.zeros_like(kc2), torch.zeros_like(vc2)
+                q3 = tk.qkv_rope_cache(h_in, wqkv, bqkv, pos, slot, cos, sin, kc3, vc3, hq, hkv, head_split=2)
+                for got, want in ((q3, q_out), (kc3, kc2), (vc3, vc2)):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the whole engine on the kernels (qwen3: QK-norm) equals the torch paths
     prompts = make_prompts(2, seed=13, lengths=(3, 12))
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=3, seed=1, stop_token_ids=())

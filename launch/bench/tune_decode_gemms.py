@@ -176,11 +176,14 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
         ref_q = None
         wq, ws, fw, wd = q8.get("qkv", (w_qkv, None, None, w_qkv))
         bks = (128, 256) if fp8 else (64, 128)
-        for bm, bk, warps in itertools.product(*(((16,), (32,), (4,)) if tiny else ((32, 64, 128), bks, (4, 8)))):
+        head_splits = [hs for hs in (1, 2, 4) if hd // 2 // hs >= 16]
+        for bm, bk, warps, hs in itertools.product(*(((16,), (32,), (4,), (1,)) if tiny else
+                                                     ((32, 64, 128), bks, (4, 8), head_splits))):
             if bm > max(32, rows):
                 continue
-            label = f"triton {bm},{bk},{warps}"
-            kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk >= 128 else 4, w_scale=ws)
+            label = f"triton {bm},{bk},{warps},{hs}"
+            kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk >= 128 else 4, w_scale=ws,
+                      head_split=hs)
             try:
                 q = tk.qkv_rope_cache(x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw)
                 ref_q = q if ref_q is None else ref_q

@@ -589,18 +589,21 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
                            eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEAD_SPLIT: tl.constexpr = 1):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
     accumulators, so rotate_half needs no data movement (each padded to BLOCK_H >= 16 columns for tl.dot).
-    W_SCALED: w holds FP8 codes with one fp32 scale per row (ws), as in `_linear_kernel`."""
-    head = tl.program_id(0)
+    W_SCALED: w holds FP8 codes with one fp32 scale per row (ws), as in `_linear_kernel`.
+    HEAD_SPLIT > 1 (no QK_NORM, which needs the whole head): program axis 0 is head * HEAD_SPLIT + part, and the
+    program takes columns [part * BLOCK_H, (part + 1) * BLOCK_H) of each half (BLOCK_H = HALF / HEAD_SPLIT): the
+    pairs RoPE mixes stay in one program, and a head's weight rows are read by HEAD_SPLIT programs at once."""
+    head = tl.program_id(0) // HEAD_SPLIT
     pid_m = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
     DT = q_out_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    i = tl.arange(0, BLOCK_H)
+    i = (tl.program_id(0) % HEAD_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = i < HALF
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -672,13 +675,15 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
                    v_cache: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None = None,
                    k_norm: torch.Tensor | None = None, eps: float = 1e-6, block_m: int | None = None,
                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                   w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   w_scale: torch.Tensor | None = None, head_split: int | None = None) -> torch.Tensor:
     """Decode-step fusion of the QKV projection with what follows it: qkv = x @ w.T + bias (w (Hq + 2 Hkv) D x K),
     (optional per-head q/k RMSNorm), rotary embedding, and the KV-cache write.
 
     x (B, K) rows; positions, slots (B,); cos, sin (max_len, D) tables from `rope.rope_tables`; caches
     (S, L, Hkv, D) of one layer. Writes k, v at cache[slot, position]; returns rotated q (B, Hq, D).
-    w_scale: w is FP8 codes with this fp32 scale per row (weight-only FP8, as `linear`'s)."""
+    w_scale: w is FP8 codes with this fp32 scale per row (weight-only FP8, as `linear`'s).
+    head_split: programs a head (each takes 1 / head_split of both halves' columns, >= 16 of each); default
+    `qkv_head_split` (1 with q/k norms)."""
     m, k = x.shape
     D = cos.shape[1]
     assert x.stride(1) == 1 and w.is_contiguous() and w.shape == ((heads + 2 * kv_heads) * D, k)
@@ -694,12 +699,20 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     bk = block_k or (32 if fp32 else 64 if m > 256 and w_scale is None else 128)
     q_out = torch.empty(m, heads, D, dtype=x.dtype, device=x.device)
     qk_norm = q_norm is not None
+    split = head_split or qkv_head_split(heads + 2 * kv_heads, triton.cdiv(m, bm), D, qk_norm)
+    assert split == 1 or not qk_norm and D // 2 % split == 0 and D // 2 // split >= 16, (
+        f"head_split={split}: each program needs >= 16 columns of each half of a {D}-wide head, and no q/k norm")
     pdl = pdl_enabled()
-    _qkv_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(m, bm))](
+    _qkv_rope_cache_kernel[((heads + 2 * kv_heads) * split, triton.cdiv(m, bm))](
         x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, positions, slots, cos, sin,
         q_out, k_cache, v_cache, m, k, x.stride(0), w.stride(0), k_cache.stride(0), k_cache.stride(1),
         q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2,
-        BLOCK_H=max(16, D // 2), HAS_BIAS=bias is not None, W_SCALED=w_scale is not None, QK_NORM=qk_norm,
+        BLOCK_H=max(16, D // 2 // split), HAS_BIAS=bias is not None, W_SCALED=w_scale is not None, QK_NORM=qk_norm,
         BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch(pdl))
+        PDL=pdl, HEAD_SPLIT=split, num_warps=num_warps, num_stages=num_stages, **_launch(pdl))
     return q_out
+
+
+def qkv_head_split(head_count: int, row_tiles: int, head_dim: int, qk_norm: bool) -> int:
+    """Programs a head for `qkv_rope_cache`: 1 (the measured default until the tuner says otherwise)."""
+    return 1
