@@ -13,8 +13,8 @@
                                           # batch (model.TRITON_OUT_PROJ_MAX_ROWS, FUSED_SILU_MAX_ROWS = 0)
     python launch/bench/profile_decode.py --tiny          # CPU smoke run (no CUDA: wall times only)
 
-Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, warms the engine up at full length (every CUDA graph
-captured), then
+Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, warms the engine up at full length
+(every CUDA graph captured), then
   1. times one generate at full length: decode ms per step = (wall - prefill) / decode steps;
   2. profiles `--profile-tokens` more decode steps with torch.profiler (CUDA activity; kernels replayed inside a CUDA
      graph are recorded one by one) and reports, per decode step: kernel count, summed kernel time, the gap between the

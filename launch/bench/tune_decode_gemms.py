@@ -13,9 +13,10 @@ For each layer GEMM of the Qwen2.5-0.5B (or `--shape`) decode step, with what co
   - attention: `decode_attention` over contexts of 128-384 tokens, by keys a block, warps, stages and splits;
 with `--fp8-weights` the Triton candidates read e4m3 codes with per-row scales (the engine's `fp8_decode="w8a16"`)
 and "cublas" is cuBLAS's row-wise FP8 GEMM after the per-token activation quantization ("w8a8"); the bf16 cuBLAS
-product is timed beside them as "cublas_bf16". It times a grid of tile sizes, K splits, warps and stages (CUDA-graph replays, `triton.testing.do_bench_cudagraph`;
-programmatic dependent launch off, so each kernel is timed alone), checks every candidate against the fp32 product
-(a wrong configuration is reported and never chosen), and prints the fastest per shape and row count.
+product is timed beside them as "cublas_bf16". It times a grid of tile sizes, K splits, warps and stages (CUDA-graph
+replays, `triton.testing.do_bench_cudagraph`; programmatic dependent launch off, so each kernel is timed alone),
+checks every candidate against the fp32 product (a wrong configuration is reported and never chosen), and prints the
+fastest per shape and row count.
 
 Then, end to end: one generate at `--e2e-batch` rows (prompt 128, 256 new tokens, TRL's GRPO decode) with the
 engine's own choices and with the fastest found patched in (`triton_kernels.linear_config`, `qkv_rope_cache`'s
@@ -151,8 +152,8 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
             except Exception as e:
                 cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
         if fp8:
-            cands["cublas"] = {"ms": _time_ms(lambda: tk.silu_mul(fp8_linear(x, fw)), cuda),
-                               "err": _rel_err(tk.silu_mul(fp8_linear(x, fw)), ref), "cfg": None, "tol": TOL_W8A8}
+            w8a8 = functools.partial(_w8a8_silu, x, fw)
+            cands["cublas"] = {"ms": _time_ms(w8a8, cuda), "err": _rel_err(w8a8(), ref), "cfg": None, "tol": TOL_W8A8}
             cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda), "err": None,
                                     "cfg": None}
         else:
@@ -266,6 +267,13 @@ def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from rlhf_mcore.rollout.native import triton_kernels as tk
 
     return tk.silu_mul(F.linear(x, w))
+
+
+def _w8a8_silu(x: torch.Tensor, fw) -> torch.Tensor:
+    from rlhf_mcore.kernels.fp8 import fp8_linear
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    return tk.silu_mul(fp8_linear(x, fw))
 
 
 def best_of(cands: dict) -> tuple[str, dict]:
