@@ -487,6 +487,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
         torch.testing.assert_close(part.sum(0), xd @ (wdq.float() * wds).T, atol=1e-3, rtol=1e-4)
     _w8a16_decode_check(model_dir)
     _out_proj_routing_check(model_dir)
+    _large_weight_routing_check(model_dir)
     _shared_prompt_reads_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32 and 64) + cache write (head_dim 16: padded halves).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
@@ -644,6 +645,43 @@ def _out_proj_routing_check(model_dir: str) -> None:
     finally:
         tk.linear = real
         nm.TRITON_OUT_PROJ_MAX_ROWS = saved
+
+
+def _large_weight_routing_check(model_dir: str) -> None:
+    """Weights above `TRITON_GEMM_MAX_WEIGHT` elements (lowered to 0 here: all of them) leave the Triton decode GEMMs:
+    QKV goes through cuBLAS and `rope_cache`, o_proj and down through cuBLAS; only gate_up keeps its fused silu*mul
+    GEMM (<= 64 rows). The step still equals the torch decode step (fp32, 1e-4), and so does every cache row written.
+    Mutations: rope_cache's loads without the HALF offset for the second half (`r_ptrs` twice) -> the logits and the
+    cache check fail; the weight test dropped from `_out_proj` -> the linear count fails."""
+    from rlhf_mcore.rollout.native import model as nm
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.model import NativeModel
+
+    eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
+                              attention="torch", sampler="torch", cuda_graphs=False)
+    plain = NativeModel(eng.spec, eng.weights, 33, None, fused=False)
+    g = torch.Generator().manual_seed(8)
+    saved, real = nm.TRITON_GEMM_MAX_WEIGHT, (tk.linear, tk.rope_cache, tk.qkv_rope_cache)
+    calls = {"linear": 0, "rope_cache": 0, "qkv_rope_cache": 0}
+
+    def counting(name, fn):
+        def f(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return f
+    nm.TRITON_GEMM_MAX_WEIGHT = 0
+    tk.linear, tk.rope_cache, tk.qkv_rope_cache = (counting(n, f) for n, f in zip(calls, real))
+    try:
+        cache, twin, tokens, positions, slots = _decode_inputs(eng, 40, g)
+        got = eng.model.decode(tokens, positions, slots, cache, "torch", 32)
+    finally:
+        nm.TRITON_GEMM_MAX_WEIGHT = saved
+        tk.linear, tk.rope_cache, tk.qkv_rope_cache = real
+    n = eng.spec.num_layers
+    assert calls == {"linear": n, "rope_cache": n, "qkv_rope_cache": 0}, calls
+    torch.testing.assert_close(got, plain.decode(tokens, positions, slots, twin, "torch", 32), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.k, twin.k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.v, twin.v, atol=1e-4, rtol=1e-4)
 
 
 def _shared_prompt_reads_check(model_dir: str) -> None:

@@ -90,6 +90,40 @@ def test_decode_gemm_kernels_bf16_match_fp32(rows):
     assert rel_err(vc[slot, pos], qkv[:, (hq + hkv) * hd:].view(rows, hkv, hd)) <= 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_qkv_epilogue_at_the_7b_head_layout_bf16_matches_fp32(rows):
+    """The 7B head layout (28 query heads, 4 KV heads of 128): `rope_cache` on cuBLAS's bf16 projection (what a
+    weight above `TRITON_GEMM_MAX_WEIGHT` takes), and `qkv_rope_cache` with two programs a head, in bf16 against
+    fp32 torch (q, the cache rows written). Mutation: `rope_cache` reading the second half at the first half's
+    columns -> the q check fails at every row count."""
+    from rlhf_mcore.models.rope import default_inv_freq
+    from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
+    from rlhf_mcore.rollout.native.triton_kernels import qkv_rope_cache, rope_cache
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    bf = torch.bfloat16
+    k_dim, hq, hkv, hd = 3584, 28, 4, 128
+    x = torch.randn(rows, k_dim, device="cuda", generator=g).to(bf)
+    wqkv = (0.02 * torch.randn((hq + 2 * hkv) * hd, k_dim, device="cuda", generator=g)).to(bf)
+    bqkv = (0.1 * torch.randn((hq + 2 * hkv) * hd, device="cuda", generator=g)).to(bf)
+    cos, sin = rope_tables(default_inv_freq(hd, 1e6), 600, "cuda", bf)
+    pos = torch.randint(0, 600, (rows,), device="cuda", generator=g)
+    slot = torch.randperm(rows + 3, device="cuda", generator=g)[:rows]
+    qkv = x.float() @ wqkv.float().T + bqkv.float()
+    cf, sf = cos.float()[pos], sin.float()[pos]
+    want_q = apply_rope(qkv[:, :hq * hd].view(rows, hq, hd), cf, sf)
+    want_k = apply_rope(qkv[:, hq * hd:(hq + hkv) * hd].view(rows, hkv, hd), cf, sf)
+    for name, run in (("rope_cache", lambda kc, vc: rope_cache(torch.nn.functional.linear(x, wqkv, bqkv), pos, slot,
+                                                                cos, sin, kc, vc, hq, hkv)),
+                      ("head_split=2", lambda kc, vc: qkv_rope_cache(x, wqkv, bqkv, pos, slot, cos, sin, kc, vc, hq,
+                                                                     hkv, head_split=2))):
+        kc, vc = (torch.zeros(rows + 3, 600, hkv, hd, device="cuda", dtype=bf) for _ in range(2))
+        q = run(kc, vc)
+        assert rel_err(q, want_q) <= 1e-2, (name, rel_err(q, want_q))
+        assert rel_err(kc[slot, pos], want_k) <= 1e-2, name
+        assert rel_err(vc[slot, pos], qkv[:, (hq + hkv) * hd:].view(rows, hkv, hd)) <= 1e-2, name
+
+
 def test_prefill_attention_bf16_matches_fp32():
     """Packed causal prefill of documents of very different lengths (one of a single token)."""
     from rlhf_mcore.rollout.native.attention import PackedLayout, prefill_attention

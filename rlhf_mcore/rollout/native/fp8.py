@@ -1,11 +1,11 @@
 """FP8 rollout weights for the native engine (`actor_rollout_ref.rollout.quantization=fp8`).
 
 The engine keeps its bf16 weights (what `update_weights` copies into, slice by slice) and an e4m3 copy of the
-decoder's o_proj, gate_up and down (LINEARS; and qkv under fp8_decode="w8a16") with fp32 scales, per output channel
+decoder's gate_up and down (LINEARS; every linear under fp8_decode="w8a16") with fp32 scales, per output channel
 or per 128 x 128 block (`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync --
 at its end (`finish_weight_update`, timed as `sync/fp8_quantize_seconds`), or else before the next generation (a
 sync arrives in many `update_weights` buckets; quantizing once per sync, not per bucket) -- in place so captured
-CUDA graphs stay valid. Embeddings, norms, the LM head and the KV cache stay bf16 (QKV too under "w8a8");
+CUDA graphs stay valid. Embeddings, norms, the LM head and the KV cache stay bf16 (QKV and o_proj too under "w8a8");
 activations are quantized per token (channel) or per 1 x 128 slice (block) inside each cuBLAS GEMM ("w8a8"), or
 not at all in the weight-only decode GEMMs ("w8a16").
 """
@@ -25,10 +25,12 @@ log = logging.getLogger(__name__)
 
 # Under cuBLAS's FP8 GEMM ("w8a8") the QKV projection stays bf16: about 7% of the decoder's linear weights at the
 # Qwen2.5 shapes, and in bf16 the decode step keeps its fused QKV GEMM + RoPE + cache-write kernel (an FP8 QKV would
-# add the torch RoPE path's kernels to every layer; BENCHMARKS.md, "FP8"). The weight-only decode GEMMs ("w8a16")
-# read FP8 codes in that fused kernel too, so there every decoder linear is FP8 (LINEARS_W8A16).
-LINEARS = ("o_proj", "gate_up", "down")
-LINEARS_W8A16 = ("qkv",) + LINEARS
+# add the torch RoPE path's kernels to every layer; BENCHMARKS.md, "FP8"). So does o_proj (5% of them): its FP8 GEMM
+# with the activation's quantization never beat bf16 cuBLAS in a decode step (7B, H100: 16.8 against 10.1 us at 64
+# rows, 17.6 against 17.0 at 256; BENCHMARKS.md session 34). The weight-only decode GEMMs ("w8a16") read FP8 codes
+# in the fused kernels, so there every decoder linear is FP8 (LINEARS_W8A16).
+LINEARS = ("gate_up", "down")
+LINEARS_W8A16 = ("qkv", "o_proj") + LINEARS
 KEY = "actor_rollout_ref.rollout.quantization"
 # Per-output-channel scales (row-wise cuBLAS FP8 GEMM): chosen over 128 x 128 blocks by measurement (BENCHMARKS.md).
 DEFAULT_LAYOUT = "channel"

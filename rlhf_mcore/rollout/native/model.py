@@ -17,7 +17,8 @@ transformers does. A fused decode step also runs its layer GEMMs as Triton kerne
 the LM head): the QKV GEMM does rope and the cache write in its epilogue, o_proj and down_proj split K over more
 programs and leave fp32 partials that the next add+norm sums (no separate reduce), and at small batches the
 gate_up GEMM applies silu*mul itself — 7 kernels a layer (8 above 64 rows), against 10 with cuBLAS. Above 256 rows
-(`TRITON_OUT_PROJ_MAX_ROWS`) o_proj and down_proj go back to cuBLAS, which is faster there.
+(`TRITON_OUT_PROJ_MAX_ROWS`) o_proj and down_proj go back to cuBLAS, which is faster there, and so do weights above
+`TRITON_GEMM_MAX_WEIGHT` elements (the 7B shape's; its QKV projection then runs on cuBLAS before `rope_cache`).
 
 Tensor parallelism: each rank holds its heads / MLP columns (see weights.py) and the outputs of o_proj and
 down_proj are summed over `tp_group` with one all-reduce each.
@@ -47,6 +48,13 @@ FUSED_SILU_MAX_ROWS = 64
 # its add+norm 7.4 -> 6.4 us and down 17.0 -> 12.6 us, and the decode step 2.35 -> 2.22 ms on an H100; at 256 rows
 # the two are level (launch/bench/tune_decode_gemms.py, BENCHMARKS.md session 30). FP8 weights stay on Triton.
 TRITON_OUT_PROJ_MAX_ROWS = 256
+# The Triton decode GEMMs (and the QKV kernel's fused projection) take weights of at most this many elements (one TP
+# rank's); larger ones stream faster through cuBLAS -- the QKV projection then feeds `rope_cache`. On an H100 at the
+# 7B shape (o_proj 12.8M, QKV 16.5M, down 67.9M elements), 64 / 256 rows: o_proj + add+norm 12.4 / 26.0 -> 10.1 /
+# 17.3 us, down + add+norm 57.5 / 115.5 -> 56.4 / 69.5 us, the QKV projection 9.5 / 14.6 us against the fused
+# kernel's 18.3 / 38.8; at 0.5B (<= 4.4M) the Triton GEMMs win (launch/bench/tune_decode_gemms.py, BENCHMARKS.md
+# session 34). FP8 weights (w8a16) stay on Triton.
+TRITON_GEMM_MAX_WEIGHT = 8 << 20
 
 
 @dataclass
@@ -144,9 +152,10 @@ class NativeModel:
                   ) -> torch.Tensor:
         """x @ w.T for o_proj / down_proj, summed over TP ranks; the Triton GEMM may return K-split fp32
         partials (S, N, D) for the following add+norm to sum (only without TP: the all-reduce wants the sum).
-        Above `TRITON_OUT_PROJ_MAX_ROWS` rows a bf16 weight goes to cuBLAS."""
+        Above `TRITON_OUT_PROJ_MAX_ROWS` rows or `TRITON_GEMM_MAX_WEIGHT` elements a bf16 weight goes to cuBLAS."""
         wd, scale = self._decode_weight(i, name, w) if triton_gemms else (w, None)
-        if not triton_gemms or (scale is None and x.shape[0] > TRITON_OUT_PROJ_MAX_ROWS):
+        if not triton_gemms or (scale is None and (x.shape[0] > TRITON_OUT_PROJ_MAX_ROWS
+                                                   or w.numel() > TRITON_GEMM_MAX_WEIGHT)):
             return self._all_reduce(self._linear(i, name, x, w))
         from .triton_kernels import linear
 
@@ -227,7 +236,12 @@ class NativeModel:
         def attend(i, h):
             lw = self.w.layers[i]
             qkv_fp8 = self.fp8 is not None and "qkv" in self.fp8[i]
-            if self.fused and (not qkv_fp8 or self.fp8_decode == "w8a16"):
+            if self.fused and not qkv_fp8 and lw.qkv.numel() > TRITON_GEMM_MAX_WEIGHT:
+                from .triton_kernels import rope_cache  # a large weight: cuBLAS's projection, then the epilogue
+
+                q = rope_cache(F.linear(h, lw.qkv, lw.qkv_bias), positions, slots, self.cos, self.sin, cache.k[i],
+                               cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
+            elif self.fused and (not qkv_fp8 or self.fp8_decode == "w8a16"):
                 from .triton_kernels import qkv_rope_cache
 
                 w, scale = self._decode_weight(i, "qkv", lw.qkv)

@@ -589,7 +589,8 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
                            eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEAD_SPLIT: tl.constexpr = 1):
+                           EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEAD_SPLIT: tl.constexpr = 1,
+                           FROM_QKV: tl.constexpr = False):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
@@ -597,7 +598,9 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
     W_SCALED: w holds FP8 codes with one fp32 scale per row (ws), as in `_linear_kernel`.
     HEAD_SPLIT > 1 (no QK_NORM, which needs the whole head): program axis 0 is head * HEAD_SPLIT + part, and the
     program takes columns [part * BLOCK_H, (part + 1) * BLOCK_H) of each half (BLOCK_H = HALF / HEAD_SPLIT): the
-    pairs RoPE mixes stay in one program, and a head's weight rows are read by HEAD_SPLIT programs at once."""
+    pairs RoPE mixes stay in one program, and a head's weight rows are read by HEAD_SPLIT programs at once.
+    FROM_QKV: no GEMM: a_ptr is the projection's output qkv (M, (HQ + 2 HKV) D), bias included (cuBLAS computed it,
+    `rope_cache`), and the program reads its head's columns from it (w, bias, scales unused)."""
     head = tl.program_id(0) // HEAD_SPLIT
     pid_m = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
@@ -613,7 +616,11 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
     _pdl_wait(PDL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if FROM_QKV:
+        r_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (head * D + i)[None, :]
+        acc1 += tl.load(r_ptrs, mask=mmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        acc2 += tl.load(r_ptrs + HALF, mask=mmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+    for k0 in range(0, K if not FROM_QKV else 0, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs + k0, mask=mmask[:, None], other=0.0)
             w1 = tl.load(w1_ptrs + k0, mask=hmask[:, None], other=0.0)
@@ -632,10 +639,10 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
         else:
             acc1 = tl.dot(a, tl.trans(w1), acc1)
             acc2 = tl.dot(a, tl.trans(w2), acc2)
-    if W_SCALED:
+    if W_SCALED and not FROM_QKV:
         acc1 *= tl.load(ws_ptr + head * D + i, mask=hmask, other=0.0)[None, :]
         acc2 *= tl.load(ws_ptr + head * D + HALF + i, mask=hmask, other=0.0)[None, :]
-    if HAS_BIAS:
+    if HAS_BIAS and not FROM_QKV:
         acc1 += tl.load(bias_ptr + head * D + i, mask=hmask, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + head * D + HALF + i, mask=hmask, other=0.0).to(tl.float32)[None, :]
     x1 = acc1.to(DT).to(tl.float32)  # the projection's output, rounded as F.linear rounds it
@@ -710,6 +717,31 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         BLOCK_H=max(16, D // 2 // split), HAS_BIAS=bias is not None, W_SCALED=w_scale is not None, QK_NORM=qk_norm,
         BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
         PDL=pdl, HEAD_SPLIT=split, num_warps=num_warps, num_stages=num_stages, **_launch(pdl))
+    return q_out
+
+
+def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6
+               ) -> torch.Tensor:
+    """What `qkv_rope_cache` does after its GEMM, for a projection computed elsewhere (cuBLAS, where a large weight
+    streams faster through it: `model.TRITON_GEMM_MAX_WEIGHT`): qkv (B, (Hq + 2 Hkv) D) with its bias -> (optional
+    q/k RMSNorm), rotary embedding, k and v written at cache[slot, position]; returns rotated q (B, Hq, D). The same
+    rounding as the torch path (F.linear, then `apply_rope` in the model dtype)."""
+    m, n = qkv.shape
+    D = cos.shape[1]
+    assert qkv.stride(1) == 1 and n == (heads + 2 * kv_heads) * D
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and D == triton.next_power_of_2(D) and D >= 2
+    bm = 64 if m > 32 else max(16, triton.next_power_of_2(m))
+    q_out = torch.empty(m, heads, D, dtype=qkv.dtype, device=qkv.device)
+    qk_norm = q_norm is not None
+    pdl = pdl_enabled()
+    _qkv_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(m, bm))](
+        qkv, qkv, qkv, qkv, positions, slots, cos, sin, q_out, k_cache, v_cache, m, 0, qkv.stride(0), 0,
+        k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads,
+        HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2), HAS_BIAS=False, W_SCALED=False, QK_NORM=qk_norm,
+        BLOCK_M=bm, BLOCK_K=16, EVEN_K=True, IEEE=qkv.dtype == torch.float32, PDL=pdl, FROM_QKV=True,
+        num_warps=4, num_stages=1, **_launch(pdl))
     return q_out
 
 
