@@ -56,6 +56,11 @@ def outputs(tmp_path_factory):
         bench_packed_attention.main(["--tiny", "--reps", "2", "--out", out + "/packed_attention.json"])
         bench_rollout.main(["--tiny", "--batches", "4", "--out", out + "/rollout.json"])
         profile_decode.main(["--tiny", "--vocab", "512", "--samples", "2", "--out", out + "/profile_decode.json"])
+        from rlhf_mcore.rollout.native import model as nm
+        before = (nm.TRITON_OUT_PROJ_MAX_ROWS, nm.FUSED_SILU_MAX_ROWS)
+        profile_decode.main(["--tiny", "--cublas-gemms", "--model-dir", out + "/decode_model",
+                             "--out", out + "/profile_decode_cublas.json"])
+        assert (nm.TRITON_OUT_PROJ_MAX_ROWS, nm.FUSED_SILU_MAX_ROWS) == before, "profile_decode kept its routing"
         bench_lora_linear.main(["--shape", "tiny", "--tokens", "32", "--warmup", "0", "--reps", "1",
                                 "--out", out + "/lora_linear.json"])
     """)
@@ -94,6 +99,11 @@ def test_profile_decode_json(outputs):
     assert res["vocab_size"] == 512
     assert res["decode_steps"] > 0 and res["decode_step_ms"] > 0 and res["bound_ms"] > 0
     assert res["samples"] == 2 and res["batch"] == 4 and res["shared_prompt_reads"] is True  # 2 prompts x 2 samples
+    # `--cublas-gemms` is recorded, its model kept in `--model-dir`, and the module routing restored afterwards (the
+    # driver asserts that). Mutation: the finally block of profile_decode.main dropped -> the driver fails.
+    cub = outputs["profile_decode_cublas"]
+    assert cub["cublas_gemms"] is True and res["cublas_gemms"] is False and cub["shape"] == "tiny"
+    assert cub["decode_step_ms"] > 0 and cub["quantization"] is None
 
 
 @pytest.mark.skipif(

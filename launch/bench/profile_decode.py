@@ -126,10 +126,17 @@ def main(argv=None) -> dict:
     from rlhf_mcore.rollout.native import model as model_mod
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
+    saved = (engine_mod.SHARE_PROMPT_READS, model_mod.TRITON_OUT_PROJ_MAX_ROWS, model_mod.FUSED_SILU_MAX_ROWS)
     engine_mod.SHARE_PROMPT_READS = not args.own_slot_reads
     if args.cublas_gemms:
         model_mod.TRITON_OUT_PROJ_MAX_ROWS = model_mod.FUSED_SILU_MAX_ROWS = 0
+    try:  # the module settings go back afterwards (a caller's process keeps running)
+        return _profile(args, NativeRolloutEngine, SamplingParams, engine_mod)
+    finally:
+        engine_mod.SHARE_PROMPT_READS, model_mod.TRITON_OUT_PROJ_MAX_ROWS, model_mod.FUSED_SILU_MAX_ROWS = saved
 
+
+def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
