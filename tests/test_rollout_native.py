@@ -485,6 +485,21 @@ def _triton_interpret_checks(model_dir: str) -> None:
         wdq, wds = kfp8.quantize_rows(wd, fmt)
         part = tk.linear(xd, wdq, allow_split=True, config=cfg, w_scale=wds)
         torch.testing.assert_close(part.sum(0), xd @ (wdq.float() * wds).T, atol=1e-3, rtol=1e-4)
+    # FP8 activations too (x_scale: codes with a scale per row, FP8 x FP8 products): plain with bias, silu*mul, K-split
+    # partials over two row tiles. Mutation: the activation's scale not applied to the up half -> the silu check fails.
+    xq, xs = kfp8.quantize_rows(xa * torch.logspace(-1, 1, 5)[:, None])
+    xdeq = xq.float() * xs
+    wq, ws = kfp8.quantize_rows(wa * torch.logspace(-2, 0, 40)[:, None])
+    deq = wq.float() * ws
+    got = tk.linear(xq, wq, ba, w_scale=ws, x_scale=xs, out_dtype=torch.float32)
+    torch.testing.assert_close(got, torch.nn.functional.linear(xdeq, deq, ba), atol=1e-4, rtol=1e-4)
+    ref = torch.nn.functional.silu(xdeq @ deq[:20].T) * (xdeq @ deq[20:].T)
+    torch.testing.assert_close(tk.linear(xq, wq, silu_mul=True, w_scale=ws, x_scale=xs, out_dtype=torch.float32), ref,
+                               atol=1e-4, rtol=1e-4)
+    xdq, xds = kfp8.quantize_rows(xd)
+    wdq, wds = kfp8.quantize_rows(wd)
+    part = tk.linear(xdq, wdq, allow_split=True, config=cfg, w_scale=wds, x_scale=xds)
+    torch.testing.assert_close(part.sum(0), (xdq.float() * xds) @ (wdq.float() * wds).T, atol=1e-3, rtol=1e-4)
     _w8a16_decode_check(model_dir)
     _out_proj_routing_check(model_dir)
     _large_weight_routing_check(model_dir)

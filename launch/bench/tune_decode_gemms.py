@@ -1,8 +1,8 @@
 """Tile configurations of the native engine's decode-step GEMMs, timed at given batch sizes on one GPU.
 
     python launch/bench/tune_decode_gemms.py [--rows 256 512] [--vocab 8192] [--e2e-batch 512] [--out FILE.json]
-    python launch/bench/tune_decode_gemms.py --shape 7b --rows 64 256 [--fp8-weights] --e2e-batch 0
-                                                        # another shape; weight-only FP8 candidates (w8a16)
+    python launch/bench/tune_decode_gemms.py --shape 7b --rows 64 256 [--fp8-weights] [--gemms down gate_up]
+                                             --e2e-batch 0   # another shape; FP8 candidates; some GEMMs only
     python launch/bench/tune_decode_gemms.py --tiny     # CPU smoke run of the plumbing (no timing)
 
 For each layer GEMM of the Qwen2.5-0.5B (or `--shape`) decode step, with what consumes it, and its attention:
@@ -11,8 +11,9 @@ For each layer GEMM of the Qwen2.5-0.5B (or `--shape`) decode step, with what co
     cuBLAS (`F.linear`) + the same norm on its bf16 output;
   - gate_up: `linear(silu_mul=True)` against cuBLAS + `silu_mul`;
   - attention: `decode_attention` over contexts of 128-384 tokens, by keys a block, warps, stages and splits;
-with `--fp8-weights` the Triton candidates read e4m3 codes with per-row scales (the engine's `fp8_decode="w8a16"`)
-and "cublas" is cuBLAS's row-wise FP8 GEMM after the per-token activation quantization ("w8a8"); the bf16 cuBLAS
+with `--fp8-weights` the Triton candidates read e4m3 codes with per-row scales (the engine's `fp8_decode="w8a16"`),
+the "a8" candidates quantize the activation per row first and multiply FP8 x FP8 in the same Triton GEMM, and
+"cublas" is cuBLAS's row-wise FP8 GEMM after the per-token activation quantization ("w8a8"); the bf16 cuBLAS
 product is timed beside them as "cublas_bf16". It times a grid of tile sizes, K splits, warps and stages (CUDA-graph
 replays, `triton.testing.do_bench_cudagraph`; programmatic dependent launch off, so each kernel is timed alone),
 checks every candidate against the fp32 product (a wrong configuration is reported and never chosen), and prints the
@@ -82,7 +83,8 @@ def linear_grid(silu: bool, split_ok: bool, tiny: bool, rows: int = 256, k: int 
 
 
 def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp8: bool = False,
-                skip_attention: bool = False) -> dict:
+                skip_attention: bool = False, gemms: tuple[str, ...] = ("o_proj", "down", "gate_up", "qkv"),
+                families: tuple[str, ...] = ("w8a16", "a8")) -> dict:
     from rlhf_mcore.kernels.fp8 import Fp8Weight, fp8_linear
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.model import FUSED_SILU_MAX_ROWS
@@ -111,11 +113,13 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
         res = results[rows] = {}
         resid = rnd(rows, D)
         for name, w, k in (("o_proj", w_o, H * hd), ("down", w_down, inter)):
+            if name not in gemms:
+                continue
             x = rnd(rows, k)
             wq, ws, fw, wd = q8.get(name, (w, None, None, w))
             ref = x.float() @ wd.float().T
             cands = {}
-            for cfg in linear_grid(False, True, tiny, rows, k, fp8):
+            for cfg in linear_grid(False, True, tiny, rows, k, fp8) if not fp8 or "w8a16" in families else ():
                 label = "triton " + ",".join(f"{v}" for v in cfg.values())
                 try:
                     out = tk.linear(x, wq, allow_split=True, config=cfg, w_scale=ws)
@@ -127,6 +131,16 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
                 except Exception as e:  # a tile the compiler refuses (shared memory, registers)
                     cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
 
+            for cfg in linear_grid(False, True, tiny, rows, k, fp8) if fp8 and "a8" in families else ():  # FP8 x FP8
+                label = "a8 " + ",".join(f"{v}" for v in cfg.values())
+                gemm = functools.partial(_a8_linear, x, wq, ws, cfg, allow_split=True)
+                try:
+                    out = gemm()
+                    err = _rel_err(out.sum(0) if out.dim() == 3 else out, ref)
+                    cands[label] = {"ms": _time_ms(_then_norm(gemm, resid, norm_w), cuda), "err": err, "cfg": cfg,
+                                    "tol": TOL_W8A8}
+                except Exception as e:
+                    cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
             cublas = functools.partial(fp8_linear, x, fw) if fp8 else functools.partial(F.linear, x, w)
             cands["cublas"] = {"ms": _time_ms(_then_norm(cublas, resid, norm_w), cuda), "err": _rel_err(cublas(), ref),
                                "cfg": None, **({"tol": TOL_W8A8} if fp8 else {})}
@@ -139,68 +153,80 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
             res[name] = cands
             _report(rows, name, cands)
         x = rnd(rows, D)
-        wq, ws, fw, wd = q8.get("gate_up", (w_gu, None, None, w_gu))
-        ref = x.float() @ wd.float().T
-        ref = F.silu(ref[:, :inter]) * ref[:, inter:]
-        cands = {}
-        for cfg in linear_grid(True, False, tiny, rows, D, fp8):
-            label = "triton " + ",".join(f"{v}" for v in cfg.values())
-            try:
-                err = _rel_err(tk.linear(x, wq, silu_mul=True, config=cfg, w_scale=ws), ref)
-                cands[label] = {"ms": _time_ms(functools.partial(tk.linear, x, wq, silu_mul=True, config=cfg,
-                                                                 w_scale=ws), cuda), "err": err, "cfg": cfg}
-            except Exception as e:
-                cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
-        if fp8:
-            w8a8 = functools.partial(_w8a8_silu, x, fw)
-            cands["cublas"] = {"ms": _time_ms(w8a8, cuda), "err": _rel_err(w8a8(), ref), "cfg": None, "tol": TOL_W8A8}
-            cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda), "err": None,
-                                    "cfg": None}
-        else:
-            cands["cublas"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda),
-                               "err": _rel_err(tk.silu_mul(F.linear(x, w_gu)), ref), "cfg": None}
-        if fp8 or rows <= FUSED_SILU_MAX_ROWS:  # what the engine runs: the fused Triton GEMM, else cuBLAS + silu_mul
-            cands["default"] = {"ms": _time_ms(functools.partial(tk.linear, x, wq, silu_mul=True, w_scale=ws), cuda),
-                                "err": None, "cfg": tk.linear_config(rows, inter, D, True, fp8_weight=fp8)}
-        else:
-            cands["default"] = {**cands["cublas"], "err": None}
-        res["gate_up"] = cands
-        _report(rows, "gate_up", cands)
-        # qkv + rope + cache write
-        max_len = 512
-        cos, sin = rope_tables(torch.full((hd // 2,), 1e-2), max_len, device, dtype)
-        k_cache = torch.zeros(rows + 1, max_len, Hkv, hd, device=device, dtype=dtype)
-        v_cache = torch.zeros_like(k_cache)
-        positions = torch.randint(0, max_len, (rows,), generator=g).to(device)
-        slots = torch.arange(rows, device=device)
-        cands = {}
-        ref_q = None
-        wq, ws, fw, wd = q8.get("qkv", (w_qkv, None, None, w_qkv))
-        bks = (128, 256) if fp8 else (64, 128)
-        head_splits = [hs for hs in (1, 2, 4) if hd // 2 // hs >= 16]
-        for bm, bk, warps, hs in itertools.product(*(((16,), (32,), (4,), (1,)) if tiny else
-                                                     ((32, 64, 128), bks, (4, 8), head_splits))):
-            if bm > max(32, rows):
-                continue
-            label = f"triton {bm},{bk},{warps},{hs}"
-            kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk >= 128 else 4, w_scale=ws,
-                      head_split=hs)
-            try:
-                q = tk.qkv_rope_cache(x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw)
-                ref_q = q if ref_q is None else ref_q
-                err = _rel_err(q, ref_q.float())
-                cands[label] = {"ms": _time_ms(functools.partial(
-                    tk.qkv_rope_cache, x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw),
-                    cuda), "err": err, "cfg": {k: v for k, v in kw.items() if k != "w_scale"}}
-            except Exception as e:
-                cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
-        cands["default"] = {"ms": _time_ms(functools.partial(
-            tk.qkv_rope_cache, x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, w_scale=ws), cuda),
-            "err": None, "cfg": None}
-        cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(F.linear, x, w_qkv, b_qkv), cuda), "err": None,
-                                "cfg": None}  # the projection alone (no RoPE, no cache write): a yardstick
-        res["qkv"] = cands
-        _report(rows, "qkv", cands)
+        if "gate_up" in gemms:
+            wq, ws, fw, wd = q8.get("gate_up", (w_gu, None, None, w_gu))
+            ref = x.float() @ wd.float().T
+            ref = F.silu(ref[:, :inter]) * ref[:, inter:]
+            cands = {}
+            for cfg in linear_grid(True, False, tiny, rows, D, fp8) if not fp8 or "w8a16" in families else ():
+                label = "triton " + ",".join(f"{v}" for v in cfg.values())
+                try:
+                    err = _rel_err(tk.linear(x, wq, silu_mul=True, config=cfg, w_scale=ws), ref)
+                    cands[label] = {"ms": _time_ms(functools.partial(tk.linear, x, wq, silu_mul=True, config=cfg,
+                                                                     w_scale=ws), cuda), "err": err, "cfg": cfg}
+                except Exception as e:
+                    cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+            for cfg in linear_grid(True, False, tiny, rows, D, fp8) if fp8 and "a8" in families else ():  # FP8 x FP8
+                label = "a8 " + ",".join(f"{v}" for v in cfg.values())
+                gemm = functools.partial(_a8_linear, x, wq, ws, cfg, silu_mul=True)
+                try:
+                    cands[label] = {"ms": _time_ms(gemm, cuda), "err": _rel_err(gemm(), ref), "cfg": cfg,
+                                    "tol": TOL_W8A8}
+                except Exception as e:
+                    cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+            if fp8:
+                w8a8 = functools.partial(_w8a8_silu, x, fw)
+                cands["cublas"] = {"ms": _time_ms(w8a8, cuda), "err": _rel_err(w8a8(), ref), "cfg": None,
+                                   "tol": TOL_W8A8}
+                cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda), "err": None,
+                                        "cfg": None}
+            else:
+                cands["cublas"] = {"ms": _time_ms(functools.partial(_cublas_silu, x, w_gu), cuda),
+                                   "err": _rel_err(tk.silu_mul(F.linear(x, w_gu)), ref), "cfg": None}
+            if fp8 or rows <= FUSED_SILU_MAX_ROWS:  # what the engine runs: the fused Triton GEMM, else cuBLAS + silu
+                fused = functools.partial(tk.linear, x, wq, silu_mul=True, w_scale=ws)
+                cands["default"] = {"ms": _time_ms(fused, cuda), "err": None,
+                                    "cfg": tk.linear_config(rows, inter, D, True, fp8_weight=fp8)}
+            else:
+                cands["default"] = {**cands["cublas"], "err": None}
+            res["gate_up"] = cands
+            _report(rows, "gate_up", cands)
+        if "qkv" in gemms:
+            # qkv + rope + cache write
+            max_len = 512
+            cos, sin = rope_tables(torch.full((hd // 2,), 1e-2), max_len, device, dtype)
+            k_cache = torch.zeros(rows + 1, max_len, Hkv, hd, device=device, dtype=dtype)
+            v_cache = torch.zeros_like(k_cache)
+            positions = torch.randint(0, max_len, (rows,), generator=g).to(device)
+            slots = torch.arange(rows, device=device)
+            cands = {}
+            ref_q = None
+            wq, ws, fw, wd = q8.get("qkv", (w_qkv, None, None, w_qkv))
+            bks = (128, 256) if fp8 else (64, 128)
+            head_splits = [hs for hs in (1, 2, 4) if hd // 2 // hs >= 16]
+            for bm, bk, warps, hs in itertools.product(*(((16,), (32,), (4,), (1,)) if tiny else
+                                                         ((32, 64, 128), bks, (4, 8), head_splits))):
+                if bm > max(32, rows):
+                    continue
+                label = f"triton {bm},{bk},{warps},{hs}"
+                kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=3 if bk >= 128 else 4, w_scale=ws,
+                          head_split=hs)
+                try:
+                    q = tk.qkv_rope_cache(x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw)
+                    ref_q = q if ref_q is None else ref_q
+                    err = _rel_err(q, ref_q.float())
+                    cands[label] = {"ms": _time_ms(functools.partial(
+                        tk.qkv_rope_cache, x, wq, b_qkv, positions, slots, cos, sin, k_cache, v_cache, H, Hkv, **kw),
+                        cuda), "err": err, "cfg": {k: v for k, v in kw.items() if k != "w_scale"}}
+                except Exception as e:
+                    cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
+            default = functools.partial(tk.qkv_rope_cache, x, wq, b_qkv, positions, slots, cos, sin, k_cache,
+                                        v_cache, H, Hkv, w_scale=ws)
+            cands["default"] = {"ms": _time_ms(default, cuda), "err": None, "cfg": None}
+            cands["cublas_bf16"] = {"ms": _time_ms(functools.partial(F.linear, x, w_qkv, b_qkv), cuda), "err": None,
+                                    "cfg": None}  # the projection alone (no RoPE, no cache write): a yardstick
+            res["qkv"] = cands
+            _report(rows, "qkv", cands)
         if not skip_attention:
             res["attention"] = tune_attention(rows, H, Hkv, hd, rnd, device, tiny)
             _report(rows, "attention", res["attention"])
@@ -267,6 +293,15 @@ def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from rlhf_mcore.rollout.native import triton_kernels as tk
 
     return tk.silu_mul(F.linear(x, w))
+
+
+def _a8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, cfg: dict, **kw) -> torch.Tensor:
+    """The activation quantized per row (one Triton kernel), then the Triton GEMM on FP8 x FP8 products."""
+    from rlhf_mcore.kernels.fp8 import quantize_rows
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    xq, xs = quantize_rows(x)
+    return tk.linear(xq, wq, config=cfg, w_scale=ws, x_scale=xs, **kw)
 
 
 def _w8a8_silu(x: torch.Tensor, fw) -> torch.Tensor:
@@ -367,6 +402,10 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8-weights", action="store_true", help="weight-only FP8 Triton candidates against cuBLAS "
                    "w8a8 (the e2e generate is bf16: pass --e2e-batch 0)")
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--fp8-families", nargs="+", default=["w8a16", "a8"], choices=["w8a16", "a8"],
+                   help="with --fp8-weights: which Triton candidates (weight-only, FP8 x FP8)")
+    p.add_argument("--gemms", nargs="+", default=["o_proj", "down", "gate_up", "qkv"],
+                   choices=["o_proj", "down", "gate_up", "qkv"], help="which layer GEMMs to tune")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--e2e-batch", type=int, default=512, help="0: skip the end-to-end generate")
     p.add_argument("--out", default=None)
@@ -382,7 +421,10 @@ def main(argv=None) -> dict:
     shape = {**(TINY if args.tiny else shape_of(args.shape)), "vocab_size": args.vocab}
     rows = [4] if args.tiny else args.rows
     t0 = time.perf_counter()
-    res = tune_shapes(shape, rows, device, dtype, args.tiny, args.fp8_weights and cuda, args.skip_attention)
+    if args.e2e_batch and set(args.gemms) != {"o_proj", "down", "gate_up", "qkv"} and not args.tiny:
+        raise SystemExit("--gemms: the end-to-end generate patches every GEMM's choice; pass --e2e-batch 0")
+    res = tune_shapes(shape, rows, device, dtype, args.tiny, args.fp8_weights, args.skip_attention,
+                      tuple(args.gemms), tuple(args.fp8_families))
     out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "fp8_weights": args.fp8_weights,
            "tune_s": round(time.perf_counter() - t0, 1), "rows": {}}

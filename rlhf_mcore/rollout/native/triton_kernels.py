@@ -365,7 +365,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om, stride_os,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                    W_SCALED: tl.constexpr, M_FASTEST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, as_ptr=None,
+                   A_SCALED: tl.constexpr = False):
     """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
 
     SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
@@ -374,6 +375,9 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
     W_SCALED: w holds FP8 codes with one fp32 scale per row (ws, 2N of them with SILU_MUL): each code is widened
     to a's dtype (exact: e4m3 and e5m2 are subsets of bf16) and the row's scale multiplies the fp32 sum, which it
     factors out of (weight-only FP8: the activations are not quantized).
+    A_SCALED (with W_SCALED): a holds FP8 codes too, with one fp32 scale per row (as_ptr): the products are FP8 x FP8
+    tensor-core products into fp32, and both scales multiply the sum (w8a8 with K splits, which cuBLAS's FP8 GEMM
+    does not take at decode-sized M).
     M_FASTEST: the grid is (row tiles, column tiles, splits), so the programs of one weight tile's row tiles are
     launched together and share its reads in L2 (a weight larger than L2 would otherwise be read from memory once
     per row tile); else (column tiles, row tiles, splits)."""
@@ -406,7 +410,7 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
             kmask = (k0 + offs_k) < k_hi
             a = tl.load(a_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if W_SCALED:
+        if W_SCALED and not A_SCALED:
             w = w.to(a_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -417,7 +421,7 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
                 u = tl.load(u_ptrs + k0, mask=nmask[:, None], other=0.0)
             else:
                 u = tl.load(u_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if W_SCALED:
+            if W_SCALED and not A_SCALED:
                 u = u.to(a_ptr.dtype.element_ty)
             if IEEE:
                 acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee")
@@ -427,6 +431,11 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
         acc *= tl.load(ws_ptr + offs_n, mask=nmask, other=0.0)[None, :]
         if SILU_MUL:
             acc_u *= tl.load(ws_ptr + N + offs_n, mask=nmask, other=0.0)[None, :]
+    if A_SCALED:
+        a_scale = tl.load(as_ptr + offs_m, mask=mmask, other=0.0)[:, None]
+        acc *= a_scale
+        if SILU_MUL:
+            acc_u *= a_scale
     omask = mmask[:, None] & nmask[None, :]
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if SPLIT_K > 1:
@@ -466,29 +475,38 @@ def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: b
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-           allow_split: bool = False, config: dict | None = None, w_scale: torch.Tensor | None = None
-           ) -> torch.Tensor:
+           allow_split: bool = False, config: dict | None = None, w_scale: torch.Tensor | None = None,
+           x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (M, K) @ w.T for w (N, K) in transformers' orientation, + bias; a decode-sized (small M) GEMM.
 
     silu_mul: w is [gate; up] (2I, K) and the result is silu(x @ gate.T) * (x @ up.T), (M, I).
     allow_split: the consumer (`add_rms_norm`) takes K-split partials: the result may be (S, M, N) fp32
     (S = the config's SPLIT_K), which `add_rms_norm` sums. Otherwise (M, N) in x's dtype.
     w_scale: w is FP8 codes and w_scale its fp32 scale per row (2I with silu_mul): the product is x @ (w * w_scale).T
-    with x unquantized (weight-only FP8, `fp8_decode="w8a16"` of the engine)."""
+    with x unquantized (weight-only FP8, `fp8_decode="w8a16"` of the engine).
+    x_scale (with w_scale): x is FP8 codes too, with this fp32 scale per row (`kernels.fp8.quantize_rows`): FP8 x FP8
+    products, x @ (w * w_scale).T scaled per row; the result in `out_dtype` (bf16 by default), or K-split fp32
+    partials as above."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     assert x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
     assert (w_scale is None) == (w.element_size() != 1), "FP8 weights need their scales, and only they take them"
+    assert (x_scale is None) == (x.element_size() != 1), "FP8 activations need their scales, and only they take them"
+    assert x_scale is None or w_scale is not None, "FP8 activations multiply FP8 weights only"
     if w_scale is not None:
         w_scale = w_scale.reshape(-1)
         assert w_scale.dtype == torch.float32 and w_scale.numel() == w.shape[0] and w_scale.is_contiguous()
-    cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, x.dtype,
+    if x_scale is not None:
+        x_scale = x_scale.reshape(-1)
+        assert x_scale.dtype == torch.float32 and x_scale.numel() == m and x_scale.is_contiguous()
+    out_dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
+    cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, out_dtype,
                                        fp8_weight=w_scale is not None))
     split = cfg.pop("SPLIT_K")
     if split > 1:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     # FP8 weights (7B-sized ones exceed L2) launch a weight tile's row tiles together; the bf16 path keeps the
     # order it was measured with
     m_fastest = w_scale is not None and triton.cdiv(m, cfg["BLOCK_M"]) > 1
@@ -500,7 +518,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
                          HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split,
                          EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, W_SCALED=w_scale is not None,
                          M_FASTEST=m_fastest,
-                         IEEE=x.dtype == torch.float32, PDL=pdl, **cfg, **_launch(pdl))
+                         IEEE=x.dtype == torch.float32, PDL=pdl, as_ptr=x_scale if x_scale is not None else x,
+                         A_SCALED=x_scale is not None, **cfg,
+                         **_launch(pdl))
     return out
 
 
