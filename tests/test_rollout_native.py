@@ -503,6 +503,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
     _w8a16_decode_check(model_dir)
     _out_proj_routing_check(model_dir)
     _large_weight_routing_check(model_dir)
+    _fp8_triton_decode_check(model_dir)
     _shared_prompt_reads_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32 and 64) + cache write (head_dim 16: padded halves).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
@@ -621,6 +622,56 @@ def _w8a16_decode_check(model_dir: str) -> None:
         finally:
             kfp8.quantize_rows, tk.linear = real_q, real_l
         assert calls == {"quantize": 0, "linear": 3 * eng.spec.num_layers}, (rows, calls)
+        want = plain.decode(tokens, positions, slots, twin, "torch", 32)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _fp8_triton_decode_check(model_dir: str) -> None:
+    """Under `model.FP8_TRITON_DECODE` a fused decode step of an FP8 ("w8a8") engine runs gate_up and down as Triton
+    GEMMs on FP8 x FP8 products, each after one per-row quantization of its input, and equals the unfused decode step
+    on the same FP8 copies (cuBLAS's w8a8 form: torch's reference here), on the same cache, at 3 and 70 rows (fp32,
+    1e-4); o_proj (bf16 under w8a8) keeps the bf16 routing. Off (the default), the fused step sends the FP8 linears
+    to `_linear`, as before. Mutations: `_decode_input` leaving the activations unquantized under w8a8 -> the
+    logits move by the activations' quantization error and the check fails; gate_up's FP8 scales left out of
+    `_mlp_act` -> fails."""
+    from rlhf_mcore.kernels import fp8 as kfp8
+    from rlhf_mcore.rollout.native import fp8 as native_fp8
+    from rlhf_mcore.rollout.native import model as nm
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.model import NativeModel
+
+    native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
+    eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
+                              attention="torch", sampler="torch", cuda_graphs=False, quantization="fp8")
+    eng._refresh_fp8()
+    fused = eng.model
+    assert fused.fp8_decode == "w8a8" and sorted(fused.fp8[0]) == ["down", "gate_up"]
+    plain = NativeModel(eng.spec, eng.weights, 33, None, fused=False)
+    plain.fp8, plain.fp8_decode = fused.fp8, "w8a8"
+    g = torch.Generator().manual_seed(9)
+    n = eng.spec.num_layers
+    saved = nm.FP8_TRITON_DECODE
+    for on, rows in ((True, 3), (True, 70), (False, 3)):
+        cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
+        calls = {"quantize": 0, "linear": 0}
+        real_q, real_l = kfp8.quantize_rows, tk.linear
+
+        def count(key, fn, calls=calls):
+            def wrapped(*a, **kw):
+                calls[key] += 1
+                return fn(*a, **kw)
+            return wrapped
+
+        nm.FP8_TRITON_DECODE = on
+        kfp8.quantize_rows, tk.linear = count("quantize", real_q), count("linear", real_l)
+        try:
+            got = fused.decode(tokens, positions, slots, cache, "torch", 32)
+        finally:
+            kfp8.quantize_rows, tk.linear = real_q, real_l
+            nm.FP8_TRITON_DECODE = saved
+        # on: gate_up and down on Triton (+ o_proj's bf16 Triton GEMM, a small weight here), one quantization each;
+        # off: both FP8 linears through `_linear` (its quantization inside fp8_linear), o_proj on cuBLAS
+        assert calls == ({"quantize": 2 * n, "linear": 3 * n} if on else {"quantize": 2 * n, "linear": 0}), (on, calls)
         want = plain.decode(tokens, positions, slots, twin, "torch", 32)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 

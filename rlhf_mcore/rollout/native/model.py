@@ -55,6 +55,13 @@ TRITON_OUT_PROJ_MAX_ROWS = 256
 # kernel's 18.3 / 38.8; at 0.5B (<= 4.4M) the Triton GEMMs win (launch/bench/tune_decode_gemms.py, BENCHMARKS.md
 # session 34). FP8 weights (w8a16) stay on Triton.
 TRITON_GEMM_MAX_WEIGHT = 8 << 20
+# FP8 rollout ("w8a8", per-channel scales): whether a fused decode step runs its FP8 linears as Triton GEMMs on FP8 x
+# FP8 products (the activation quantized per row by one kernel, K splits summed by the next add+norm, silu*mul in
+# gate_up's epilogue) instead of cuBLAS's FP8 GEMM. The same quantization and fp32 sums. Timed alone at the 7B shape
+# on an H100 (tune_decode_gemms.py, BENCHMARKS.md session 34), quantization included: down + add+norm 62.4 -> 40.8
+# us at 64 rows and 62.7 -> 59.2 at 256, gate_up + silu 67.2 -> 55.7 and 86.8 -> 84.1. Off until a GPU run has
+# measured it end to end (the decode step at every captured batch size, the engine's FP8 tests under CUDA graphs).
+FP8_TRITON_DECODE = False
 
 
 @dataclass
@@ -127,9 +134,19 @@ class NativeModel:
 
     def _decode_weight(self, i: int, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight a Triton decode GEMM reads for layer i's `name`: w, or its FP8 codes and per-channel scales
-        ("w8a16")."""
+        ("w8a16", and "w8a8" under `FP8_TRITON_DECODE`)."""
         q = self.fp8[i].get(name) if self.fp8 is not None else None
         return (w, None) if q is None else (q.q, q.scale)
+
+    def _decode_input(self, x: torch.Tensor, w_scale: torch.Tensor | None) -> dict:
+        """The activation arguments of a Triton decode GEMM: x as it is, or under "w8a8" (an FP8 weight,
+        `FP8_TRITON_DECODE`) its FP8 codes with one scale per row, as cuBLAS's FP8 GEMM would take it."""
+        if w_scale is None or self.fp8_decode != "w8a8":
+            return {"x": x}
+        from rlhf_mcore.kernels.fp8 import quantize_rows
+
+        xq, xs = quantize_rows(x)
+        return {"x": xq, "x_scale": xs, "out_dtype": x.dtype}
 
     def _mlp_act(self, h: torch.Tensor, gate_up: torch.Tensor, triton_gemms: bool, i: int = 0) -> torch.Tensor:
         """silu(h @ gate.T) * (h @ up.T) (N, I / tp) for gate_up = [gate; up]. FP8 weights in a Triton decode
@@ -139,7 +156,7 @@ class NativeModel:
             if scale is not None or h.shape[0] <= FUSED_SILU_MAX_ROWS:
                 from .triton_kernels import linear
 
-                return linear(h, w, silu_mul=True, w_scale=scale)
+                return linear(w=w, silu_mul=True, w_scale=scale, **self._decode_input(h, scale))
         gu = self._linear(i, "gate_up", h, gate_up)
         if self.fused:
             from .triton_kernels import silu_mul
@@ -159,7 +176,8 @@ class NativeModel:
             return self._all_reduce(self._linear(i, name, x, w))
         from .triton_kernels import linear
 
-        return self._all_reduce(linear(x, wd, allow_split=self.tp_size == 1, w_scale=scale))
+        return self._all_reduce(linear(w=wd, allow_split=self.tp_size == 1, w_scale=scale,
+                                       **self._decode_input(x, scale)))
 
     def _split_rope(self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights):
         """Torch path: split qkv (N, ...) into rotated q (N, Hq, hd), rotated k and v (N, Hkv, hd)."""
@@ -180,7 +198,8 @@ class NativeModel:
         states h (N, D) to q, k, v and does rope, the cache write and attention, returning (N, Hq * hd).
         triton_gemms: o, gate_up and down as Triton GEMMs (decode). Returns the final-normed hidden states (N, D)."""
         layers = self.w.layers
-        triton_gemms = triton_gemms and (self.fp8 is None or self.fp8_decode == "w8a16")
+        triton_gemms = triton_gemms and (self.fp8 is None or self.fp8_decode == "w8a16" or FP8_TRITON_DECODE
+                                         and all(q.layout == "channel" for q in self.fp8[0].values()))
         residual, h = self._add_norm(x, None, layers[0].input_norm)
         for i, lw in enumerate(layers):
             attn = attend(i, h)  # (N, Hq hd)
