@@ -57,10 +57,11 @@ def outputs(tmp_path_factory):
         bench_rollout.main(["--tiny", "--batches", "4", "--out", out + "/rollout.json"])
         profile_decode.main(["--tiny", "--vocab", "512", "--samples", "2", "--out", out + "/profile_decode.json"])
         from rlhf_mcore.rollout.native import model as nm
-        before = (nm.TRITON_OUT_PROJ_MAX_ROWS, nm.FUSED_SILU_MAX_ROWS)
+        before = (nm.TRITON_OUT_PROJ_MAX_ROWS, nm.FUSED_SILU_MAX_ROWS, nm.FP8_TRITON_DECODE)
         profile_decode.main(["--tiny", "--cublas-gemms", "--model-dir", out + "/decode_model",
                              "--out", out + "/profile_decode_cublas.json"])
-        assert (nm.TRITON_OUT_PROJ_MAX_ROWS, nm.FUSED_SILU_MAX_ROWS) == before, "profile_decode kept its routing"
+        assert (nm.TRITON_OUT_PROJ_MAX_ROWS, nm.FUSED_SILU_MAX_ROWS, nm.FP8_TRITON_DECODE) == before, (
+            "profile_decode kept its routing")
         bench_lora_linear.main(["--shape", "tiny", "--tokens", "32", "--warmup", "0", "--reps", "1",
                                 "--out", out + "/lora_linear.json"])
     """)

@@ -6,7 +6,8 @@
     python launch/bench/profile_decode.py --batch 512 --samples 8 --prompt-len 128 --vocab 8192 [--own-slot-reads]
                                           # the same with GRPO's 8 samples a prompt (64 prompts), each group's rows
                                           # reading the prompt from one slot (engine.SHARE_PROMPT_READS) or not
-    python launch/bench/profile_decode.py --shape 7b --batch 64 [--quantization fp8 [--fp8-decode w8a16]]
+    python launch/bench/profile_decode.py --shape 7b --batch 64 [--quantization fp8 [--fp8-decode w8a16 |
+                                          --fp8-triton-decode]]
                                           [--model-dir DIR]   # another shape, FP8 weights; DIR keeps the random
                                           # model between runs (written there once)
     python launch/bench/profile_decode.py --shape 7b --cublas-gemms   # o, gate_up and down on cuBLAS at every
@@ -113,6 +114,8 @@ def main(argv=None) -> dict:
                    "quantization=fp8, per-channel scales)")
     p.add_argument("--fp8-decode", choices=("w8a8", "w8a16"), default="w8a8",
                    help="with --quantization fp8: the engine's fp8_decode")
+    p.add_argument("--fp8-triton-decode", action="store_true", help="with --quantization fp8 (w8a8): gate_up and "
+                   "down as Triton FP8 x FP8 GEMMs in the decode step (model.FP8_TRITON_DECODE)")
     p.add_argument("--cublas-gemms", action="store_true",
                    help="o_proj, gate_up and down on cuBLAS at every batch (bf16 weights), QKV still fused")
     p.add_argument("--model-dir", default=None, help="keep the random model here (reused when it has config.json)")
@@ -126,14 +129,20 @@ def main(argv=None) -> dict:
     from rlhf_mcore.rollout.native import model as model_mod
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
-    saved = (engine_mod.SHARE_PROMPT_READS, model_mod.TRITON_OUT_PROJ_MAX_ROWS, model_mod.FUSED_SILU_MAX_ROWS)
+    if args.fp8_triton_decode and (args.quantization != "fp8" or args.fp8_decode != "w8a8"):
+        raise SystemExit("--fp8-triton-decode routes the w8a8 decode GEMMs: pass --quantization fp8 (w8a8)")
+    names = ("TRITON_OUT_PROJ_MAX_ROWS", "FUSED_SILU_MAX_ROWS", "FP8_TRITON_DECODE")
+    saved = engine_mod.SHARE_PROMPT_READS, {n: getattr(model_mod, n) for n in names}
     engine_mod.SHARE_PROMPT_READS = not args.own_slot_reads
     if args.cublas_gemms:
         model_mod.TRITON_OUT_PROJ_MAX_ROWS = model_mod.FUSED_SILU_MAX_ROWS = 0
+    model_mod.FP8_TRITON_DECODE = args.fp8_triton_decode or model_mod.FP8_TRITON_DECODE
     try:  # the module settings go back afterwards (a caller's process keeps running)
         return _profile(args, NativeRolloutEngine, SamplingParams, engine_mod)
     finally:
-        engine_mod.SHARE_PROMPT_READS, model_mod.TRITON_OUT_PROJ_MAX_ROWS, model_mod.FUSED_SILU_MAX_ROWS = saved
+        engine_mod.SHARE_PROMPT_READS = saved[0]
+        for n, v in saved[1].items():
+            setattr(model_mod, n, v)
 
 
 def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
@@ -179,6 +188,7 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
                "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "batch": args.batch,
                "samples": args.samples, "quantization": args.quantization,
                "fp8_decode": args.fp8_decode if args.quantization else None, "cublas_gemms": args.cublas_gemms,
+               "fp8_triton_decode": args.fp8_triton_decode,
                "shared_prompt_reads": engine_mod.SHARE_PROMPT_READS, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens,
                "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"],
