@@ -456,13 +456,30 @@ def _num_sms() -> int:
 
 
 def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: bool = False,
-                  dtype: torch.dtype = torch.bfloat16, fp8_weight: bool = False) -> dict:
+                  dtype: torch.dtype = torch.bfloat16, fp8_weight: bool = False, fp8_act: bool = False) -> dict:
     """Tile sizes, K splits, warps and stages of `linear` for an (m x k) @ (k x n) product (n: output columns).
 
     Chosen on one H200 at the Qwen2.5-0.5B shapes, 64 and 256 rows (launch/bench/profile_decode.py and BENCHMARKS.md,
     round 5): such products are latency-bound, so narrow tiles and K splits (up to ~2 programs an SM, each
     split >= 4 K blocks) put more loads in flight; gate_up with silu*mul takes 128-wide K blocks. FP8 weights
-    (one byte a value) take 128-wide K blocks too, so a row's load stays 128 bytes (not yet tuned on a GPU)."""
+    (one byte a value) take 128-wide K blocks too, so a row's load stays 128 bytes (not yet tuned on a GPU).
+    fp8_act (FP8 x FP8 products): the fastest tiles of tune_decode_gemms at the 7B shape on an H100 (session 34), 64
+    and 256 rows: K blocks of 256 and 2 splits for K >= 8,192 at <= 64 rows; 128-row tiles, 8 warps and 4 splits
+    for K >= 8,192 above."""
+    if fp8_act:
+        big_k = k >= 8192
+        if m <= 64:
+            bm = max(16, triton.next_power_of_2(m))
+            cfg = (dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3) if silu_mul else
+                   dict(BLOCK_N=64 if big_k else 32, BLOCK_K=256, SPLIT_K=2 if big_k else 1, num_warps=4,
+                        num_stages=4))
+        else:
+            bm = 128
+            cfg = dict(BLOCK_N=128 if big_k and not silu_mul else 64, BLOCK_K=128,
+                       SPLIT_K=4 if big_k and not silu_mul else 1, num_warps=8, num_stages=3)
+        if not allow_split:
+            cfg["SPLIT_K"] = 1
+        return dict(BLOCK_M=bm, **cfg)
     bm = 64 if m > 32 else max(16, triton.next_power_of_2(m))
     bk = 32 if dtype == torch.float32 else (128 if silu_mul or fp8_weight else 64)
     bn = 32 if k < 2048 and not silu_mul else 64
@@ -501,7 +518,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
         assert x_scale.dtype == torch.float32 and x_scale.numel() == m and x_scale.is_contiguous()
     out_dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
     cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, out_dtype,
-                                       fp8_weight=w_scale is not None))
+                                       fp8_weight=w_scale is not None, fp8_act=x_scale is not None))
     split = cfg.pop("SPLIT_K")
     if split > 1:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
