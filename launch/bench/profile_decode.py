@@ -21,6 +21,10 @@ Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, 
      graph are recorded one by one) and reports, per decode step: kernel count, summed kernel time, the gap between the
      step's wall time and its kernels (host work, launch, the done-flag sync), and the kernels grouped by kind (GEMM,
      attention, sampling, element-wise/norm, copies) and by name.
+Under programmatic dependent launch (Hopper; the engine's default) a Triton kernel starts before its predecessor
+ends and waits for it, so the recorded kernel times overlap and can sum to more than the wall (7B, batch 64: 10.6 ms
+of kernels in a 6.8 ms step, BENCHMARKS.md session 34); run with RLHF_MCORE_DECODE_PDL=0 for kernel times that add
+up (the step itself then runs without the overlap).
 The bound it compares with: the bytes a step must read once (weights + the average KV cache) at the ~4.3 TB/s a device
 copy reaches on an H200.
 """
