@@ -143,10 +143,13 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def fp8_variants(layouts) -> dict[str, dict]:
     """The FP8 engine configurations compared with bf16: each scale layout with cuBLAS's FP8 GEMM (activations
-    quantized per token), and per-channel weights read by the Triton decode GEMMs (`fp8_decode="w8a16"`)."""
+    quantized per token), per-channel weights read by the Triton decode GEMMs (`fp8_decode="w8a16"`), and the
+    per-channel w8a8 decode step on Triton's FP8 x FP8 GEMMs (`model.FP8_TRITON_DECODE`, off in the engine by
+    default; the variant switches it on for its own engine)."""
     out = {f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}
     if "channel" in layouts:
         out["fp8_channel_w8a16"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_decode": "w8a16"}
+        out["fp8_channel_triton"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_triton_decode": True}
     return out
 
 
@@ -163,6 +166,19 @@ def bench_rollout(model_dir: Path, s: dict, batches, prompt_len: int, new_tokens
 
 
 def _bench_variant(model_dir, s, batches, prompt_len, new_tokens, name, cfg) -> list[dict]:
+    """One engine configuration `cfg` (NativeRolloutEngine's keyword arguments, plus `fp8_triton_decode`: the model
+    switch, set for this engine only) timed at each batch size."""
+    from rlhf_mcore.rollout.native import model as nm
+
+    cfg = dict(cfg)
+    saved, nm.FP8_TRITON_DECODE = nm.FP8_TRITON_DECODE, cfg.pop("fp8_triton_decode", nm.FP8_TRITON_DECODE)
+    try:
+        return _bench_engine(model_dir, s, batches, prompt_len, new_tokens, name, cfg)
+    finally:
+        nm.FP8_TRITON_DECODE = saved
+
+
+def _bench_engine(model_dir, s, batches, prompt_len, new_tokens, name, cfg) -> list[dict]:
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
     from rlhf_mcore.rollout.native.weights import iter_safetensors
