@@ -575,6 +575,28 @@ def _decode_inputs(eng, rows: int, g: torch.Generator):
     return cache, twin, tokens, positions, torch.randperm(72, generator=g)[:rows]
 
 
+def _counted_decode(model, tokens, positions, slots, cache):
+    """`model.decode` (torch attention over 32 positions), counting the calls of `kernels.fp8.quantize_rows` and of the
+    Triton decode GEMM `linear` it makes: (logits, {"quantize": n, "linear": n})."""
+    from rlhf_mcore.kernels import fp8 as kfp8
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    calls = {"quantize": 0, "linear": 0}
+    real_q, real_l = kfp8.quantize_rows, tk.linear
+
+    def count(key, fn):
+        def wrapped(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    kfp8.quantize_rows, tk.linear = count("quantize", real_q), count("linear", real_l)
+    try:
+        return model.decode(tokens, positions, slots, cache, "torch", 32), calls
+    finally:
+        kfp8.quantize_rows, tk.linear = real_q, real_l
+
+
 def _w8a16_decode_check(model_dir: str) -> None:
     """A fused decode step with FP8 weights read by the Triton GEMMs (fp8_decode="w8a16") equals the torch decode
     step of the same model whose qkv, o_proj, gate_up and down are the dequantized FP8 weights (fp32, 1e-4; qkv
@@ -587,9 +609,7 @@ def _w8a16_decode_check(model_dir: str) -> None:
     its scales -> the logits check fails."""
     import copy
 
-    from rlhf_mcore.kernels import fp8 as kfp8
     from rlhf_mcore.rollout.native import fp8 as native_fp8
-    from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.model import NativeModel
 
     native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
@@ -607,20 +627,7 @@ def _w8a16_decode_check(model_dir: str) -> None:
     g = torch.Generator().manual_seed(5)
     for rows in (3, 70):
         cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
-        calls = {"quantize": 0, "linear": 0}
-        real_q, real_l = kfp8.quantize_rows, tk.linear
-
-        def count(key, fn, calls=calls):
-            def wrapped(*a, **kw):
-                calls[key] += 1
-                return fn(*a, **kw)
-            return wrapped
-
-        kfp8.quantize_rows, tk.linear = count("quantize", real_q), count("linear", real_l)
-        try:
-            got = fused.decode(tokens, positions, slots, cache, "torch", 32)
-        finally:
-            kfp8.quantize_rows, tk.linear = real_q, real_l
+        got, calls = _counted_decode(fused, tokens, positions, slots, cache)
         assert calls == {"quantize": 0, "linear": 3 * eng.spec.num_layers}, (rows, calls)
         want = plain.decode(tokens, positions, slots, twin, "torch", 32)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -634,10 +641,8 @@ def _fp8_triton_decode_check(model_dir: str) -> None:
     to `_linear`, as before. Mutations: `_decode_input` leaving the activations unquantized under w8a8 -> the
     logits move by the activations' quantization error and the check fails; gate_up's FP8 scales left out of
     `_mlp_act` -> fails."""
-    from rlhf_mcore.kernels import fp8 as kfp8
     from rlhf_mcore.rollout.native import fp8 as native_fp8
     from rlhf_mcore.rollout.native import model as nm
-    from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.model import NativeModel
 
     native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
@@ -653,21 +658,10 @@ def _fp8_triton_decode_check(model_dir: str) -> None:
     saved = nm.FP8_TRITON_DECODE
     for on, rows in ((True, 3), (True, 70), (False, 3)):
         cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
-        calls = {"quantize": 0, "linear": 0}
-        real_q, real_l = kfp8.quantize_rows, tk.linear
-
-        def count(key, fn, calls=calls):
-            def wrapped(*a, **kw):
-                calls[key] += 1
-                return fn(*a, **kw)
-            return wrapped
-
         nm.FP8_TRITON_DECODE = on
-        kfp8.quantize_rows, tk.linear = count("quantize", real_q), count("linear", real_l)
         try:
-            got = fused.decode(tokens, positions, slots, cache, "torch", 32)
+            got, calls = _counted_decode(fused, tokens, positions, slots, cache)
         finally:
-            kfp8.quantize_rows, tk.linear = real_q, real_l
             nm.FP8_TRITON_DECODE = saved
         # on: gate_up and down on Triton (+ o_proj's bf16 Triton GEMM, a small weight here), one quantization each;
         # off: both FP8 linears through `_linear` (its quantization inside fp8_linear), o_proj on cuBLAS
