@@ -128,17 +128,23 @@ def test_tune_decode_gemms_json(tmp_path):
         assert all(err is None or err < 1e-5 for _, err in r["all"].values()), (name, r["all"])  # fp32 on CPU
     e2e = res["e2e"]
     assert e2e["batch"] == 4 and len(e2e["default"]["decode_step_ms"]) == len(e2e["tuned"]["decode_step_ms"]) == 2
-    # FP8 weights (`--fp8-weights`, two GEMMs): weight-only Triton within fp32 rounding of the dequantized product;
+    # FP8 weights (`--fp8-weights`, two GEMMs, one of two TP ranks' shares): weight-only Triton within fp32 rounding
+    # of the dequantized product (whole products, no K splits, as the engine runs them under TP);
     # FP8 x FP8 ("a8") and cuBLAS w8a8 (the CPU reference here) quantize the activation too, so both sit at its
-    # error, which is far above rounding. Mutation: `_a8_linear` passing the unquantized x -> every a8 candidate
-    # raises linear's FP8 assertion, none is timed, and the error check fails.
+    # error, which is far above rounding. Mutations: `_a8_linear` passing the unquantized x -> every a8 candidate
+    # raises linear's FP8 assertion, none is timed, and the error check fails; K splits allowed under --tp 2 -> the
+    # tile check fails.
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "tune_decode_gemms.py"), "--tiny",
                            "--fp8-weights", "--gemms", "down", "gate_up", "--skip-attention", "--e2e-batch", "0",
+                           "--tp", "2",
                            "--out", str(out)], cwd=ROOT, env=child_env(**QUIET, TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    per = json.loads(out.read_text())["rows"]["4"]
-    assert set(per) == {"down", "gate_up"}
+    res = json.loads(out.read_text())
+    per = res["rows"]["4"]
+    assert set(per) == {"down", "gate_up"} and res["tp"] == 2
+    tiles = [k.split()[1].split(",") for k in per["down"]["all"] if k.startswith(("triton", "a8"))]
+    assert tiles and all(t[3] == "1" for t in tiles), tiles  # (BM, BN, BK, SPLIT_K, warps, stages): no K split
     for name, r in per.items():
         errs = {k.split()[0]: err for k, (_, err) in r["all"].items() if err is not None}
         assert r["wrong"] == [] and errs["triton"] < 1e-5 and 1e-3 < errs["a8"] < 0.1, (name, errs)

@@ -2,7 +2,8 @@
 
     python launch/bench/tune_decode_gemms.py [--rows 256 512] [--vocab 8192] [--e2e-batch 512] [--out FILE.json]
     python launch/bench/tune_decode_gemms.py --shape 7b --rows 64 256 [--fp8-weights] [--gemms down gate_up]
-                                             --e2e-batch 0   # another shape; FP8 candidates; some GEMMs only
+                                             [--tp 2] --e2e-batch 0   # another shape; FP8 candidates; some GEMMs
+                                             # only; one TP rank's share of the weights
     python launch/bench/tune_decode_gemms.py --tiny     # CPU smoke run of the plumbing (no timing)
 
 For each layer GEMM of the Qwen2.5-0.5B (or `--shape`) decode step, with what consumes it, and its attention:
@@ -67,7 +68,8 @@ def linear_grid(silu: bool, split_ok: bool, tiny: bool, rows: int = 256, k: int 
     tiles above `rows` are left out; K of 2,048 and more (1.5B and up) also try 4 and 8 splits, FP8 codes K
     blocks of 128 and 256 (one byte a value)."""
     if tiny:
-        return [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)]
+        return [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, num_warps=4, num_stages=2)
+                for split in ((1, 2) if split_ok else (1,))]
     out = []
     bks = (128, 256) if fp8 else (64, 128) if silu else (64,)
     splits = (1, 2, 4, 8) if k >= 2048 else (1, 2)
@@ -84,7 +86,7 @@ def linear_grid(silu: bool, split_ok: bool, tiny: bool, rows: int = 256, k: int 
 
 def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp8: bool = False,
                 skip_attention: bool = False, gemms: tuple[str, ...] = ("o_proj", "down", "gate_up", "qkv"),
-                families: tuple[str, ...] = ("w8a16", "a8")) -> dict:
+                families: tuple[str, ...] = ("w8a16", "a8"), tp: int = 1) -> dict:
     from rlhf_mcore.kernels.fp8 import Fp8Weight, fp8_linear
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.model import FUSED_SILU_MAX_ROWS
@@ -94,6 +96,10 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
     D, inter = shape["hidden_size"], shape["intermediate_size"]
     H, Hkv = shape["num_attention_heads"], shape["num_key_value_heads"]
     hd = D // H
+    if any(v % tp for v in (H, Hkv, inter)):
+        raise SystemExit(f"--tp {tp}: the heads ({H}, {Hkv} KV) and the MLP width ({inter}) must divide by it")
+    H, Hkv, inter = H // tp, Hkv // tp, inter // tp  # one TP rank's share, as the engine shards them (weights.py)
+    split_ok = tp == 1  # under TP the engine's o_proj / down sum whole products (the all-reduce wants the sum)
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(*s, scale=1.0):
@@ -119,21 +125,21 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
             wq, ws, fw, wd = q8.get(name, (w, None, None, w))
             ref = x.float() @ wd.float().T
             cands = {}
-            for cfg in linear_grid(False, True, tiny, rows, k, fp8) if not fp8 or "w8a16" in families else ():
+            for cfg in linear_grid(False, split_ok, tiny, rows, k, fp8) if not fp8 or "w8a16" in families else ():
                 label = "triton " + ",".join(f"{v}" for v in cfg.values())
                 try:
-                    out = tk.linear(x, wq, allow_split=True, config=cfg, w_scale=ws)
+                    out = tk.linear(x, wq, allow_split=split_ok, config=cfg, w_scale=ws)
                     got = out.sum(0) if out.dim() == 3 else out
                     err = _rel_err(got, ref)
 
-                    gemm = functools.partial(tk.linear, x, wq, allow_split=True, config=cfg, w_scale=ws)
+                    gemm = functools.partial(tk.linear, x, wq, allow_split=split_ok, config=cfg, w_scale=ws)
                     cands[label] = {"ms": _time_ms(_then_norm(gemm, resid, norm_w), cuda), "err": err, "cfg": cfg}
                 except Exception as e:  # a tile the compiler refuses (shared memory, registers)
                     cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
 
-            for cfg in linear_grid(False, True, tiny, rows, k, fp8) if fp8 and "a8" in families else ():  # FP8 x FP8
+            for cfg in linear_grid(False, split_ok, tiny, rows, k, fp8) if fp8 and "a8" in families else ():
                 label = "a8 " + ",".join(f"{v}" for v in cfg.values())
-                gemm = functools.partial(_a8_linear, x, wq, ws, cfg, allow_split=True)
+                gemm = functools.partial(_a8_linear, x, wq, ws, cfg, allow_split=split_ok)
                 try:
                     out = gemm()
                     err = _rel_err(out.sum(0) if out.dim() == 3 else out, ref)
@@ -147,9 +153,9 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
             if fp8:
                 cands["cublas_bf16"] = {"ms": _time_ms(_then_norm(functools.partial(F.linear, x, w), resid, norm_w),
                                                        cuda), "err": None, "cfg": None}
-            default = functools.partial(tk.linear, x, wq, allow_split=True, w_scale=ws)
+            default = functools.partial(tk.linear, x, wq, allow_split=split_ok, w_scale=ws)
             cands["default"] = {"ms": _time_ms(_then_norm(default, resid, norm_w), cuda), "err": None,
-                                "cfg": tk.linear_config(rows, D, k, allow_split=True, fp8_weight=fp8)}
+                                "cfg": tk.linear_config(rows, D, k, allow_split=split_ok, fp8_weight=fp8)}
             res[name] = cands
             _report(rows, name, cands)
         x = rnd(rows, D)
@@ -402,6 +408,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8-weights", action="store_true", help="weight-only FP8 Triton candidates against cuBLAS "
                    "w8a8 (the e2e generate is bf16: pass --e2e-batch 0)")
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="time one tensor-parallel rank's shares of the weights (its "
+                   "heads and MLP columns; no K splits in o_proj / down, as the engine runs them under TP)")
     p.add_argument("--fp8-families", nargs="+", default=["w8a16", "a8"], choices=["w8a16", "a8"],
                    help="with --fp8-weights: which Triton candidates (weight-only, FP8 x FP8)")
     p.add_argument("--gemms", nargs="+", default=["o_proj", "down", "gate_up", "qkv"],
@@ -416,6 +424,8 @@ def main(argv=None) -> dict:
     os.environ["RLHF_MCORE_DECODE_PDL"] = "0"  # each kernel alone in the grid; the end-to-end runs put it back
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
+    if args.tp > 1 and args.e2e_batch and not args.tiny:
+        raise SystemExit("--tp: the end-to-end generate runs one unsharded engine; pass --e2e-batch 0")
     if args.fp8_weights and args.e2e_batch and not args.tiny:
         raise SystemExit("--fp8-weights: the end-to-end generate patches bf16 choices only; pass --e2e-batch 0")
     shape = {**(TINY if args.tiny else shape_of(args.shape)), "vocab_size": args.vocab}
@@ -424,9 +434,10 @@ def main(argv=None) -> dict:
     if args.e2e_batch and set(args.gemms) != {"o_proj", "down", "gate_up", "qkv"} and not args.tiny:
         raise SystemExit("--gemms: the end-to-end generate patches every GEMM's choice; pass --e2e-batch 0")
     res = tune_shapes(shape, rows, device, dtype, args.tiny, args.fp8_weights, args.skip_attention,
-                      tuple(args.gemms), tuple(args.fp8_families))
+                      tuple(args.gemms), tuple(args.fp8_families), args.tp)
     out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "fp8_weights": args.fp8_weights,
+           "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "tp": args.tp,
+           "fp8_weights": args.fp8_weights,
            "tune_s": round(time.perf_counter() - t0, 1), "rows": {}}
     for r, per in res.items():
         out["rows"][r] = {}
