@@ -520,8 +520,8 @@ def test_profile_clock_spans_align_on_the_mark_kernel():
     assert [(round(a), round(b)) for _, a, b in no_mark] == [(2_000_000, 3_000_000)]
 
 
-def test_the_fp8_triton_variant_switches_the_model_for_its_own_engine_only(monkeypatch):
-    """bench_fp8's `fp8_channel_triton` variant turns `model.FP8_TRITON_DECODE` on while its engine runs and puts it
+def test_the_fp8_cublas_variant_switches_the_model_for_its_own_engine_only(monkeypatch):
+    """bench_fp8's `fp8_channel_cublas` variant turns `model.FP8_TRITON_DECODE` off while its engine runs and puts it
     back afterwards, also when the run fails; the other variants see it as it was, and no engine gets the key.
     Mutation: the switch not restored in `_bench_variant`'s finally -> the last check fails."""
     import bench_fp8
@@ -532,7 +532,7 @@ def test_the_fp8_triton_variant_switches_the_model_for_its_own_engine_only(monke
 
     def engine(model_dir, s, batches, prompt_len, new_tokens, name, cfg):
         seen.append((name, nm.FP8_TRITON_DECODE, "fp8_triton_decode" in cfg))
-        if name == "fp8_channel_triton":
+        if name == "fp8_channel_cublas":
             raise RuntimeError("a failed run")
         return []
 
@@ -540,8 +540,9 @@ def test_the_fp8_triton_variant_switches_the_model_for_its_own_engine_only(monke
     before = nm.FP8_TRITON_DECODE
     variants = {"bf16": {}, **bench_fp8.fp8_variants(["channel"])}
     rows = bench_fp8.bench_rollout(None, {}, [1], 4, 4, variants)
-    assert rows == [{"variant": "fp8_channel_triton", "error": "RuntimeError: a failed run"}]
+    assert before is True  # the engine's default
+    assert rows == [{"variant": "fp8_channel_cublas", "error": "RuntimeError: a failed run"}]
     assert [(n, on) for n, on, _ in seen] == [("bf16", before), ("fp8_channel", before),
-                                              ("fp8_channel_w8a16", before), ("fp8_channel_triton", True)]
+                                              ("fp8_channel_w8a16", before), ("fp8_channel_cublas", False)]
     assert not any(key for _, _, key in seen)
     assert nm.FP8_TRITON_DECODE == before

@@ -203,14 +203,20 @@ def test_fp8_w8a16_decode_tracks_bf16(real_shaped_dir):
     assert len(gap) >= 64 and gap.mean() <= 0.12 and gap.max() <= 0.5 and gap.max() > 0
 
 
-def test_fp8_triton_decode_tracks_cublas_w8a8(real_shaped_dir, monkeypatch):
-    """`model.FP8_TRITON_DECODE` (gate_up and down as Triton FP8 x FP8 GEMMs in the decode step, the same per-row
-    activation quantization as cuBLAS's w8a8) against cuBLAS's w8a8 decode on the same FP8 weights: greedy, two
-    prompts alone (one-row decode graphs) and 70 at once, CUDA graphs. Over
-    the decode steps both runs reach with the same context (at least 64), the log-prob gap is within 0.02 mean /
-    0.2 max: the two differ only in the fp32 summation order. Written in session 34; not yet run on a GPU (the
-    switch stays off until it has, with the decode step timed end to end). Mutation (not run): `_decode_input`
-    leaving the activations unquantized -> the gap grows to w8a16's (BENCHMARKS.md: up to ~0.5)."""
+def test_fp8_triton_decode_tracks_bf16_as_cublas_w8a8_does(real_shaped_dir, monkeypatch):
+    """`model.FP8_TRITON_DECODE` (the default: gate_up and down as Triton FP8 x FP8 GEMMs in the decode step) and
+    cuBLAS's w8a8 decode, both against the bf16 engine: greedy, two prompts alone (one-row decode graphs) and 70 at
+    once, CUDA graphs. Over the decode steps each reaches with bf16's context (at least 64), the Triton path's
+    log-prob gap to bf16 is within 1.25x cuBLAS's mean (+ 0.01) and 1.5x its max (+ 0.05): as accurate.
+
+    Why not against cuBLAS directly (session 35, H100): the two quantize the same activations per row, but each FP8
+    rounding turns an upstream bf16 difference (gate and up rounded before silu*mul on cuBLAS, fused in fp32 on
+    Triton) into whole e4m3 steps on some elements, so the gap between them (mean 0.034, max 0.16) was no smaller than
+    the gap with the activations left unquantized (the mutation below: 0.033 / 0.11), against a bf16 floor (the
+    bf16 engine's large-weight routing forced, same prompts) of 0.008 / 0.03. The CPU interpreter test
+    (test_rollout_native.py, `_fp8_triton_decode_check`, fp32 1e-4) is the one that catches unquantized activations.
+    Mutation for this test: `x_scale` dropped from the Triton GEMM's epilogue (the FP8 codes taken as values) ->
+    the logits leave bf16's and the bound fails."""
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native import model as nm
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
@@ -218,18 +224,23 @@ def test_fp8_triton_decode_tracks_cublas_w8a8(real_shaped_dir, monkeypatch):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 151936, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (70,))]
     lengths = torch.randint(8, 33, (70,), generator=g).tolist()
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(nm, "FP8_TRITON_DECODE", on)
-        eng = NativeRolloutEngine(real_shaped_dir, max_num_seqs=70, max_model_len=128, quantization="fp8")
-        outs[on] = [eng.generate([p], SamplingParams(n=1, temperature=0.0, max_new_tokens=k, ignore_eos=True))[0]
-                    for p, k in zip(prompts[:2], lengths[:2])]
-        outs[on] += eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=32, ignore_eos=True))
+
+    def run(quantization, triton_decode=True):
+        monkeypatch.setattr(nm, "FP8_TRITON_DECODE", triton_decode)
+        eng = NativeRolloutEngine(real_shaped_dir, max_num_seqs=70, max_model_len=128, quantization=quantization)
+        out = [eng.generate([p], SamplingParams(n=1, temperature=0.0, max_new_tokens=k, ignore_eos=True))[0]
+               for p, k in zip(prompts[:2], lengths[:2])]
+        out += eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=32, ignore_eos=True))
         eng.shutdown()
-    gap = torch.tensor(_decode_logprob_gaps(outs[False], outs[True]))
-    print(f"fp8 Triton decode against cuBLAS w8a8: {len(gap)} steps, |dlogprob| mean {gap.mean():.4f} "
-          f"max {gap.max():.4f}")
-    assert len(gap) >= 64 and gap.mean() <= 0.02 and gap.max() <= 0.2
+        return out
+
+    bf16 = run(None)
+    cublas = torch.tensor(_decode_logprob_gaps(bf16, run("fp8", triton_decode=False)))
+    triton_ = torch.tensor(_decode_logprob_gaps(bf16, run("fp8")))
+    print(f"against bf16: cuBLAS w8a8 {len(cublas)} steps, |dlogprob| mean {cublas.mean():.4f} max {cublas.max():.4f}; "
+          f"Triton FP8 x FP8 {len(triton_)} steps, mean {triton_.mean():.4f} max {triton_.max():.4f}")
+    assert len(cublas) >= 64 and len(triton_) >= 64 and triton_.max() > 0
+    assert triton_.mean() <= 1.25 * cublas.mean() + 0.01 and triton_.max() <= 1.5 * cublas.max() + 0.05
 
 
 def _small_engine(tiny_model_dir, state, fmt=None, recipe="rowwise"):

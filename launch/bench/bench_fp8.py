@@ -142,14 +142,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def fp8_variants(layouts) -> dict[str, dict]:
-    """The FP8 engine configurations compared with bf16: each scale layout with cuBLAS's FP8 GEMM (activations
-    quantized per token), per-channel weights read by the Triton decode GEMMs (`fp8_decode="w8a16"`), and the
-    per-channel w8a8 decode step on Triton's FP8 x FP8 GEMMs (`model.FP8_TRITON_DECODE`, off in the engine by
-    default; the variant switches it on for its own engine)."""
+    """The FP8 engine configurations compared with bf16: each scale layout as the engine ships it (per channel: the
+    decode step's FP8 linears on Triton's FP8 x FP8 GEMMs, `model.FP8_TRITON_DECODE`; blockwise: cuBLAS), per-channel
+    weights read by the Triton decode GEMMs with bf16 activations (`fp8_decode="w8a16"`), and the per-channel w8a8
+    decode step on cuBLAS's FP8 GEMM (the variant switches `FP8_TRITON_DECODE` off for its own engine)."""
     out = {f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}
     if "channel" in layouts:
         out["fp8_channel_w8a16"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_decode": "w8a16"}
-        out["fp8_channel_triton"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_triton_decode": True}
+        out["fp8_channel_cublas"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_triton_decode": False}
     return out
 
 

@@ -58,10 +58,11 @@ TRITON_GEMM_MAX_WEIGHT = 8 << 20
 # FP8 rollout ("w8a8", per-channel scales): whether a fused decode step runs its FP8 linears as Triton GEMMs on FP8 x
 # FP8 products (the activation quantized per row by one kernel, K splits summed by the next add+norm, silu*mul in
 # gate_up's epilogue) instead of cuBLAS's FP8 GEMM. The same quantization and fp32 sums. Timed alone at the 7B shape
-# on an H100 (tune_decode_gemms.py, BENCHMARKS.md session 34), quantization included: down + add+norm 62.4 -> 40.8
-# us at 64 rows and 62.7 -> 59.2 at 256, gate_up + silu 67.2 -> 55.7 and 86.8 -> 84.1. Off until a GPU run has
-# measured it end to end (the decode step at every captured batch size, the engine's FP8 tests under CUDA graphs).
-FP8_TRITON_DECODE = False
+# on an H100 (tune_decode_gemms.py), quantization included: down + add+norm 62.4 -> 40.8 us at 64 rows and 62.7 ->
+# 59.2 at 256, gate_up + silu 67.2 -> 55.7 and 86.8 -> 84.1; end to end, 7B rollout tokens/s against cuBLAS's FP8
+# GEMMs 9,023 -> 10,293 at batch 64 and level at 256 (BENCHMARKS.md session 35). False: cuBLAS (bench_fp8.py's
+# `fp8_channel_cublas` variant).
+FP8_TRITON_DECODE = True
 
 
 @dataclass
