@@ -40,15 +40,16 @@ class Fp8Unsupported(ValueError):
     """FP8 cannot run here (device, GPU generation or shape); the message names the key and the fix."""
 
 
-def check_fp8_device(device, key: str) -> None:
-    """Refuse FP8 where the GEMM cannot run: no CUDA device, or a GPU older than sm_89. One line, naming `key`."""
+def check_fp8_device(device, key: str, value: str = "fp8") -> None:
+    """Refuse FP8 where the GEMM cannot run: no CUDA device, or a GPU older than sm_89. One line, naming `key` and
+    the `value` it was given."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise Fp8Unsupported(f"{key}=fp8 needs a CUDA GPU with FP8 tensor cores (sm >= 89: Ada, Hopper), but the "
+        raise Fp8Unsupported(f"{key}={value} needs a CUDA GPU with FP8 tensor cores (sm >= 89: Ada, Hopper), but the "
                              f"device is {device}; unset {key} (bf16) to run here.")
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < MIN_CAPABILITY:
-        raise Fp8Unsupported(f"{key}=fp8 needs FP8 tensor cores (sm >= 89: Ada, Hopper), but "
+        raise Fp8Unsupported(f"{key}={value} needs FP8 tensor cores (sm >= 89: Ada, Hopper), but "
                              f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}; unset {key} (bf16).")
 
 

@@ -523,7 +523,7 @@ def test_profile_clock_spans_align_on_the_mark_kernel():
 def test_the_fp8_cublas_variant_switches_the_model_for_its_own_engine_only(monkeypatch):
     """bench_fp8's `fp8_channel_cublas` variant turns `model.FP8_TRITON_DECODE` off while its engine runs and puts it
     back afterwards, also when the run fails; the other variants see it as it was, and no engine gets the key.
-    Mutation: the switch not restored in `_bench_variant`'s finally -> the last check fails."""
+    Mutation: the switch not restored in `engine_switches`' finally -> the last check fails."""
     import bench_fp8
 
     from rlhf_mcore.rollout.native import model as nm
@@ -543,6 +543,7 @@ def test_the_fp8_cublas_variant_switches_the_model_for_its_own_engine_only(monke
     assert before is True  # the engine's default
     assert rows == [{"variant": "fp8_channel_cublas", "error": "RuntimeError: a failed run"}]
     assert [(n, on) for n, on, _ in seen] == [("bf16", before), ("fp8_channel", before),
-                                              ("fp8_channel_w8a16", before), ("fp8_channel_cublas", False)]
+                                              ("fp8_channel_w8a16", before), ("fp8_channel_cublas", False),
+                                              ("fp8_channel_kv8", before), ("bf16_kv8", before)]
     assert not any(key for _, _, key in seen)
     assert nm.FP8_TRITON_DECODE == before

@@ -505,6 +505,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
     _large_weight_routing_check(model_dir)
     _fp8_triton_decode_check(model_dir)
     _shared_prompt_reads_check(model_dir)
+    _kv_fp8_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32 and 64) + cache write (head_dim 16: padded halves).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
     for d in (16, 32, 64):
@@ -637,8 +638,8 @@ def _fp8_triton_decode_check(model_dir: str) -> None:
     """Under `model.FP8_TRITON_DECODE` a fused decode step of an FP8 ("w8a8") engine runs gate_up and down as Triton
     GEMMs on FP8 x FP8 products, each after one per-row quantization of its input, and equals the unfused decode step
     on the same FP8 copies (cuBLAS's w8a8 form: torch's reference here), on the same cache, at 3 and 70 rows (fp32,
-    1e-4); o_proj (bf16 under w8a8) keeps the bf16 routing. Off (the default), the fused step sends the FP8 linears
-    to `_linear`, as before. Mutations: `_decode_input` leaving the activations unquantized under w8a8 -> the
+    1e-4); o_proj (bf16 under w8a8) keeps the bf16 routing. Off (on is the default), the fused step sends the FP8
+    linears to `_linear`, as before. Mutations: `_decode_input` leaving the activations unquantized under w8a8 -> the
     logits move by the activations' quantization error and the check fails; gate_up's FP8 scales left out of
     `_mlp_act` -> fails."""
     from rlhf_mcore.rollout.native import fp8 as native_fp8
@@ -742,6 +743,94 @@ def _large_weight_routing_check(model_dir: str) -> None:
     torch.testing.assert_close(got, plain.decode(tokens, positions, slots, twin, "torch", 32), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cache.k, twin.k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cache.v, twin.v, atol=1e-4, rtol=1e-4)
+
+
+def _kv_fp8_check(model_dir: str) -> None:
+    """The FP8 KV cache's Triton paths against torch (interpreter, fp32). (1) `decode_attention` over e4m3 codes with
+    a scale per (slot, position, head) equals torch attention over the dequantized cache (splits 1, 2, 4, and with
+    a row reading its first keys from another slot). (2) The QKV kernel's epilogue (`qkv_rope_cache`, and
+    `rope_cache` after a cuBLAS projection) writes the codes and scales `quantize_kv` makes of the torch path's
+    rotated keys and values (the cast: the interpreter's, see below). (3) The engine on the kernels (fused, Triton
+    attention) equals the torch-path engine, both with an FP8 cache. Mutations (run): the value scales left out of
+    the split kernel (pw = p) -> (1) fails; the epilogue's scale stored as amax (not amax / 448) -> (2) fails."""
+    from rlhf_mcore.kernels.fp8_triton import quantize_rows_cuda
+    from rlhf_mcore.models.rope import default_inv_freq
+    from rlhf_mcore.rollout.native import fp8 as native_fp8
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+    from rlhf_mcore.rollout.native.attention import decode_attention_torch
+    from rlhf_mcore.rollout.native.kv_cache import quantize_kv
+    from rlhf_mcore.rollout.native.model import rms_norm
+    from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(21)
+    S, L, hkv, d, hq = 5, 70, 2, 16, 8
+    scales = torch.logspace(-2, 1, S * L * hkv).reshape(S, L, hkv, 1)  # vectors of very different magnitudes
+    kc8, ks = quantize_kv(torch.randn(S, L, hkv, d, generator=g) * scales)
+    vc8, vs = quantize_kv(torch.randn(S, L, hkv, d, generator=g) * scales.flip(0))
+    kd, vd = kc8.float() * ks[..., None], vc8.float() * vs[..., None]  # the dequantized cache, by hand
+    q = torch.randn(3, hq, d, generator=g)
+    slots, lens = torch.tensor([4, 0, 2]), torch.tensor([1, 70, 33])
+    ref = decode_attention_torch(q, kd, vd, slots, lens, d ** -0.5, L)
+    for splits in (1, 2, 4):
+        got = tk.decode_attention(q, kc8, vc8, slots, lens, d ** -0.5, splits, k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # row 1 reads its first 20 keys from slot 3, which holds slot 0's first 20 (codes and scales)
+    for c in (kc8.view(torch.uint8), vc8.view(torch.uint8), ks, vs):
+        c[3, :20] = c[0, :20]
+    shared = (torch.tensor([4, 3, 2]), torch.tensor([0, 20, 0]))
+    got = tk.decode_attention(q, kc8, vc8, slots, lens, d ** -0.5, 2, k_scale=ks, v_scale=vs, shared=shared)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+    # (2) the epilogue's writes, at head dims 16 / 32 / 64, with and without q/k norms
+    for d in (16, 32, 64):
+        cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
+        h_in = torch.randn(3, 48, generator=g)
+        wqkv, bqkv = torch.randn((hq + 2 * hkv) * d, 48, generator=g), torch.randn((hq + 2 * hkv) * d, generator=g)
+        qkv = torch.nn.functional.linear(h_in, wqkv, bqkv)
+        pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
+        for norm_w in (None, (torch.randn(d, generator=g), torch.randn(d, generator=g))):
+            k_ref = qkv[:, hq * d:(hq + hkv) * d].view(3, hkv, d)
+            k_ref = rms_norm(k_ref, norm_w[1], 1e-6) if norm_w else k_ref
+            k_ref, v_ref = apply_rope(k_ref, cos[pos], sin[pos]), qkv[:, (hq + hkv) * d:].view(3, hkv, d)
+            for fused_gemm in (True, False):
+                kc, vc = torch.zeros(S, 64, hkv, d).to(kc8.dtype), torch.zeros(S, 64, hkv, d).to(kc8.dtype)
+                ksc, vsc = torch.ones(S, 64, hkv), torch.ones(S, 64, hkv)
+                norms = norm_w if norm_w else (None, None)
+                if fused_gemm:
+                    tk.qkv_rope_cache(h_in, wqkv, bqkv, pos, slot, cos, sin, kc, vc, hq, hkv, *norms, k_scale=ksc,
+                                      v_scale=vsc)
+                else:
+                    tk.rope_cache(qkv, pos, slot, cos, sin, kc, vc, hq, hkv, *norms, k_scale=ksc, v_scale=vsc)
+                for codes, sc, want in ((kc, ksc, k_ref), (vc, vsc, v_ref)):
+                    # the reference: quantize_kv's rule through the interpreter's own fp32 -> e4m3 cast (the
+                    # interpreter's cast drops the carry at a binade's top: 31.84 -> 16, where torch gives 32; on a
+                    # GPU the hardware cast runs, checked by the GPU test)
+                    wq, wsc = quantize_rows_cuda(want.reshape(-1, d), kc8.dtype)
+                    torch.testing.assert_close(sc[slot, pos], wsc.view(3, hkv), atol=0, rtol=1e-5)
+                    same = codes[slot, pos].view(torch.uint8) == wq.view(3, hkv, d).view(torch.uint8)
+                    assert same.float().mean() >= 0.98, (d, fused_gemm, same.float().mean())  # fp32 rounding ties
+                assert int((ksc != 1).sum()) == 3 * hkv, "only the (slot, position) rows get scales"
+
+    # (3) the engine on the kernels against the torch paths, both with an FP8 cache; the torch path's writes cast
+    # through the interpreter too (as above), so the two caches hold the same codes
+    from rlhf_mcore.rollout.native import kv_cache
+
+    def interpreter_quantize_kv(x):
+        q, scale = quantize_rows_cuda(x.reshape(-1, x.shape[-1]), kc8.dtype)
+        return q.view(x.shape), scale.view(x.shape[:-1])
+
+    kv_cache.quantize_kv = interpreter_quantize_kv
+    native_fp8.check_fp8_device = lambda *a: None  # this subprocess: the CPU interpreter stands in
+    prompts = make_prompts(3, seed=17, lengths=(3, 12))
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=4, seed=1, stop_token_ids=())
+    kw = dict(max_num_seqs=6, max_model_len=32, device=DEVICE, kv_cache_dtype="fp8_e4m3")
+    ref_out = NativeRolloutEngine(model_dir, **kw).generate(prompts, params)
+    kern = NativeRolloutEngine(model_dir, attention="triton", sampler="torch", fused_kernels=True, **kw)
+    out = kern.generate(prompts, params)
+    assert kern.cache.fp8 and tokens(out) == tokens(ref_out)
+    for a, b in zip(out, ref_out):
+        for sa, sb in zip(a.samples, b.samples):
+            torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-4, rtol=0)
 
 
 def _shared_prompt_reads_check(model_dir: str) -> None:

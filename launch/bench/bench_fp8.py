@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -144,13 +145,30 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def fp8_variants(layouts) -> dict[str, dict]:
     """The FP8 engine configurations compared with bf16: each scale layout as the engine ships it (per channel: the
     decode step's FP8 linears on Triton's FP8 x FP8 GEMMs, `model.FP8_TRITON_DECODE`; blockwise: cuBLAS), per-channel
-    weights read by the Triton decode GEMMs with bf16 activations (`fp8_decode="w8a16"`), and the per-channel w8a8
-    decode step on cuBLAS's FP8 GEMM (the variant switches `FP8_TRITON_DECODE` off for its own engine)."""
+    weights read by the Triton decode GEMMs with bf16 activations (`fp8_decode="w8a16"`), the per-channel w8a8
+    decode step on cuBLAS's FP8 GEMM (the variant switches `FP8_TRITON_DECODE` off for its own engine), and the FP8
+    KV cache (`kv_cache_dtype="fp8_e4m3"`) alone and with per-channel FP8 weights."""
     out = {f"fp8_{lay}": {"quantization": "fp8", "fp8_layout": lay} for lay in layouts}
     if "channel" in layouts:
         out["fp8_channel_w8a16"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_decode": "w8a16"}
         out["fp8_channel_cublas"] = {"quantization": "fp8", "fp8_layout": "channel", "fp8_triton_decode": False}
+        out["fp8_channel_kv8"] = {"quantization": "fp8", "fp8_layout": "channel", "kv_cache_dtype": "fp8_e4m3"}
+    out["bf16_kv8"] = {"kv_cache_dtype": "fp8_e4m3"}
     return out
+
+
+@contextlib.contextmanager
+def engine_switches(cfg: dict):
+    """A variant's engine keyword arguments (yielded), with `fp8_triton_decode` taken out and applied to the model
+    module while the block runs (restored after it, also on an error)."""
+    from rlhf_mcore.rollout.native import model as nm
+
+    cfg = dict(cfg)
+    saved, nm.FP8_TRITON_DECODE = nm.FP8_TRITON_DECODE, cfg.pop("fp8_triton_decode", nm.FP8_TRITON_DECODE)
+    try:
+        yield cfg
+    finally:
+        nm.FP8_TRITON_DECODE = saved
 
 
 def bench_rollout(model_dir: Path, s: dict, batches, prompt_len: int, new_tokens: int, variants) -> list[dict]:
@@ -168,14 +186,8 @@ def bench_rollout(model_dir: Path, s: dict, batches, prompt_len: int, new_tokens
 def _bench_variant(model_dir, s, batches, prompt_len, new_tokens, name, cfg) -> list[dict]:
     """One engine configuration `cfg` (NativeRolloutEngine's keyword arguments, plus `fp8_triton_decode`: the model
     switch, set for this engine only) timed at each batch size."""
-    from rlhf_mcore.rollout.native import model as nm
-
-    cfg = dict(cfg)
-    saved, nm.FP8_TRITON_DECODE = nm.FP8_TRITON_DECODE, cfg.pop("fp8_triton_decode", nm.FP8_TRITON_DECODE)
-    try:
-        return _bench_engine(model_dir, s, batches, prompt_len, new_tokens, name, cfg)
-    finally:
-        nm.FP8_TRITON_DECODE = saved
+    with engine_switches(cfg) as kwargs:
+        return _bench_engine(model_dir, s, batches, prompt_len, new_tokens, name, kwargs)
 
 
 def _bench_engine(model_dir, s, batches, prompt_len, new_tokens, name, cfg) -> list[dict]:
@@ -238,11 +250,12 @@ def bench_mismatch(model_dir: Path, s: dict, layouts, n: int = 64, prompt_len: i
     rows, greedy = [], {}
     # fp32: the noise floor of a random model's flat logits (bf16 against fp32 agree only so often)
     for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32}, **fp8_variants(layouts)}.items():
-        eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **cfg)
-        greedy[name] = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
-                                                            ignore_eos=True))
-        sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True,
-                                                       seed=5))
+        with engine_switches(cfg) as kwargs:
+            eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **kwargs)
+            greedy[name] = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
+                                                                ignore_eos=True))
+            sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
+                                                           ignore_eos=True, seed=5))
         lp_actor, lp_rollout = actor_logprobs(sampled)
         row = {"variant": name, **_k3(lp_rollout, lp_actor)}
         if name != "bf16":
@@ -269,6 +282,8 @@ def main(argv=None) -> dict:
     p.add_argument("--skip", nargs="*", default=[], choices=["gemm", "train", "rollout", "mismatch"])
     p.add_argument("--train-shape", default="1.5b", help="the shape of the training-linear breakdown")
     p.add_argument("--mismatch-shapes", nargs="*", default=None, help="default: the first shape")
+    p.add_argument("--variants", nargs="*", default=None, help="rollout variants to run (default: bf16 and every one "
+                   "of `fp8_variants`)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     report = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -279,6 +294,10 @@ def main(argv=None) -> dict:
         report["train_linear"] = bench_train_linear(shape(a.train_shape))
     tmp = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
     variants = {"bf16": {}, **fp8_variants(a.layouts)}
+    unknown = sorted(set(a.variants or ()) - set(variants))
+    if unknown:
+        p.error(f"--variants {' '.join(unknown)}: choose from {', '.join(variants)}")
+    variants = {k: v for k, v in variants.items() if a.variants is None or k in a.variants}
     mismatch_shapes = a.shapes[:1] if a.mismatch_shapes is None else a.mismatch_shapes
     for name in a.shapes if {"rollout", "mismatch"} - set(a.skip) else ():  # the engine sections need a model
         s = shape(name)

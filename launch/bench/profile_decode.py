@@ -120,6 +120,8 @@ def main(argv=None) -> dict:
                    help="with --quantization fp8: the engine's fp8_decode")
     p.add_argument("--fp8-triton-decode", action="store_true", help="with --quantization fp8 (w8a8): gate_up and "
                    "down as Triton FP8 x FP8 GEMMs in the decode step (model.FP8_TRITON_DECODE)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="the engine's KV cache: the model's dtype, or e4m3 codes with a scale per token and head")
     p.add_argument("--cublas-gemms", action="store_true",
                    help="o_proj, gate_up and down on cuBLAS at every batch (bf16 weights), QKV still fused")
     p.add_argument("--model-dir", default=None, help="keep the random model here (reused when it has config.json)")
@@ -172,7 +174,7 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
         engine = NativeRolloutEngine(model_dir, device=device, max_num_seqs=args.batch,
                                      max_model_len=args.prompt_len + args.new_tokens + 8,
                                      cuda_graphs=False if args.eager else None, quantization=args.quantization,
-                                     fp8_decode=args.fp8_decode)
+                                     fp8_decode=args.fp8_decode, kv_cache_dtype=args.kv_cache_dtype)
 
         def run(n_new: int, seed: int):
             params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=seed)

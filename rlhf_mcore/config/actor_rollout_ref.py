@@ -147,6 +147,10 @@ class RolloutConfig:
     # algorithm.rollout_correction
     # (configs/gsm8k_grpo_qwen2.5_0.5b_fp8.yaml). null: the model's dtype
     quantization: Optional[Literal["fp8"]] = None
+    # vLLM's / SGLang's key: fp8_e4m3 caches the native engine's keys and values as e4m3 codes with one fp32 scale
+    # per token and head (half the bytes a decode step's attention reads; rlhf_mcore.rollout.native.kv_cache), an
+    # FP8 GPU only; auto: the rollout's dtype. Independent of quantization; pair it with algorithm.rollout_correction
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384

@@ -206,6 +206,11 @@ def _check_fp8(cfg: RLConfig, need) -> None:
         need(k, r.name == "native", f"null with rollout.name={r.name}: FP8 rollout is built in the native engine "
                                     "(set actor_rollout_ref.rollout.name=native)")
         need(k, not on_cpu, "null with trainer.device=cpu: FP8 GEMMs need a CUDA GPU with FP8 tensor cores (sm >= 89)")
+    if r.kv_cache_dtype != "auto":
+        k = "actor_rollout_ref.rollout.kv_cache_dtype"
+        need(k, r.name == "native", f"auto with rollout.name={r.name}: the FP8 KV cache is built in the native engine "
+                                    "(set actor_rollout_ref.rollout.name=native)")
+        need(k, not on_cpu, "auto with trainer.device=cpu: the FP8 KV cache needs a CUDA GPU with FP8 (sm >= 89)")
     roles = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron, True),
              ("critic.megatron", cfg.critic.megatron, True),
              ("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron, False),

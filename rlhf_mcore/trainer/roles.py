@@ -111,7 +111,8 @@ def build_rollout(cfg: RLConfig, state: ParallelState):
         kwargs = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=state.device,
                       dtype=None if r.dtype == "auto" else r.dtype, cuda_graphs=None if not r.enforce_eager else False,
                       load_weights=False, weight_offload="drop" if r.sleep_level == 2 else "cpu",
-                      quantization=r.quantization, record_routes=rollout_records_routes(cfg))
+                      quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype,
+                      record_routes=rollout_records_routes(cfg))
         if r.tensor_model_parallel_size > 1:
             kwargs["tp_group"] = rollout_tp_group(state, r.tensor_model_parallel_size)
     elif r.name == "hf":

@@ -26,6 +26,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import dequantize_kv
+
 log = logging.getLogger(__name__)
 _VARLEN = {"checked": False, "fn": None, "kwargs": {}}
 
@@ -96,18 +98,20 @@ def _varlen_attention():
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                       sm_scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                      attention: str = "torch") -> torch.Tensor:
+                      attention: str = "torch", k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each packed sequence's new tokens. q (N, Hq, hd); k, v (N, Hkv, hd) -> (N, Hq, hd).
 
-    Fresh sequences attend within their new tokens; sequences after a cached prefix attend over their slot of
-    k_cache / v_cache (S, L, Hkv, hd), which must already hold the new tokens' keys and values too
-    (attention: "torch" | "triton", see `cached_prefix_attention`)."""
+    Fresh sequences attend within their new tokens (k, v as computed, also over an FP8 cache); sequences after a
+    cached prefix attend over their slot of k_cache / v_cache (S, L, Hkv, hd), which must already hold the new
+    tokens' keys and values too (attention: "torch" | "triton", see `cached_prefix_attention`; k_scale, v_scale
+    (S, L, Hkv): an FP8 cache's scales)."""
     nf = layout.fresh_tokens
     if layout.num_fresh == layout.num_seqs:
         return _fresh_attention(q, k, v, layout, sm_scale)
     if k_cache is None or v_cache is None:
         raise ValueError("prefill_attention: the layout has sequences after a cached prefix; pass k_cache, v_cache.")
-    cached = cached_prefix_attention(q[nf:], k_cache, v_cache, layout, sm_scale, attention)
+    cached = cached_prefix_attention(q[nf:], k_cache, v_cache, layout, sm_scale, attention, k_scale, v_scale)
     if nf == 0:
         return cached
     return torch.cat([_fresh_attention(q[:nf], k[:nf], v[:nf], layout, sm_scale), cached])
@@ -151,7 +155,8 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 
 def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PackedLayout,
-                            sm_scale: float, attention: str = "torch") -> torch.Tensor:
+                            sm_scale: float, attention: str = "torch", k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new tokens of sequences after a cached prefix. q (Nc, Hq, hd), packed as in `layout`
     after its fresh tokens; caches (S, L, Hkv, hd) hold every key and value of those sequences (prefix and new).
     Query at absolute position t sees cache positions [0, t]. Returns (Nc, Hq, hd).
@@ -162,13 +167,13 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
         splits = num_splits_for(q.shape[0], k_cache.shape[2], layout.cached_max_keys, q.shape[2])
         return decode_attention(q, k_cache, v_cache, layout.cached_token_slots, layout.cached_token_lens, sm_scale,
-                                splits)
+                                splits, k_scale=k_scale, v_scale=v_scale)
     P, Lq, Lk = layout.cached_slots.shape[0], layout.cached_max_new, layout.cached_max_keys
     Hq, hd = q.shape[1], q.shape[2]
     qp = q.new_zeros(P * Lq, Hq, hd).index_copy_(0, layout.cached_padded_index, q)
     qp = qp.view(P, Lq, Hq, hd).transpose(1, 2)  # (P, Hq, Lq, hd)
-    keys = k_cache[layout.cached_slots, :Lk].transpose(1, 2)  # (P, Hkv, Lk, hd)
-    values = v_cache[layout.cached_slots, :Lk].transpose(1, 2)
+    keys = _rows(k_cache, k_scale, (layout.cached_slots, slice(None, Lk)), q.dtype).transpose(1, 2)  # (P, Hkv, Lk, hd)
+    values = _rows(v_cache, v_scale, (layout.cached_slots, slice(None, Lk)), q.dtype).transpose(1, 2)
     q_pos = layout.cached_offsets[:, None] + torch.arange(Lq, device=q.device)[None, :]  # (P, Lq)
     # padded query rows still see key 0, so no row is all -inf (their outputs are dropped)
     mask = torch.arange(Lk, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (P, Lq, Lk)
@@ -180,16 +185,25 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out.transpose(1, 2).reshape(P * Lq, Hq, hd).index_select(0, layout.cached_padded_index)
 
 
+def _rows(cache: torch.Tensor, scale: torch.Tensor | None, index: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """cache[index] in `dtype`: an FP8 cache's codes gathered as bytes (any device's indexing) and scaled."""
+    if scale is None:
+        return cache[index]
+    return dequantize_kv(cache.view(torch.uint8)[index].view(cache.dtype), scale[index], dtype)
+
+
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           seq_lens: torch.Tensor, sm_scale: float, max_len: int) -> torch.Tensor:
+                           seq_lens: torch.Tensor, sm_scale: float, max_len: int, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Reference decode attention. q (B, Hq, hd); caches (S, L, Hkv, hd); keys beyond seq_lens[b] ignored.
 
-    Reads cache positions [0, max_len) of each sequence's slot; max_len must be >= max(seq_lens).
+    Reads cache positions [0, max_len) of each sequence's slot; max_len must be >= max(seq_lens). k_scale, v_scale
+    (S, L, Hkv): the caches hold FP8 codes with these scales (dequantized to q's dtype here).
     """
     B, Hq, hd = q.shape
     Hkv = k_cache.shape[2]
-    keys = k_cache[:, :max_len][slots]  # (B, max_len, Hkv, hd)
-    values = v_cache[:, :max_len][slots]
+    keys = _rows(k_cache, k_scale, (slots, slice(None, max_len)), q.dtype)  # (B, max_len, Hkv, hd)
+    values = _rows(v_cache, v_scale, (slots, slice(None, max_len)), q.dtype)
     qg = q.view(B, Hkv, Hq // Hkv, hd)  # (B, Hkv, G, hd)
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * sm_scale  # (B, Hkv, G, max_len)
     invalid = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # (B, max_len)

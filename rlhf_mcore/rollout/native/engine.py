@@ -181,6 +181,10 @@ class NativeRolloutEngine(RolloutEngine):
     measured in BENCHMARKS.md) or "w8a16" (the Triton decode GEMMs read the FP8 codes and scale each output
     channel; activations stay bf16, no quantization kernels; QKV in FP8 too, inside the fused QKV + RoPE + cache
     kernel; "channel" scales only; not yet measured on a GPU). Prefill is w8a8 in both.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8_e4m3": keys and values cached as e4m3 codes with one fp32
+    scale per token and head (kv_cache.py), half the bytes each decode step's attention reads; a prompt's own
+    prefill attends over its exact keys, every later step over the cached codes. Needs an FP8 GPU, like
+    quantization; independent of it.
     record_routes (MoE models; routing replay R3): every sample comes back with `Sample.routes`, the top-k expert
     ids each MoE layer routed each of its tokens to (a per-slot, per-position buffer written by every prefill and
     decode step; a continuation's prefix is routed again by its prefill, under the weights of that time).
@@ -194,7 +198,7 @@ class NativeRolloutEngine(RolloutEngine):
                  decode_splits: int | None = None, max_prefill_tokens: int = 32768, admit_fraction: float = 0.125,
                  weight_offload: str = "cpu", load_weights: bool = True, show_progress: bool = False,
                  quantization: str | None = None, fp8_layout: str | None = None, fp8_decode: str = "w8a8",
-                 record_routes: bool = False):
+                 kv_cache_dtype: str = "auto", record_routes: bool = False):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model_dir={str(model_dir)!r} is not a directory; pass a Hugging Face model "
@@ -248,6 +252,14 @@ class NativeRolloutEngine(RolloutEngine):
         if fp8_decode == "w8a16" and (fp8_layout or "channel") != "channel":
             raise ValueError(f"fp8_decode='w8a16' reads one scale per output channel; fp8_layout={fp8_layout!r} "
                              "has 128 x 128 blocks: use fp8_layout='channel' or fp8_decode='w8a8'.")
+        if kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"actor_rollout_ref.rollout.kv_cache_dtype={kv_cache_dtype!r}: choose auto (the model's "
+                             "dtype) or fp8_e4m3.")
+        if kv_cache_dtype == "fp8_e4m3":
+            from rlhf_mcore.rollout.native import fp8 as native_fp8
+
+            native_fp8.check_fp8_device(self.device, "actor_rollout_ref.rollout.kv_cache_dtype", kv_cache_dtype)
+        self.kv_fp8 = kv_cache_dtype == "fp8_e4m3"
         self.quantization, self.fp8_layout, self.fp8_decode = quantization, fp8_layout, fp8_decode
         self._fp8 = None  # fp8.Fp8Layers with quantization="fp8"
         self._fp8_stale = True  # the bf16 weights changed since the last quantization
@@ -283,7 +295,7 @@ class NativeRolloutEngine(RolloutEngine):
     def _allocate_cache(self) -> None:
         w = self.weights
         self.cache = KVCache.allocate(self.spec.num_layers, self.max_num_seqs + 1, self.max_model_len + 1,
-                                      w.kv_heads, self.spec.head_dim, self.device, self.dtype)
+                                      w.kv_heads, self.spec.head_dim, self.device, self.dtype, fp8=self.kv_fp8)
 
     def _alloc_row_buffers(self) -> None:
         n, dev = self.max_num_seqs, self.device

@@ -26,8 +26,6 @@ down_proj are summed over `tp_group` with one all-reduce each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,6 +34,7 @@ from rlhf_mcore.models.hf_config import ModelShape
 from rlhf_mcore.models.rope import rope_inv_freq
 
 from .attention import PackedLayout, decode_attention_torch, prefill_attention
+from .kv_cache import KVCache
 from .moe import moe_mlp
 from .rope import apply_rope, rope_tables
 from .weights import LayerWeights, ModelWeights
@@ -63,22 +62,6 @@ TRITON_GEMM_MAX_WEIGHT = 8 << 20
 # GEMMs 9,023 -> 10,293 at batch 64 and level at 256 (BENCHMARKS.md session 35). False: cuBLAS (bench_fp8.py's
 # `fp8_channel_cublas` variant).
 FP8_TRITON_DECODE = True
-
-
-@dataclass
-class KVCache:
-    """Slot-based cache: k, v of shape (layers, slots, max_len, kv_heads, head_dim)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def allocate(cls, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, device, dtype):
-        shape = (num_layers, slots, max_len, kv_heads, head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,9 +215,8 @@ class NativeModel:
             lw = self.w.layers[i]
             qkv = self._linear(i, "qkv", h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
             q, k, v = self._split_rope(qkv, positions, lw)
-            cache.k[i].index_put_((write_slot, write_pos), k.index_select(0, write_token))
-            cache.v[i].index_put_((write_slot, write_pos), v.index_select(0, write_token))
-            return prefill_attention(q, k, v, layout, self.sm_scale, cache.k[i], cache.v[i], attention).reshape(
+            cache.put(i, (write_slot, write_pos), k.index_select(0, write_token), v.index_select(0, write_token))
+            return prefill_attention(q, k, v, layout, self.sm_scale, attention=attention, **cache.layer(i)).reshape(
                 qkv.shape[0], self.q_size)
 
         h = self._layers(F.embedding(tokens, self.w.embed), attend)  # (N, D)
@@ -255,30 +237,32 @@ class NativeModel:
 
         def attend(i, h):
             lw = self.w.layers[i]
+            scales = {"k_scale": cache.k_scale[i], "v_scale": cache.v_scale[i]} if cache.fp8 else {}
             qkv_fp8 = self.fp8 is not None and "qkv" in self.fp8[i]
             if self.fused and not qkv_fp8 and lw.qkv.numel() > TRITON_GEMM_MAX_WEIGHT:
                 from .triton_kernels import rope_cache  # a large weight: cuBLAS's projection, then the epilogue
 
                 q = rope_cache(F.linear(h, lw.qkv, lw.qkv_bias), positions, slots, self.cos, self.sin, cache.k[i],
-                               cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps)
+                               cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps,
+                               **scales)
             elif self.fused and (not qkv_fp8 or self.fp8_decode == "w8a16"):
                 from .triton_kernels import qkv_rope_cache
 
                 w, scale = self._decode_weight(i, "qkv", lw.qkv)
                 q = qkv_rope_cache(h, w, lw.qkv_bias, positions, slots, self.cos, self.sin, cache.k[i],
                                    cache.v[i], self.heads, self.kv_heads, lw.q_norm, lw.k_norm, self.spec.rms_norm_eps,
-                                   w_scale=scale)
+                                   w_scale=scale, **scales)
             else:
                 q, k, v = self._split_rope(self._linear(i, "qkv", h, lw.qkv, lw.qkv_bias), positions, lw)
-                cache.k[i].index_put_((slots, positions), k)
-                cache.v[i].index_put_((slots, positions), v)
+                cache.put(i, (slots, positions), k, v)
             if attention == "triton":
                 from .triton_kernels import decode_attention
 
-                out = decode_attention(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, num_splits,
-                                       shared=shared)
+                out = decode_attention(q, slots=slots, seq_lens=seq_lens, sm_scale=self.sm_scale,
+                                       num_splits=num_splits, shared=shared, **cache.layer(i))
             else:
-                out = decode_attention_torch(q, cache.k[i], cache.v[i], slots, seq_lens, self.sm_scale, attn_len)
+                out = decode_attention_torch(q, slots=slots, seq_lens=seq_lens, sm_scale=self.sm_scale,
+                                             max_len=attn_len, **cache.layer(i))
             return out.reshape(b, self.q_size)
 
         h = self._layers(F.embedding(tokens, self.w.embed), attend, triton_gemms=self.fused)

@@ -209,11 +209,14 @@ def advance_rows(tok, lp, slots, pos, steps, limit, in_tokens, done, stop_ids, r
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr,
                        sm_scale, stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
-                       stride_ob, stride_oh, G: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SRC: tl.constexpr,
-                       PDL: tl.constexpr):
+                       stride_ob, stride_oh, ks_ptr, vs_ptr, stride_ss, stride_sl, G: tl.constexpr,
+                       NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                       IEEE: tl.constexpr, HAS_SRC: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False):
     """HAS_SRC: row b reads its first shared[b] keys/values from slot src[b] (which holds the same ones: a prompt
-    prefilled once for several rows), the rest from its own slot."""
+    prefilled once for several rows), the rest from its own slot. KV_FP8: the caches hold e4m3 codes with one fp32
+    scale per (slot, position, head) in ks / vs (strides stride_ss, stride_sl, 1): the codes are widened for the
+    products (to fp16, q too, unless fp32), the key scales multiply the scores' columns and the value scales the
+    probabilities'."""
     _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -231,6 +234,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared
     gmask = g < G
     q = tl.load(q_ptr + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None],
                 other=0.0)  # (BLOCK_G, D)
+    if KV_FP8 and not IEEE:  # e4m3 codes widen to fp16 in one instruction (to bf16 in several): fp16 products
+        q = q.to(tl.float16)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -240,27 +245,37 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
         if HAS_SRC:  # each key's slot: the shared one below `shared`, the row's own above
-            s_n = tl.where(n < shared, src, slot)[:, None]
-            k_rows = k_ptr + s_n * stride_ks + kvh * stride_kh + n[:, None] * stride_kl
-            v_rows = v_ptr + s_n * stride_vs + kvh * stride_vh + n[:, None] * stride_vl
+            s_n = tl.where(n < shared, src, slot)
+            k_rows = k_ptr + s_n[:, None] * stride_ks + kvh * stride_kh + n[:, None] * stride_kl
+            v_rows = v_ptr + s_n[:, None] * stride_vs + kvh * stride_vh + n[:, None] * stride_vl
         else:
+            s_n = slot
             k_rows = k_base + n[:, None] * stride_kl
             v_rows = v_base + n[:, None] * stride_vl
         k = tl.load(k_rows + d[None, :], mask=nmask[:, None], other=0.0)  # (BLOCK_N, D)
+        if KV_FP8:
+            k = k.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if KV_FP8:
+            scale_off = s_n * stride_ss + n * stride_sl + kvh  # (BLOCK_N,)
+            s = s * tl.load(ks_ptr + scale_off, mask=nmask, other=0.0)[None, :]
         s = tl.where(nmask[None, :], s * sm_scale, float("-inf"))  # (BLOCK_G, BLOCK_N)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_rows + d[None, :], mask=nmask[:, None], other=0.0)
+        pw = p  # the probabilities the values are weighted by (times the value scales in FP8)
+        if KV_FP8:
+            v = v.to(q.dtype)
+            pw = p * tl.load(vs_ptr + scale_off, mask=nmask, other=0.0)[None, :]
         if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(pw.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
     if NSPLIT == 1:  # the whole sequence in one program: write the result, no merge pass
@@ -320,8 +335,8 @@ def attention_config(rows: int, head_dim: int) -> dict:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     config: dict | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+                     config: dict | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query per sequence over its cached keys/values.
 
     q (B, Hq, D); k_cache, v_cache (S, L, Hkv, D) (one layer, slot-major); slots, seq_lens (B,) int;
@@ -330,12 +345,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `shared` (src, lens), (B,) int each: row b reads positions < lens[b] from slot src[b] instead of its own, which
     must hold the same keys and values there (the engine's rows of one prefilled prompt all read one copy of it, so
     the copies of a group's rows, read together, are one set of addresses in L2 instead of n).
+    k_scale, v_scale (S, L, Hkv) fp32: the caches hold e4m3 codes, each (slot, position, head) vector under its
+    scale (`kv_cache.KVCache` in FP8).
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
     assert D == triton.next_power_of_2(D) and D >= 16, f"head_dim={D} must be a power of two >= 16"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1
+    kv_fp8 = k_scale is not None
+    assert kv_fp8 == (v_scale is not None) == (k_cache.element_size() == 1), "FP8 caches come with both scales"
+    if kv_fp8:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1 and k_scale.dtype == torch.float32
     block_g = max(16, triton.next_power_of_2(G))
     cfg = dict(config or attention_config(B, D))
     block_n = cfg.pop("BLOCK_N")
@@ -352,8 +373,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, slots, seq_lens, src, shared_lens, po, pm, pl, out, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D, IEEE=q.dtype == torch.float32,
-        HAS_SRC=shared is not None, PDL=pdl, **cfg, **_launch(pdl))
+        k_scale if kv_fp8 else q, v_scale if kv_fp8 else q, k_scale.stride(0) if kv_fp8 else 0,
+        k_scale.stride(1) if kv_fp8 else 0, G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D,
+        IEEE=q.dtype == torch.float32, HAS_SRC=shared is not None, PDL=pdl, KV_FP8=kv_fp8, **cfg, **_launch(pdl))
     if nsplit > 1:
         _attn_combine_kernel[(B, Hkv)](po, pm, pl, out, out.stride(0), out.stride(1), G=G, NSPLIT=nsplit,
                                        BLOCK_G=block_g, D=D, PDL=pdl, **_launch(pdl))
@@ -627,7 +649,8 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
                            HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                            EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEAD_SPLIT: tl.constexpr = 1,
-                           FROM_QKV: tl.constexpr = False):
+                           FROM_QKV: tl.constexpr = False, ks_ptr=None, vs_ptr=None, stride_ss=0, stride_sl=0,
+                           KV_FP8: tl.constexpr = False):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
@@ -637,7 +660,10 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
     program takes columns [part * BLOCK_H, (part + 1) * BLOCK_H) of each half (BLOCK_H = HALF / HEAD_SPLIT): the
     pairs RoPE mixes stay in one program, and a head's weight rows are read by HEAD_SPLIT programs at once.
     FROM_QKV: no GEMM: a_ptr is the projection's output qkv (M, (HQ + 2 HKV) D), bias included (cuBLAS computed it,
-    `rope_cache`), and the program reads its head's columns from it (w, bias, scales unused)."""
+    `rope_cache`), and the program reads its head's columns from it (w, bias, scales unused).
+    KV_FP8 (HEAD_SPLIT 1: the scale needs the whole head): the caches take e4m3 codes of k and v (the model-dtype
+    values quantized per row and head, `kv_cache.quantize_kv`'s rule) and ks / vs the scales, at (slot, position,
+    head) with strides (stride_ss, stride_sl, 1)."""
     head = tl.program_id(0) // HEAD_SPLIT
     pid_m = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
@@ -702,16 +728,40 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
         # cos is repeated over both halves; the signed sin table already holds -sin in the first half.
         y1 = ((x1 * c1).to(DT).to(tl.float32) + (x2 * s1).to(DT).to(tl.float32)).to(DT)
         y2 = ((x2 * c2).to(DT).to(tl.float32) + (x1 * s2).to(DT).to(tl.float32)).to(DT)
+        # (each branch names its own destination: a runtime branch's variables must keep one type, and an FP8
+        # cache's pointers are not q's)
         if head < HQ:
-            out = q_out_ptr + (offs_m[:, None].to(tl.int64) * HQ + head) * D + i[None, :]
+            q_dst = q_out_ptr + (offs_m[:, None].to(tl.int64) * HQ + head) * D + i[None, :]
+            tl.store(q_dst, y1, mask=omask)
+            tl.store(q_dst + HALF, y2, mask=omask)
         else:
-            out = k_cache_ptr + cache_off + (head - HQ) * D + i[None, :]
-        tl.store(out, y1, mask=omask)
-        tl.store(out + HALF, y2, mask=omask)
+            k_dst = k_cache_ptr + cache_off + (head - HQ) * D + i[None, :]
+            if KV_FP8:
+                _store_kv_fp8(k_dst, y1.to(tl.float32), y2.to(tl.float32), omask, HALF,
+                              ks_ptr + slot * stride_ss + pos * stride_sl + (head - HQ), mmask)
+            else:
+                tl.store(k_dst, y1, mask=omask)
+                tl.store(k_dst + HALF, y2, mask=omask)
     else:
-        out = v_cache_ptr + cache_off + (head - HQ - HKV) * D + i[None, :]
-        tl.store(out, x1.to(DT), mask=omask)
-        tl.store(out + HALF, x2.to(DT), mask=omask)
+        v_dst = v_cache_ptr + cache_off + (head - HQ - HKV) * D + i[None, :]
+        if KV_FP8:
+            _store_kv_fp8(v_dst, x1, x2, omask, HALF,
+                          vs_ptr + slot * stride_ss + pos * stride_sl + (head - HQ - HKV), mmask)
+        else:
+            tl.store(v_dst, x1.to(DT), mask=omask)
+            tl.store(v_dst + HALF, x2.to(DT), mask=omask)
+
+
+@triton.jit
+def _store_kv_fp8(out, x1, x2, omask, HALF: tl.constexpr, scale_ptrs, mmask):
+    """Rows of one head given as its two halves (R, BLOCK_H) fp32 (model-dtype values; padding columns 0): e4m3
+    codes at out / out + HALF under one scale a row, amax / 448 (1 for a zero row), stored at scale_ptrs (R,)."""
+    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    code = out.dtype.element_ty
+    tl.store(out, tl.minimum(tl.maximum(x1 / scale[:, None], -448.0), 448.0).to(code), mask=omask)
+    tl.store(out + HALF, tl.minimum(tl.maximum(x2 / scale[:, None], -448.0), 448.0).to(code), mask=omask)
+    tl.store(scale_ptrs, scale, mask=mmask)
 
 
 def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
@@ -719,7 +769,8 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
                    v_cache: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None = None,
                    k_norm: torch.Tensor | None = None, eps: float = 1e-6, block_m: int | None = None,
                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                   w_scale: torch.Tensor | None = None, head_split: int | None = None) -> torch.Tensor:
+                   w_scale: torch.Tensor | None = None, head_split: int | None = None,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-step fusion of the QKV projection with what follows it: qkv = x @ w.T + bias (w (Hq + 2 Hkv) D x K),
     (optional per-head q/k RMSNorm), rotary embedding, and the KV-cache write.
 
@@ -727,7 +778,8 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     (S, L, Hkv, D) of one layer. Writes k, v at cache[slot, position]; returns rotated q (B, Hq, D).
     w_scale: w is FP8 codes with this fp32 scale per row (weight-only FP8, as `linear`'s).
     head_split: programs a head (each takes 1 / head_split of both halves' columns, >= 16 of each); default
-    `qkv_head_split` (1 with q/k norms)."""
+    `qkv_head_split` (1 with q/k norms or an FP8 cache). k_scale, v_scale (S, L, Hkv) fp32: FP8 caches (e4m3
+    codes, a scale per token and head, written here)."""
     m, k = x.shape
     D = cos.shape[1]
     assert x.stride(1) == 1 and w.is_contiguous() and w.shape == ((heads + 2 * kv_heads) * D, k)
@@ -743,9 +795,11 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     bk = block_k or (32 if fp32 else 64 if m > 256 and w_scale is None else 128)
     q_out = torch.empty(m, heads, D, dtype=x.dtype, device=x.device)
     qk_norm = q_norm is not None
-    split = head_split or qkv_head_split(heads + 2 * kv_heads, triton.cdiv(m, bm), D, qk_norm)
-    assert split == 1 or not qk_norm and D // 2 % split == 0 and D // 2 // split >= 16, (
-        f"head_split={split}: each program needs >= 16 columns of each half of a {D}-wide head, and no q/k norm")
+    kv = _kv_scales(k_cache, k_scale, v_scale)
+    split = head_split or qkv_head_split(heads + 2 * kv_heads, triton.cdiv(m, bm), D, qk_norm or kv["KV_FP8"])
+    assert split == 1 or not (qk_norm or kv["KV_FP8"]) and D // 2 % split == 0 and D // 2 // split >= 16, (
+        f"head_split={split}: each program needs >= 16 columns of each half of a {D}-wide head, and no q/k norm "
+        "or FP8 cache (their statistics span the head)")
     pdl = pdl_enabled()
     _qkv_rope_cache_kernel[((heads + 2 * kv_heads) * split, triton.cdiv(m, bm))](
         x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, positions, slots, cos, sin,
@@ -753,18 +807,30 @@ def qkv_rope_cache(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2,
         BLOCK_H=max(16, D // 2 // split), HAS_BIAS=bias is not None, W_SCALED=w_scale is not None, QK_NORM=qk_norm,
         BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=fp32,
-        PDL=pdl, HEAD_SPLIT=split, num_warps=num_warps, num_stages=num_stages, **_launch(pdl))
+        PDL=pdl, HEAD_SPLIT=split, num_warps=num_warps, num_stages=num_stages, **kv, **_launch(pdl))
     return q_out
+
+
+def _kv_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
+    """The FP8 cache arguments of `_qkv_rope_cache_kernel` (none for a model-dtype cache)."""
+    kv_fp8 = k_scale is not None
+    assert kv_fp8 == (v_scale is not None) == (cache.element_size() == 1), "FP8 caches come with both scales"
+    if not kv_fp8:
+        return {"KV_FP8": False}
+    assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == torch.float32
+    return dict(ks_ptr=k_scale, vs_ptr=v_scale, stride_ss=k_scale.stride(0), stride_sl=k_scale.stride(1),
+                KV_FP8=True)
 
 
 def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6
-               ) -> torch.Tensor:
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What `qkv_rope_cache` does after its GEMM, for a projection computed elsewhere (cuBLAS, where a large weight
     streams faster through it: `model.TRITON_GEMM_MAX_WEIGHT`): qkv (B, (Hq + 2 Hkv) D) with its bias -> (optional
     q/k RMSNorm), rotary embedding, k and v written at cache[slot, position]; returns rotated q (B, Hq, D). The same
-    rounding as the torch path (F.linear, then `apply_rope` in the model dtype)."""
+    rounding as the torch path (F.linear, then `apply_rope` in the model dtype). k_scale, v_scale: FP8 caches, as
+    `qkv_rope_cache`'s."""
     m, n = qkv.shape
     D = cos.shape[1]
     assert qkv.stride(1) == 1 and n == (heads + 2 * kv_heads) * D
@@ -778,7 +844,7 @@ def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
         k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads,
         HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2), HAS_BIAS=False, W_SCALED=False, QK_NORM=qk_norm,
         BLOCK_M=bm, BLOCK_K=16, EVEN_K=True, IEEE=qkv.dtype == torch.float32, PDL=pdl, FROM_QKV=True,
-        num_warps=4, num_stages=1, **_launch(pdl))
+        num_warps=4, num_stages=1, **_kv_scales(k_cache, k_scale, v_scale), **_launch(pdl))
     return q_out
 
 
