@@ -149,6 +149,17 @@ def test_tune_decode_gemms_json(tmp_path):
         errs = {k.split()[0]: err for k, (_, err) in r["all"].items() if err is not None}
         assert r["wrong"] == [] and errs["triton"] < 1e-5 and 1e-3 < errs["a8"] < 0.1, (name, errs)
         assert abs(errs["a8"] - errs["cublas"]) < 0.02, (name, errs)
+    # the attention over an FP8 cache (`--kv-fp8`): every candidate within fp32 rounding of torch attention over the
+    # dequantized cache. Mutation: the tuner passing the codes without their scales -> the error check fails.
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "tune_decode_gemms.py"), "--tiny",
+                           "--kv-fp8", "--gemms", "qkv", "--e2e-batch", "0", "--out", str(out)], cwd=ROOT,
+                          env=child_env(**QUIET, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    res = json.loads(out.read_text())
+    att = res["rows"]["4"]["attention"]
+    assert res["kv_fp8"] and att["wrong"] == []
+    errs = [err for _, err in att["all"].values() if err is not None]
+    assert errs and max(errs) < 1e-5, att["all"]
 
 
 @pytest.mark.skipif(

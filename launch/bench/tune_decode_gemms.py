@@ -86,7 +86,7 @@ def linear_grid(silu: bool, split_ok: bool, tiny: bool, rows: int = 256, k: int 
 
 def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp8: bool = False,
                 skip_attention: bool = False, gemms: tuple[str, ...] = ("o_proj", "down", "gate_up", "qkv"),
-                families: tuple[str, ...] = ("w8a16", "a8"), tp: int = 1) -> dict:
+                families: tuple[str, ...] = ("w8a16", "a8"), tp: int = 1, kv_fp8: bool = False) -> dict:
     from rlhf_mcore.kernels.fp8 import Fp8Weight, fp8_linear
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.model import FUSED_SILU_MAX_ROWS
@@ -234,7 +234,7 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
             res["qkv"] = cands
             _report(rows, "qkv", cands)
         if not skip_attention:
-            res["attention"] = tune_attention(rows, H, Hkv, hd, rnd, device, tiny)
+            res["attention"] = tune_attention(rows, H, Hkv, hd, rnd, device, tiny, kv_fp8)
             _report(rows, "attention", res["attention"])
     return results
 
@@ -246,36 +246,46 @@ def attention_grid(tiny: bool):
     return list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2)))
 
 
-def tune_attention(rows: int, H: int, Hkv: int, hd: int, rnd, device, tiny: bool) -> dict:
+def tune_attention(rows: int, H: int, Hkv: int, hd: int, rnd, device, tiny: bool, kv_fp8: bool = False) -> dict:
     """`decode_attention` over a cache like TRL's GRPO decode (contexts of 128 + 0..256 tokens, one slot a row),
-    each candidate checked against the fp32 reference."""
+    each candidate checked against the fp32 reference. kv_fp8: the cache holds e4m3 codes and a scale per token and
+    head (the engine's kv_cache_dtype="fp8_e4m3"); the reference reads them dequantized."""
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.attention import decode_attention_torch
 
     cuda = device.type == "cuda"
     max_len = 24 if tiny else 392
     k_cache, v_cache = rnd(rows + 1, max_len, Hkv, hd), rnd(rows + 1, max_len, Hkv, hd)
+    fp8 = {}
+    if kv_fp8:
+        from rlhf_mcore.rollout.native.kv_cache import dequantize_kv, quantize_kv
+
+        (k_cache, ks), (v_cache, vs) = quantize_kv(k_cache), quantize_kv(v_cache)
+        fp8 = {"k_scale": ks, "v_scale": vs}
     q = rnd(rows, H, hd)
     g = torch.Generator().manual_seed(1)
     lo = max_len // 3
     lens = torch.randint(lo, max_len + 1, (rows,), generator=g).to(device)
     slots = torch.randperm(rows, generator=g).to(device)
     scale = hd ** -0.5
-    ref = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), slots, lens, scale, max_len)
+    kd, vd = ((dequantize_kv(k_cache, ks, torch.float32), dequantize_kv(v_cache, vs, torch.float32)) if kv_fp8 else
+              (k_cache.float(), v_cache.float()))
+    ref = decode_attention_torch(q.float(), kd, vd, slots, lens, scale, max_len)
     cands = {}
     for bn, warps, stages, splits in attention_grid(tiny):
         cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         label = f"triton {bn},{warps},{stages},{splits}"
         try:
-            err = _rel_err(tk.decode_attention(q, k_cache, v_cache, slots, lens, scale, splits, config=cfg), ref)
+            err = _rel_err(tk.decode_attention(q, k_cache, v_cache, slots, lens, scale, splits, config=cfg, **fp8),
+                           ref)
             cands[label] = {"ms": _time_ms(functools.partial(tk.decode_attention, q, k_cache, v_cache, slots, lens,
-                                                             scale, splits, config=cfg), cuda),
+                                                             scale, splits, config=cfg, **fp8), cuda),
                             "err": err, "cfg": {**cfg, "splits": splits}}
         except Exception as e:  # a tile the compiler refuses
             cands[label] = {"ms": float("inf"), "err": None, "error": f"{type(e).__name__}"}
     splits = tk.num_splits_for(rows, Hkv, max_len, hd)
     cands["default"] = {"ms": _time_ms(functools.partial(tk.decode_attention, q, k_cache, v_cache, slots, lens, scale,
-                                                         splits), cuda),
+                                                         splits, **fp8), cuda),
                         "err": None, "cfg": {**tk.attention_config(rows, hd), "splits": splits}}
     return cands
 
@@ -408,6 +418,7 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8-weights", action="store_true", help="weight-only FP8 Triton candidates against cuBLAS "
                    "w8a8 (the e2e generate is bf16: pass --e2e-batch 0)")
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--kv-fp8", action="store_true", help="the attention reads an FP8 cache (kv_cache_dtype=fp8_e4m3)")
     p.add_argument("--tp", type=int, default=1, help="time one tensor-parallel rank's shares of the weights (its "
                    "heads and MLP columns; no K splits in o_proj / down, as the engine runs them under TP)")
     p.add_argument("--fp8-families", nargs="+", default=["w8a16", "a8"], choices=["w8a16", "a8"],
@@ -433,11 +444,13 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     if args.e2e_batch and set(args.gemms) != {"o_proj", "down", "gate_up", "qkv"} and not args.tiny:
         raise SystemExit("--gemms: the end-to-end generate patches every GEMM's choice; pass --e2e-batch 0")
+    if args.kv_fp8 and args.e2e_batch and not args.tiny:
+        raise SystemExit("--kv-fp8: the end-to-end generate patches the bf16 cache's choices only; pass --e2e-batch 0")
     res = tune_shapes(shape, rows, device, dtype, args.tiny, args.fp8_weights, args.skip_attention,
-                      tuple(args.gemms), tuple(args.fp8_families), args.tp)
+                      tuple(args.gemms), tuple(args.fp8_families), args.tp, args.kv_fp8)
     out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "shape": "tiny" if args.tiny else args.shape, "tp": args.tp,
-           "fp8_weights": args.fp8_weights,
+           "fp8_weights": args.fp8_weights, "kv_fp8": args.kv_fp8,
            "tune_s": round(time.perf_counter() - t0, 1), "rows": {}}
     for r, per in res.items():
         out["rows"][r] = {}
