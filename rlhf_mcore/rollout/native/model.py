@@ -51,9 +51,11 @@ TRITON_OUT_PROJ_MAX_ROWS = 256
 # rank's); larger ones stream faster through cuBLAS -- the QKV projection then feeds `rope_cache`. On an H100 at the
 # 7B shape (o_proj 12.8M, QKV 16.5M, down 67.9M elements), 64 / 256 rows: o_proj + add+norm 12.4 / 26.0 -> 10.1 /
 # 17.3 us, down + add+norm 57.5 / 115.5 -> 56.4 / 69.5 us, the QKV projection 9.5 / 14.6 us against the fused
-# kernel's 18.3 / 38.8; at 0.5B (<= 4.4M) the Triton GEMMs win (launch/bench/tune_decode_gemms.py, BENCHMARKS.md
-# session 34). FP8 weights (w8a16) stay on Triton.
-TRITON_GEMM_MAX_WEIGHT = 8 << 20
+# kernel's 18.3 / 38.8 (BENCHMARKS.md session 34); at one TP=2 rank's shares of it (o_proj 6.4M, QKV 8.3M) o_proj
+# 8.3 / 16.8 -> 7.6 / 10.9 us on cuBLAS, and the QKV projection alone 7.8 / 11.4 us against the fused kernel's
+# 17.7 / 17.5 (session 35), hence 6M, not 8M. At 0.5B (<= 4.4M) and 1.5B's attention (<= 3.2M) the Triton GEMMs win
+# (launch/bench/tune_decode_gemms.py). FP8 weights (w8a16) stay on Triton.
+TRITON_GEMM_MAX_WEIGHT = 6 << 20
 # FP8 rollout ("w8a8", per-channel scales): whether a fused decode step runs its FP8 linears as Triton GEMMs on FP8 x
 # FP8 products (the activation quantized per row by one kernel, K splits summed by the next add+norm, silu*mul in
 # gate_up's epilogue) instead of cuBLAS's FP8 GEMM. The same quantization and fp32 sums. Timed alone at the 7B shape
