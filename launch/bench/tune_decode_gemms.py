@@ -286,7 +286,7 @@ def tune_attention(rows: int, H: int, Hkv: int, hd: int, rnd, device, tiny: bool
     splits = tk.num_splits_for(rows, Hkv, max_len, hd)
     cands["default"] = {"ms": _time_ms(functools.partial(tk.decode_attention, q, k_cache, v_cache, slots, lens, scale,
                                                          splits, **fp8), cuda),
-                        "err": None, "cfg": {**tk.attention_config(rows, hd), "splits": splits}}
+                        "err": None, "cfg": {**tk.attention_config(rows, hd, kv_fp8), "splits": splits}}
     return cands
 
 
@@ -374,8 +374,8 @@ def e2e(shape: dict, batch: int, choice: dict | None, device, dtype, tmp: Path, 
         acfg = choice.get("attention", (None, {"cfg": None}))[1]["cfg"]
         if acfg is not None:
             orig_attn, orig_splits = tk.attention_config, tk.num_splits_for
-            tk.attention_config = lambda rows, hd: (orig_attn(rows, hd) if rows <= 64 else
-                                                    {k: v for k, v in acfg.items() if k != "splits"})
+            tk.attention_config = lambda rows, hd, kv_fp8=False: (orig_attn(rows, hd, kv_fp8) if rows <= 64 else
+                                                                   {k: v for k, v in acfg.items() if k != "splits"})
             tk.num_splits_for = lambda b, *a, **kw: orig_splits(b, *a, **kw) if b <= 64 else acfg["splits"]
     try:
         model_dir = tmp / "model"

@@ -327,9 +327,14 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int, head_dim: int = 64) 
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 16)
 
 
-def attention_config(rows: int, head_dim: int) -> dict:
+def attention_config(rows: int, head_dim: int, kv_fp8: bool = False) -> dict:
     """Keys a block, warps and pipeline stages of the decode attention's split kernel (`_block_n`; Triton's
-    default warps and stages)."""
+    default warps and stages). Over an FP8 cache with heads of 128 (7B): 128 keys, 4 warps, 3 stages up to 128 rows,
+    64 keys, 2 warps, 3 stages above (tune_decode_gemms.py --kv-fp8 at the 7B shape on an H100: 15.6 -> 13.4 us a
+    layer at 64 rows, 43.5 -> 39.6 us at 256; BENCHMARKS.md session 35); other head sizes as bf16 (not measured)."""
+    if kv_fp8 and head_dim >= 128:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3) if rows <= 128 else dict(BLOCK_N=64, num_warps=2,
+                                                                                     num_stages=3)
     return dict(BLOCK_N=_block_n(head_dim, rows), num_warps=4, num_stages=3)
 
 
@@ -358,7 +363,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kv_fp8:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1 and k_scale.dtype == torch.float32
     block_g = max(16, triton.next_power_of_2(G))
-    cfg = dict(config or attention_config(B, D))
+    cfg = dict(config or attention_config(B, D, k_scale is not None))
     block_n = cfg.pop("BLOCK_N")
     nsplit = num_splits
     if out is None:
