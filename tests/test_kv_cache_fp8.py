@@ -72,7 +72,8 @@ def test_fp8_cache_engine_tracks_the_model_dtype_cache(tiny_model_dir, monkeypat
     model-dtype cache, greedy: the first token's log-prob is the same (a prompt's prefill attends over its exact
     keys), later ones move (the decode steps read the codes): this tiny random model is sharp (log-probs near -1) and
     moves a lot under any rounding; measured 0.12 mean / 0.43 max over 62 steps, where FP8 weights
-    (quantization=fp8) move it 0.16 / 0.51; bounds 0.2 / 0.75. The cache holds codes and scales.
+    (quantization=fp8) move it 0.16 / 0.51; bounds 0.2 / 0.75. The cache holds codes and scales, and is FP8 again
+    after a sleep and wake.
     Mutation: the torch decode path reading the codes without their scales (`_rows` returning codes.to(dtype)) ->
     the log-probs leave the model-dtype run's and the bound fails."""
     from rlhf_mcore.rollout import SamplingParams
@@ -101,3 +102,10 @@ def test_fp8_cache_engine_tracks_the_model_dtype_cache(tiny_model_dir, monkeypat
     gaps = torch.tensor(gaps)
     print(f"fp8 cache: {len(gaps)} steps, |dlogprob| mean {gaps.mean():.4f} max {gaps.max():.4f}")
     assert len(gaps) >= 20 and 0 < gaps.max() < 0.75 and gaps.mean() < 0.2, gaps
+    # sleep frees the cache, wake allocates it again: FP8 again, and the same greedy samples. Mutation (run): `wake`
+    # allocating the cache in the model's dtype (KVCache.allocate without fp8=) -> the check fails.
+    freed = fp8.sleep(1)
+    assert fp8.cache is None and freed > 0
+    fp8.wake()
+    again = fp8.generate(prompts, params)
+    assert fp8.cache.fp8 and [o.samples[0].token_ids for o in again] == [o.samples[0].token_ids for o in out]
