@@ -401,11 +401,10 @@ def test_triton_kernels_match_torch_references_in_interpreter(tiny_model_dir):
 
 def _triton_interpret_checks(model_dir: str) -> None:
     """Runs in a subprocess with TRITON_INTERPRET=1 (it must be set before the kernels are defined)."""
-    from rlhf_mcore.models.rope import default_inv_freq
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.attention import decode_attention_torch
     from rlhf_mcore.rollout.native.model import rms_norm
-    from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
+    from rlhf_mcore.rollout.native.rope import apply_rope
     from rlhf_mcore.rollout.native.sampling import sample_torch
 
     g = torch.Generator().manual_seed(0)
@@ -509,11 +508,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32 and 64) + cache write (head_dim 16: padded halves).
     # Mutation: the first half's bias dropped in _qkv_rope_cache_kernel (acc1 += 0 * bias) -> the q check fails.
     for d in (16, 32, 64):
-        cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
-        h_in = torch.randn(3, 48, generator=g)
-        wqkv, bqkv = torch.randn((hq + 2 * hkv) * d, 48, generator=g), torch.randn((hq + 2 * hkv) * d, generator=g)
-        qkv = torch.nn.functional.linear(h_in, wqkv, bqkv)
-        pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
+        cos, sin, h_in, wqkv, bqkv, qkv, pos, slot = _qkv_case(d, hq, hkv, g)
         for norm_w in ((None,) if d >= 32 else ()) + ((torch.randn(d, generator=g), torch.randn(d, generator=g)),):
             kc2, vc2 = torch.zeros(S, 64, hkv, d), torch.zeros(S, 64, hkv, d)
             q_out = tk.qkv_rope_cache(h_in, wqkv, bqkv, pos, slot, cos, sin, kc2, vc2, hq, hkv,
@@ -745,6 +740,19 @@ def _large_weight_routing_check(model_dir: str) -> None:
     torch.testing.assert_close(cache.v, twin.v, atol=1e-4, rtol=1e-4)
 
 
+def _qkv_case(d: int, hq: int, hkv: int, g: torch.Generator):
+    """A QKV kernel check's inputs at head dim d: RoPE tables (64 positions), 3 rows of 48 inputs, the QKV weight and
+    bias, their fp32 product, and 3 (position, slot) pairs."""
+    from rlhf_mcore.models.rope import default_inv_freq
+    from rlhf_mcore.rollout.native.rope import rope_tables
+
+    cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
+    h_in = torch.randn(3, 48, generator=g)
+    wqkv, bqkv = torch.randn((hq + 2 * hkv) * d, 48, generator=g), torch.randn((hq + 2 * hkv) * d, generator=g)
+    qkv = torch.nn.functional.linear(h_in, wqkv, bqkv)
+    return cos, sin, h_in, wqkv, bqkv, qkv, torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
+
+
 def _kv_fp8_check(model_dir: str) -> None:
     """The FP8 KV cache's Triton paths against torch (interpreter, fp32). (1) `decode_attention` over e4m3 codes with
     a scale per (slot, position, head) equals torch attention over the dequantized cache (splits 1, 2, 4, and with
@@ -754,13 +762,12 @@ def _kv_fp8_check(model_dir: str) -> None:
     attention) equals the torch-path engine, both with an FP8 cache. Mutations (run): the value scales left out of
     the split kernel (pw = p) -> (1) fails; the epilogue's scale stored as amax (not amax / 448) -> (2) fails."""
     from rlhf_mcore.kernels.fp8_triton import quantize_rows_cuda
-    from rlhf_mcore.models.rope import default_inv_freq
     from rlhf_mcore.rollout.native import fp8 as native_fp8
     from rlhf_mcore.rollout.native import triton_kernels as tk
     from rlhf_mcore.rollout.native.attention import decode_attention_torch
     from rlhf_mcore.rollout.native.kv_cache import quantize_kv
     from rlhf_mcore.rollout.native.model import rms_norm
-    from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
+    from rlhf_mcore.rollout.native.rope import apply_rope
 
     g = torch.Generator().manual_seed(21)
     S, L, hkv, d, hq = 5, 70, 2, 16, 8
@@ -783,11 +790,7 @@ def _kv_fp8_check(model_dir: str) -> None:
 
     # (2) the epilogue's writes, at head dims 16 / 32 / 64, with and without q/k norms
     for d in (16, 32, 64):
-        cos, sin = rope_tables(default_inv_freq(d, 1e4), 64, "cpu", torch.float32)
-        h_in = torch.randn(3, 48, generator=g)
-        wqkv, bqkv = torch.randn((hq + 2 * hkv) * d, 48, generator=g), torch.randn((hq + 2 * hkv) * d, generator=g)
-        qkv = torch.nn.functional.linear(h_in, wqkv, bqkv)
-        pos, slot = torch.tensor([0, 17, 63]), torch.tensor([1, 4, 2])
+        cos, sin, h_in, wqkv, bqkv, qkv, pos, slot = _qkv_case(d, hq, hkv, g)
         for norm_w in (None, (torch.randn(d, generator=g), torch.randn(d, generator=g))):
             k_ref = qkv[:, hq * d:(hq + hkv) * d].view(3, hkv, d)
             k_ref = rms_norm(k_ref, norm_w[1], 1e-6) if norm_w else k_ref
