@@ -16,9 +16,10 @@
 `--quick` is the GPU test's short version (tests/test_gpu_learning.py). Needs CUDA.
 
 `--variants` runs each algorithm from the same warm start, data and seeds once per variant (VARIANTS: bf16, FP8
-rollout without and with token-level TIS, FP8 training), so their held-out accuracy compares like for like;
-`--algos grpo` leaves PPO out, `--rl-steps` shortens the runs, and `--parallel` runs them all at once on the GPU
-(the tiny model leaves it mostly idle: their step seconds are then not comparable, their learning is).
+rollout without and with token-level TIS, FP8 rollout with the FP8 KV cache and TIS, FP8 training), so their
+held-out accuracy compares like for like; `--algos grpo` leaves PPO out, `--rl-steps` shortens the runs, and
+`--parallel` runs them all at once on the GPU (the tiny model leaves it mostly idle: their step seconds are then
+not comparable, their learning is).
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ VARIANTS = {
     "fp8-rollout": FP8_ROLLOUT,
     "fp8-rollout-tis": [*FP8_ROLLOUT, "algorithm.rollout_correction.rollout_is=token",
                         "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+    "fp8-rollout-kv-tis": [*FP8_ROLLOUT, "actor_rollout_ref.rollout.kv_cache_dtype=fp8_e4m3",
+                           "algorithm.rollout_correction.rollout_is=token",
+                           "algorithm.rollout_correction.rollout_is_threshold=2.0"],
     "fp8-train": ["actor_rollout_ref.actor.megatron.fp8=e4m3"],
 }
 ALGOS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae"]}

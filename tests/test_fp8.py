@@ -425,8 +425,9 @@ def test_learn_gpu_variants_are_real_keys():
     import learn_gpu
 
     runs = learn_gpu.plan_runs(["grpo", "ppo"], list(learn_gpu.VARIANTS))
-    assert sorted(runs) == ["grpo", "grpo_fp8-rollout", "grpo_fp8-rollout-tis", "grpo_fp8-train", "ppo",
-                            "ppo_fp8-rollout", "ppo_fp8-rollout-tis", "ppo_fp8-train"]
+    assert sorted(runs) == ["grpo", "grpo_fp8-rollout", "grpo_fp8-rollout-kv-tis", "grpo_fp8-rollout-tis",
+                            "grpo_fp8-train", "ppo", "ppo_fp8-rollout", "ppo_fp8-rollout-kv-tis", "ppo_fp8-rollout-tis",
+                            "ppo_fp8-train"]
     cfgs = {name: load_config(str(root / "configs/learn_gpu.yaml"), ["actor_rollout_ref.model.path=/m", *ov])
             for name, ov in runs.items() if name.startswith("grpo") or name == "ppo_fp8-train"}
     got = {name: (c.actor_rollout_ref.rollout.quantization, c.actor_rollout_ref.actor.megatron.fp8,
@@ -435,6 +436,9 @@ def test_learn_gpu_variants_are_real_keys():
     assert got["grpo_fp8-rollout"] == ("fp8", None, None, "grpo_fp8-rollout")
     assert got["grpo_fp8-rollout-tis"] == ("fp8", None, "token", "grpo_fp8-rollout-tis")
     assert cfgs["grpo_fp8-rollout-tis"].algorithm.rollout_correction.rollout_is_threshold == 2.0
+    assert got["grpo_fp8-rollout-kv-tis"] == ("fp8", None, "token", "grpo_fp8-rollout-kv-tis")
+    assert cfgs["grpo_fp8-rollout-kv-tis"].actor_rollout_ref.rollout.kv_cache_dtype == "fp8_e4m3"
+    assert cfgs["grpo_fp8-rollout-tis"].actor_rollout_ref.rollout.kv_cache_dtype == "auto"
     assert got["grpo_fp8-train"] == (None, "e4m3", None, "grpo_fp8-train")
     assert cfgs["ppo_fp8-train"].critic.megatron.fp8 == "e4m3"
     assert cfgs["ppo_fp8-train"].algorithm.adv_estimator == "gae"
