@@ -177,10 +177,11 @@ class NativeRolloutEngine(RolloutEngine):
     quantization: "fp8" runs the decoder linears as e4m3 copies refreshed after every weight sync (fp8.py): in
     `finish_weight_update` at the sync's end, else at the next generation (`last_stats["fp8_quantize_s"]`);
     fp8_layout "channel" (default) or "block" scales; None: the model's dtype. fp8_decode: how a fused (CUDA)
-    decode step multiplies by the FP8 weights: "w8a8" (default; activations quantized per token, cuBLAS's FP8 GEMM,
+    decode step multiplies by the FP8 weights: "w8a8" (default; activations quantized per token, then the Triton
+    decode GEMMs on FP8 x FP8 products with "channel" scales -- `model.FP8_TRITON_DECODE` -- or cuBLAS's FP8 GEMM;
     measured in BENCHMARKS.md) or "w8a16" (the Triton decode GEMMs read the FP8 codes and scale each output
     channel; activations stay bf16, no quantization kernels; QKV in FP8 too, inside the fused QKV + RoPE + cache
-    kernel; "channel" scales only; not yet measured on a GPU). Prefill is w8a8 in both.
+    kernel; "channel" scales only; slower than bf16 at 7B). Prefill is w8a8 on cuBLAS in both.
     kv_cache_dtype: "auto" (the model's dtype) or "fp8_e4m3": keys and values cached as e4m3 codes with one fp32
     scale per token and head (kv_cache.py), half the bytes each decode step's attention reads; a prompt's own
     prefill attends over its exact keys, every later step over the cached codes. Needs an FP8 GPU, like

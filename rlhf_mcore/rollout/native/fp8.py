@@ -5,9 +5,10 @@ decoder's gate_up and down (LINEARS; every linear under fp8_decode="w8a16") with
 or per 128 x 128 block (`rlhf_mcore.kernels.fp8`). The copy is refreshed on the GPU once after each weight sync --
 at its end (`finish_weight_update`, timed as `sync/fp8_quantize_seconds`), or else before the next generation (a
 sync arrives in many `update_weights` buckets; quantizing once per sync, not per bucket) -- in place so captured
-CUDA graphs stay valid. Embeddings, norms, the LM head and the KV cache stay bf16 (QKV and o_proj too under "w8a8");
-activations are quantized per token (channel) or per 1 x 128 slice (block) inside each cuBLAS GEMM ("w8a8"), or
-not at all in the weight-only decode GEMMs ("w8a16").
+CUDA graphs stay valid. Embeddings, norms and the LM head stay bf16 (QKV and o_proj too under "w8a8"; the KV cache
+unless the engine's kv_cache_dtype says otherwise); activations are quantized per token (channel) or per 1 x 128
+slice (block) for cuBLAS's FP8 GEMM and, per token, for the Triton decode GEMMs on FP8 x FP8 products ("w8a8", the
+decode step's default with channel scales), or not at all in the weight-only decode GEMMs ("w8a16").
 """
 
 from __future__ import annotations

@@ -85,9 +85,10 @@ class NativeModel:
         self.sm_scale = spec.head_dim ** -0.5
         self.fused = fused
         # FP8 linear weights (fp8.Fp8Layers.layers: per layer, name -> Fp8Weight) set by an engine with
-        # quantization="fp8"; their GEMMs run through cuBLAS FP8 with activations quantized per token ("w8a8"), or
-        # in a fused decode step through the Triton decode GEMMs reading the FP8 weights ("w8a16": activations
-        # not quantized; per-channel scales only; prefill stays w8a8)
+        # quantization="fp8"; their GEMMs run through cuBLAS FP8 with activations quantized per token ("w8a8"; in a
+        # fused decode step with per-channel scales, the Triton decode GEMMs on FP8 x FP8 products instead:
+        # FP8_TRITON_DECODE), or in a fused decode step through the Triton decode GEMMs reading the FP8 weights
+        # ("w8a16": activations not quantized; per-channel scales only; prefill stays w8a8)
         self.fp8: list[dict] | None = None
         self.fp8_decode = "w8a8"
         self.cos, self.sin = rope_tables(rope_inv_freq(spec), max_len, weights.device, weights.dtype)  # (L, hd)
