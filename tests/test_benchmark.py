@@ -531,6 +531,30 @@ def test_profile_clock_spans_align_on_the_mark_kernel():
     assert [(round(a), round(b)) for _, a, b in no_mark] == [(2_000_000, 3_000_000)]
 
 
+def test_fp8_mismatch_records_a_failing_variant_and_runs_the_rest(monkeypatch):
+    """bench_fp8's mismatch section: a variant whose engine raises becomes a row with its error, and every later
+    variant still runs (session 35's call C lost the section to one variant's compile error). Mutation: the
+    try/except around `_mismatch_row` removed -> the error propagates and the test fails."""
+    import bench_fp8
+
+    seen = []
+
+    def row(model_dir, name, cfg, prompts, new_tokens, actor_logprobs, greedy):
+        seen.append(name)
+        if name == "fp8_channel_kv8":
+            raise RuntimeError("a compile error")
+        return {"variant": name, "k3_kl": 0.0}
+
+    monkeypatch.setattr(bench_fp8, "_hf_scorer", lambda model_dir, prompts, prompt_len: None)
+    monkeypatch.setattr(bench_fp8, "_mismatch_row", row)
+    rows = bench_fp8.bench_mismatch(None, {"vocab_size": 100}, ["channel"], n=2, prompt_len=4, new_tokens=2)
+    names = ["bf16", "fp32", *bench_fp8.fp8_variants(["channel"])]
+    assert seen == names and [r["variant"] for r in rows] == names
+    assert rows[names.index("fp8_channel_kv8")] == {"variant": "fp8_channel_kv8",
+                                                    "error": "RuntimeError: a compile error"}
+    assert rows[-1] == {"variant": names[-1], "k3_kl": 0.0}
+
+
 def test_the_fp8_cublas_variant_switches_the_model_for_its_own_engine_only(monkeypatch):
     """bench_fp8's `fp8_channel_cublas` variant turns `model.FP8_TRITON_DECODE` off while its engine runs and puts it
     back afterwards, also when the run fails; the other variants see it as it was, and no engine gets the key.

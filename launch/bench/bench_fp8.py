@@ -232,12 +232,26 @@ def _k3(lp_rollout: torch.Tensor, lp_actor: torch.Tensor, cap: float = 2.0) -> d
 
 def bench_mismatch(model_dir: Path, s: dict, layouts, n: int = 64, prompt_len: int = 64, new_tokens: int = 64
                    ) -> list[dict]:
+    """Per engine variant: the k3 KL of its sampled tokens against the HF bf16 model, and its greedy first tokens
+    against the bf16 engine's. A variant that raises is recorded with its error and the others still run."""
+    prompts = _prompts(n, prompt_len, s["vocab_size"], seed=3)
+    actor_logprobs = _hf_scorer(model_dir, prompts, prompt_len)
+    rows, greedy = [], {}
+    # fp32: the noise floor of a random model's flat logits (bf16 against fp32 agree only so often)
+    for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32}, **fp8_variants(layouts)}.items():
+        try:
+            rows.append(_mismatch_row(model_dir, name, cfg, prompts, new_tokens, actor_logprobs, greedy))
+        except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _hf_scorer(model_dir: Path, prompts: list[list[int]], prompt_len: int):
+    """outs -> (the HF bf16 model's log-probs of their sampled tokens, the engine's own), both (n, new_tokens)."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_mcore.rollout import SamplingParams
-    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
-
-    prompts = _prompts(n, prompt_len, s["vocab_size"], seed=3)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
 
     def actor_logprobs(outs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,29 +261,35 @@ def bench_mismatch(model_dir: Path, s: dict, layouts, n: int = 64, prompt_len: i
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
         return lp, torch.tensor([o.samples[0].logprobs for o in outs], device="cuda")
 
-    rows, greedy = [], {}
-    # fp32: the noise floor of a random model's flat logits (bf16 against fp32 agree only so often)
-    for name, cfg in {"bf16": {}, "fp32": {"dtype": torch.float32}, **fp8_variants(layouts)}.items():
-        with engine_switches(cfg) as kwargs:
-            eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **kwargs)
+    return actor_logprobs
+
+
+def _mismatch_row(model_dir, name, cfg, prompts, new_tokens, actor_logprobs, greedy: dict) -> dict:
+    """One variant's mismatch row; its greedy outputs go into `greedy` (the bf16 ones are the reference)."""
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    n, prompt_len = len(prompts), len(prompts[0])
+    with engine_switches(cfg) as kwargs:
+        eng = NativeRolloutEngine(model_dir, max_num_seqs=n, max_model_len=prompt_len + new_tokens + 8, **kwargs)
+        try:
             greedy[name] = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
                                                                 ignore_eos=True))
             sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
                                                            ignore_eos=True, seed=5))
-        lp_actor, lp_rollout = actor_logprobs(sampled)
-        row = {"variant": name, **_k3(lp_rollout, lp_actor)}
-        if name != "bf16":
-            pairs = [(a.samples[0], b.samples[0]) for a, b in zip(greedy["bf16"], greedy[name])]
-            same = [a.token_ids[0] == b.token_ids[0] for a, b in pairs]
-            dlp = torch.tensor([abs(a.logprobs[0] - b.logprobs[0]) for (a, b), ok in zip(pairs, same) if ok])
-            prefix = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), new_tokens)
-                      for a, b in pairs]
-            row.update(first_token_agreement=sum(same) / n, first_token_dlogprob_mean=dlp.mean().item(),
-                       first_token_dlogprob_max=dlp.max().item(), greedy_prefix_match=sum(prefix) / (n * new_tokens))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        eng.shutdown()
-    return rows
+        finally:
+            eng.shutdown()
+    lp_actor, lp_rollout = actor_logprobs(sampled)
+    row = {"variant": name, **_k3(lp_rollout, lp_actor)}
+    if name != "bf16":
+        pairs = [(a.samples[0], b.samples[0]) for a, b in zip(greedy["bf16"], greedy[name])]
+        same = [a.token_ids[0] == b.token_ids[0] for a, b in pairs]
+        dlp = torch.tensor([abs(a.logprobs[0] - b.logprobs[0]) for (a, b), ok in zip(pairs, same) if ok])
+        prefix = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), new_tokens)
+                  for a, b in pairs]
+        row.update(first_token_agreement=sum(same) / n, first_token_dlogprob_mean=dlp.mean().item(),
+                   first_token_dlogprob_max=dlp.max().item(), greedy_prefix_match=sum(prefix) / (n * new_tokens))
+    return row
 
 
 def main(argv=None) -> dict:
