@@ -21,6 +21,7 @@ it. Nothing here imports the rest of rlhf_mcore.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -197,24 +198,44 @@ class Fp8Weight:
         return dequantize(self.q, self.scale)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+class Fp8Rows(NamedTuple):
+    """An activation already quantized per row (by the kernel that computed it, e.g. the native engine's fused
+    add+norm): what `quantize_rows` would return for it, and the dtype it had (the GEMM's output dtype)."""
+
+    q: torch.Tensor      # (M, K) fp8 codes
+    scale: torch.Tensor  # (M, 1) fp32
+    dtype: torch.dtype
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (M, K) @ w.T -> (M, N) in out_dtype (x's by default) with x quantized just in time (per token for
-    "channel", per 1 x 128 for "block"). CUDA: cuBLAS FP8 GEMM; elsewhere: `reference_mm` (tests)."""
+    "channel", per 1 x 128 for "block"), or given as its per-row codes (`Fp8Rows`, "channel" only).
+    CUDA: cuBLAS FP8 GEMM; elsewhere: `reference_mm` (tests)."""
+    if isinstance(x, Fp8Rows):
+        if w.layout != "channel":
+            raise ValueError(f"per-row FP8 activations multiply per-channel weights, not {w.layout!r} ones")
+        return _rows_mm(x.q, x.scale, w, bias, out_dtype or x.dtype)
     out_dtype = out_dtype or x.dtype
     if w.layout == "channel":
-        xq, xs = quantize_rows(x)
-        if x.is_cuda:
-            out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.mm_scale, out_dtype=out_dtype)
-        else:
-            out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
-    elif x.is_cuda:
+        return _rows_mm(*quantize_rows(x), w, bias, out_dtype)
+    if x.is_cuda:
         m = x.shape[0]
         pad = -m % 16  # cuBLAS's blockwise GEMM finds no algorithm for some row counts (measured: M = 1)
         xq, xs = quantize_row_blocks(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
         out = _block_mm(xq, xs, w, out_dtype)[:m]
     else:
         xq, xs = quantize_row_blocks(x)
+        out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
+    return out if bias is None else out + bias
+
+
+def _rows_mm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+             ) -> torch.Tensor:
+    """Per-row codes xq (M, K) with scales xs (M, 1) times a per-channel weight: cuBLAS's row-wise scaled GEMM."""
+    if xq.is_cuda:
+        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.mm_scale, out_dtype=out_dtype)
+    else:
         out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
     return out if bias is None else out + bias
 

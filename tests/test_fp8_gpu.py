@@ -384,6 +384,37 @@ def test_triton_activation_quantization_matches_torch(rows):
     assert s.stride() == (1, rows)
 
 
+@pytest.mark.parametrize("rows", [1, 256, 4099])
+def test_fp8_rows_kernels_match_quantize_rows(rows):
+    """The native engine's kernels that quantize what they compute: `add_rms_norm(quantize=)` at the 7B hidden width
+    (K-split fp32 partials summed first), `silu_mul(quantize=)` (the prefill's) and the FP8 x FP8 gate_up GEMM with
+    silu*mul (`linear(quantize=)`, the decode step's: epilogue row maxima, then the codes) at its MLP width give
+    exactly what `quantize_rows` gives for their bf16 outputs -- codes and scales bit for bit, with the GPU's own
+    fp32 -> e4m3 cast (the interpreter's check uses the interpreter's); an all-zero row gets scale 1. Mutation (run
+    in session 36 on the device): `_row_codes` dividing by 2 * scale -> fails."""
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(rows, 3584, device="cuda", generator=g).bfloat16()
+    parts = torch.randn(2, rows, 3584, device="cuda", generator=g)
+    parts[:, 0] = 0
+    x[0] = 0
+    w = (torch.rand(3584, device="cuda", generator=g) + 0.5).bfloat16()
+    gu = (torch.randn(rows, 2 * 18944, device="cuda", generator=g) * 3).bfloat16()
+    gu[0] = 0
+    xq, xs = fp8.quantize_rows(x)
+    wq, ws = fp8.quantize_rows(torch.randn(2 * 18944, 3584, device="cuda", generator=g).bfloat16() * 0.02)
+    gemm = dict(silu_mul=True, w_scale=ws, x_scale=xs)
+    for got, plain in ((tk.add_rms_norm(x.clone(), parts, w, 1e-6, quantize=fp8.E4M3)[1],
+                        tk.add_rms_norm(x.clone(), parts, w, 1e-6)[1]),
+                       (tk.silu_mul(gu, quantize=fp8.E4M3), tk.silu_mul(gu)),
+                       (tk.linear(xq, wq, quantize=fp8.E4M3, **gemm), tk.linear(xq, wq, **gemm))):
+        q, s = fp8.quantize_rows(plain)
+        assert got.dtype == torch.bfloat16 and got.q.dtype == fp8.E4M3
+        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, s)
+        assert got.scale[0].item() == 1.0
+
+
 @pytest.mark.parametrize("shape", [(4096, 1536), (37, 200), (300, 8960)])
 def test_column_quantization_matches_transposed_rows(shape):
     """fp8.quantize_cols_t on CUDA (the training backward's tiled column amax + transposed cast) against the row

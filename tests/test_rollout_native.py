@@ -503,6 +503,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
     _out_proj_routing_check(model_dir)
     _large_weight_routing_check(model_dir)
     _fp8_triton_decode_check(model_dir)
+    _fp8_rows_kernels_check()
     _shared_prompt_reads_check(model_dir)
     _kv_fp8_check(model_dir)
     # QKV GEMM + bias + rope + per-head q/k norm (and none, at 32 and 64) + cache write (head_dim 16: padded halves).
@@ -631,39 +632,114 @@ def _w8a16_decode_check(model_dir: str) -> None:
 
 def _fp8_triton_decode_check(model_dir: str) -> None:
     """Under `model.FP8_TRITON_DECODE` a fused decode step of an FP8 ("w8a8") engine runs gate_up and down as Triton
-    GEMMs on FP8 x FP8 products, each after one per-row quantization of its input, and equals the unfused decode step
-    on the same FP8 copies (cuBLAS's w8a8 form: torch's reference here), on the same cache, at 3 and 70 rows (fp32,
-    1e-4); o_proj (bf16 under w8a8) keeps the bf16 routing. Off (on is the default), the fused step sends the FP8
-    linears to `_linear`, as before. Mutations: `_decode_input` leaving the activations unquantized under w8a8 -> the
-    logits move by the activations' quantization error and the check fails; gate_up's FP8 scales left out of
-    `_mlp_act` -> fails."""
+    GEMMs on FP8 x FP8 products and equals the unfused decode step on the same FP8 copies (cuBLAS's w8a8 form: torch's
+    reference here), on the same cache, at 3 and 70 rows (fp32, 1e-4); o_proj (bf16 under w8a8) keeps the bf16
+    routing. The inputs come quantized from the kernels before them (`Fp8Rows`: gate_up's from the add+norm, down's
+    from gate_up's epilogue maxima), so no separate per-row quantization runs. Off (on is the default), the fused step
+    sends the FP8 linears to `_linear`, and there and in the prefill the add+norm and the fused silu*mul quantize:
+    none either; the fused prefill equals the unfused one too. Mutations: `_decode_input` leaving the activations
+    unquantized under w8a8 -> the logits move by the activations' quantization error and the check fails; gate_up's
+    FP8 scales left out of `_mlp_act` -> fails; `_mlp_act`'s silu*mul not told to quantize -> the counts fail (the
+    unfused step's, the prefill's); the add+norm's codes left unscaled (`_row_codes` without the division) -> every
+    comparison fails."""
+    from rlhf_mcore.kernels import fp8 as kfp8
+    from rlhf_mcore.kernels.fp8_triton import quantize_rows_cuda
     from rlhf_mcore.rollout.native import fp8 as native_fp8
     from rlhf_mcore.rollout.native import model as nm
+    from rlhf_mcore.rollout.native.attention import PackedLayout
     from rlhf_mcore.rollout.native.model import NativeModel
 
     native_fp8.check_fp8_device = lambda device, key: None  # this subprocess: the CPU interpreter stands in
-    eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
-                              attention="torch", sampler="torch", cuda_graphs=False, quantization="fp8")
-    eng._refresh_fp8()
-    fused = eng.model
-    assert fused.fp8_decode == "w8a8" and sorted(fused.fp8[0]) == ["down", "gate_up"]
-    plain = NativeModel(eng.spec, eng.weights, 33, None, fused=False)
-    plain.fp8, plain.fp8_decode = fused.fp8, "w8a8"
-    g = torch.Generator().manual_seed(9)
-    n = eng.spec.num_layers
-    saved = nm.FP8_TRITON_DECODE
-    for on, rows in ((True, 3), (True, 70), (False, 3)):
-        cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
-        nm.FP8_TRITON_DECODE = on
+    # the reference quantizes through the interpreter's fp32 -> e4m3 cast too, as the kernels do (that cast drops
+    # the carry at a binade's top, where each row's largest value lands: 447.99 -> 384; see `_kv_fp8_check`)
+    real_quantize = kfp8.quantize_rows
+    kfp8.quantize_rows = lambda x, dtype=kfp8.E4M3: quantize_rows_cuda(x, dtype)
+    try:
+        eng = NativeRolloutEngine(model_dir, max_num_seqs=72, max_model_len=32, device=DEVICE, fused_kernels=True,
+                                  attention="torch", sampler="torch", cuda_graphs=False, quantization="fp8")
+        eng._refresh_fp8()
+        fused = eng.model
+        assert fused.fp8_decode == "w8a8" and sorted(fused.fp8[0]) == ["down", "gate_up"]
+        plain = NativeModel(eng.spec, eng.weights, 33, None, fused=False)
+        plain.fp8, plain.fp8_decode = fused.fp8, "w8a8"
+        g = torch.Generator().manual_seed(9)
+        n = eng.spec.num_layers
+        saved = nm.FP8_TRITON_DECODE
+        for on, rows in ((True, 3), (True, 70), (False, 3)):
+            cache, twin, tokens, positions, slots = _decode_inputs(eng, rows, g)
+            nm.FP8_TRITON_DECODE = on
+            try:
+                got, calls = _counted_decode(fused, tokens, positions, slots, cache)
+            finally:
+                nm.FP8_TRITON_DECODE = saved
+            # on: gate_up and down on Triton (+ o_proj's bf16 Triton GEMM, a small weight here), down's input
+            # quantized from gate_up's epilogue maxima; off: both FP8 linears through `_linear`, o_proj on cuBLAS,
+            # the silu*mul quantizing
+            assert calls == ({"quantize": 0, "linear": 3 * n} if on else {"quantize": 0, "linear": 0}), (on, calls)
+            want = plain.decode(tokens, positions, slots, twin, "torch", 32)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # the prefill: packed prompts of 5 and 9 tokens into fresh slots
+        layout = PackedLayout([5, 9], DEVICE)
+        tokens = torch.randint(0, eng.spec.vocab_size, (14,), generator=g)
+        cache, twin, *_ = _decode_inputs(eng, 1, g)
+        write = (torch.arange(14), torch.tensor([0] * 5 + [1] * 9), layout.positions)
+        real_q, quantized = kfp8.quantize_rows, []
+        kfp8.quantize_rows = lambda *a: quantized.append(1) or real_q(*a)
         try:
-            got, calls = _counted_decode(fused, tokens, positions, slots, cache)
+            got = fused.prefill(tokens, layout, cache, *write)
         finally:
-            nm.FP8_TRITON_DECODE = saved
-        # on: gate_up and down on Triton (+ o_proj's bf16 Triton GEMM, a small weight here), one quantization each;
-        # off: both FP8 linears through `_linear` (its quantization inside fp8_linear), o_proj on cuBLAS
-        assert calls == ({"quantize": 2 * n, "linear": 3 * n} if on else {"quantize": 2 * n, "linear": 0}), (on, calls)
-        want = plain.decode(tokens, positions, slots, twin, "torch", 32)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            kfp8.quantize_rows = real_q
+        assert not quantized
+        torch.testing.assert_close(got, plain.prefill(tokens, layout, twin, *write), atol=1e-4, rtol=1e-4)
+    finally:
+        kfp8.quantize_rows = real_quantize
+
+
+def _fp8_rows_kernels_check() -> None:
+    """The kernels that quantize what they compute (`Fp8Rows`): `add_rms_norm(quantize=)` and `silu_mul(quantize=)`
+    give the codes and scales that `quantize_rows` gives for their unquantized outputs, bit for bit (its Triton kernel,
+    run by the interpreter: the interpreter's fp32 -> e4m3 cast is off at a binade's top, see `_kv_fp8_check`), in
+    fp32 and bf16, K-split partials and an all-zero row included (scale 1, codes 0), and the add+norm's residual
+    update is unchanged; so does `linear(silu_mul=True, quantize=)` on FP8 x FP8 products (several column tiles,
+    16- and 128-row tiles). Mutations: the norm's amax over the unrounded fp32 rows -> the bf16 codes differ and it
+    fails; the silu*mul's second pass without the bf16 rounding of the product -> fails; the GEMM epilogue's row
+    maxima of the unrounded fp32 outputs -> fails; `_quant_from_partials_kernel` reading one partial fewer -> fails."""
+    from rlhf_mcore.kernels.fp8 import E4M3
+    from rlhf_mcore.kernels.fp8_triton import quantize_rows_cuda
+    from rlhf_mcore.rollout.native import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(4)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, 96, generator=g).to(dt)
+        x[2] = 0
+        parts = torch.randn(3, 6, 96, generator=g)
+        parts[:, 2] = 0
+        w = (torch.rand(96, generator=g) + 0.5).to(dt)
+        for delta in (None, parts, parts[0].to(dt)):
+            x1, h = tk.add_rms_norm(x.clone(), delta, w, 1e-6)
+            x2, rows = tk.add_rms_norm(x.clone(), delta, w, 1e-6, quantize=E4M3)
+            q, scale = quantize_rows_cuda(h, E4M3)
+            assert torch.equal(x1, x2) and rows.dtype == dt and rows.q.dtype == E4M3
+            assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, scale)
+            if delta is None:
+                assert rows.scale[2].item() == 1.0 and not rows.q[2].float().any()
+        gu = (torch.randn(5, 2 * 300, generator=g) * 3).to(dt)
+        gu[1] = 0
+        rows = tk.silu_mul(gu, quantize=E4M3)
+        q, scale = quantize_rows_cuda(tk.silu_mul(gu), E4M3)
+        assert rows.dtype == dt and torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(rows.scale, scale) and rows.scale[1].item() == 1.0
+    # the FP8 x FP8 gate_up GEMM with silu*mul: its epilogue's row maxima over 5 column tiles, then the codes
+    wq, ws = quantize_rows_cuda(torch.randn(600, 64, generator=g) * 0.1, E4M3)
+    for m in (3, 70):
+        x = torch.randn(m, 64, generator=g)
+        x[1] = 0
+        xq, xs = quantize_rows_cuda(x, E4M3)
+        rows = tk.linear(xq, wq, silu_mul=True, w_scale=ws, x_scale=xs, quantize=E4M3)
+        q, scale = quantize_rows_cuda(tk.linear(xq, wq, silu_mul=True, w_scale=ws, x_scale=xs), E4M3)
+        assert rows.dtype == torch.bfloat16 and rows.q.shape == (m, 300)
+        assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, scale)
+        assert rows.scale[1].item() == 1.0
 
 
 def _out_proj_routing_check(model_dir: str) -> None:

@@ -100,12 +100,14 @@ class NativeModel:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
-    def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
-        """(residual + delta, rms_norm(residual + delta) * weight); delta None: just the norm."""
+    def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  quantize: torch.dtype | None = None):
+        """(residual + delta, rms_norm(residual + delta) * weight); delta None: just the norm. quantize (fused only):
+        the normed rows as per-row FP8 codes (`Fp8Rows`), for an FP8 GEMM that takes them (`_fp8_rows`)."""
         if self.fused:
             from .triton_kernels import add_rms_norm
 
-            return add_rms_norm(residual, delta, weight, self.spec.rms_norm_eps)
+            return add_rms_norm(residual, delta, weight, self.spec.rms_norm_eps, quantize)
         if delta is not None:
             residual = residual + delta
         return residual, rms_norm(residual, weight, self.spec.rms_norm_eps)
@@ -119,6 +121,16 @@ class NativeModel:
 
         return fp8_linear(x, q, bias)
 
+    def _fp8_rows(self, i: int, name: str, triton_gemms: bool) -> torch.dtype | None:
+        """The FP8 dtype in which the kernel producing layer i's `name` input should write it, quantized per row
+        (`Fp8Rows`: the add+norm before gate_up, the prefill's silu*mul before down), or None. A fused model whose
+        `name` has a per-channel FP8 copy multiplied on FP8 x FP8 products (cuBLAS's w8a8, or the Triton decode
+        GEMMs under "w8a8"): the quantization `fp8_linear` / `_decode_input` would run, one kernel earlier."""
+        q = self.fp8[i].get(name) if self.fused and self.fp8 is not None else None
+        if q is None or q.layout != "channel" or triton_gemms and self.fp8_decode != "w8a8":
+            return None
+        return q.q.dtype
+
     def _decode_weight(self, i: int, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight a Triton decode GEMM reads for layer i's `name`: w, or its FP8 codes and per-channel scales
         ("w8a16", and "w8a8" under `FP8_TRITON_DECODE`)."""
@@ -127,7 +139,12 @@ class NativeModel:
 
     def _decode_input(self, x: torch.Tensor, w_scale: torch.Tensor | None) -> dict:
         """The activation arguments of a Triton decode GEMM: x as it is, or under "w8a8" (an FP8 weight,
-        `FP8_TRITON_DECODE`) its FP8 codes with one scale per row, as cuBLAS's FP8 GEMM would take it."""
+        `FP8_TRITON_DECODE`) its FP8 codes with one scale per row, as cuBLAS's FP8 GEMM would take it (x's own, when
+        its producer quantized it: `Fp8Rows`)."""
+        from rlhf_mcore.kernels.fp8 import Fp8Rows
+
+        if isinstance(x, Fp8Rows):
+            return {"x": x.q, "x_scale": x.scale, "out_dtype": x.dtype}
         if w_scale is None or self.fp8_decode != "w8a8":
             return {"x": x}
         from rlhf_mcore.kernels.fp8 import quantize_rows
@@ -143,12 +160,13 @@ class NativeModel:
             if scale is not None or h.shape[0] <= FUSED_SILU_MAX_ROWS:
                 from .triton_kernels import linear
 
-                return linear(w=w, silu_mul=True, w_scale=scale, **self._decode_input(h, scale))
+                return linear(w=w, silu_mul=True, w_scale=scale, quantize=self._fp8_rows(i, "down", triton_gemms),
+                              **self._decode_input(h, scale))
         gu = self._linear(i, "gate_up", h, gate_up)
         if self.fused:
             from .triton_kernels import silu_mul
 
-            return silu_mul(gu)
+            return silu_mul(gu, self._fp8_rows(i, "down", triton_gemms))
         inter = gu.shape[-1] // 2
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
@@ -191,7 +209,8 @@ class NativeModel:
         for i, lw in enumerate(layers):
             attn = attend(i, h)  # (N, Hq hd)
             o = self._out_proj(attn, lw.o_proj, triton_gemms, i, "o_proj")
-            residual, h = self._add_norm(residual, o, lw.post_norm)
+            residual, h = self._add_norm(residual, o, lw.post_norm,
+                                         self._fp8_rows(i, "gate_up", triton_gemms) if lw.router is None else None)
             if lw.router is not None:  # a MoE layer: routed (and shared) experts, one all-reduce
                 down, ids = moe_mlp(h, lw, self.spec)
                 down = self._all_reduce(down)

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rlhf_mcore.kernels.fp8 import FP8_MAX, Fp8Rows
+
 from .sampling import HASH_M1, HASH_M2, STEP_MUL
 
 # The kernels spell these constants as literals (Triton jit code cannot read module globals); keep in sync.
@@ -393,7 +395,7 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                    W_SCALED: tl.constexpr, M_FASTEST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, as_ptr=None,
-                   A_SCALED: tl.constexpr = False):
+                   A_SCALED: tl.constexpr = False, amax_ptr=None, ROW_AMAX: tl.constexpr = False):
     """out[m, n] = sum_k a[m, k] w[n, k] (+ bias[n]) for a tile of rows x output columns and one K split.
 
     SILU_MUL: w holds [gate; up] (2N, K) and out = silu(gate) * up, each rounded as transformers does.
@@ -407,7 +409,9 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
     does not take at decode-sized M).
     M_FASTEST: the grid is (row tiles, column tiles, splits), so the programs of one weight tile's row tiles are
     launched together and share its reads in L2 (a weight larger than L2 would otherwise be read from memory once
-    per row tile); else (column tiles, row tiles, splits)."""
+    per row tile); else (column tiles, row tiles, splits).
+    ROW_AMAX (SPLIT_K == 1): amax_ptr[column tile, row] receives the max |output| of the tile's part of the row, as
+    rounded to the output dtype (`quantize_rows_from_partials` turns them into the row's FP8 scale)."""
     if M_FASTEST:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -475,7 +479,11 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
             g = acc.to(DT).to(tl.float32)
             up = acc_u.to(DT).to(tl.float32)
             acc = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * up
-        tl.store(o_ptrs, acc.to(DT), mask=omask)
+        out = acc.to(DT)
+        tl.store(o_ptrs, out, mask=omask)
+        if ROW_AMAX:
+            amax = tl.max(tl.where(omask, tl.abs(out.to(tl.float32)), 0.0), axis=1)
+            tl.store(amax_ptr + pid_n * M + offs_m, amax, mask=mmask)
 
 
 def _num_sms() -> int:
@@ -491,8 +499,11 @@ def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: b
     split >= 4 K blocks) put more loads in flight; gate_up with silu*mul takes 128-wide K blocks. FP8 weights
     (one byte a value) take 128-wide K blocks too, so a row's load stays 128 bytes (not yet tuned on a GPU).
     fp8_act (FP8 x FP8 products): the fastest tiles of tune_decode_gemms at the 7B shape on an H100 (session 34), 64
-    and 256 rows: K blocks of 256 and 2 splits for K >= 8,192 at <= 64 rows; 128-row tiles, 8 warps and 4 splits
-    for K >= 8,192 above."""
+    and 256 rows: K blocks of 256 and 2 splits for K >= 8,192 at <= 64 rows; 128-row tiles and 8 warps above, and
+    for K >= 8,192 (down) 128-wide tiles, 2 splits and 4 stages (session 36: 55.6 -> 46.1 us with the add+norm at
+    256 rows against session 34's 4 splits and 3 stages; cuBLAS 53.0; a TMA-load variant of the kernel 45.4).
+    The error grows with the K one split sums (Hopper's FP8 MMA accumulates in fewer bits than fp32, as DeepSeek-V3's
+    report notes): max error over the fp32 product 0.0026 with 4 splits, 0.0048 with 2, 0.0099 with 1; cuBLAS 0.0024."""
     if fp8_act:
         big_k = k >= 8192
         if m <= 64:
@@ -502,8 +513,9 @@ def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: b
                         num_stages=4))
         else:
             bm = 128
-            cfg = dict(BLOCK_N=128 if big_k and not silu_mul else 64, BLOCK_K=128,
-                       SPLIT_K=4 if big_k and not silu_mul else 1, num_warps=8, num_stages=3)
+            down = big_k and not silu_mul
+            cfg = dict(BLOCK_N=128 if down else 64, BLOCK_K=128, SPLIT_K=2 if down else 1, num_warps=8,
+                       num_stages=4 if down else 3)
         if not allow_split:
             cfg["SPLIT_K"] = 1
         return dict(BLOCK_M=bm, **cfg)
@@ -520,7 +532,8 @@ def linear_config(m: int, n: int, k: int, silu_mul: bool = False, allow_split: b
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
            allow_split: bool = False, config: dict | None = None, w_scale: torch.Tensor | None = None,
-           x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           quantize: torch.dtype | None = None) -> torch.Tensor | Fp8Rows:
     """x (M, K) @ w.T for w (N, K) in transformers' orientation, + bias; a decode-sized (small M) GEMM.
 
     silu_mul: w is [gate; up] (2I, K) and the result is silu(x @ gate.T) * (x @ up.T), (M, I).
@@ -530,7 +543,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     with x unquantized (weight-only FP8, `fp8_decode="w8a16"` of the engine).
     x_scale (with w_scale): x is FP8 codes too, with this fp32 scale per row (`kernels.fp8.quantize_rows`): FP8 x FP8
     products, x @ (w * w_scale).T scaled per row; the result in `out_dtype` (bf16 by default), or K-split fp32
-    partials as above."""
+    partials as above.
+    quantize (an FP8 dtype; no K splits): the result's per-row codes (`Fp8Rows`, what `kernels.fp8.quantize_rows`
+    makes of it), for the FP8 GEMM it feeds: the epilogue leaves each tile's row amax, and one parallel pass
+    (`quantize_rows_from_partials`) casts, instead of a kernel that reads each row twice."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     assert x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
@@ -547,6 +563,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     cfg = dict(config or linear_config(m, n, k, silu_mul, allow_split and not silu_mul, out_dtype,
                                        fp8_weight=w_scale is not None, fp8_act=x_scale is not None))
     split = cfg.pop("SPLIT_K")
+    assert quantize is None or split == 1, "a quantized result is whole rows, not K-split partials"
     if split > 1:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     else:
@@ -556,6 +573,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     m_fastest = w_scale is not None and triton.cdiv(m, cfg["BLOCK_M"]) > 1
     tiles = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     grid = (*(tiles[::-1] if m_fastest else tiles), split)
+    amax = None if quantize is None else torch.empty(tiles[0], m, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled()
     _linear_kernel[grid](x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, out, m, n, k,
                          x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
@@ -563,9 +581,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
                          EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, W_SCALED=w_scale is not None,
                          M_FASTEST=m_fastest,
                          IEEE=x.dtype == torch.float32, PDL=pdl, as_ptr=x_scale if x_scale is not None else x,
-                         A_SCALED=x_scale is not None, **cfg,
+                         A_SCALED=x_scale is not None, amax_ptr=amax, ROW_AMAX=amax is not None, **cfg,
                          **_launch(pdl))
-    return out
+    return out if quantize is None else quantize_rows_from_partials(out, amax, quantize)
+
+
+@triton.jit
+def _quant_from_partials_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, N, T, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+                                BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, column block): the row's scale from its T partial maxima, then its block's codes."""
+    _pdl_wait(PDL)
+    row, blk = tl.program_id(0), tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    scale = _row_scale(tl.max(tl.load(amax_ptr + t * M + row, mask=t < T, other=0.0), 0), QMAX)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    v = tl.load(x_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
+    tl.store(q_ptr + row.to(tl.int64) * N + cols, _row_codes(v, scale, QMAX).to(q_ptr.dtype.element_ty), mask=mask)
+    if blk == 0:
+        tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_from_partials(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> Fp8Rows:
+    """x (M, N) contiguous, amax (T, M): per-row maxima of |x| over T column ranges (a GEMM epilogue's, ROW_AMAX)
+    -> `Fp8Rows`, equal to `kernels.fp8.quantize_rows(x)`."""
+    m, n = x.shape
+    q = torch.empty(m, n, dtype=dtype, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    block = 1024
+    pdl = pdl_enabled()
+    _quant_from_partials_kernel[(m, triton.cdiv(n, block))](x, amax, q, scale, m, n, amax.shape[0],
+                                                           QMAX=FP8_MAX[dtype], BLOCK=block,
+                                                           BLOCK_T=triton.next_power_of_2(amax.shape[0]), PDL=pdl,
+                                                           **_launch(pdl))
+    return Fp8Rows(q, scale, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -575,7 +624,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, D, eps, stride_ds, HAS_DELTA: tl.constexpr,
-                         NSPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         NSPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, s_ptr=None,
+                         QMAX: tl.constexpr = 0.0):
+    """QMAX > 0: h_ptr receives the normed row's FP8 codes and s_ptr its scale, as `_row_codes` computes them."""
     _pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -591,22 +642,43 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, D, eps, stride_ds, HAS_
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = w * (xf * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(h_ptr + row * D + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+    h = (w * (xf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if QMAX > 0:
+        scale = _row_scale(tl.max(tl.abs(h.to(tl.float32)), 0), QMAX)
+        tl.store(h_ptr + row * D + cols, _row_codes(h, scale, QMAX).to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+    else:
+        tl.store(h_ptr + row * D + cols, h, mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _row_scale(amax, QMAX: tl.constexpr):
+    """A row's FP8 decoding scale, as `kernels.fp8.quantize_rows` sets it: amax / QMAX, 1 for an all-zero row."""
+    return tl.where(amax > 0, amax / QMAX, 1.0)
+
+
+@triton.jit
+def _row_codes(v, scale, QMAX: tl.constexpr):
+    """v / scale clamped to +-QMAX in fp32 (the caller casts), as `kernels.fp8.quantize_rows` computes codes."""
+    return tl.minimum(tl.maximum(v.to(tl.float32) / scale, -QMAX), QMAX)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 quantize: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
     """x += delta (in place, if given); returns (x, rms_norm(x) * weight). x, delta (N, D) contiguous; delta
-    may also be (S, N, D) fp32 K-split partials of a GEMM (`linear(allow_split=True)`), summed first."""
+    may also be (S, N, D) fp32 K-split partials of a GEMM (`linear(allow_split=True)`), summed first.
+    quantize (an FP8 dtype): the normed rows come back as `Fp8Rows`, what `kernels.fp8.quantize_rows` makes of them
+    (the FP8 GEMM after the norm takes them; one kernel fewer, and the bf16 rows are never written)."""
     n, d = x.shape
     assert x.is_contiguous() and (delta is None or delta.is_contiguous())
     nsplit = delta.shape[0] if delta is not None and delta.dim() == 3 else 1
-    h = torch.empty_like(x)
+    h = torch.empty_like(x) if quantize is None else torch.empty(n, d, dtype=quantize, device=x.device)
+    scale = None if quantize is None else torch.empty(n, 1, dtype=torch.float32, device=x.device)
     _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, weight, h, d, eps, n * d,
                                HAS_DELTA=delta is not None, NSPLIT=nsplit, BLOCK=triton.next_power_of_2(d),
-                               PDL=pdl_enabled(), **_launch(pdl_enabled()))
-    return x, h
+                               PDL=pdl_enabled(), s_ptr=scale, QMAX=0.0 if quantize is None else FP8_MAX[quantize],
+                               **_launch(pdl_enabled()))
+    return x, (h if quantize is None else Fp8Rows(h, scale, x.dtype))
 
 
 @triton.jit
@@ -621,11 +693,48 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.conste
     tl.store(out_ptr + row * inter + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up (N, 2I) = [gate | up] -> (N, I)."""
+@triton.jit
+def _silu_mul_value(g_row, cols, mask, inter, DT: tl.constexpr):
+    """silu(gate) * up of one row's columns, rounded to DT as `_silu_mul_kernel` rounds them (fp32 out)."""
+    g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(g_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    return (a * u).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, inter, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One program a row: silu(gate) * up, its amax (first pass), then its FP8 codes (second pass, recomputed: the
+    row's gate_up is read again, mostly from L2, instead of writing and reading the bf16 product)."""
+    row = tl.program_id(0).to(tl.int64)
+    g_row = gu_ptr + row * 2 * inter
+    DT = gu_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.abs(_silu_mul_value(g_row, cols, cols < inter, inter, DT)))
+    scale = _row_scale(tl.max(acc, 0), QMAX)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < inter
+        v = _silu_mul_value(g_row, cols, mask, inter, DT)
+        tl.store(q_ptr + row * inter + cols, _row_codes(v, scale, QMAX).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def silu_mul(gate_up: torch.Tensor, quantize: torch.dtype | None = None) -> torch.Tensor | Fp8Rows:
+    """silu(gate) * up for gate_up (N, 2I) = [gate | up] -> (N, I). quantize (an FP8 dtype): the product's per-row
+    codes instead (`Fp8Rows`, what `kernels.fp8.quantize_rows` makes of it), in one kernel that never writes it in
+    bf16 (the FP8 prefill's MLP: 1.81 against 2.29 ms for silu*mul and the quantization at 32k x 18,944, an H100,
+    session 36)."""
     n, two_i = gate_up.shape
     inter = two_i // 2
     assert gate_up.is_contiguous()
+    if quantize is not None:
+        q = torch.empty(n, inter, dtype=quantize, device=gate_up.device)
+        scale = torch.empty(n, 1, dtype=torch.float32, device=gate_up.device)
+        _silu_mul_quant_kernel[(n,)](gate_up, q, scale, inter, QMAX=FP8_MAX[quantize], BLOCK=4096, num_warps=8)
+        return Fp8Rows(q, scale, gate_up.dtype)
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, PDL=pdl_enabled(),
