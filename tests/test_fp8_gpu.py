@@ -389,9 +389,12 @@ def test_fp8_rows_kernels_match_quantize_rows(rows):
     """The native engine's kernels that quantize what they compute: `add_rms_norm(quantize=)` at the 7B hidden width
     (K-split fp32 partials summed first), `silu_mul(quantize=)` (the prefill's) and the FP8 x FP8 gate_up GEMM with
     silu*mul (`linear(quantize=)`, the decode step's: epilogue row maxima, then the codes) at its MLP width give
-    exactly what `quantize_rows` gives for their bf16 outputs -- codes and scales bit for bit, with the GPU's own
-    fp32 -> e4m3 cast (the interpreter's check uses the interpreter's); an all-zero row gets scale 1. Mutation (run
-    in session 36 on the device): `_row_codes` dividing by 2 * scale -> fails."""
+    what `quantize_rows` gives for their bf16 outputs, with the GPU's own fp32 -> e4m3 cast (the interpreter's check,
+    bit for bit, uses the interpreter's): the scales equal, and the codes too but where the separately compiled kernel
+    rounds the norm's fp32 sum to another last bit (the row's bf16 values one ulp apart, the code one e4m3 step: on an
+    H100, 10 of 14.7M codes at 4,099 rows, none at 256; silu*mul and the GEMM's equal at both), at most 1e-5 of them;
+    an all-zero row gets scale 1. Mutation (run in session 36 on the device): `_row_codes` dividing by 2 * scale ->
+    fails."""
     from rlhf_mcore.rollout.native import triton_kernels as tk
 
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -411,8 +414,11 @@ def test_fp8_rows_kernels_match_quantize_rows(rows):
                        (tk.linear(xq, wq, quantize=fp8.E4M3, **gemm), tk.linear(xq, wq, **gemm))):
         q, s = fp8.quantize_rows(plain)
         assert got.dtype == torch.bfloat16 and got.q.dtype == fp8.E4M3
-        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, s)
-        assert got.scale[0].item() == 1.0
+        assert torch.equal(got.scale, s) and got.scale[0].item() == 1.0
+        differ = got.q.view(torch.uint8) != q.view(torch.uint8)
+        assert differ.float().mean().item() <= 1e-5, differ.sum().item()
+        step = (fp8.dequantize(got.q, s) - fp8.dequantize(q, s)).abs()  # one e4m3 step where they differ
+        assert bool((step <= 2 * fp8.error_bound(plain.float(), s) + 2.0 ** -7 * plain.float().abs()).all())
 
 
 @pytest.mark.parametrize("shape", [(4096, 1536), (37, 200), (300, 8960)])
