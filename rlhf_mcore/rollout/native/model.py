@@ -57,8 +57,9 @@ TRITON_OUT_PROJ_MAX_ROWS = 256
 # (launch/bench/tune_decode_gemms.py). FP8 weights (w8a16) stay on Triton.
 TRITON_GEMM_MAX_WEIGHT = 6 << 20
 # FP8 rollout ("w8a8", per-channel scales): whether a fused decode step runs its FP8 linears as Triton GEMMs on FP8 x
-# FP8 products (the activation quantized per row by one kernel, K splits summed by the next add+norm, silu*mul in
-# gate_up's epilogue) instead of cuBLAS's FP8 GEMM. The same quantization and fp32 sums. Timed alone at the 7B shape
+# FP8 products (each activation quantized per row -- by the add+norm before gate_up and from gate_up's epilogue
+# maxima since session 36, `_fp8_rows` --, K splits summed by the next add+norm, silu*mul in gate_up's epilogue)
+# instead of cuBLAS's FP8 GEMM. The same quantization and fp32 sums. Timed alone at the 7B shape
 # on an H100 (tune_decode_gemms.py), quantization included: down + add+norm 62.4 -> 40.8 us at 64 rows and 62.7 ->
 # 59.2 at 256, gate_up + silu 67.2 -> 55.7 and 86.8 -> 84.1; end to end, 7B rollout tokens/s against cuBLAS's FP8
 # GEMMs 9,023 -> 10,293 at batch 64 and level at 256 (BENCHMARKS.md session 35). False: cuBLAS (bench_fp8.py's
