@@ -20,7 +20,9 @@ Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, 
   2. profiles `--profile-tokens` more decode steps with torch.profiler (CUDA activity; kernels replayed inside a CUDA
      graph are recorded one by one) and reports, per decode step: kernel count, summed kernel time, the gap between the
      step's wall time and its kernels (host work, launch, the done-flag sync), and the kernels grouped by kind (GEMM,
-     attention, sampling, element-wise/norm, copies) and by name.
+     attention, sampling, element-wise/norm, copies) and by name;
+  3. profiles a one-token generate: the batch's prefill (and its first sample), its kernels by kind and by name
+     (`prefill` in the JSON).
 Under programmatic dependent launch (Hopper; the engine's default) a Triton kernel starts before its predecessor
 ends and waits for it, so the recorded kernel times overlap and can sum to more than the wall (7B, batch 64: 10.6 ms
 of kernels in a 6.8 ms step, BENCHMARKS.md session 34); run with RLHF_MCORE_DECODE_PDL=0 for kernel times that add
@@ -54,7 +56,7 @@ def kind_of(name: str) -> str:
     if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk", "_linear_kernel",
                             "_qkv_rope_cache")):
         return "gemm"
-    if "attn" in n or "attention" in n or "decode_kernel" in n or "_reduce_splits" in n:
+    if "attn" in n or "attention" in n or "flash" in n or "decode_kernel" in n or "_reduce_splits" in n:
         return "attention"
     if "sample" in n or "gumbel" in n or "argmax" in n:
         return "sampling"
@@ -100,6 +102,25 @@ def decode_bound_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, by
     kv_per_tok = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * bytes_per
     avg_len = prompt_len + new_tokens / 2
     return (num_params(shape) * bytes_per + batch * avg_len * kv_per_tok) / COPY_BW
+
+
+def _prefill_report(pre: dict[str, list[float]], top: int) -> dict:
+    """The kernels of one generate of a single token (the batch's prefill and its first sample), by kind and name."""
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, (c, us) in pre.items():
+        kinds[kind_of(name)][0] += c
+        kinds[kind_of(name)][1] += us
+    rep = {"kernels": sum(c for c, _ in pre.values()), "kernel_ms": sum(us for _, us in pre.values()) / 1e3,
+           "kinds": {k: {"kernels": c, "ms": round(us / 1e3, 3)} for k, (c, us) in
+                     sorted(kinds.items(), key=lambda kv: -kv[1][1])},
+           "top": [{"name": n[:140], "count": c, "ms": round(us / 1e3, 3)} for n, (c, us) in
+                   sorted(pre.items(), key=lambda kv: -kv[1][1])[:top]]}
+    print(f"prefill (one-token generate): {rep['kernels']} kernels, {rep['kernel_ms']:.1f} ms of kernels", flush=True)
+    for k, v in rep["kinds"].items():
+        print(f"  {k:24s} {v['kernels']:7d} kernels {v['ms']:9.3f} ms", flush=True)
+    for t in rep["top"]:
+        print(f"  {t['ms']:9.3f} ms x{t['count']:5d}  {t['name']}", flush=True)
+    return rep
 
 
 def main(argv=None) -> dict:
@@ -214,6 +235,7 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
             with profile(activities=[ProfilerActivity.CUDA]) as prof1:  # the prefill's kernels, to subtract
                 run(1, 4)
             pre = kernel_totals(prof1)
+            out["prefill"] = _prefill_report(pre, args.top)
             per_step = {}
             for name, (c, us) in by_name.items():
                 c0, us0 = pre.get(name, (0, 0.0))
