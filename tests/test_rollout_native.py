@@ -522,6 +522,14 @@ def _triton_interpret_checks(model_dir: str) -> None:
             torch.testing.assert_close(kc2[slot, pos], apply_rope(k_ref, cos[pos], sin[pos]), atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(vc2[slot, pos], qkv[:, (hq + hkv) * d:].view(3, hkv, d), atol=1e-4, rtol=1e-4)
             assert int((kc2.abs().sum(-1) != 0).sum()) == 3 * hkv, "only the (slot, position) rows are written"
+            # the prefill's form (`rope_qkv`, a projection computed by cuBLAS): the same q, k, v as packed rows.
+            # Mutation: PACKED_KV's row offset without the HKV factor (rows overlap) -> the run fails (first where
+            # `_fp8_triton_decode_check` compares the fused prefill with the unfused one).
+            q4, k4, v4 = tk.rope_qkv(qkv, pos, cos, sin, hq, hkv, *(norm_w if norm_w else (None, None)))
+            assert q4.is_contiguous() and k4.shape == v4.shape == (3, hkv, d) and k4.is_contiguous()
+            torch.testing.assert_close(q4, q_out, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(k4, kc2[slot, pos], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v4, vc2[slot, pos], atol=1e-5, rtol=1e-5)
             if norm_w is None and d == 64:  # two programs a head (16 of each half's 32 columns): the same q, k, v
                 # Mutation: the column offset of the second part dropped (i = tl.arange(0, BLOCK_H)) -> fails.
                 kc3, vc3 = torch.zeros_like(kc2), torch.zeros_like(vc2)

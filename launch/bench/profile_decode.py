@@ -111,11 +111,12 @@ def _prefill_report(pre: dict[str, list[float]], top: int) -> dict:
         kinds[kind_of(name)][0] += c
         kinds[kind_of(name)][1] += us
     rep = {"kernels": sum(c for c, _ in pre.values()), "kernel_ms": sum(us for _, us in pre.values()) / 1e3,
-           "kinds": {k: {"kernels": c, "ms": round(us / 1e3, 3)} for k, (c, us) in
+           "kinds": {k: {"kernels": int(c), "ms": round(us / 1e3, 3)} for k, (c, us) in
                      sorted(kinds.items(), key=lambda kv: -kv[1][1])},
-           "top": [{"name": n[:140], "count": c, "ms": round(us / 1e3, 3)} for n, (c, us) in
+           "top": [{"name": n[:140], "count": int(c), "ms": round(us / 1e3, 3)} for n, (c, us) in
                    sorted(pre.items(), key=lambda kv: -kv[1][1])[:top]]}
-    print(f"prefill (one-token generate): {rep['kernels']} kernels, {rep['kernel_ms']:.1f} ms of kernels", flush=True)
+    print(f"prefill (one-token generate): {rep['kernels']:.0f} kernels, {rep['kernel_ms']:.1f} ms of kernels",
+          flush=True)
     for k, v in rep["kinds"].items():
         print(f"  {k:24s} {v['kernels']:7d} kernels {v['ms']:9.3f} ms", flush=True)
     for t in rep["top"]:

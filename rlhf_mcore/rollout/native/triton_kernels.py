@@ -410,7 +410,7 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
     M_FASTEST: the grid is (row tiles, column tiles, splits), so the programs of one weight tile's row tiles are
     launched together and share its reads in L2 (a weight larger than L2 would otherwise be read from memory once
     per row tile); else (column tiles, row tiles, splits).
-    ROW_AMAX (SPLIT_K == 1): amax_ptr[column tile, row] receives the max |output| of the tile's part of the row, as
+    ROW_AMAX (SPLIT_K == 1): amax_ptr[row, column tile] receives the max |output| of the tile's part of the row, as
     rounded to the output dtype (`quantize_rows_from_partials` turns them into the row's FP8 scale)."""
     if M_FASTEST:
         pid_m = tl.program_id(0)
@@ -483,7 +483,7 @@ def _linear_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
         tl.store(o_ptrs, out, mask=omask)
         if ROW_AMAX:
             amax = tl.max(tl.where(omask, tl.abs(out.to(tl.float32)), 0.0), axis=1)
-            tl.store(amax_ptr + pid_n * M + offs_m, amax, mask=mmask)
+            tl.store(amax_ptr + offs_m.to(tl.int64) * tl.cdiv(N, BLOCK_N) + pid_n, amax, mask=mmask)
 
 
 def _num_sms() -> int:
@@ -574,7 +574,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     m_fastest = w_scale is not None and triton.cdiv(m, cfg["BLOCK_M"]) > 1
     tiles = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     grid = (*(tiles[::-1] if m_fastest else tiles), split)
-    amax = None if quantize is None else torch.empty(tiles[0], m, dtype=torch.float32, device=x.device)
+    amax = None if quantize is None else torch.empty(m, tiles[0], dtype=torch.float32, device=x.device)
     pdl = pdl_enabled()
     _linear_kernel[grid](x, w, bias if bias is not None else x, w_scale if w_scale is not None else x, out, m, n, k,
                          x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
@@ -590,11 +590,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
 @triton.jit
 def _quant_from_partials_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, N, T, QMAX: tl.constexpr, BLOCK: tl.constexpr,
                                 BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, column block): the row's scale from its T partial maxima, then its block's codes."""
+    """Program (row, column block): the row's scale from its T partial maxima (contiguous), then its block's codes."""
     _pdl_wait(PDL)
     row, blk = tl.program_id(0), tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
-    scale = _row_scale(tl.max(tl.load(amax_ptr + t * M + row, mask=t < T, other=0.0), 0), QMAX)
+    scale = _row_scale(tl.max(tl.load(amax_ptr + row.to(tl.int64) * T + t, mask=t < T, other=0.0), 0), QMAX)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     v = tl.load(x_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
@@ -604,17 +604,20 @@ def _quant_from_partials_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, N, T, QMAX: tl
 
 
 def quantize_rows_from_partials(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> Fp8Rows:
-    """x (M, N) contiguous, amax (T, M): per-row maxima of |x| over T column ranges (a GEMM epilogue's, ROW_AMAX)
-    -> `Fp8Rows`, equal to `kernels.fp8.quantize_rows(x)`."""
+    """x (M, N) contiguous, amax (M, T) contiguous: per-row maxima of |x| over T column ranges (a GEMM epilogue's,
+    ROW_AMAX) -> `Fp8Rows`, equal to `kernels.fp8.quantize_rows(x)`. Each program reduces its row's T maxima from
+    one contiguous load (session 36's (T, M) layout read them at a stride of M: 13.8 us a call at 256 x 18,944 on an
+    H100, slower than quantizing the row outright; BENCHMARKS.md session 37)."""
     m, n = x.shape
+    assert amax.shape[0] == m and amax.is_contiguous()
     q = torch.empty(m, n, dtype=dtype, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block = 1024
+    block = 2048
     pdl = pdl_enabled()
-    _quant_from_partials_kernel[(m, triton.cdiv(n, block))](x, amax, q, scale, m, n, amax.shape[0],
+    _quant_from_partials_kernel[(m, triton.cdiv(n, block))](x, amax, q, scale, m, n, amax.shape[1],
                                                            QMAX=FP8_MAX[dtype], BLOCK=block,
-                                                           BLOCK_T=triton.next_power_of_2(amax.shape[0]), PDL=pdl,
-                                                           **_launch(pdl))
+                                                           BLOCK_T=triton.next_power_of_2(amax.shape[1]), PDL=pdl,
+                                                           num_warps=4, **_launch(pdl))
     return Fp8Rows(q, scale, x.dtype)
 
 
@@ -725,6 +728,10 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, inter, QMAX: tl.constexpr, BLOC
     tl.store(s_ptr + row, scale)
 
 
+# `_silu_mul_quant_kernel`'s column block and warps (one program a row, two passes over it)
+SILU_QUANT_CONFIG = dict(BLOCK=4096, num_warps=8)
+
+
 def silu_mul(gate_up: torch.Tensor, quantize: torch.dtype | None = None) -> torch.Tensor | Fp8Rows:
     """silu(gate) * up for gate_up (N, 2I) = [gate | up] -> (N, I). quantize (an FP8 dtype): the product's per-row
     codes instead (`Fp8Rows`, what `kernels.fp8.quantize_rows` makes of it), in one kernel that never writes it in
@@ -736,7 +743,7 @@ def silu_mul(gate_up: torch.Tensor, quantize: torch.dtype | None = None) -> torc
     if quantize is not None:
         q = torch.empty(n, inter, dtype=quantize, device=gate_up.device)
         scale = torch.empty(n, 1, dtype=torch.float32, device=gate_up.device)
-        _silu_mul_quant_kernel[(n,)](gate_up, q, scale, inter, QMAX=FP8_MAX[quantize], BLOCK=4096, num_warps=8)
+        _silu_mul_quant_kernel[(n,)](gate_up, q, scale, inter, QMAX=FP8_MAX[quantize], **SILU_QUANT_CONFIG)
         return Fp8Rows(q, scale, gate_up.dtype)
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
@@ -767,7 +774,7 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
                            QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                            EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEAD_SPLIT: tl.constexpr = 1,
                            FROM_QKV: tl.constexpr = False, ks_ptr=None, vs_ptr=None, stride_ss=0, stride_sl=0,
-                           KV_FP8: tl.constexpr = False):
+                           KV_FP8: tl.constexpr = False, PACKED_KV: tl.constexpr = False):
     """One head (program axis 0: [0, HQ) q heads, then HKV k heads, then v heads) of qkv = a @ w.T + bias for a
     tile of rows, then in registers: (optional q/k RMSNorm), rotary embedding at each row's position, and the
     store — q to q_out (M, HQ, D), k and v into the cache at (slot, position). The head's two halves are two
@@ -780,7 +787,9 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
     `rope_cache`), and the program reads its head's columns from it (w, bias, scales unused).
     KV_FP8 (HEAD_SPLIT 1: the scale needs the whole head): the caches take e4m3 codes of k and v (the model-dtype
     values quantized per row and head, `kv_cache.quantize_kv`'s rule) and ks / vs the scales, at (slot, position,
-    head) with strides (stride_ss, stride_sl, 1)."""
+    head) with strides (stride_ss, stride_sl, 1).
+    PACKED_KV (a prefill's packed tokens, `rope_qkv`): k and v go to k_cache_ptr / v_cache_ptr as packed rows
+    (M, HKV, D) in the model dtype instead of into a cache (slot_ptr unused)."""
     head = tl.program_id(0) // HEAD_SPLIT
     pid_m = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
@@ -828,8 +837,12 @@ def _qkv_rope_cache_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, pos_ptr, slot_ptr, co
     x1 = acc1.to(DT).to(tl.float32)  # the projection's output, rounded as F.linear rounds it
     x2 = acc2.to(DT).to(tl.float32)
     pos = tl.load(pos_ptr + offs_m, mask=mmask, other=0)
-    slot = tl.load(slot_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
-    cache_off = (slot * stride_cs + pos * stride_cl)[:, None]
+    if PACKED_KV:
+        slot = offs_m.to(tl.int64)
+        cache_off = (slot * (HKV * D))[:, None]
+    else:
+        slot = tl.load(slot_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+        cache_off = (slot * stride_cs + pos * stride_cl)[:, None]
     omask = mmask[:, None] & hmask[None, :]
     if head < HQ + HKV:
         if QK_NORM:
@@ -963,6 +976,32 @@ def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
         BLOCK_M=bm, BLOCK_K=16, EVEN_K=True, IEEE=qkv.dtype == torch.float32, PDL=pdl, FROM_QKV=True,
         num_warps=4, num_stages=1, **_kv_scales(k_cache, k_scale, v_scale), **_launch(pdl))
     return q_out
+
+
+def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+             kv_heads: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefill's split of a projection qkv (N, (Hq + 2 Hkv) D) with its bias into rotated q (N, Hq, D), rotated k
+    and v (N, Hkv, D), each contiguous (what flash attention and the cache write take), in one kernel: `rope_cache`'s
+    epilogue writing packed rows instead of cache slots. The torch path (`apply_rope` on the views, then the
+    copies attention makes of them) took ~3.3 ms a layer at 32k tokens of the 7B shape in six kernels (an H100,
+    BENCHMARKS.md session 37). The same rounding as that path."""
+    m, n = qkv.shape
+    D = cos.shape[1]
+    assert qkv.stride(1) == 1 and n == (heads + 2 * kv_heads) * D and D == triton.next_power_of_2(D) and D >= 2
+    bm = 64 if m > 32 else max(16, triton.next_power_of_2(m))
+    q = torch.empty(m, heads, D, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(m, kv_heads, D, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty(m, kv_heads, D, dtype=qkv.dtype, device=qkv.device)
+    qk_norm = q_norm is not None
+    pdl = pdl_enabled()
+    _qkv_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(m, bm))](
+        qkv, qkv, qkv, qkv, positions, positions, cos, sin, q, k, v, m, 0, qkv.stride(0), 0, 0, 0,
+        q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2,
+        BLOCK_H=max(16, D // 2), HAS_BIAS=False, W_SCALED=False, QK_NORM=qk_norm, BLOCK_M=bm, BLOCK_K=16,
+        EVEN_K=True, IEEE=qkv.dtype == torch.float32, PDL=pdl, FROM_QKV=True, KV_FP8=False, PACKED_KV=True,
+        num_warps=4, num_stages=1, **_launch(pdl))
+    return q, k, v
 
 
 def qkv_head_split(head_count: int, row_tiles: int, head_dim: int, qk_norm: bool) -> int:
