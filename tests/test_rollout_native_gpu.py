@@ -94,11 +94,12 @@ def test_decode_gemm_kernels_bf16_match_fp32(rows):
 def test_qkv_epilogue_at_the_7b_head_layout_bf16_matches_fp32(rows):
     """The 7B head layout (28 query heads, 4 KV heads of 128): `rope_cache` on cuBLAS's bf16 projection (what a
     weight above `TRITON_GEMM_MAX_WEIGHT` takes), and `qkv_rope_cache` with two programs a head, in bf16 against
-    fp32 torch (q, the cache rows written). Mutation: `rope_cache` reading the second half at the first half's
-    columns -> the q check fails at every row count."""
+    fp32 torch (q, the cache rows written); and the prefill's `rope_qkv` (its k and v rows written to the cache here).
+    Mutation: `rope_cache` reading the second half at the first half's columns -> the q check fails at every row
+    count."""
     from rlhf_mcore.models.rope import default_inv_freq
     from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
-    from rlhf_mcore.rollout.native.triton_kernels import qkv_rope_cache, rope_cache
+    from rlhf_mcore.rollout.native.triton_kernels import qkv_rope_cache, rope_cache, rope_qkv
 
     g = torch.Generator(device="cuda").manual_seed(4)
     bf = torch.bfloat16
@@ -113,10 +114,16 @@ def test_qkv_epilogue_at_the_7b_head_layout_bf16_matches_fp32(rows):
     cf, sf = cos.float()[pos], sin.float()[pos]
     want_q = apply_rope(qkv[:, :hq * hd].view(rows, hq, hd), cf, sf)
     want_k = apply_rope(qkv[:, hq * hd:(hq + hkv) * hd].view(rows, hkv, hd), cf, sf)
+    def packed(kc, vc):
+        q, k, v = rope_qkv(torch.nn.functional.linear(x, wqkv, bqkv), pos, cos, sin, hq, hkv)
+        kc[slot, pos], vc[slot, pos] = k, v
+        return q
+
     for name, run in (("rope_cache", lambda kc, vc: rope_cache(torch.nn.functional.linear(x, wqkv, bqkv), pos, slot,
                                                                 cos, sin, kc, vc, hq, hkv)),
                       ("head_split=2", lambda kc, vc: qkv_rope_cache(x, wqkv, bqkv, pos, slot, cos, sin, kc, vc, hq,
-                                                                     hkv, head_split=2))):
+                                                                     hkv, head_split=2)),
+                      ("rope_qkv", packed)):
         kc, vc = (torch.zeros(rows + 3, 600, hkv, hd, device="cuda", dtype=bf) for _ in range(2))
         q = run(kc, vc)
         assert rel_err(q, want_q) <= 1e-2, (name, rel_err(q, want_q))

@@ -728,8 +728,11 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, inter, QMAX: tl.constexpr, BLOC
     tl.store(s_ptr + row, scale)
 
 
-# `_silu_mul_quant_kernel`'s column block and warps (one program a row, two passes over it)
-SILU_QUANT_CONFIG = dict(BLOCK=4096, num_warps=8)
+# `_silu_mul_quant_kernel`'s column block and warps (one program a row, two passes over it): at 32k x 18,944 (the 7B
+# prefill) 1.42 ms against 1.82 with 4,096 / 8 (the first pick), 1.56 computing the product in place of gate and
+# reading it back, 1.44 holding the whole row in registers (one pass); bf16 silu*mul alone 1.27 (an H100,
+# .notes/s37 exp_prefill, BENCHMARKS.md session 37)
+SILU_QUANT_CONFIG = dict(BLOCK=8192, num_warps=16)
 
 
 def silu_mul(gate_up: torch.Tensor, quantize: torch.dtype | None = None) -> torch.Tensor | Fp8Rows:
