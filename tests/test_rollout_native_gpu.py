@@ -131,6 +131,30 @@ def test_qkv_epilogue_at_the_7b_head_layout_bf16_matches_fp32(rows):
         assert rel_err(vc[slot, pos], qkv[:, (hq + hkv) * hd:].view(rows, hkv, hd)) <= 1e-2, name
 
 
+def test_rope_epilogues_bf16_equal_the_torch_path():
+    """The rotary epilogues that read a computed bf16 projection -- the prefill's `rope_qkv` and the decode's
+    `rope_cache` -- give q, k (and v) bit for bit what the torch path gives (`apply_rope` on the projection's views,
+    transformers' rounding), at the 7B head layout and positions up to 1,000. Mutation: `NO_FP_FUSION` emptied (the
+    compiler's floating-point fusion back on) -> 16% of q's values one bf16 step off, fails (session 37)."""
+    from rlhf_mcore.models.rope import default_inv_freq
+    from rlhf_mcore.rollout.native.rope import apply_rope, rope_tables
+    from rlhf_mcore.rollout.native.triton_kernels import rope_cache, rope_qkv
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, hq, hkv, hd = 600, 28, 4, 128
+    qkv = torch.randn(n, (hq + 2 * hkv) * hd, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 1000, (n,), device="cuda", generator=g)
+    cos, sin = rope_tables(default_inv_freq(hd, 1e6), 1000, "cuda", torch.bfloat16)
+    qk = apply_rope(qkv[:, :(hq + hkv) * hd].view(n, hq + hkv, hd), cos[pos], sin[pos])
+    v_want = qkv[:, (hq + hkv) * hd:].view(n, hkv, hd)
+    q, k, v = rope_qkv(qkv, pos, cos, sin, hq, hkv)
+    assert torch.equal(q, qk[:, :hq]) and torch.equal(k, qk[:, hq:]) and torch.equal(v, v_want)
+    slot = torch.randperm(n, device="cuda", generator=g)
+    kc, vc = (torch.zeros(n, 1000, hkv, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q2 = rope_cache(qkv, pos, slot, cos, sin, kc, vc, hq, hkv)
+    assert torch.equal(q2, qk[:, :hq]) and torch.equal(kc[slot, pos], qk[:, hq:]) and torch.equal(vc[slot, pos], v_want)
+
+
 def test_prefill_attention_bf16_matches_fp32():
     """Packed causal prefill of documents of very different lengths (one of a single token)."""
     from rlhf_mcore.rollout.native.attention import PackedLayout, prefill_attention

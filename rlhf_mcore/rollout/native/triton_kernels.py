@@ -955,6 +955,13 @@ def _kv_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch
                 KV_FP8=True)
 
 
+# Launch option of the rotary epilogues that read a computed projection (`rope_cache`, `rope_qkv`): with the
+# compiler's default floating-point fusion their bf16 rotation differed from the torch path's (`apply_rope`, which
+# rounds each product and the sum as transformers does) in 16% of q's values by up to one bf16 step; without it, bit
+# for bit the same (an H100, session 37). The kernel is memory-bound: no cost.
+NO_FP_FUSION = {"enable_fp_fusion": False}
+
+
 def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -977,7 +984,7 @@ def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
         k_cache.stride(0), k_cache.stride(1), q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads,
         HKV=kv_heads, HALF=D // 2, BLOCK_H=max(16, D // 2), HAS_BIAS=False, W_SCALED=False, QK_NORM=qk_norm,
         BLOCK_M=bm, BLOCK_K=16, EVEN_K=True, IEEE=qkv.dtype == torch.float32, PDL=pdl, FROM_QKV=True,
-        num_warps=4, num_stages=1, **_kv_scales(k_cache, k_scale, v_scale), **_launch(pdl))
+        num_warps=4, num_stages=1, **_kv_scales(k_cache, k_scale, v_scale), **NO_FP_FUSION, **_launch(pdl))
     return q_out
 
 
@@ -988,7 +995,7 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     and v (N, Hkv, D), each contiguous (what flash attention and the cache write take), in one kernel: `rope_cache`'s
     epilogue writing packed rows instead of cache slots. The torch path (`apply_rope` on the views, then the
     copies attention makes of them) took ~3.3 ms a layer at 32k tokens of the 7B shape in six kernels (an H100,
-    BENCHMARKS.md session 37). The same rounding as that path."""
+    BENCHMARKS.md session 37). Bit for bit that path in bf16 (`NO_FP_FUSION`)."""
     m, n = qkv.shape
     D = cos.shape[1]
     assert qkv.stride(1) == 1 and n == (heads + 2 * kv_heads) * D and D == triton.next_power_of_2(D) and D >= 2
@@ -1003,7 +1010,7 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         q_norm if qk_norm else cos, k_norm if qk_norm else cos, eps, HQ=heads, HKV=kv_heads, HALF=D // 2,
         BLOCK_H=max(16, D // 2), HAS_BIAS=False, W_SCALED=False, QK_NORM=qk_norm, BLOCK_M=bm, BLOCK_K=16,
         EVEN_K=True, IEEE=qkv.dtype == torch.float32, PDL=pdl, FROM_QKV=True, KV_FP8=False, PACKED_KV=True,
-        num_warps=4, num_stages=1, **_launch(pdl))
+        num_warps=4, num_stages=1, **NO_FP_FUSION, **_launch(pdl))
     return q, k, v
 
 
