@@ -11,14 +11,15 @@ Two entry points share the per-layer code:
 Layer structure: the residual add is fused with the next RMSNorm (`add_norm`), so a layer is
   qkv GEMM -> rope + cache write -> attention -> o GEMM -> add+norm -> gate_up GEMM -> silu*mul -> down GEMM
   -> add+norm (with the next layer's input norm, or the final norm).
-With `fused=True` (GPU) the element-wise steps are Triton kernels (triton_kernels.py), which is what bounds a
-CUDA-graph decode step; with `fused=False` they are torch ops (CPU, and the reference). Both round like
-transformers does. A fused decode step also runs its layer GEMMs as Triton kernels (cuBLAS stays for prefill and
-the LM head): the QKV GEMM does rope and the cache write in its epilogue, o_proj and down_proj split K over more
-programs and leave fp32 partials that the next add+norm sums (no separate reduce), and at small batches the
-gate_up GEMM applies silu*mul itself — 7 kernels a layer (8 above 64 rows), against 10 with cuBLAS. Above 256 rows
-(`TRITON_OUT_PROJ_MAX_ROWS`) o_proj and down_proj go back to cuBLAS, which is faster there, and so do weights above
-`TRITON_GEMM_MAX_WEIGHT` elements (the 7B shape's; its QKV projection then runs on cuBLAS before `rope_cache`).
+With `fused=True` (GPU) the element-wise steps are Triton kernels (triton_kernels.py; in prefill the rotary split of
+the projection into packed q, k, v too, `rope_qkv`), which is what bounds a CUDA-graph decode step; with
+`fused=False` they are torch ops (CPU, and the reference). Both round like transformers does. A fused decode step
+also runs its layer GEMMs as Triton kernels (cuBLAS stays for prefill and the LM head): the QKV GEMM does rope and
+the cache write in its epilogue, o_proj and down_proj split K over more programs and leave fp32 partials that the
+next add+norm sums (no separate reduce), and at small batches the gate_up GEMM applies silu*mul itself — 7 kernels a
+layer (8 above 64 rows), against 10 with cuBLAS. Above 256 rows (`TRITON_OUT_PROJ_MAX_ROWS`) o_proj and down_proj go
+back to cuBLAS, which is faster there, and so do weights above `TRITON_GEMM_MAX_WEIGHT` elements (the 7B shape's;
+its QKV projection then runs on cuBLAS before `rope_cache`).
 
 Tensor parallelism: each rank holds its heads / MLP columns (see weights.py) and the outputs of o_proj and
 down_proj are summed over `tp_group` with one all-reduce each.

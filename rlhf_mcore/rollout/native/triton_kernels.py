@@ -994,7 +994,7 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     """The prefill's split of a projection qkv (N, (Hq + 2 Hkv) D) with its bias into rotated q (N, Hq, D), rotated k
     and v (N, Hkv, D), each contiguous (what flash attention and the cache write take), in one kernel: `rope_cache`'s
     epilogue writing packed rows instead of cache slots. The torch path (`apply_rope` on the views, then the
-    copies attention makes of them) took ~3.3 ms a layer at 32k tokens of the 7B shape in six kernels (an H100,
+    copies attention makes of them) took 2.35 ms at 32k tokens of the 7B shape, this kernel 0.21 ms (an H100,
     BENCHMARKS.md session 37). Bit for bit that path in bf16 (`NO_FP_FUSION`)."""
     m, n = qkv.shape
     D = cos.shape[1]
