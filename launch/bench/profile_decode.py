@@ -21,8 +21,8 @@ Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, 
      graph are recorded one by one) and reports, per decode step: kernel count, summed kernel time, the gap between the
      step's wall time and its kernels (host work, launch, the done-flag sync), and the kernels grouped by kind (GEMM,
      attention, sampling, element-wise/norm, copies) and by name;
-  3. profiles a one-token generate: the batch's prefill (and its first sample), its kernels by kind and by name
-     (`prefill` in the JSON).
+  3. profiles a one-token generate: the batch's prefill (and its first sample), its kernels by kind and by name,
+     and where its tensor copies are called from (`prefill` in the JSON).
 Under programmatic dependent launch (Hopper; the engine's default) a Triton kernel starts before its predecessor
 ends and waits for it, so the recorded kernel times overlap and can sum to more than the wall (7B, batch 64: 10.6 ms
 of kernels in a 6.8 ms step, BENCHMARKS.md session 34); run with RLHF_MCORE_DECODE_PDL=0 for kernel times that add
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -121,6 +122,31 @@ def _prefill_report(pre: dict[str, list[float]], top: int) -> dict:
         print(f"  {k:24s} {v['kernels']:7d} kernels {v['ms']:9.3f} ms", flush=True)
     for t in rep["top"]:
         print(f"  {t['ms']:9.3f} ms x{t['count']:5d}  {t['name']}", flush=True)
+    return rep
+
+
+def _verbose_stacks() -> dict:
+    """torch.profiler's option that records Python frames on each op (a private knob; none where it is missing)."""
+    try:
+        return {"experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)}
+    except AttributeError:
+        return {}
+
+
+def _copy_sources(prof, frames: int = 3) -> list[dict]:
+    """Where a profiled run's tensor copies (aten::copy_: .contiguous(), .to(), clones) were called from: the innermost
+    `frames` Python frames of this repository's code (or of any code, when none is ours), with their counts."""
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.name != "aten::copy_" or ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        stack = [re.sub(r" of .* at 0x[0-9a-f]+>", ">", f) for f in getattr(ev, "stack", None) or []]
+        ours = [f for f in stack if "rlhf_mcore" in f or "launch/" in f]
+        head = stack[:1] if stack and stack[0].startswith("<built-in") and ours else []  # the op: .contiguous() ...
+        counts[" <- ".join(head + (ours or stack)[:frames]) or "(no stack recorded)"] += 1
+    rep = [{"count": c, "from": k[:300]} for k, c in sorted(counts.items(), key=lambda kv: -kv[1])[:12]]
+    for r in rep:
+        print(f"  copy x{r['count']:5d}  {r['from']}", flush=True)
     return rep
 
 
@@ -233,10 +259,13 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
                 pwall, pstats = run(args.profile_tokens, 3)
             psteps = max(1, pstats["decode_steps"])
             by_name = kernel_totals(prof)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof1:  # the prefill's kernels, to subtract
+            # the prefill's kernels (to subtract), and the Python stacks of its tensor copies
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                         **_verbose_stacks()) as prof1:
                 run(1, 4)
             pre = kernel_totals(prof1)
             out["prefill"] = _prefill_report(pre, args.top)
+            out["prefill"]["copies"] = _copy_sources(prof1)
             per_step = {}
             for name, (c, us) in by_name.items():
                 c0, us0 = pre.get(name, (0, 0.0))
