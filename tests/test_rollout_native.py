@@ -898,6 +898,30 @@ def _kv_fp8_check(model_dir: str) -> None:
                     assert same.float().mean() >= 0.98, (d, fused_gemm, same.float().mean())  # fp32 rounding ties
                 assert int((ksc != 1).sum()) == 3 * hkv, "only the (slot, position) rows get scales"
 
+    # (2b) the prefill's cache write (`kv_write`): 7 tokens, 10 entries (two tokens to two slots each, one token
+    # left out, positions not in token order) into a model-dtype cache (equal to KVCache.put of the gathered rows)
+    # and an FP8 one (quantize_kv's codes and scales, through the interpreter's cast as above). Mutation (run): the
+    # kernel's source row taken as the entry index instead of tokens[j] -> the caches differ (the engine checks
+    # before this one fail too).
+    from rlhf_mcore.rollout.native.kv_cache import KVCache
+
+    k_new, v_new = torch.randn(7, hkv, 32, generator=g) * 3, torch.randn(7, hkv, 32, generator=g)
+    k_new[2, 1] = 0.0  # a zero head vector: scale 1, codes 0
+    tok, w_slot = torch.tensor([0, 1, 2, 3, 4, 5, 5, 6, 0, 2]), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 4])
+    w_pos = torch.tensor([0, 1, 2, 0, 1, 2, 2, 3, 5, 9])
+    ref = KVCache.allocate(1, S, 12, hkv, 32, "cpu", torch.float32)
+    ref.put(0, (w_slot, w_pos), k_new[tok], v_new[tok])
+    got = KVCache.allocate(1, S, 12, hkv, 32, "cpu", torch.float32)
+    tk.kv_write(k_new, v_new, tok, w_slot, w_pos, **got.layer(0))
+    assert torch.equal(got.k, ref.k) and torch.equal(got.v, ref.v)
+    got8 = KVCache.allocate(1, S, 12, hkv, 32, "cpu", torch.float32, fp8=True)
+    tk.kv_write(k_new, v_new, tok, w_slot, w_pos, **got8.layer(0))
+    for codes, sc, x in ((got8.k[0], got8.k_scale[0], k_new), (got8.v[0], got8.v_scale[0], v_new)):
+        wq, wsc = quantize_rows_cuda(x[tok].reshape(-1, 32), kc8.dtype)
+        torch.testing.assert_close(sc[w_slot, w_pos], wsc.view(-1, hkv), atol=0, rtol=0)
+        assert torch.equal(codes[w_slot, w_pos].view(torch.uint8), wq.view(-1, hkv, 32).view(torch.uint8))
+        assert int((sc != 1).sum()) == 10 * hkv - 2 * (x is k_new), "only the entries' rows get scales"
+
     # (3) the engine on the kernels against the torch paths, both with an FP8 cache; the torch path's writes cast
     # through the interpreter too (as above), so the two caches hold the same codes
     from rlhf_mcore.rollout.native import kv_cache

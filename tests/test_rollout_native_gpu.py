@@ -155,6 +155,32 @@ def test_rope_epilogues_bf16_equal_the_torch_path():
     assert torch.equal(q2, qk[:, :hq]) and torch.equal(kc[slot, pos], qk[:, hq:]) and torch.equal(vc[slot, pos], v_want)
 
 
+def test_prefill_cache_write_equals_kv_cache_put():
+    """The prefill's cache write (`kv_write`) at the 7B head layout, 2,000 tokens written to 3,000 (slot, position)
+    entries (a third of the tokens to two slots, as a fresh prompt's samples): a bf16 cache and an FP8 one hold
+    exactly what `KVCache.put` of the gathered rows writes (codes and scales bit for bit: the same amax / 448 and
+    hardware cast). Mutation: the source row taken as the entry index -> the caches differ."""
+    from rlhf_mcore.rollout.native.kv_cache import KVCache
+    from rlhf_mcore.rollout.native.triton_kernels import kv_write
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, hkv, hd, slots, max_len = 2000, 4, 128, 64, 128
+    k, v = (torch.randn(n, hkv, hd, device="cuda", generator=g).mul(s).to(torch.bfloat16) for s in (8.0, 0.5))
+    tok = torch.cat([torch.arange(n, device="cuda"), torch.randperm(n, device="cuda", generator=g)[:1000]])
+    flat = torch.randperm(slots * max_len, device="cuda", generator=g)[:tok.numel()]  # distinct entries
+    entry = (flat // max_len, flat % max_len)
+    for fp8 in (False, True):
+        ref = KVCache.allocate(1, slots, max_len, hkv, hd, "cuda", torch.bfloat16, fp8=fp8)
+        ref.put(0, entry, k.index_select(0, tok), v.index_select(0, tok))
+        got = KVCache.allocate(1, slots, max_len, hkv, hd, "cuda", torch.bfloat16, fp8=fp8)
+        kv_write(k, v, tok, *entry, **got.layer(0))
+        pairs = [(got.k, ref.k), (got.v, ref.v)] + ([(got.k_scale, ref.k_scale), (got.v_scale, ref.v_scale)]
+                                                    if fp8 else [])
+        for a, b in pairs:
+            assert torch.equal(a.view(torch.uint8) if fp8 and a.element_size() == 1 else a,
+                               b.view(torch.uint8) if fp8 and b.element_size() == 1 else b), fp8
+
+
 def test_prefill_attention_bf16_matches_fp32():
     """Packed causal prefill of documents of very different lengths (one of a single token)."""
     from rlhf_mcore.rollout.native.attention import PackedLayout, prefill_attention

@@ -238,14 +238,15 @@ class NativeModel:
         def attend(i, h):
             lw = self.w.layers[i]
             qkv = self._linear(i, "qkv", h, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) hd)
-            if self.fused:  # one kernel; q, k, v come out contiguous, as attention takes them
-                from .triton_kernels import rope_qkv
+            if self.fused:  # one kernel; q, k, v come out contiguous, as attention and the cache write take them
+                from .triton_kernels import kv_write, rope_qkv
 
                 q, k, v = rope_qkv(qkv, positions, self.cos, self.sin, self.heads, self.kv_heads, lw.q_norm,
                                    lw.k_norm, self.spec.rms_norm_eps)
+                kv_write(k, v, write_token, write_slot, write_pos, **cache.layer(i))
             else:
                 q, k, v = self._split_rope(qkv, positions, lw)
-            cache.put(i, (write_slot, write_pos), k.index_select(0, write_token), v.index_select(0, write_token))
+                cache.put(i, (write_slot, write_pos), k.index_select(0, write_token), v.index_select(0, write_token))
             return prefill_attention(q, k, v, layout, self.sm_scale, attention=attention, **cache.layer(i)).reshape(
                 qkv.shape[0], self.q_size)
 

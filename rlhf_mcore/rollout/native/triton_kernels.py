@@ -1014,6 +1014,72 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     return q, k, v
 
 
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, tok_ptr, slot_ptr, pos_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, J, stride_t,
+                     stride_cs, stride_cl, stride_ss, stride_sl, HKV: tl.constexpr, D: tl.constexpr,
+                     BLOCK_J: tl.constexpr, KV_FP8: tl.constexpr):
+    """Program (block of write entries, head; heads [0, HKV) of k, then HKV of v): entry j's head vector is token
+    tok[j]'s row of k or v (N, HKV, D), written at cache[slot[j], pos[j], head]; an FP8 cache takes its e4m3 codes
+    and scale (`_store_kv_fp8`'s rule: amax / 448 per row, 1 for a zero row)."""
+    head = tl.program_id(1)
+    j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    jmask = j < J
+    d = tl.arange(0, D)
+    mask = jmask[:, None]
+    tok = tl.load(tok_ptr + j, mask=jmask, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + j, mask=jmask, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + j, mask=jmask, other=0).to(tl.int64)
+    h = head % HKV
+    src = (tok * stride_t + h * D)[:, None] + d[None, :]
+    dst = (slot * stride_cs + pos * stride_cl + h * D)[:, None] + d[None, :]
+    sdst = slot * stride_ss + pos * stride_sl + h
+    if head < HKV:
+        x = tl.load(k_ptr + src, mask=mask, other=0.0)
+        if KV_FP8:
+            x = x.to(tl.float32)
+            amax = tl.max(tl.abs(x), 1)
+            scale = tl.where(amax > 0, amax / 448.0, 1.0)
+            tl.store(kc_ptr + dst, tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0).to(
+                kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(ks_ptr + sdst, scale, mask=jmask)
+        else:
+            tl.store(kc_ptr + dst, x, mask=mask)
+    else:
+        x = tl.load(v_ptr + src, mask=mask, other=0.0)
+        if KV_FP8:
+            x = x.to(tl.float32)
+            amax = tl.max(tl.abs(x), 1)
+            scale = tl.where(amax > 0, amax / 448.0, 1.0)
+            tl.store(vc_ptr + dst, tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0).to(
+                vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vs_ptr + sdst, scale, mask=jmask)
+        else:
+            tl.store(vc_ptr + dst, x, mask=mask)
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """The prefill's cache write in one kernel: keys and values k, v (N, Hkv, D) contiguous; entry j writes token
+    tokens[j]'s k and v at cache[slots[j], positions[j]] (a fresh prompt's tokens go to every slot of its samples).
+    Caches (S, L, Hkv, D) of one layer; with k_scale, v_scale (S, L, Hkv) fp32 an FP8 cache (codes and a scale a
+    token and head, as `KVCache.put` writes them). Replaces the torch path's gathers of k and v, quantization and
+    index_put_ (eight kernels a layer in FP8, ~1 ms a layer of the 7B prefill at batch 256: BENCHMARKS.md session
+    37)."""
+    n, hkv, D = k.shape
+    assert k.is_contiguous() and v.is_contiguous() and v.shape == k.shape and D == triton.next_power_of_2(D)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and tuple(k_cache.shape[2:]) == (hkv, D)
+    kv = _kv_scales(k_cache, k_scale, v_scale)
+    j = tokens.numel()
+    if j == 0:
+        return
+    block = 32
+    _kv_write_kernel[(triton.cdiv(j, block), 2 * hkv)](
+        k, v, tokens, slots, positions, k_cache, v_cache, kv.get("ks_ptr", k), kv.get("vs_ptr", v), j, hkv * D,
+        k_cache.stride(0), k_cache.stride(1), kv.get("stride_ss", 0), kv.get("stride_sl", 0), HKV=hkv, D=D,
+        BLOCK_J=block, KV_FP8=kv["KV_FP8"], num_warps=4)
+
+
 def qkv_head_split(head_count: int, row_tiles: int, head_dim: int, qk_norm: bool) -> int:
     """Programs a head for `qkv_rope_cache`: 1 (the measured default until the tuner says otherwise)."""
     return 1
