@@ -11,6 +11,7 @@
     python launch/bench/bench_mfu.py --shapes 7b --recompute-block 8  # recompute 8 of 28 layers, keep the rest
     python launch/bench/bench_mfu.py --shapes 7b --peer-params bf16  # the peer in bf16 (its fp32 run is OOM at 7B)
     python launch/bench/bench_mfu.py --shapes 0.5b --grad-accum-fusion   # weight gradients straight into main_grad
+    python launch/bench/bench_mfu.py --shapes 7b --layers 10 --no-peer   # the 7B width in 10 layers (fits 80 GB)
 
 What runs: `rlhf_mcore.models.build_model` (random init, bf16, SDPA/flex attention spec) wrapped in a
 `rlhf_mcore.engine.TrainEngine` actor — Megatron DDP (fp32 gradient buffer), the distributed optimizer (Adam,
@@ -120,8 +121,10 @@ def profile_update(step, path: Path, label: str) -> None:
 def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
               layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
               cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise",
-              recompute_block: int | None = None, grad_accum_fusion: bool = False) -> None:
-    """One shape, in this process: build the actor engine once, then time each sequence length."""
+              recompute_block: int | None = None, grad_accum_fusion: bool = False,
+              layers: int | None = None) -> None:
+    """One shape (with `layers` decoder layers when given), in this process: build the actor engine once, then time
+    each sequence length."""
     import torch
 
     from rlhf_mcore.config import OptimConfig
@@ -132,9 +135,10 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
 
     state = init_distributed(tp=1, pp=1, seed=1)
     on_gpu = state.device.type == "cuda"
-    s = get_shape(name)
+    s = get_shape(name, **({"num_hidden_layers": layers} if layers else {}))
     plan = PLANS[name]
-    result = {"shape": name, "device": torch.cuda.get_device_name(state.device) if on_gpu else "cpu",
+    result = {"shape": name, "layers": s["num_hidden_layers"],
+              "device": torch.cuda.get_device_name(state.device) if on_gpu else "cpu",
               "params": None, "recompute": plan["recompute"], "layout": layout,
               "recompute_block": recompute_block if plan["recompute"] else None,
               "grad_buffer": "fp32", "optimizer": "megatron distributed (Adam, fp32 master)", "cases": {}}
@@ -211,7 +215,8 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
 
 
 def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, micro_override: int | None,
-             compile_mode: str, profile_dir: Path | None = None, params: str = "fp32") -> None:
+             compile_mode: str, profile_dir: Path | None = None, params: str = "fp32", layers: int | None = None
+             ) -> None:
     """The plain PyTorch peer of `run_shape` for one shape, in this process: same shape, micro-batches and loss.
     `params`: fp32 (weights and AdamW state fp32, AMP bf16: the standard recipe) or bf16 (weights, gradients and AdamW
     state bf16, no master copy: 8 bytes a parameter against 16, the configuration that fits a 7B update with its
@@ -222,9 +227,10 @@ def run_peer(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mic
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     compiled = compile_mode == "on" or (compile_mode == "auto" and on_gpu)
-    s = get_shape(name)
+    s = get_shape(name, **({"num_hidden_layers": layers} if layers else {}))
     plan = PLANS[name]
-    result = {"shape": name, "peer": "transformers Qwen2ForCausalLM", "compiled": compiled,
+    result = {"shape": name, "layers": s["num_hidden_layers"], "peer": "transformers Qwen2ForCausalLM",
+              "compiled": compiled,
               "amp": "bf16" if on_gpu else None, "optimizer": "torch AdamW" + (" (fused)" if on_gpu else ""),
               "cases": {}}
     torch.manual_seed(1)
@@ -340,6 +346,9 @@ def main(argv=None) -> dict:
     p.add_argument("--recompute-block", type=int, default=None, metavar="N",
                    help="where the shape recomputes activations (7B): only the first N layers (Megatron's block "
                         "method, override_transformer_config.recompute_method=block); the others keep theirs")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="decoder layers of each shape (default its own): e.g. the 7B width in 10 layers fits an 80 GB "
+                        "card, a stand-in for per-layer comparisons (the LM head's share of the step is larger)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, profile one more update per (shape, seq) and write op tables to DIR")
     p.add_argument("--one-shape", default=None, help=argparse.SUPPRESS)  # internal: the per-shape child
@@ -357,11 +366,11 @@ def main(argv=None) -> dict:
     if args.one_shape:
         if args.peer:
             run_peer(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
-                     args.peer_compile, prof, args.peer_params)
+                     args.peer_compile, prof, args.peer_params, args.layers)
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
                       args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe,
-                      args.recompute_block, args.grad_accum_fusion)
+                      args.recompute_block, args.grad_accum_fusion, args.layers)
         return {}
 
     import torch
@@ -385,6 +394,8 @@ def main(argv=None) -> dict:
                    *map(str, seqs), "--warmup", str(args.warmup), "--steps", str(args.steps), "--layout", args.layout]
             if args.micro:
                 cmd += ["--micro", str(args.micro)]
+            if args.layers:
+                cmd += ["--layers", str(args.layers)]
             if prof is not None:
                 cmd += ["--profile", str(prof)]
             megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs,
