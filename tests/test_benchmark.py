@@ -41,8 +41,8 @@ def outputs(tmp_path_factory):
                         "--warmup", "1", "--steps", "1"])
         bench_mfu.main(["--one-shape", "tiny", "--peer", "--child-out", out + "/mfu_peer.json", "--seqs", "32", "64",
                         "--warmup", "1", "--steps", "1"])
-        bench_mfu.main(["--one-shape", "tiny", "--grad-accum-fusion", "--child-out", out + "/mfu_fusion.json",
-                        "--seqs", "32", "--warmup", "0", "--steps", "1"])
+        bench_mfu.main(["--one-shape", "tiny", "--grad-accum-fusion", "--layers", "1", "--child-out",
+                        out + "/mfu_fusion.json", "--seqs", "32", "--warmup", "0", "--steps", "1"])
         bench_mfu.main(["--one-shape", "tiny", "--peer", "--peer-params", "bf16", "--child-out",
                         out + "/mfu_peer_bf16.json", "--seqs", "32", "--warmup", "0", "--steps", "1"])
         bench_ppo_step.main(["--workload", "gsm8k_ppo", "--tiny", "--steps", "1", "--profile", "--model-dir", model,
@@ -213,9 +213,12 @@ def test_mfu_json(outputs):
 
 def test_mfu_grad_accum_fusion_json(outputs):
     """`bench_mfu.py --grad-accum-fusion` runs the update with the weight gradients accumulated into main_grad
-    (its equality with the unfused update: tests/test_grad_accum_fusion.py) and says so in its JSON."""
+    (its equality with the unfused update: tests/test_grad_accum_fusion.py) and says so in its JSON. That run also
+    passes `--layers 1`: the shape's width in one decoder layer (mutation: run_shape ignoring `layers` -> 2 layers and
+    the full parameter count, fails)."""
     res = outputs["mfu_fusion"]
     assert res["grad_accum_fusion"] is True and res["cuda_graphs"] is False
+    assert res["layers"] == 1 and outputs["mfu"]["layers"] == 2 and res["params"] < outputs["mfu"]["params"]
     case = res["cases"]["32"]
     assert "error" not in case, case
     assert case["tokens_per_s"] > 0 and math.isfinite(case["grad_norm"])
