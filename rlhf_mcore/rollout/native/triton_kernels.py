@@ -1034,27 +1034,24 @@ def _kv_write_kernel(k_ptr, v_ptr, tok_ptr, slot_ptr, pos_ptr, kc_ptr, vc_ptr, k
     dst = (slot * stride_cs + pos * stride_cl + h * D)[:, None] + d[None, :]
     sdst = slot * stride_ss + pos * stride_sl + h
     if head < HKV:
-        x = tl.load(k_ptr + src, mask=mask, other=0.0)
-        if KV_FP8:
-            x = x.to(tl.float32)
-            amax = tl.max(tl.abs(x), 1)
-            scale = tl.where(amax > 0, amax / 448.0, 1.0)
-            tl.store(kc_ptr + dst, tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0).to(
-                kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(ks_ptr + sdst, scale, mask=jmask)
-        else:
-            tl.store(kc_ptr + dst, x, mask=mask)
+        _copy_kv_rows(k_ptr + src, kc_ptr + dst, ks_ptr + sdst, mask, jmask, KV_FP8)
     else:
-        x = tl.load(v_ptr + src, mask=mask, other=0.0)
-        if KV_FP8:
-            x = x.to(tl.float32)
-            amax = tl.max(tl.abs(x), 1)
-            scale = tl.where(amax > 0, amax / 448.0, 1.0)
-            tl.store(vc_ptr + dst, tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0).to(
-                vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vs_ptr + sdst, scale, mask=jmask)
-        else:
-            tl.store(vc_ptr + dst, x, mask=mask)
+        _copy_kv_rows(v_ptr + src, vc_ptr + dst, vs_ptr + sdst, mask, jmask, KV_FP8)
+
+
+@triton.jit
+def _copy_kv_rows(src, dst, scale_dst, mask, jmask, KV_FP8: tl.constexpr):
+    """Rows (R, D) from src to dst; into an FP8 cache as e4m3 codes under one scale a row (amax / 448, 1 for a zero
+    row) stored at scale_dst (R,)."""
+    x = tl.load(src, mask=mask, other=0.0)
+    if KV_FP8:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        tl.store(dst, tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0).to(dst.dtype.element_ty), mask=mask)
+        tl.store(scale_dst, scale, mask=jmask)
+    else:
+        tl.store(dst, x, mask=mask)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
