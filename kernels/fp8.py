@@ -230,11 +230,21 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | Non
     return out if bias is None else out + bias
 
 
+# The rollout's row-wise FP8 GEMMs accumulate in the tensor cores' own precision (cuBLAS's "fast accumulation", no
+# periodic promotion to fp32), as vLLM's FP8 GEMMs and Transformer Engine's forward GEMM do: at the 7B prefill's
+# 32k rows gate_up 8.51 -> 7.24 ms (1.175x) and down 4.26 -> 3.71 ms (1.15x), relative error against the fp32
+# product of the same codes 1.66e-3 -> 2.06e-3 / 3.79e-3 (K = 18,944); an H100, BENCHMARKS.md session 38. The training
+# linears (kernels/fp8_linear.py) keep fp32 promotion: 1-8% there.
+FAST_ACCUM = True
+
+
 def _rows_mm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
              ) -> torch.Tensor:
-    """Per-row codes xq (M, K) with scales xs (M, 1) times a per-channel weight: cuBLAS's row-wise scaled GEMM."""
+    """Per-row codes xq (M, K) with scales xs (M, 1) times a per-channel weight: cuBLAS's row-wise scaled GEMM
+    (`FAST_ACCUM`)."""
     if xq.is_cuda:
-        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.mm_scale, out_dtype=out_dtype)
+        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.mm_scale, out_dtype=out_dtype,
+                               use_fast_accum=FAST_ACCUM)
     else:
         out = reference_mm(xq, xs, w.q, w.scale).to(out_dtype)
     return out if bias is None else out + bias
