@@ -64,7 +64,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     (a column-parallel layer's input gradient under tensor parallelism)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group):
+    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group, fuse_wgrad=False):
         m = x.shape[0]
         xp = _pad_rows(x)
         y = scaled_mm_rows(xp, weight, E4M3, E4M3, x.dtype)[:m]
@@ -72,6 +72,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             y = y + bias
         ctx.save_for_backward(xp, weight)
         ctx.m, ctx.has_bias, ctx.grad_dtype, ctx.group = m, bias is not None, grad_dtype, dgrad_group
+        ctx.fuse_wgrad = fuse_wgrad
         return y
 
     @staticmethod
@@ -85,17 +86,33 @@ class Fp8LinearFunction(torch.autograd.Function):
         dw = None
         if weight.requires_grad:
             # dW = dy.T @ x: both per channel (their columns); e5m2 x e5m2 has no FP8 GEMM, x stays e4m3
-            dw = _mm(*quantize_cols_t(dyp, ctx.grad_dtype), *quantize_cols_t(xp, E4M3), weight.dtype)
+            operands = (*quantize_cols_t(dyp, ctx.grad_dtype), *quantize_cols_t(xp, E4M3))
+            dw = _accumulated(weight, operands, xp.dtype) if ctx.fuse_wgrad else _mm(*operands, weight.dtype)
         db = dy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def fp8_linear_train(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     grad_dtype: torch.dtype = E4M3, dgrad_group=None) -> torch.Tensor:
-    """x (..., K) @ weight.T (+ bias) with FP8 GEMMs forward and backward; (..., N)."""
+                     grad_dtype: torch.dtype = E4M3, dgrad_group=None, fuse_wgrad: bool = False) -> torch.Tensor:
+    """x (..., K) @ weight.T (+ bias) with FP8 GEMMs forward and backward; (..., N). fuse_wgrad: the weight
+    gradient is accumulated into `weight.main_grad` (`_accumulated`)."""
     lead = x.shape[:-1]
-    y = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, grad_dtype, dgrad_group)
+    y = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, grad_dtype, dgrad_group, fuse_wgrad)
     return y.reshape(*lead, weight.shape[0])
+
+
+def _accumulated(weight: torch.Tensor, operands: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+    """The gradient-accumulation fusion: main_grad += the weight-gradient GEMM of `operands` (codes and scales of
+    dy.T and x.T, `fp8_wgrad.wgrad_accumulate`); returns what Megatron's fused linears return in its place (an
+    uninitialised tensor of main_grad's shape, with `grad_added_to_main_grad` set, so its DDP hook adds nothing; None
+    for a weight outside Megatron's DDP)."""
+    from .fp8_wgrad import wgrad_accumulate
+
+    wgrad_accumulate(*operands, weight.main_grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return torch.empty(weight.main_grad.shape, dtype=dtype, device=weight.main_grad.device)
 
 
 # ------------------------------------------------------------------------------------------------ tensorwise
@@ -140,7 +157,7 @@ class Fp8TensorwiseLinearFunction(torch.autograd.Function):
     (decided by the caller: inside forward grad mode is always off)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group, weight_amax, backward):
+    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group, weight_amax, backward, fuse_wgrad=False):
         m = x.shape[0]
         xp = _pad_rows(x)
         # a forward under no_grad (the first pass of activation recompute, log-probs) writes no transposes; the
@@ -154,6 +171,7 @@ class Fp8TensorwiseLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(xq_t, xs, wq_t, ws)
         ctx.m, ctx.has_bias, ctx.grad_dtype, ctx.group = m, bias is not None, grad_dtype, dgrad_group
         ctx.x_dtype, ctx.w_dtype, ctx.w_needs_grad = x.dtype, weight.dtype, weight.requires_grad
+        ctx.fused_weight = weight if fuse_wgrad and backward else None  # the parameter, for its main_grad
         return y
 
     @staticmethod
@@ -166,18 +184,22 @@ class Fp8TensorwiseLinearFunction(torch.autograd.Function):
             dist.all_reduce(dx, group=ctx.group)
         # dW = dy.T @ x: dy.T's codes (N, M), x (M, K) column-major is x.T's codes (K, M) transposed back;
         # e5m2 x e5m2 has no FP8 GEMM, x stays e4m3
-        dw = _mm_tensorwise(dyq_t, dys, xq_t, xs, ctx.w_dtype) if ctx.w_needs_grad else None
+        dw = None
+        if ctx.w_needs_grad:
+            dw = (_accumulated(ctx.fused_weight, (dyq_t, dys, xq_t, xs), ctx.x_dtype) if ctx.fused_weight is not None
+                  else _mm_tensorwise(dyq_t, dys, xq_t, xs, ctx.w_dtype))
         db = dy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def fp8_linear_train_tensorwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                 grad_dtype: torch.dtype = E4M3, dgrad_group=None,
-                                weight_amax: WeightAmax | None = None) -> torch.Tensor:
+                                weight_amax: WeightAmax | None = None, fuse_wgrad: bool = False) -> torch.Tensor:
     """x (..., K) @ weight.T (+ bias) with FP8 GEMMs under per-tensor scales, forward and backward; (..., N).
-    Pass the layer's own `weight_amax` to keep W's amax between calls (a fresh one recomputes it every call)."""
+    Pass the layer's own `weight_amax` to keep W's amax between calls (a fresh one recomputes it every call).
+    fuse_wgrad: the weight gradient is accumulated into `weight.main_grad` (`_accumulated`)."""
     lead = x.shape[:-1]
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     y = Fp8TensorwiseLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, grad_dtype, dgrad_group,
-                                          weight_amax or WeightAmax(), backward)
+                                          weight_amax or WeightAmax(), backward, fuse_wgrad)
     return y.reshape(*lead, weight.shape[0])

@@ -411,6 +411,56 @@ def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recomput
         destroy_distributed()
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_weight_gradients_accumulate_into_main_grad(tiny_model_dir, monkeypatch, recipe, cpu_only):
+    """Megatron's gradient-accumulation fusion with FP8 training (the weight-gradient GEMM adds into main_grad,
+    `kernels.fp8_wgrad`; CPU: its reference sum): two PPO updates of 4 micro-batches equal the unfused FP8 updates
+    (losses, gradient norms, parameters after, fp32 within rounding), every decoder linear's weight gradient went
+    through the accumulation (2 updates x 4 micro-batches x 8 linears) and the DDP hook added nothing for them
+    (`grad_added_to_main_grad`, still set after the last micro-batch). Mutations (run): the accumulation replaced by
+    an assignment (`main_grad.copy_`) -> the updates differ; `_accumulated` not marking the weight (with a zero
+    placeholder the hook adds, so the sums still agree) -> the marks fail."""
+    from test_train_cuda_graphs import rl_batch
+
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.kernels import fp8_wgrad
+    from rlhf_mcore.models import build_model, fp8_training, grad_accum_fusion
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    monkeypatch.setattr(fp8_training, "check_fp8_device", lambda device, key: None)
+    calls, real = [], fp8_wgrad.wgrad_accumulate
+    monkeypatch.setattr(fp8_wgrad, "wgrad_accumulate", lambda *a: calls.append(a[-1].shape) or real(*a))
+    grad_accum_fusion.install()
+    model_dir = tiny_model_dir(arch="qwen2", vocab=512, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                               init_std=0.02)
+    state = init_distributed(device="cpu")
+    try:
+        batch = rl_batch(8, 512, "cpu")
+        res = {}
+        for fused in (False, True):
+            torch.manual_seed(0)
+            calls.clear()
+            chunks = build_model(model_dir, state, role="actor", dtype=torch.float32,
+                                 config_overrides={"gradient_accumulation_fusion": True} if fused else None)
+            assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", recipe) == 8
+            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8,
+                                                          cuda_graphs=False), OptimConfig(lr=1e-2))
+            res[fused] = ([eng.update_policy(batch) for _ in range(2)],
+                          [p.detach().clone() for p in eng.chunks[0].parameters()], len(calls))
+            marked = [getattr(m.weight, "grad_added_to_main_grad", None) for m in chunks[0].decoder.modules()
+                      if hasattr(m, "_forward_impl") and hasattr(m, "weight")]
+            assert len(marked) == 8 and all(x is fused for x in marked), (fused, marked)
+        assert res[False][2] == 0 and res[True][2] == 2 * 4 * 8, (res[False][2], res[True][2])
+        for m0, m1 in zip(res[False][0], res[True][0]):
+            assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-5, abs=1e-7)
+            assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
+        for a, b in zip(res[False][1], res[True][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        destroy_distributed()
+
+
 def test_learn_gpu_variants_are_real_keys():
     """launch/learn_gpu.py --variants (the FP8 learning comparison): every run's overrides load on its config and
     set what the variant names, from the same seed. Mutation: VARIANTS' TIS threshold key misspelt

@@ -177,7 +177,8 @@ def _check_vision(cfg: RLConfig) -> None:
 
 def _check_grad_accum_fusion(cfg: RLConfig, need) -> None:
     """`override_transformer_config.gradient_accumulation_fusion` (rlhf_mcore.models.grad_accum_fusion) accumulates
-    the weight gradients into the trained parameters' main_grad: a role that trains them, eager, in bf16/fp32."""
+    the weight gradients into the trained parameters' main_grad: a role that trains them, eager (bf16/fp32 linears
+    through cuBLAS, FP8 ones through kernels.fp8_wgrad)."""
     arr = cfg.actor_rollout_ref
     roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, "actor_rollout_ref.model"),
              ("critic.megatron", cfg.critic.megatron, "critic.model"),
@@ -190,8 +191,6 @@ def _check_grad_accum_fusion(cfg: RLConfig, need) -> None:
         need(k, model is not None, "false: this model runs no backward pass (only the actor and the critic train)")
         need(k, value_at(cfg, f"{model}.lora_rank") == 0,
              f"false with {model}.lora_rank > 0: the frozen base weights have no main_grad to accumulate into")
-        need(k, megatron.fp8 is None, f"false with {key}.fp8={megatron.fp8}: the FP8 linears compute their own "
-                                      "weight gradients")
         need(k, megatron.cuda_graphs is not True,
              f"false with {key}.cuda_graphs=true: the captured decoder's layers see parameter aliases without "
              "main_grad (leave cuda_graphs unset: off with the fusion)")

@@ -25,8 +25,9 @@ FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forwar
 def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> int:
     """Switch the decoder linears of every model chunk to FP8 GEMMs under `recipe` (rowwise or tensorwise); returns
     how many layers were switched. Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8
-    GPU, with sequence parallelism, gradient accumulation fusion, dims not multiples of 16, or no Megatron
-    local-spec linears to switch."""
+    GPU, with sequence parallelism, dims not multiples of 16, or no Megatron local-spec linears to switch. Under
+    Megatron's gradient-accumulation fusion the FP8 weight gradients accumulate into main_grad
+    (`kernels.fp8_wgrad`)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if fmt not in FORMATS:
@@ -42,7 +43,6 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> 
                 continue
             check_fp8_device(mod.weight.device, key)
             why = ("sequence_parallel=true" if mod.sequence_parallel else
-                   "gradient_accumulation_fusion" if mod.gradient_accumulation_fusion else
                    f"weight shape {tuple(mod.weight.shape)} (FP8 GEMM dims must be multiples of 16)"
                    if any(d % 16 for d in mod.weight.shape) else None)
             if why is not None:
@@ -87,8 +87,9 @@ def _fp8_impl(mod, grad_dtype, recipe: str):
     def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
              sequence_parallel=False, **_unused):
         group = getattr(mod, "tp_group", None) if allreduce_dgrad else None
+        fuse = bool(gradient_accumulation_fusion) and weight.requires_grad
         if recipe == "tensorwise":
-            return fp8_linear_train_tensorwise(input, weight, bias, grad_dtype, group, mod.fp8_weight_amax)
-        return fp8_linear_train(input, weight, bias, grad_dtype, group)
+            return fp8_linear_train_tensorwise(input, weight, bias, grad_dtype, group, mod.fp8_weight_amax, fuse)
+        return fp8_linear_train(input, weight, bias, grad_dtype, group, fuse)
 
     return impl

@@ -11,7 +11,8 @@ place, CUDA; a torch whose `addmm` refuses that gets the bf16 product added inst
 on a CPU (tests) the same sum in `main_grad`'s dtype.
 
 Where it does not apply (refused by the config checks): the decoder as CUDA graphs (the captured layers see
-parameter aliases without `main_grad`), LoRA (frozen base weights have no `main_grad`), FP8 training (its own GEMMs).
+parameter aliases without `main_grad`) and LoRA (frozen base weights have no `main_grad`). The FP8 training linears
+accumulate their own weight gradients (`kernels.fp8_wgrad`, through `models.fp8_training`).
 """
 from __future__ import annotations
 

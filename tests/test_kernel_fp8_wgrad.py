@@ -1,0 +1,63 @@
+"""The FP8 weight-gradient GEMM that accumulates into main_grad (`kernels/fp8_wgrad.py`, the gradient-accumulation
+fusion of the FP8 training linears) against the fp64 sum of the dequantized codes' products: under the Triton
+interpreter on CPU, compiled on a GPU. Loading FP8 codes is exact in both (the interpreter's float8 issue is in the
+fp32 -> fp8 cast, which this kernel does not do)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_kernels import import_kernel_module
+
+from rlhf_mcore.kernels.fp8 import E4M3, E5M2, quantize_rows, quantize_tensor
+
+fw = import_kernel_module("fp8_wgrad")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# ragged tiles (N, K not multiples of the blocks), T not a multiple of BLOCK_K, two groups of row tiles; on a GPU
+# the shipped config too
+CONFIGS = [(16, 32, 32, 2, 4, 1)] + ([fw.CONFIG] if DEVICE == "cuda" else [])
+
+
+def _codes(rows: int, t: int, dtype, rowwise: bool, g) -> tuple[torch.Tensor, torch.Tensor]:
+    x = (torch.randn(rows, t, generator=g) * torch.logspace(-1, 1, rows)[:, None]).to(DEVICE)
+    if rowwise:
+        return quantize_rows(x, dtype)
+    q, s, _ = quantize_tensor(x, dtype)
+    return q, s
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c[:3])))
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize("t", [96, 80])
+def test_wgrad_accumulates_into_main_grad(rowwise, t, config):
+    """main_grad (N, K) fp32 += scale_a * scale_b * a (N, T) @ b (K, T).T, twice (two micro-batches onto a main_grad
+    that already holds values): e5m2 gradient codes times e4m3 input codes, scales per tensor or per row; within fp32
+    accumulation of the exact products. Mutations (run): the epilogue storing the product without loading main_grad
+    (a micro-batch overwrites the others) -> fails; the row scales applied to the wrong axis (sa along N) -> the
+    rowwise cases fail."""
+    g = torch.Generator().manual_seed(t)
+    n, k = 70, 50
+    main = torch.randn(n, k, generator=g).to(DEVICE)
+    want = main.double().cpu()
+    for _ in range(2):
+        a, sa = _codes(n, t, E5M2, rowwise, g)
+        b, sb = _codes(k, t, E4M3, rowwise, g)
+        want += (a.double().cpu() * sa.double().cpu()) @ (b.double().cpu() * sb.double().cpu()).t()
+        fw.launch(a, sa, b, sb, main, config)
+    assert main.dtype == torch.float32
+    err = (main.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-5, err
+
+
+def test_wrapper_checks_shapes_and_takes_the_reference_on_cpu():
+    """`wgrad_accumulate` refuses mismatched operands and scales; on CPU it adds the dequantized fp32 product."""
+    g = torch.Generator().manual_seed(1)
+    a, sa = quantize_tensor(torch.randn(6, 32, generator=g), E5M2)[:2]
+    b, sb = quantize_tensor(torch.randn(4, 32, generator=g), E4M3)[:2]
+    main = torch.ones(6, 4)
+    with pytest.raises(AssertionError):
+        fw.wgrad_accumulate(a, sa, b[:, :16], sb, main)
+    with pytest.raises(AssertionError):
+        fw.wgrad_accumulate(a, torch.ones(6, 1), b, sb, main)
+    fw.wgrad_accumulate(a, sa, b, sb, main)
+    want = 1 + (a.float() * sa) @ (b.float() * sb).t()
+    torch.testing.assert_close(main, want)
