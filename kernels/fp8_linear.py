@@ -120,27 +120,46 @@ def _accumulated(weight: torch.Tensor, operands: tuple, dtype: torch.dtype) -> t
 
 class WeightAmax:
     """max |W| of one weight, kept between calls: recomputed after `invalidate()` (the train engine calls it after
-    every optimizer step and checkpoint load: Megatron's optimizer writes bf16 weights through its parameter
+    every optimizer step, checkpoint load and offload: Megatron's optimizer writes bf16 weights through its parameter
     buffer, which leaves the parameter's version counter where it was), when W's storage or version counter moved
     (in-place writes through the parameter itself, an offload's new storage), and inside every CUDA graph capture (a
-    replay then recomputes it, since the graph cannot see any of this)."""
+    replay then recomputes it, since the graph cannot see any of this).
 
-    def __init__(self):
+    keep_codes: W's FP8 codes and their transpose are kept under the same rules (`codes`), as Transformer Engine keeps
+    a weight's FP8 copy across micro-batches: W is then cast once per optimizer step instead of in every forward
+    (each micro-batch, and both passes of a recomputed one), for 2 bytes a parameter held until `invalidate()`."""
+
+    def __init__(self, keep_codes: bool = False):
+        self.keep_codes = keep_codes
         self.amax: torch.Tensor | None = None
+        self.kept: tuple | None = None  # (codes, scale, transposed codes) of W under `key`, with keep_codes
         self.key: tuple[int, int] | None = None
-        self.computed = 0  # how many times it was recomputed (tests)
+        self.computed = 0  # how many times the amax was recomputed (tests)
+        self.cast = 0  # how many times kept codes were cast (tests)
 
     def invalidate(self) -> None:
-        self.amax = self.key = None
+        self.amax = self.key = self.kept = None
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return tensor_amax(weight)
         key = (weight.data_ptr(), weight._version)
         if self.amax is None or key != self.key or self.amax.device != weight.device:
-            self.amax, self.key = tensor_amax(weight.detach()), key
+            self.amax, self.key, self.kept = tensor_amax(weight.detach()), key, None
             self.computed += 1
         return self.amax
+
+    def codes(self, weight: torch.Tensor, transpose: bool) -> tuple:
+        """W's e4m3 codes under its amax: (codes, scale, transposed codes if `transpose` else None), as
+        `quantize_tensor`; kept between calls with keep_codes (outside CUDA graph capture)."""
+        amax = self(weight)
+        if not self.keep_codes or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return quantize_tensor(weight, E4M3, amax=amax, transpose=transpose)
+        if self.kept is None:
+            self.kept = quantize_tensor(weight.detach(), E4M3, amax=amax, transpose=True)
+            self.cast += 1
+        q, scale, q_t = self.kept
+        return q, scale, q_t if transpose else None
 
 
 def _mm_tensorwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
@@ -163,7 +182,7 @@ class Fp8TensorwiseLinearFunction(torch.autograd.Function):
         # a forward under no_grad (the first pass of activation recompute, log-probs) writes no transposes; the
         # recompute pass then writes the same codes (the same amaxes of the same tensors) and the transposes
         xq, xs, xq_t = quantize_tensor(xp, E4M3, transpose=backward)
-        wq, ws, wq_t = quantize_tensor(weight, E4M3, amax=weight_amax(weight), transpose=backward)
+        wq, ws, wq_t = weight_amax.codes(weight, transpose=backward)
         y = _mm_tensorwise(xq, xs, wq, ws, x.dtype)[:m]
         if bias is not None:
             y = y + bias

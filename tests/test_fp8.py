@@ -239,9 +239,9 @@ def test_gpu_without_fp8_refused(monkeypatch):
 
 
 def test_config_keys_and_refusals():
-    """The keys load with their defaults off (recipe rowwise); FP8 on a CPU run, under another rollout engine, on
-    the reference, with an unknown format or recipe, or a recipe without FP8 is refused in one line naming the
-    key."""
+    """The keys load with their defaults off (recipe rowwise, no weight cache); FP8 on a CPU run, under another
+    rollout engine, on the reference, with an unknown format or recipe, a recipe or a weight cache without FP8, or a
+    weight cache under the rowwise recipe is refused in one line naming the key."""
     from rlhf_mcore.config import ConfigError, load_config
 
     cfg = load_config(None, ["actor_rollout_ref.model.path=/m"])
@@ -253,6 +253,11 @@ def test_config_keys_and_refusals():
     tw = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.megatron.fp8=hybrid",
                             "actor_rollout_ref.actor.megatron.fp8_recipe=tensorwise"])
     assert tw.actor_rollout_ref.actor.megatron.fp8_recipe == "tensorwise"
+    assert not tw.actor_rollout_ref.actor.megatron.fp8_weight_cache
+    kept = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.megatron.fp8=hybrid",
+                              "actor_rollout_ref.actor.megatron.fp8_recipe=tensorwise",
+                              "actor_rollout_ref.actor.megatron.fp8_weight_cache=true"])
+    assert kept.actor_rollout_ref.actor.megatron.fp8_weight_cache
     bad = {("actor_rollout_ref.rollout.quantization=fp8", "trainer.device=cpu"):
            r"'actor_rollout_ref.rollout.quantization' has value 'fp8'; it must be null with trainer.device=cpu",
            ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"):
@@ -267,7 +272,12 @@ def test_config_keys_and_refusals():
            r"'critic.megatron.fp8_recipe' has value 'tensorwise'; it must be rowwise .* while critic.megatron.fp8 is "
            r"null",
            ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_recipe=blockwise"):
-           r"choose one of rowwise, tensorwise"}
+           r"choose one of rowwise, tensorwise",
+           ("critic.megatron.fp8_weight_cache=true",):
+           r"'critic.megatron.fp8_weight_cache' has value True; it must be false .* while critic.megatron.fp8 is null",
+           ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_weight_cache=true"):
+           r"'actor_rollout_ref.actor.megatron.fp8_weight_cache' .* false with fp8_recipe=rowwise: only the "
+           r"tensorwise recipe"}
     for overrides, msg in bad.items():
         with pytest.raises(ConfigError, match=msg) as e:
             load_config(None, ["actor_rollout_ref.model.path=/m", *overrides])
@@ -349,14 +359,104 @@ def test_w8a16_decode_refusals(tiny_model_dir):
 
 
 def test_fp8_training_refusals():
-    """enable_fp8_training: an unknown format, and a model with no Megatron local-spec linears to switch, are
-    refused in one line naming the key (the CUDA / sm >= 89 refusal is check_fp8_device's, above)."""
+    """enable_fp8_training: an unknown format, a weight cache under the rowwise recipe, and a model with no Megatron
+    local-spec linears to switch, are refused in one line naming the key (the CUDA / sm >= 89 refusal is
+    check_fp8_device's, above)."""
     from rlhf_mcore.models.fp8_training import enable_fp8_training
 
     with pytest.raises(Fp8Unsupported, match=r"^k='e5m2': choose e4m3 or hybrid"):
         enable_fp8_training([], "e5m2", "k")
+    with pytest.raises(Fp8Unsupported, match=r"^k_weight_cache=true needs k_recipe=tensorwise \(the rowwise recipe"):
+        enable_fp8_training([], "hybrid", "k", "rowwise", weight_cache=True)
     with pytest.raises(Fp8Unsupported, match=r"^k=e4m3: no Megatron local-spec linear layers in the decoder"):
         enable_fp8_training([torch.nn.Module()], "e4m3", "k")
+
+
+def test_kept_weight_codes_follow_every_write_to_the_weight():
+    """WeightAmax(keep_codes=True) casts W once and hands the same codes to every later forward (with and without
+    the transpose the backward needs), until W is written in place, gets new storage, or `invalidate()` is called;
+    the linear's outputs and gradients then equal those of a fresh (uncached) WeightAmax bit for bit. Mutation
+    (run): `__call__` keeping the codes when it recomputes the amax (the key moved, or after `invalidate()`) -> the
+    in-place case reads the old weight's codes and fails."""
+    from rlhf_mcore.kernels.fp8_linear import WeightAmax, fp8_linear_train_tensorwise
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.nn.Parameter(torch.randn(32, 64, generator=g))
+    x = torch.randn(16, 64, generator=g, requires_grad=True)
+    cache = WeightAmax(keep_codes=True)
+
+    def check(casts):
+        with torch.no_grad():  # a forward without backward (a log-prob pass, recompute's first pass) reads them too
+            fp8_linear_train_tensorwise(x, w, None, E4M3, None, cache)
+        outs = []
+        for c in (cache, WeightAmax()):
+            w.grad = x.grad = None
+            y = fp8_linear_train_tensorwise(x, w, None, E4M3, None, c)
+            y.backward(torch.ones_like(y))
+            outs.append((y.detach(), w.grad.clone(), x.grad.clone()))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        assert cache.cast == casts, (cache.cast, casts)
+
+    check(1)
+    check(1)  # kept
+    with torch.no_grad():
+        w.mul_(4)
+    check(2)
+    w.data = w.data.clone() * 0.5
+    check(3)
+    w.data.copy_(w.data * 2)  # moves no counter: the engine invalidates after its optimizer steps
+    cache.invalidate()
+    check(4)
+
+
+@pytest.mark.parametrize("recompute, dtype", [(True, torch.float32), (False, torch.bfloat16)],
+                         ids=["full_recompute", "bf16"])
+def test_kept_weight_codes_on_the_engine(tiny_model_dir, monkeypatch, recompute, dtype, cpu_only):
+    """`megatron.fp8_weight_cache` on a tiny Megatron GPTModel (CPU, the reference GEMMs, tensorwise, fp8=hybrid):
+    two PPO updates of 4 micro-batches and a log-prob pass give the same losses, gradient norms and parameters as
+    without the cache (exactly: the same codes), each layer casting its weight once per optimizer step (3 in all)
+    however many micro-batches and recomputed forwards read it; an offload drops the kept codes. Mutations (run): the
+    engine's `invalidate_weight_amaxes` after the optimizer step removed -> the bf16 case's second update reads the
+    first one's codes and differs; the offload's call removed -> the codes survive it and the last check fails."""
+    from test_train_cuda_graphs import rl_batch
+
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.engine.builder import recompute_overrides
+    from rlhf_mcore.models import build_model, fp8_training
+    from rlhf_mcore.parallel import destroy_distributed, init_distributed
+
+    monkeypatch.setattr(fp8_training, "check_fp8_device", lambda device, key: None)
+    model_dir = tiny_model_dir(arch="qwen2", vocab=512, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                               init_std=0.02)
+    state = init_distributed(device="cpu")
+    try:
+        batch = rl_batch(8, 512, "cpu")
+        res = {}
+        for kept in (False, True):
+            torch.manual_seed(0)
+            chunks = build_model(model_dir, state, role="actor", dtype=dtype,
+                                 config_overrides=recompute_overrides(recompute) or None)
+            assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise", weight_cache=kept) == 8
+            caches = chunks[0].fp8_weight_amaxes
+            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
+                              OptimConfig(lr=1e-2))
+            metrics = [eng.update_policy(batch) for _ in range(2)]
+            logp = eng.compute_log_probs(batch)[0]
+            res[kept] = (metrics, logp, [p.detach().clone() for p in chunks[0].parameters()])
+            if kept:
+                assert [c.cast for c in caches] == [3] * 8, [c.cast for c in caches]
+                assert all(c.kept is not None for c in caches)
+                eng.offload(params=False, grads=False, optimizer=False)
+                assert all(c.kept is None for c in caches)
+        for m0, m1 in zip(res[False][0], res[True][0]):
+            assert m1["actor/pg_loss"] == m0["actor/pg_loss"] and m1["actor/grad_norm"] == m0["actor/grad_norm"]
+        assert torch.equal(res[False][1], res[True][1])
+        for a, b in zip(res[False][2], res[True][2]):
+            assert torch.equal(a, b)
+    finally:
+        destroy_distributed()
 
 
 @pytest.mark.parametrize("recompute, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],

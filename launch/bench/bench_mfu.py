@@ -8,6 +8,7 @@
     python launch/bench/bench_mfu.py --cuda-graphs off               # Megatron's decoder eager, not CUDA graphs
     python launch/bench/bench_mfu.py --fp8 e4m3                      # FP8 decoder GEMMs (FLOPs at the bf16 peak)
     python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise   # one scale per tensor (megatron.fp8_recipe)
+    python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise --fp8-weight-cache   # W cast once a step
     python launch/bench/bench_mfu.py --shapes 7b --recompute-block 8  # recompute 8 of 28 layers, keep the rest
     python launch/bench/bench_mfu.py --shapes 7b --peer-params bf16  # the peer in bf16 (its fp32 run is OOM at 7B)
     python launch/bench/bench_mfu.py --shapes 0.5b --grad-accum-fusion   # weight gradients straight into main_grad
@@ -122,7 +123,7 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
               layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
               cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise",
               recompute_block: int | None = None, grad_accum_fusion: bool = False,
-              layers: int | None = None) -> None:
+              layers: int | None = None, fp8_weight_cache: bool = False) -> None:
     """One shape (with `layers` decoder layers when given), in this process: build the actor engine once, then time
     each sequence length."""
     import torch
@@ -159,8 +160,8 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
         if fp8:  # megatron.fp8: the decoder's linears in FP8 (rlhf_mcore.models.fp8_training); MFU stays at bf16 peak
             from rlhf_mcore.models.fp8_training import enable_fp8_training
 
-            result["fp8"], result["fp8_recipe"] = fp8, fp8_recipe
-            result["fp8_linears"] = enable_fp8_training(chunks, fp8, "--fp8", fp8_recipe)
+            result["fp8"], result["fp8_recipe"], result["fp8_weight_cache"] = fp8, fp8_recipe, fp8_weight_cache
+            result["fp8_linears"] = enable_fp8_training(chunks, fp8, "--fp8", fp8_recipe, fp8_weight_cache)
         result["params"] = sum(p.numel() for c in chunks for p in c.parameters())
         micro_sizes = {seq: (micro_override or plan["seqs"].get(seq, (1, 4))[0]) for seq in seqs}
         n_micro = {seq: plan["seqs"].get(seq, (1, 4))[1] for seq in seqs}
@@ -340,6 +341,8 @@ def main(argv=None) -> dict:
                    help="FP8 GEMMs in the decoder's linears (megatron.fp8); FLOPs still counted at the bf16 peak")
     p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise"), default="rowwise",
                    help="how --fp8 scales the GEMM operands (megatron.fp8_recipe)")
+    p.add_argument("--fp8-weight-cache", action="store_true",
+                   help="keep each weight's FP8 codes between optimizer steps (megatron.fp8_weight_cache; tensorwise)")
     p.add_argument("--grad-accum-fusion", action="store_true",
                    help="the weight-gradient GEMMs accumulate into main_grad (megatron.override_transformer_config."
                         "gradient_accumulation_fusion; the decoder then runs eager)")
@@ -370,7 +373,7 @@ def main(argv=None) -> dict:
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
                       args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe,
-                      args.recompute_block, args.grad_accum_fusion, args.layers)
+                      args.recompute_block, args.grad_accum_fusion, args.layers, args.fp8_weight_cache)
         return {}
 
     import torch
@@ -400,6 +403,7 @@ def main(argv=None) -> dict:
                 cmd += ["--profile", str(prof)]
             megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs,
                             *(["--fp8", args.fp8, "--fp8-recipe", args.fp8_recipe] if args.fp8 else []),
+                            *(["--fp8-weight-cache"] if args.fp8_weight_cache else []),
                             *(["--recompute-block", str(args.recompute_block)] if args.recompute_block else []),
                             *(["--grad-accum-fusion"] if args.grad_accum_fusion else [])]
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)

@@ -112,4 +112,9 @@ class MegatronConfig:
     # channel; measured in BENCHMARKS.md) or tensorwise (one per tensor, Transformer Engine's; less quantization
     # traffic, cuBLAS's faster tensor-wise GEMM, narrower range: pair it with fp8=hybrid). Read only with fp8 set
     fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
+    # tensorwise only: each decoder linear keeps its weight's FP8 codes (and their transpose) from its first forward
+    # after an optimizer step to the next, as Transformer Engine does across micro-batches, instead of casting W in
+    # every forward (each micro-batch, both passes under recompute); costs 2 bytes a parameter of GPU memory while
+    # kept (dropped at each optimizer step, load and offload). Measured in BENCHMARKS.md (issue 36, session 39)
+    fp8_weight_cache: bool = False
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)

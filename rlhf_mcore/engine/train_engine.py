@@ -527,6 +527,7 @@ class TrainEngine:
         params = self.param_offload if params is None else params
         for g in self._graphs:  # graphs read parameters in place and hold memory the rollout needs
             g.reset()
+        invalidate_weight_amaxes(self.chunks)  # FP8 tensorwise: kept weight codes hold device memory too
         before = self._device_allocated()
         params_list = param_storages(self.modules)
         param_ptrs = {s.data_ptr() for s in params_list}

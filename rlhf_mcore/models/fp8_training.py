@@ -22,11 +22,13 @@ from rlhf_mcore.kernels.fp8_linear import RECIPES, WeightAmax, fp8_linear_train,
 FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forward is e4m3 in both)
 
 
-def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> int:
+def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", weight_cache: bool = False) -> int:
     """Switch the decoder linears of every model chunk to FP8 GEMMs under `recipe` (rowwise or tensorwise); returns
-    how many layers were switched. Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8
-    GPU, with sequence parallelism, dims not multiples of 16, or no Megatron local-spec linears to switch. Under
-    Megatron's gradient-accumulation fusion the FP8 weight gradients accumulate into main_grad
+    how many layers were switched. weight_cache (tensorwise only, `<role>.megatron.fp8_weight_cache`): each layer keeps
+    its weight's FP8 codes from the first forward after an optimizer step to the next (`WeightAmax.keep_codes`).
+    Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8 GPU, with sequence parallelism,
+    dims not multiples of 16, a weight cache under the rowwise recipe, or no Megatron local-spec linears to switch.
+    Under Megatron's gradient-accumulation fusion the FP8 weight gradients accumulate into main_grad
     (`kernels.fp8_wgrad`)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -34,6 +36,9 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> 
         raise Fp8Unsupported(f"{key}={fmt!r}: choose e4m3 or hybrid (e5m2 gradients), or null (off).")
     if recipe not in RECIPES:
         raise Fp8Unsupported(f"{key}_recipe={recipe!r}: choose one of {', '.join(RECIPES)}.")
+    if weight_cache and recipe != "tensorwise":
+        raise Fp8Unsupported(f"{key}_weight_cache=true needs {key}_recipe=tensorwise (the {recipe} recipe casts the "
+                             "weight per channel along each axis, which is not kept); set it to false.")
     grad_dtype, switched = FORMATS[fmt], 0
     _refuse_grouped_experts(chunks, fmt, key)
     for chunk in chunks:
@@ -48,7 +53,7 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise") -> 
             if why is not None:
                 raise Fp8Unsupported(f"{key}={fmt}: decoder layer {name} cannot run FP8 GEMMs with {why}; set {key} "
                                      "to null for this run.")
-            mod._forward_impl = _fp8_impl(mod, grad_dtype, recipe)
+            mod._forward_impl = _fp8_impl(mod, grad_dtype, recipe, weight_cache)
             if recipe == "tensorwise":  # kept on the chunk too, for invalidate_weight_amaxes (no module walk)
                 chunk.fp8_weight_amaxes = [*getattr(chunk, "fp8_weight_amaxes", ()), mod.fp8_weight_amax]
             switched += 1
@@ -70,19 +75,21 @@ def _refuse_grouped_experts(chunks, fmt: str, key: str) -> None:
 
 
 def invalidate_weight_amaxes(chunks) -> int:
-    """Forget every tensorwise layer's kept weight amax (after the weights changed: an optimizer step, a load);
-    returns how many. A no-op for rowwise or no FP8."""
+    """Forget every tensorwise layer's kept weight amax and codes (after the weights changed: an optimizer step, a
+    load; and at an offload, so that kept codes do not hold GPU memory); returns how many. A no-op for rowwise or
+    no FP8."""
     caches = [c for chunk in chunks for c in getattr(chunk, "fp8_weight_amaxes", ())]
     for cache in caches:
         cache.invalidate()
     return len(caches)
 
 
-def _fp8_impl(mod, grad_dtype, recipe: str):
+def _fp8_impl(mod, grad_dtype, recipe: str, weight_cache: bool = False):
     """A `_forward_impl` with Megatron's keyword arguments (linear_with_grad_accumulation_and_async_allreduce).
-    Tensorwise: the layer's weight amax lives on the layer (`mod.fp8_weight_amax`) between calls."""
+    Tensorwise: the layer's weight amax (with weight_cache, also its codes) lives on the layer (`mod.fp8_weight_amax`)
+    between calls."""
     if recipe == "tensorwise":
-        mod.fp8_weight_amax = WeightAmax()
+        mod.fp8_weight_amax = WeightAmax(keep_codes=weight_cache)
 
     def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
              sequence_parallel=False, **_unused):
