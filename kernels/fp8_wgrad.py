@@ -17,8 +17,8 @@ Measured on an H100 (BENCHMARKS.md, session 39) at the 7B wgrad shapes (4,096 to
 tensor-core sums every 128 products (`PROMOTE`: the precision of cuBLAS's FP8 GEMM without fast accumulation, the same
 1.0e-4 relative error against the fp64 sum) the four GEMMs of a layer take 2.63 ms against cuBLAS + the add's 2.43;
 without promotion (fast accumulation, 1.1e-3, as cuBLAS's fast mode) 2.16 ms. In the update (the 7B width in 10
-layers) FP8 with the fusion ran at 25,320 tokens/s, without it 25,345: no faster, but without the bf16 weight-gradient
-temporaries (up to 271 MB for the 7B gate_up).
+layers, one call) FP8 with the fusion ran at 24,895 tokens/s, without it 25,008: no faster, but without the bf16
+weight-gradient temporaries (up to 271 MB for the 7B gate_up).
 """
 from __future__ import annotations
 
