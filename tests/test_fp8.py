@@ -410,21 +410,13 @@ def test_kept_weight_codes_follow_every_write_to_the_weight():
     check(4)
 
 
-@pytest.mark.parametrize("recompute, dtype", [(True, torch.float32), (False, torch.bfloat16)],
-                         ids=["full_recompute", "bf16"])
-def test_kept_weight_codes_on_the_engine(tiny_model_dir, monkeypatch, recompute, dtype, cpu_only):
-    """`megatron.fp8_weight_cache` on a tiny Megatron GPTModel (CPU, the reference GEMMs, tensorwise, fp8=hybrid):
-    two PPO updates of 4 micro-batches and a log-prob pass give the same losses, gradient norms and parameters as
-    without the cache (exactly: the same codes), each layer casting its weight once per optimizer step (3 in all)
-    however many micro-batches and recomputed forwards read it; an offload drops the kept codes. Mutations (run): the
-    engine's `invalidate_weight_amaxes` after the optimizer step removed -> the bf16 case's second update reads the
-    first one's codes and differs; the offload's call removed -> the codes survive it and the last check fails."""
+@pytest.fixture
+def fp8_engine_env(tiny_model_dir, monkeypatch, cpu_only):
+    """FP8 training on the CPU engine (the reference GEMMs; the FP8 device check patched out): a tiny Qwen2 model
+    directory, a CPU process group (torn down after the test) and an 8-row RL batch."""
     from test_train_cuda_graphs import rl_batch
 
-    from rlhf_mcore.config import OptimConfig
-    from rlhf_mcore.engine import EngineConfig, TrainEngine
-    from rlhf_mcore.engine.builder import recompute_overrides
-    from rlhf_mcore.models import build_model, fp8_training
+    from rlhf_mcore.models import fp8_training
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
     monkeypatch.setattr(fp8_training, "check_fp8_device", lambda device, key: None)
@@ -432,36 +424,53 @@ def test_kept_weight_codes_on_the_engine(tiny_model_dir, monkeypatch, recompute,
                                init_std=0.02)
     state = init_distributed(device="cpu")
     try:
-        batch = rl_batch(8, 512, "cpu")
-        res = {}
-        for kept in (False, True):
-            torch.manual_seed(0)
-            chunks = build_model(model_dir, state, role="actor", dtype=dtype,
-                                 config_overrides=recompute_overrides(recompute) or None)
-            assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise", weight_cache=kept) == 8
-            caches = chunks[0].fp8_weight_amaxes
-            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
-                              OptimConfig(lr=1e-2))
-            metrics = [eng.update_policy(batch) for _ in range(2)]
-            logp = eng.compute_log_probs(batch)[0]
-            res[kept] = (metrics, logp, [p.detach().clone() for p in chunks[0].parameters()])
-            if kept:
-                assert [c.cast for c in caches] == [3] * 8, [c.cast for c in caches]
-                assert all(c.kept is not None for c in caches)
-                eng.offload(params=False, grads=False, optimizer=False)
-                assert all(c.kept is None for c in caches)
-        for m0, m1 in zip(res[False][0], res[True][0]):
-            assert m1["actor/pg_loss"] == m0["actor/pg_loss"] and m1["actor/grad_norm"] == m0["actor/grad_norm"]
-        assert torch.equal(res[False][1], res[True][1])
-        for a, b in zip(res[False][2], res[True][2]):
-            assert torch.equal(a, b)
+        yield model_dir, state, rl_batch(8, 512, "cpu")
     finally:
         destroy_distributed()
 
 
+@pytest.mark.parametrize("recompute, dtype", [(True, torch.float32), (False, torch.bfloat16)],
+                         ids=["full_recompute", "bf16"])
+def test_kept_weight_codes_on_the_engine(fp8_engine_env, recompute, dtype):
+    """`megatron.fp8_weight_cache` on a tiny Megatron GPTModel (CPU, the reference GEMMs, tensorwise, fp8=hybrid):
+    two PPO updates of 4 micro-batches and a log-prob pass give the same losses, gradient norms and parameters as
+    without the cache (exactly: the same codes), each layer casting its weight once per optimizer step (3 in all)
+    however many micro-batches and recomputed forwards read it; an offload drops the kept codes. Mutations (run): the
+    engine's `invalidate_weight_amaxes` after the optimizer step removed -> the bf16 case's second update reads the
+    first one's codes and differs; the offload's call removed -> the codes survive it and the last check fails."""
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.engine.builder import recompute_overrides
+    from rlhf_mcore.models import build_model, fp8_training
+
+    model_dir, state, batch = fp8_engine_env
+    res = {}
+    for kept in (False, True):
+        torch.manual_seed(0)
+        chunks = build_model(model_dir, state, role="actor", dtype=dtype,
+                             config_overrides=recompute_overrides(recompute) or None)
+        assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise", weight_cache=kept) == 8
+        caches = chunks[0].fp8_weight_amaxes
+        eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
+                          OptimConfig(lr=1e-2))
+        metrics = [eng.update_policy(batch) for _ in range(2)]
+        logp = eng.compute_log_probs(batch)[0]
+        res[kept] = (metrics, logp, [p.detach().clone() for p in chunks[0].parameters()])
+        if kept:
+            assert [c.cast for c in caches] == [3] * 8, [c.cast for c in caches]
+            assert all(c.kept is not None for c in caches)
+            eng.offload(params=False, grads=False, optimizer=False)
+            assert all(c.kept is None for c in caches)
+    for m0, m1 in zip(res[False][0], res[True][0]):
+        assert m1["actor/pg_loss"] == m0["actor/pg_loss"] and m1["actor/grad_norm"] == m0["actor/grad_norm"]
+    assert torch.equal(res[False][1], res[True][1])
+    for a, b in zip(res[False][2], res[True][2]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("recompute, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],
                          ids=["eager", "full_recompute", "bf16"])
-def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recompute, dtype, cpu_only):
+def test_tensorwise_training_on_the_engine(fp8_engine_env, recompute, dtype):
     """Two PPO updates of a tiny Megatron GPTModel (CPU, the reference GEMMs; the device check patched out) with
     fp8=hybrid under the tensorwise recipe, against the same model without FP8: the gradient norm within 10% and
     the losses within 5%; every switched layer computes its weight's amax once per optimizer step (once for each
@@ -473,46 +482,36 @@ def test_tensorwise_training_on_the_engine(tiny_model_dir, monkeypatch, recomput
     without `weight._version` -> computed once in the fp32 cases, the amax the first update's, and the last checks
     fail; the engine's `invalidate_weight_amaxes` call after the optimizer step removed -> the bf16 case fails the
     same way (found by this test's bf16 case: the version-counter key alone was stale there)."""
-    from test_train_cuda_graphs import rl_batch
-
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
     from rlhf_mcore.engine.builder import recompute_overrides
     from rlhf_mcore.kernels.fp8_linear import WeightAmax
     from rlhf_mcore.models import build_model, fp8_training
-    from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
-    monkeypatch.setattr(fp8_training, "check_fp8_device", lambda device, key: None)
-    model_dir = tiny_model_dir(arch="qwen2", vocab=512, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
-                               init_std=0.02)
-    state = init_distributed(device="cpu")
-    try:
-        batch = rl_batch(8, 512, "cpu")
-        res, layers = {}, []
-        for fp8_on in (False, True):
-            torch.manual_seed(0)
-            chunks = build_model(model_dir, state, role="actor", dtype=dtype,
-                                 config_overrides=recompute_overrides(recompute) or None)
-            if fp8_on:
-                assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise") == 8
-                layers = [m for m in chunks[0].modules() if isinstance(getattr(m, "fp8_weight_amax", None), WeightAmax)]
-            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
-                              OptimConfig(lr=1e-2))
-            res[fp8_on] = [eng.update_policy(batch) for _ in range(2)]
-            eng.compute_log_probs(batch)  # the first use after the second step: the amax is W's after it
-        assert len(layers) == 8
-        for m0, m1 in zip(res[False], res[True]):
-            assert abs(m1["actor/grad_norm"] - m0["actor/grad_norm"]) <= 0.1 * m0["actor/grad_norm"]
-            assert abs(m1["actor/pg_loss"] - m0["actor/pg_loss"]) <= 0.05 * abs(m0["actor/pg_loss"]) + 1e-3
-        for m in layers:
-            assert m.fp8_weight_amax.computed == 3, m.fp8_weight_amax.computed  # 2 updates of 4 micro-batches
-            assert m.fp8_weight_amax.amax.item() == m.weight.detach().abs().max().item()
-    finally:
-        destroy_distributed()
+    model_dir, state, batch = fp8_engine_env
+    res, layers = {}, []
+    for fp8_on in (False, True):
+        torch.manual_seed(0)
+        chunks = build_model(model_dir, state, role="actor", dtype=dtype,
+                             config_overrides=recompute_overrides(recompute) or None)
+        if fp8_on:
+            assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "tensorwise") == 8
+            layers = [m for m in chunks[0].modules() if isinstance(getattr(m, "fp8_weight_amax", None), WeightAmax)]
+        eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
+                          OptimConfig(lr=1e-2))
+        res[fp8_on] = [eng.update_policy(batch) for _ in range(2)]
+        eng.compute_log_probs(batch)  # the first use after the second step: the amax is W's after it
+    assert len(layers) == 8
+    for m0, m1 in zip(res[False], res[True]):
+        assert abs(m1["actor/grad_norm"] - m0["actor/grad_norm"]) <= 0.1 * m0["actor/grad_norm"]
+        assert abs(m1["actor/pg_loss"] - m0["actor/pg_loss"]) <= 0.05 * abs(m0["actor/pg_loss"]) + 1e-3
+    for m in layers:
+        assert m.fp8_weight_amax.computed == 3, m.fp8_weight_amax.computed  # 2 updates of 4 micro-batches
+        assert m.fp8_weight_amax.amax.item() == m.weight.detach().abs().max().item()
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_fp8_weight_gradients_accumulate_into_main_grad(tiny_model_dir, monkeypatch, recipe, cpu_only):
+def test_fp8_weight_gradients_accumulate_into_main_grad(fp8_engine_env, monkeypatch, recipe):
     """Megatron's gradient-accumulation fusion with FP8 training (the weight-gradient GEMM adds into main_grad,
     `kernels.fp8_wgrad`; CPU: its reference sum): two PPO updates of 4 micro-batches equal the unfused FP8 updates
     (losses, gradient norms, parameters after, fp32 within rounding), every decoder linear's weight gradient went
@@ -520,45 +519,35 @@ def test_fp8_weight_gradients_accumulate_into_main_grad(tiny_model_dir, monkeypa
     (`grad_added_to_main_grad`, still set after the last micro-batch). Mutations (run): the accumulation replaced by
     an assignment (`main_grad.copy_`) -> the updates differ; `_accumulated` not marking the weight (with a zero
     placeholder the hook adds, so the sums still agree) -> the marks fail."""
-    from test_train_cuda_graphs import rl_batch
-
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
     from rlhf_mcore.kernels import fp8_wgrad
     from rlhf_mcore.models import build_model, fp8_training, grad_accum_fusion
-    from rlhf_mcore.parallel import destroy_distributed, init_distributed
 
-    monkeypatch.setattr(fp8_training, "check_fp8_device", lambda device, key: None)
     calls, real = [], fp8_wgrad.wgrad_accumulate
     monkeypatch.setattr(fp8_wgrad, "wgrad_accumulate", lambda *a: calls.append(a[-1].shape) or real(*a))
     grad_accum_fusion.install()
-    model_dir = tiny_model_dir(arch="qwen2", vocab=512, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
-                               init_std=0.02)
-    state = init_distributed(device="cpu")
-    try:
-        batch = rl_batch(8, 512, "cpu")
-        res = {}
-        for fused in (False, True):
-            torch.manual_seed(0)
-            calls.clear()
-            chunks = build_model(model_dir, state, role="actor", dtype=torch.float32,
-                                 config_overrides={"gradient_accumulation_fusion": True} if fused else None)
-            assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", recipe) == 8
-            eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8,
-                                                          cuda_graphs=False), OptimConfig(lr=1e-2))
-            res[fused] = ([eng.update_policy(batch) for _ in range(2)],
-                          [p.detach().clone() for p in eng.chunks[0].parameters()], len(calls))
-            marked = [getattr(m.weight, "grad_added_to_main_grad", None) for m in chunks[0].decoder.modules()
-                      if hasattr(m, "_forward_impl") and hasattr(m, "weight")]
-            assert len(marked) == 8 and all(x is fused for x in marked), (fused, marked)
-        assert res[False][2] == 0 and res[True][2] == 2 * 4 * 8, (res[False][2], res[True][2])
-        for m0, m1 in zip(res[False][0], res[True][0]):
-            assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-5, abs=1e-7)
-            assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
-        for a, b in zip(res[False][1], res[True][1]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    finally:
-        destroy_distributed()
+    model_dir, state, batch = fp8_engine_env
+    res = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        calls.clear()
+        chunks = build_model(model_dir, state, role="actor", dtype=torch.float32,
+                             config_overrides={"gradient_accumulation_fusion": True} if fused else None)
+        assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", recipe) == 8
+        eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8,
+                                                      cuda_graphs=False), OptimConfig(lr=1e-2))
+        res[fused] = ([eng.update_policy(batch) for _ in range(2)],
+                      [p.detach().clone() for p in eng.chunks[0].parameters()], len(calls))
+        marked = [getattr(m.weight, "grad_added_to_main_grad", None) for m in chunks[0].decoder.modules()
+                  if hasattr(m, "_forward_impl") and hasattr(m, "weight")]
+        assert len(marked) == 8 and all(x is fused for x in marked), (fused, marked)
+    assert res[False][2] == 0 and res[True][2] == 2 * 4 * 8, (res[False][2], res[True][2])
+    for m0, m1 in zip(res[False][0], res[True][0]):
+        assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-5, abs=1e-7)
+        assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
+    for a, b in zip(res[False][1], res[True][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_learn_gpu_variants_are_real_keys():
