@@ -1,24 +1,27 @@
-"""An FP8 weight-gradient GEMM that accumulates into the parameter's fp32 `main_grad`: the gradient-accumulation
+"""The FP8 weight-gradient GEMM that accumulates into the parameter's fp32 `main_grad`: the gradient-accumulation
 fusion (`override_transformer_config.gradient_accumulation_fusion`) for the FP8 training linears.
 
 Without it an FP8 linear's weight gradient is a bf16 tensor per micro-batch (`torch._scaled_mm`), which Megatron's
 DDP hook then adds into the fp32 `main_grad`: one more kernel per parameter and micro-batch reading both. That add was
 58 ms of a 646 ms FP8 update at the 7B width in 10 layers (an H100, BENCHMARKS.md session 38), and the bf16 update
-removes it with cuBLAS accumulating into `main_grad` (`rlhf_mcore.models.grad_accum_fusion`); `torch._scaled_mm`
-has no accumulating form, so this is a Triton GEMM whose epilogue adds into `main_grad`:
+removes it with cuBLAS accumulating into `main_grad` (`rlhf_mcore.models.grad_accum_fusion`). `torch._scaled_mm` has
+no accumulating form, so
 
     main_grad (N, K) fp32 += scale_a * scale_b * (a (N, T) @ b (K, T).T)
 
-a, b: FP8 codes, row-major with the token dim T contiguous (the transposed codes the FP8 linears keep for their
-backward); scales one per tensor ((1, 1), the tensorwise recipe) or one per row of each ((N, 1) and (K, 1), the
-rowwise recipe's per-channel scales). On a CPU the same sum from `fp8.reference_mm` (tests).
+runs as cuBLASLt's FP8 GEMM with beta = 1 for per-tensor scales (the tensorwise recipe: `cublaslt_fp8.py`), and as the
+Triton GEMM below, whose epilogue adds into `main_grad`, for per-row scales (the rowwise recipe; cuBLASLt's per-tensor
+scale pointers cannot carry them).
 
-Measured on an H100 (BENCHMARKS.md, session 39) at the 7B wgrad shapes (4,096 tokens): with fp32 promotion of the
-tensor-core sums every 128 products (`PROMOTE`: the precision of cuBLAS's FP8 GEMM without fast accumulation, the same
-1.0e-4 relative error against the fp64 sum) the four GEMMs of a layer take 2.63 ms against cuBLAS + the add's 2.43;
-without promotion (fast accumulation, 1.1e-3, as cuBLAS's fast mode) 2.16 ms. In the update (the 7B width in 10
-layers, one call) FP8 with the fusion ran at 24,895 tokens/s, without it 25,008: no faster, but without the bf16
-weight-gradient temporaries (up to 271 MB for the 7B gate_up).
+a, b: FP8 codes, row-major with the token dim T contiguous (the transposed codes the FP8 linears keep for their
+backward); scales one per tensor ((1, 1)) or one per row of each ((N, 1) and (K, 1)). On a CPU the same sum from
+`fp8.reference_mm` (tests).
+
+Measured on an H100 at the 7B wgrad shapes (4,096 tokens; the four GEMMs of a layer, all at cuBLAS's precision: 1.0e-4
+relative error against the fp64 sum): cuBLASLt with beta = 1 1.72 ms, cuBLAS + the add 2.38 ms, this Triton kernel 2.74
+ms (session 40; with fp32 promotion every 128 products, `PROMOTE`; without it 2.16 ms at ten times the error, session
+39). In the update (the 7B width in 10 layers, one call, session 40) FP8 with the fusion on cuBLASLt 26,870 tokens/s
+against 25,571 without it (1.05x); with the Triton kernel the fusion had been no faster (session 39).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cublaslt_fp8
 from .fp8 import reference_mm
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the fastest of session 39's sweep with PROMOTE = 128
@@ -35,6 +39,9 @@ CONFIG = (256, 128, 128, 8, 8, 4)
 # BLOCK_K); 0: Triton's sm_90 default, no promotion (fast accumulation, ten times the error). The training GEMMs keep
 # cuBLAS's promotion (fp8.py), so this one does too.
 PROMOTE = 128
+# per-tensor scales (the tensorwise recipe) go to cuBLASLt's FP8 GEMM with beta = 1 (`cublaslt_fp8`) where it loads;
+# False: this kernel for both recipes
+CUBLASLT = True
 
 
 @triton.jit
@@ -91,6 +98,9 @@ def wgrad_accumulate(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sc
     assert (scale_a.numel(), scale_b.numel()) == ((n, k) if rows else (1, 1)), (scale_a.shape, scale_b.shape)
     if not a.is_cuda:
         main_grad += reference_mm(a, scale_a.reshape(-1, 1), b, scale_b.reshape(-1, 1))
+        return
+    if not rows and CUBLASLT and cublaslt_fp8.available():
+        cublaslt_fp8.scaled_mm_accumulate(a, scale_a, b, scale_b, main_grad)
         return
     launch(a, scale_a, b, scale_b, main_grad)
 

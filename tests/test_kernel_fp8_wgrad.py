@@ -83,3 +83,30 @@ def test_wrapper_checks_shapes_and_takes_the_reference_on_cpu():
     fw.wgrad_accumulate(a, sa, b, sb, main)
     want = 1 + (a.float() * sa) @ (b.float() * sb).t()
     torch.testing.assert_close(main, want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLASLt's FP8 GEMM needs a GPU")
+@pytest.mark.parametrize("grad_dtype", [E5M2, E4M3], ids=["e5m2", "e4m3"])
+def test_cublaslt_accumulates_into_main_grad(grad_dtype, monkeypatch):
+    """The tensorwise recipe's fusion on a GPU is cuBLASLt's FP8 GEMM with beta = 1 (`cublaslt_fp8`, the Triton kernel
+    is not called): two micro-batches added onto a main_grad that already holds values, main_grad a view 16 bytes
+    past a 256-byte boundary (as Megatron's grad buffer hands out), within 1.5x the error of cuBLAS's own FP8 GEMM
+    (`torch._scaled_mm`, fp32 out) + an fp32 add against the fp64 sum. Mutations (run on the device): beta = 0 (a
+    micro-batch overwrites main_grad) -> fails; A and B swapped in the layouts (the product transposed) -> fails."""
+    cublaslt = pytest.importorskip("rlhf_mcore.kernels.cublaslt_fp8")
+    if not cublaslt.available():
+        pytest.skip("cuBLASLt's FP8 GEMM is not available on this GPU (compute capability < 8.9)")
+    monkeypatch.setattr(fw, "launch", lambda *a, **k: pytest.fail("the Triton kernel ran for per-tensor scales"))
+    g = torch.Generator().manual_seed(3)
+    n, k, t = 384, 256, 1024
+    main = torch.randn(n * k + 4, generator=g).to(DEVICE)[4:].view(n, k)  # 16 bytes past the allocation's start
+    ref = main.clone()
+    want = main.double()
+    for _ in range(2):
+        a, sa, _ = quantize_tensor(torch.randn(n, t, generator=g).to(DEVICE), grad_dtype)
+        b, sb, _ = quantize_tensor(torch.randn(k, t, generator=g).to(DEVICE), E4M3)
+        want += (a.double() * sa.double()) @ (b.double() * sb.double()).t()
+        fw.wgrad_accumulate(a, sa, b, sb, main)
+        ref += torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    err = [((x.double() - want).norm() / want.norm()).item() for x in (main, ref)]
+    assert err[0] < 1.5 * err[1], err
