@@ -117,6 +117,16 @@ def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3, amax: torch.Tens
     return q, scale, q.t().contiguous() if transpose else None
 
 
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    """q.T contiguous for FP8 codes q (M, K): the codes of x.T from those of x under one scale (`quantize_tensor`'s
+    transpose, without reading x again). On CUDA one tiled Triton copy."""
+    if q.is_cuda:
+        from .fp8_triton import transpose_codes_cuda
+
+        return transpose_codes_cuda(q if q.stride(-1) == 1 else q.contiguous())
+    return q.t().contiguous()
+
+
 def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, block: int = BLOCK
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per block x block tile of w (N, K), dims multiples of `block`: (codes (N, K), scale (N/b, K/b))."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .fp8 import E4M3, E5M2, quantize_cols_t, quantize_rows, quantize_tensor, reference_mm, tensor_amax
+from .fp8 import E4M3, E5M2, quantize_cols_t, quantize_rows, quantize_tensor, reference_mm, tensor_amax, transpose_codes
 
 GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 RECIPES = ("rowwise", "tensorwise")
@@ -127,9 +127,14 @@ class WeightAmax:
 
     keep_codes: W's FP8 codes and their transpose are kept under the same rules (`codes`), as Transformer Engine keeps
     a weight's FP8 copy across micro-batches: W is then cast once per optimizer step instead of in every forward
-    (each micro-batch, and both passes of a recomputed one), for 2 bytes a parameter held until `invalidate()`."""
+    (each micro-batch, and both passes of a recomputed one), for 2 bytes a parameter held until `invalidate()`.
+    keep_codes="forward": only the codes are kept (1 byte a parameter); a forward that needs the transpose (one per
+    micro-batch) copies it from them (`transpose_codes`: 2 bytes an element moved, against the 7 of casting W in
+    both passes of a recomputed micro-batch), for updates whose memory cannot hold both."""
 
-    def __init__(self, keep_codes: bool = False):
+    def __init__(self, keep_codes: bool | str = False):
+        if keep_codes not in (False, True, "forward"):
+            raise ValueError(f"keep_codes={keep_codes!r}: False, True or 'forward'")
         self.keep_codes = keep_codes
         self.amax: torch.Tensor | None = None
         self.kept: tuple | None = None  # (codes, scale, transposed codes) of W under `key`, with keep_codes
@@ -156,9 +161,11 @@ class WeightAmax:
         if not self.keep_codes or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
             return quantize_tensor(weight, E4M3, amax=amax, transpose=transpose)
         if self.kept is None:
-            self.kept = quantize_tensor(weight.detach(), E4M3, amax=amax, transpose=True)
+            self.kept = quantize_tensor(weight.detach(), E4M3, amax=amax, transpose=self.keep_codes is True)
             self.cast += 1
         q, scale, q_t = self.kept
+        if transpose and q_t is None:  # keep_codes="forward"
+            q_t = transpose_codes(q)
         return q, scale, q_t if transpose else None
 
 

@@ -257,7 +257,10 @@ def test_config_keys_and_refusals():
     kept = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.megatron.fp8=hybrid",
                               "actor_rollout_ref.actor.megatron.fp8_recipe=tensorwise",
                               "actor_rollout_ref.actor.megatron.fp8_weight_cache=true"])
-    assert kept.actor_rollout_ref.actor.megatron.fp8_weight_cache
+    assert kept.actor_rollout_ref.actor.megatron.fp8_weight_cache is True
+    fwd = load_config(None, ["actor_rollout_ref.model.path=/m", "critic.megatron.fp8=hybrid",
+                             "critic.megatron.fp8_recipe=tensorwise", "critic.megatron.fp8_weight_cache=forward"])
+    assert fwd.critic.megatron.fp8_weight_cache == "forward"
     bad = {("actor_rollout_ref.rollout.quantization=fp8", "trainer.device=cpu"):
            r"'actor_rollout_ref.rollout.quantization' has value 'fp8'; it must be null with trainer.device=cpu",
            ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"):
@@ -277,7 +280,11 @@ def test_config_keys_and_refusals():
            r"'critic.megatron.fp8_weight_cache' has value True; it must be false .* while critic.megatron.fp8 is null",
            ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_weight_cache=true"):
            r"'actor_rollout_ref.actor.megatron.fp8_weight_cache' .* false with fp8_recipe=rowwise: only the "
-           r"tensorwise recipe"}
+           r"tensorwise recipe",
+           ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_recipe=tensorwise",
+            "actor_rollout_ref.actor.megatron.fp8_weight_cache=backward"):
+           r"'actor_rollout_ref.actor.megatron.fp8_weight_cache' has value 'backward'; it must be false, true \(codes "
+           r"and transposes\) or forward"}
     for overrides, msg in bad.items():
         with pytest.raises(ConfigError, match=msg) as e:
             load_config(None, ["actor_rollout_ref.model.path=/m", *overrides])
@@ -372,18 +379,21 @@ def test_fp8_training_refusals():
         enable_fp8_training([torch.nn.Module()], "e4m3", "k")
 
 
-def test_kept_weight_codes_follow_every_write_to_the_weight():
+@pytest.mark.parametrize("mode", [True, "forward"], ids=["codes_and_transposes", "forward"])
+def test_kept_weight_codes_follow_every_write_to_the_weight(mode):
     """WeightAmax(keep_codes=True) casts W once and hands the same codes to every later forward (with and without
     the transpose the backward needs), until W is written in place, gets new storage, or `invalidate()` is called;
-    the linear's outputs and gradients then equal those of a fresh (uncached) WeightAmax bit for bit. Mutation
-    (run): `__call__` keeping the codes when it recomputes the amax (the key moved, or after `invalidate()`) -> the
-    in-place case reads the old weight's codes and fails."""
+    the linear's outputs and gradients then equal those of a fresh (uncached) WeightAmax bit for bit. "forward" keeps
+    the codes only (no transpose held) and copies the transpose from them when a backward needs it: the same bits.
+    Mutations (run): `__call__` keeping the codes when it recomputes the amax (the key moved, or after
+    `invalidate()`) -> the in-place case reads the old weight's codes and fails; "forward" handing out the codes
+    untransposed (q for q.T) -> its gradients differ."""
     from rlhf_mcore.kernels.fp8_linear import WeightAmax, fp8_linear_train_tensorwise
 
     g = torch.Generator().manual_seed(7)
     w = torch.nn.Parameter(torch.randn(32, 64, generator=g))
     x = torch.randn(16, 64, generator=g, requires_grad=True)
-    cache = WeightAmax(keep_codes=True)
+    cache = WeightAmax(keep_codes=mode)
 
     def check(casts):
         with torch.no_grad():  # a forward without backward (a log-prob pass, recompute's first pass) reads them too
@@ -397,6 +407,7 @@ def test_kept_weight_codes_follow_every_write_to_the_weight():
         for a, b in zip(*outs):
             assert torch.equal(a, b)
         assert cache.cast == casts, (cache.cast, casts)
+        assert (cache.kept[2] is None) == (mode == "forward")  # what is held: the transpose only with True
 
     check(1)
     check(1)  # kept
@@ -434,10 +445,11 @@ def fp8_engine_env(tiny_model_dir, monkeypatch, cpu_only):
 def test_kept_weight_codes_on_the_engine(fp8_engine_env, recompute, dtype):
     """`megatron.fp8_weight_cache` on a tiny Megatron GPTModel (CPU, the reference GEMMs, tensorwise, fp8=hybrid):
     two PPO updates of 4 micro-batches and a log-prob pass give the same losses, gradient norms and parameters as
-    without the cache (exactly: the same codes), each layer casting its weight once per optimizer step (3 in all)
-    however many micro-batches and recomputed forwards read it; an offload drops the kept codes. Mutations (run): the
-    engine's `invalidate_weight_amaxes` after the optimizer step removed -> the bf16 case's second update reads the
-    first one's codes and differs; the offload's call removed -> the codes survive it and the last check fails."""
+    without the cache (exactly: the same codes; "forward" too, its transposes copied from the kept codes), each layer
+    casting its weight once per optimizer step (3 in all) however many micro-batches and recomputed forwards read it;
+    an offload drops the kept codes. Mutations (run): the engine's `invalidate_weight_amaxes` after the optimizer step
+    removed -> the bf16 case's second update reads the first one's codes and differs; the offload's call removed ->
+    the codes survive it and the last check fails; "forward" handing out q for q.T -> its cases fail."""
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
     from rlhf_mcore.engine.builder import recompute_overrides
@@ -445,7 +457,7 @@ def test_kept_weight_codes_on_the_engine(fp8_engine_env, recompute, dtype):
 
     model_dir, state, batch = fp8_engine_env
     res = {}
-    for kept in (False, True):
+    for kept in (False, True, "forward"):
         torch.manual_seed(0)
         chunks = build_model(model_dir, state, role="actor", dtype=dtype,
                              config_overrides=recompute_overrides(recompute) or None)
@@ -461,11 +473,12 @@ def test_kept_weight_codes_on_the_engine(fp8_engine_env, recompute, dtype):
             assert all(c.kept is not None for c in caches)
             eng.offload(params=False, grads=False, optimizer=False)
             assert all(c.kept is None for c in caches)
-    for m0, m1 in zip(res[False][0], res[True][0]):
-        assert m1["actor/pg_loss"] == m0["actor/pg_loss"] and m1["actor/grad_norm"] == m0["actor/grad_norm"]
-    assert torch.equal(res[False][1], res[True][1])
-    for a, b in zip(res[False][2], res[True][2]):
-        assert torch.equal(a, b)
+    for kept in (True, "forward"):
+        for m0, m1 in zip(res[False][0], res[kept][0]):
+            assert m1["actor/pg_loss"] == m0["actor/pg_loss"] and m1["actor/grad_norm"] == m0["actor/grad_norm"]
+        assert torch.equal(res[False][1], res[kept][1])
+        for a, b in zip(res[False][2], res[kept][2]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("recompute, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],

@@ -76,16 +76,18 @@ def test_fp8_tensorwise_linear_cuda_matches_cpu_reference():
         assert rel_err(a.cpu(), b) <= 1e-2, name
 
 
-def test_kept_weight_codes_cuda_equal_uncached():
-    """`WeightAmax(keep_codes=True)` on CUDA (the cast kernel's codes and transposes, kept): three micro-batches'
-    outputs and gradients equal the uncached linear's bit for bit in bf16, with W cast once; after an in-place
-    update W is cast again and still equal. Mutation (run): `codes` handing back the kept codes without the
-    transpose the backward needs (q for q_t) -> the gradients differ."""
+@pytest.mark.parametrize("mode", [True, "forward"], ids=["codes_and_transposes", "forward"])
+def test_kept_weight_codes_cuda_equal_uncached(mode):
+    """`WeightAmax(keep_codes=True)` on CUDA (the cast kernel's codes and transposes, kept; "forward": the codes kept,
+    the transposes copied from them by the Triton transpose): three micro-batches' outputs and gradients equal the
+    uncached linear's bit for bit in bf16, with W cast once; after an in-place update W is cast again and still
+    equal. Mutation (run): `codes` handing back the kept codes without the transpose the backward needs (q for q_t)
+    -> the gradients differ."""
     from rlhf_mcore.kernels.fp8_linear import E5M2, WeightAmax, fp8_linear_train_tensorwise
 
     g = torch.Generator(device="cuda").manual_seed(3)
     w = torch.nn.Parameter((torch.randn(384, 256, device="cuda", generator=g) * 0.05).bfloat16())
-    kept = WeightAmax(keep_codes=True)
+    kept = WeightAmax(keep_codes=mode)
     for step in range(2):
         for _ in range(3):
             x = torch.randn(40, 256, device="cuda", generator=g).bfloat16().requires_grad_()

@@ -75,3 +75,19 @@ def test_cast_kernel_codes_on_cuda(shape, src):
         same = (q.cpu().view(torch.uint8) == qc.view(torch.uint8)).float().mean().item()
         print(f"{shape} {dtype}: {same:.6f} of the codes equal torch's")
         assert fp8.quantize_tensor(x, dtype)[2] is None
+
+
+@pytest.mark.parametrize("tiles", [(64, 128), (16, 32)], ids=["shipped", "small_tiles"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_transpose_codes_kernel_equals_torch(shape, tiles):
+    """`transpose_codes_cuda` (the tiled byte copy behind `fp8.transpose_codes`, the weight cache's "forward" mode)
+    writes q.T bit for bit, ragged tiles included (under the interpreter on CPU: loading and storing FP8 bytes is
+    exact there). Mutation (run): the store's mask not transposed -> the ragged shapes fail or write out of
+    bounds."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=g) * 3
+    q, _, _ = fp8.quantize_tensor(x, fp8.E4M3)
+    q = q.to("cuda" if CUDA else "cpu")
+    qt = ft.transpose_codes_cuda(q, *tiles)
+    assert qt.shape == (shape[1], shape[0]) and qt.is_contiguous()
+    assert torch.equal(qt.view(torch.uint8).cpu(), q.t().contiguous().view(torch.uint8).cpu())

@@ -123,7 +123,7 @@ def run_shape(name: str, seqs: list[int], warmup: int, steps: int, out: Path, mi
               layout: str, profile_dir: Path | None = None, fused_kernels: str = "auto",
               cuda_graphs: str = "auto", fp8: str | None = None, fp8_recipe: str = "rowwise",
               recompute_block: int | None = None, grad_accum_fusion: bool = False,
-              layers: int | None = None, fp8_weight_cache: bool = False) -> None:
+              layers: int | None = None, fp8_weight_cache: bool | str = False) -> None:
     """One shape (with `layers` decoder layers when given), in this process: build the actor engine once, then time
     each sequence length."""
     import torch
@@ -341,8 +341,9 @@ def main(argv=None) -> dict:
                    help="FP8 GEMMs in the decoder's linears (megatron.fp8); FLOPs still counted at the bf16 peak")
     p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise"), default="rowwise",
                    help="how --fp8 scales the GEMM operands (megatron.fp8_recipe)")
-    p.add_argument("--fp8-weight-cache", action="store_true",
-                   help="keep each weight's FP8 codes between optimizer steps (megatron.fp8_weight_cache; tensorwise)")
+    p.add_argument("--fp8-weight-cache", nargs="?", const="true", choices=["true", "forward"], default=None,
+                   help="keep each weight's FP8 codes between optimizer steps (megatron.fp8_weight_cache; tensorwise): "
+                        "true (bare flag) codes and transposes, forward the codes only")
     p.add_argument("--grad-accum-fusion", action="store_true",
                    help="the weight-gradient GEMMs accumulate into main_grad (megatron.override_transformer_config."
                         "gradient_accumulation_fusion; the decoder then runs eager)")
@@ -373,7 +374,8 @@ def main(argv=None) -> dict:
         else:
             run_shape(args.one_shape, args.seqs, args.warmup, args.steps, Path(args.child_out), args.micro,
                       args.layout, prof, args.fused_kernels, args.cuda_graphs, args.fp8, args.fp8_recipe,
-                      args.recompute_block, args.grad_accum_fusion, args.layers, args.fp8_weight_cache)
+                      args.recompute_block, args.grad_accum_fusion, args.layers,
+                      {None: False, "true": True}.get(args.fp8_weight_cache, args.fp8_weight_cache))
         return {}
 
     import torch
@@ -403,7 +405,7 @@ def main(argv=None) -> dict:
                 cmd += ["--profile", str(prof)]
             megatron_cmd = [*cmd, "--fused-kernels", args.fused_kernels, "--cuda-graphs", args.cuda_graphs,
                             *(["--fp8", args.fp8, "--fp8-recipe", args.fp8_recipe] if args.fp8 else []),
-                            *(["--fp8-weight-cache"] if args.fp8_weight_cache else []),
+                            *(["--fp8-weight-cache", args.fp8_weight_cache] if args.fp8_weight_cache else []),
                             *(["--recompute-block", str(args.recompute_block)] if args.recompute_block else []),
                             *(["--grad-accum-fusion"] if args.grad_accum_fusion else [])]
             report["results"][name] = _child(megatron_cmd, child_out, name, env, args.timeout)

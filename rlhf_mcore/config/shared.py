@@ -6,7 +6,7 @@ Each rule here is written once and holds wherever the section is nested (:mod:`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from rlhf_mcore.config.checks import above, at_least, checked, finite, unset_or, within
 
@@ -115,6 +115,9 @@ class MegatronConfig:
     # tensorwise only: each decoder linear keeps its weight's FP8 codes (and their transpose) from its first forward
     # after an optimizer step to the next, as Transformer Engine does across micro-batches, instead of casting W in
     # every forward (each micro-batch, both passes under recompute); costs 2 bytes a parameter of GPU memory while
-    # kept (dropped at each optimizer step, load and offload). Measured in BENCHMARKS.md (issue 36, session 39)
-    fp8_weight_cache: bool = False
+    # kept (dropped at each optimizer step, load and offload); "forward": only the codes (1 byte a parameter), their
+    # transpose copied from them once per micro-batch, for updates that cannot spare 2 bytes (a 7B update on one
+    # H200). Measured in BENCHMARKS.md (issue 36, sessions 39-40)
+    fp8_weight_cache: Union[bool, str] = checked(False, ok=lambda v: v in (False, True, "forward"),
+                                                 what="false, true (codes and transposes) or forward (codes only)")
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)

@@ -22,10 +22,12 @@ from rlhf_mcore.kernels.fp8_linear import RECIPES, WeightAmax, fp8_linear_train,
 FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forward is e4m3 in both)
 
 
-def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", weight_cache: bool = False) -> int:
+def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", weight_cache: bool | str = False
+                        ) -> int:
     """Switch the decoder linears of every model chunk to FP8 GEMMs under `recipe` (rowwise or tensorwise); returns
     how many layers were switched. weight_cache (tensorwise only, `<role>.megatron.fp8_weight_cache`): each layer keeps
-    its weight's FP8 codes from the first forward after an optimizer step to the next (`WeightAmax.keep_codes`).
+    its weight's FP8 codes (true: and their transpose; "forward": the codes only) from the first forward after an
+    optimizer step to the next (`WeightAmax.keep_codes`).
     Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8 GPU, with sequence parallelism,
     dims not multiples of 16, a weight cache under the rowwise recipe, or no Megatron local-spec linears to switch.
     Under Megatron's gradient-accumulation fusion the FP8 weight gradients accumulate into main_grad
@@ -37,8 +39,9 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", wei
     if recipe not in RECIPES:
         raise Fp8Unsupported(f"{key}_recipe={recipe!r}: choose one of {', '.join(RECIPES)}.")
     if weight_cache and recipe != "tensorwise":
-        raise Fp8Unsupported(f"{key}_weight_cache=true needs {key}_recipe=tensorwise (the {recipe} recipe casts the "
-                             "weight per channel along each axis, which is not kept); set it to false.")
+        raise Fp8Unsupported(f"{key}_weight_cache={str(weight_cache).lower()} needs {key}_recipe=tensorwise (the "
+                             f"{recipe} recipe casts the weight per channel along each axis, which is not kept); set "
+                             "it to false.")
     grad_dtype, switched = FORMATS[fmt], 0
     _refuse_grouped_experts(chunks, fmt, key)
     for chunk in chunks:
@@ -84,7 +87,7 @@ def invalidate_weight_amaxes(chunks) -> int:
     return len(caches)
 
 
-def _fp8_impl(mod, grad_dtype, recipe: str, weight_cache: bool = False):
+def _fp8_impl(mod, grad_dtype, recipe: str, weight_cache: bool | str = False):
     """A `_forward_impl` with Megatron's keyword arguments (linear_with_grad_accumulation_and_async_allreduce).
     Tensorwise: the layer's weight amax (with weight_cache, also its codes) lives on the layer (`mod.fp8_weight_amax`)
     between calls."""
