@@ -25,6 +25,9 @@ against 25,571 without it (1.05x); with the Triton kernel the fusion had been no
 """
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -100,9 +103,18 @@ def wgrad_accumulate(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sc
         main_grad += reference_mm(a, scale_a.reshape(-1, 1), b, scale_b.reshape(-1, 1))
         return
     if not rows and CUBLASLT and cublaslt_fp8.available():
-        cublaslt_fp8.scaled_mm_accumulate(a, scale_a, b, scale_b, main_grad)
-        return
+        try:
+            cublaslt_fp8.scaled_mm_accumulate(a, scale_a, b, scale_b, main_grad)
+            return
+        except cublaslt_fp8.CublasLtError as e:  # refused before launch (no algorithm for a shape or alignment)
+            _warn_fallback(str(e))
     launch(a, scale_a, b, scale_b, main_grad)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"FP8 weight gradient: cuBLASLt refused ({reason}); this shape accumulates through the Triton "
+                  "kernel instead (same sums, slower)", stacklevel=3)
 
 
 def launch(a, scale_a, b, scale_b, main_grad, config: tuple | None = None, promote: int | None = None) -> None:

@@ -110,3 +110,25 @@ def test_cublaslt_accumulates_into_main_grad(grad_dtype, monkeypatch):
         ref += torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
     err = [((x.double() - want).norm() / want.norm()).item() for x in (main, ref)]
     assert err[0] < 1.5 * err[1], err
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the cuBLASLt path needs a GPU")
+def test_cublaslt_refusal_falls_back_to_the_triton_kernel(monkeypatch):
+    """A shape cuBLASLt refuses before launching (no algorithm for it) accumulates through the Triton kernel with a
+    warning naming the reason, not an error in the middle of a run; the sum is the same. Mutation (run): the
+    `except` removed -> the CublasLtError propagates."""
+    cublaslt = pytest.importorskip("rlhf_mcore.kernels.cublaslt_fp8")
+
+    def refuse(*args, **kwargs):
+        raise cublaslt.CublasLtError("no cuBLASLt FP8 algorithm (test)")
+
+    monkeypatch.setattr(cublaslt, "available", lambda: True)
+    monkeypatch.setattr(cublaslt, "scaled_mm_accumulate", refuse)
+    g = torch.Generator().manual_seed(4)
+    a, sa, _ = quantize_tensor(torch.randn(64, 96, generator=g).to(DEVICE), E5M2)
+    b, sb, _ = quantize_tensor(torch.randn(48, 96, generator=g).to(DEVICE), E4M3)
+    main = torch.zeros(64, 48, device=DEVICE)
+    with pytest.warns(UserWarning, match=r"cuBLASLt refused \(no cuBLASLt FP8 algorithm \(test\)\)"):
+        fw.wgrad_accumulate(a, sa, b, sb, main)
+    want = (a.double() * sa.double()) @ (b.double() * sb.double()).t()
+    assert ((main.double() - want).abs().max() / want.abs().max()).item() < TOL
