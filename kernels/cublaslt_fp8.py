@@ -95,8 +95,10 @@ def _lt():
     return lib, handle
 
 
+@lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether cuBLASLt's FP8 GEMM can be called here (CUDA, compute capability >= 8.9, the library loads)."""
+    """Whether cuBLASLt's FP8 GEMM can be called here (CUDA, compute capability >= 8.9, the library loads); decided
+    once per process (a failed load is not retried at every GEMM)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         return False
     try:

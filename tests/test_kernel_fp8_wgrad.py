@@ -132,3 +132,26 @@ def test_cublaslt_refusal_falls_back_to_the_triton_kernel(monkeypatch):
         fw.wgrad_accumulate(a, sa, b, sb, main)
     want = (a.double() * sa.double()) @ (b.double() * sb.double()).t()
     assert ((main.double() - want).abs().max() / want.abs().max()).item() < TOL
+
+
+def test_cublaslt_refuses_what_it_cannot_take_before_any_library_call():
+    """`cublaslt_fp8.scaled_mm_accumulate` checks its operands before touching cuBLASLt (so these run on CPU): a
+    mismatched or non-fp32 main_grad, a non-contiguous operand, per-row scales, and a token count that is not a
+    multiple of 16 (cuBLASLt's FP8 alignment) are refused naming the problem; without a GPU `available()` is False.
+    Mutation (run): the T % 16 check removed -> the last case reaches the library and fails otherwise."""
+    from rlhf_mcore.kernels import cublaslt_fp8
+
+    g = torch.Generator().manual_seed(2)
+    a, sa = quantize_tensor(torch.randn(8, 32, generator=g), E5M2)[:2]
+    b, sb = quantize_tensor(torch.randn(4, 32, generator=g), E4M3)[:2]
+    main = torch.zeros(8, 4)
+    cases = {(a, sa, b, sb, torch.zeros(4, 8)): r"want a \(N, T\), b \(K, T\), out \(N, K\) float32",
+             (a, sa, b, sb, main.bfloat16()): r"out \(N, K\) float32",
+             (a, sa, b.t().contiguous().t(), sb, main): "must be contiguous",
+             (a, torch.ones(8, 1), b, sb, main): "per-tensor scales only",
+             (a[:, :24].contiguous(), sa, b[:, :24].contiguous(), sb, main): r"T = 24 is not a multiple of 16"}
+    for args, msg in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            cublaslt_fp8.scaled_mm_accumulate(*args)
+    if not torch.cuda.is_available():
+        assert not cublaslt_fp8.available()
