@@ -76,9 +76,11 @@ def kernel_totals(prof) -> dict[str, list[float]]:
     return totals
 
 
-def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> float:
+def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> tuple[float, float]:
     """Milliseconds per replay of the engine's captured decode graph for `batch` rows, replayed back to back with
-    no host work between (rows set to position `pos`, the generate's average, each replay advancing them)."""
+    no host work between (rows set to position `pos`, the generate's average, each replay advancing them), and the
+    host's microseconds per `graph.replay()` call in that loop (the launch: if it is near the replay's time, a
+    decode step is bound by launching its graph plus the engine's host work, not by the GPU)."""
     keys = [k for k in engine.graphs.graphs if k[0] == batch]
     graph = engine.graphs.graphs[keys[-1]]
     engine.r_pos[:batch] = pos
@@ -90,11 +92,13 @@ def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> float:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(n):
         graph.replay()
+    launch_us = (time.perf_counter() - t0) / n * 1e6
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return start.elapsed_time(end) / n, launch_us
 
 
 def decode_bound_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, bytes_per: int) -> float:
@@ -291,9 +295,11 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
             for t in out["top"]:
                 print(f"  {t['us_per_step']:9.2f} us x{t['per_step']:6.2f}  {t['name']}", flush=True)
             if engine.use_graphs:
-                out["graph_replay_ms"] = graph_replay_ms(engine, args.batch, args.prompt_len + args.new_tokens // 2)
+                out["graph_replay_ms"], out["graph_launch_us"] = graph_replay_ms(
+                    engine, args.batch, args.prompt_len + args.new_tokens // 2)
                 print(f"back-to-back replays of the batch-{args.batch} graph: {out['graph_replay_ms']:.3f} ms each "
-                      "(kernels + the graph's own gaps between them; wall - this = the host's share)", flush=True)
+                      "(kernels + the graph's own gaps between them; wall - this = the host's share); the host's "
+                      f"graph.replay() call {out['graph_launch_us']:.1f} us", flush=True)
         engine.shutdown()
     path = args.out or os.path.join(os.environ.get("OUT", "."), "profile_decode.json")
     Path(path).write_text(json.dumps(out, indent=1))
