@@ -107,6 +107,24 @@ def test_profile_decode_json(outputs):
     assert cub["decode_step_ms"] > 0 and cub["quantization"] is None
 
 
+def test_gpu_idle_against_a_timeline_of_microseconds():
+    """profile_decode's `gpu_idle` (how long the GPU ran no kernel in a profiled decode) against a 1-us timeline
+    marked by hand: overlapping kernels (programmatic dependent launch) merged, gaps counted once, only the ones over
+    10 us reported as long. Mutations (run): overlapping intervals summed instead of merged -> busy exceeds the
+    timeline's; the gap measured from the previous kernel's end instead of the merged run's end -> idle too large."""
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    from profile_decode import gpu_idle
+
+    ivs = [(0, 30), (20, 50), (45, 48), (52, 60), (100, 130), (131, 140), (200, 210)]  # PDL overlap at 20-50
+    busy_us = [any(s <= t < e for s, e in ivs) for t in range(210)]
+    want_idle = busy_us.count(False)
+    got = gpu_idle(ivs)
+    assert got["span_us"] == 210 and got["busy_us"] == busy_us.count(True) and got["idle_us"] == want_idle
+    assert got["long_gaps"] == 2 and got["long_gap_us"] == 40 + 60  # 60-100 and 140-200; 50-52 and 130-131 are short
+    assert got["longest"][:3] == [60, 40, 2]
+    assert gpu_idle([])["idle_us"] == 0.0
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason=
     "on a GPU machine the tuner runs compiled (launch/bench/tune_decode_gemms.py without --tiny, BENCHMARKS.md); the "

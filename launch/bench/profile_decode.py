@@ -19,7 +19,8 @@ Builds the Qwen2.5-0.5B-shaped (or `--shape`) random model of bench_rollout.py, 
   1. times one generate at full length: decode ms per step = (wall - prefill) / decode steps;
   2. profiles `--profile-tokens` more decode steps with torch.profiler (CUDA activity; kernels replayed inside a CUDA
      graph are recorded one by one) and reports, per decode step: kernel count, summed kernel time, the gap between the
-     step's wall time and its kernels (host work, launch, the done-flag sync), and the kernels grouped by kind (GEMM,
+     step's wall time and its kernels (host work, launch, the done-flag sync), the GPU's idle time in the profiled run
+     (between kernels, and in gaps > 10 us: the GPU waiting for the host), and the kernels grouped by kind (GEMM,
      attention, sampling, element-wise/norm, copies) and by name;
   3. profiles a one-token generate: the batch's prefill (and its first sample), its kernels by kind and by name,
      and where its tensor copies are called from (`prefill` in the JSON).
@@ -74,6 +75,36 @@ def kernel_totals(prof) -> dict[str, list[float]]:
             totals[ev.name][0] += 1
             totals[ev.name][1] += getattr(ev, "device_time_total", None) or ev.cuda_time_total
     return totals
+
+
+def gpu_idle(intervals: list[tuple[float, float]], min_gap_us: float = 10.0, top: int = 5) -> dict:
+    """Where the GPU ran no kernel between the first kernel's start and the last one's end: `intervals` (start, end)
+    in microseconds, one per kernel, in any order; overlapping ones (programmatic dependent launch, several streams)
+    are merged. Returns span_us, busy_us, idle_us, the gaps longer than `min_gap_us` (count, us: the GPU waiting for
+    the host, e.g. between decode steps, rather than a kernel boundary) and the `top` longest gaps."""
+    if not intervals:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "long_gaps": 0, "long_gap_us": 0.0, "longest": []}
+    ivs = sorted(intervals)
+    busy, gaps = 0.0, []
+    cur_s, cur_e = ivs[0]
+    for s, e in ivs[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in ivs) - ivs[0][0]
+    long = [g for g in gaps if g > min_gap_us]
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "long_gaps": len(long),
+            "long_gap_us": sum(long), "longest": sorted(gaps, reverse=True)[:top]}
+
+
+def kernel_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) us of each GPU kernel or copy a torch.profiler run recorded."""
+    return [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> tuple[float, float]:
@@ -288,8 +319,14 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
                               sorted(kinds.items(), key=lambda kv: -kv[1][1])},
                        top=[{"name": n[:140], "per_step": round(c, 2), "us_per_step": round(us, 2)} for n, (c, us) in
                             sorted(per_step.items(), key=lambda kv: -kv[1][1])[:args.top]])
+            idle = gpu_idle(kernel_intervals(prof))
+            out["gpu_idle"] = {**idle, "idle_ms_per_step": idle["idle_us"] / psteps / 1e3,
+                               "long_gap_ms_per_step": idle["long_gap_us"] / psteps / 1e3}
             print(f"kernels per step {out['kernels_per_step']:.0f}, kernel time {out['kernel_ms_per_step']:.3f} ms, "
-                  f"gap {out['host_gap_ms_per_step']:.3f} ms", flush=True)
+                  f"gap {out['host_gap_ms_per_step']:.3f} ms; profiled run: GPU idle "
+                  f"{out['gpu_idle']['idle_ms_per_step']:.3f} ms a step, {idle['long_gaps']} gaps > 10 us "
+                  f"({out['gpu_idle']['long_gap_ms_per_step']:.3f} ms a step; longest "
+                  f"{', '.join(f'{g:.0f}' for g in idle['longest'])} us)", flush=True)
             for k, v in out["kinds"].items():
                 print(f"  {k:24s} {v['kernels']:7.1f} kernels {v['ms']:.4f} ms", flush=True)
             for t in out["top"]:
