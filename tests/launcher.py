@@ -3,8 +3,9 @@
 One place builds the command, the children's environment (tests/subprocess_env.py's `child_env`: this checkout first
 on PYTHONPATH, one intra-op thread, no distributed variables inherited from a caller that runs under torchrun
 itself), runs it with a timeout and its output captured, and fails with the command's exit code and the tail of its
-output. `--standalone` gives every launch its own rendezvous on a free port, so launches side by side (two workers of
-`make test`, or a test's own concurrent runs) never collide on a master port.
+output. Every multi-rank launch meets on a port bound before its ranks start (`--standalone`'s agent store, or the
+store a forked launch's test process serves, tests/zygote.py), so launches side by side (two workers of `make test`,
+or a test's own concurrent runs) never collide on a master port.
 
     run("launch/train.py", *args, nproc=2)             # -> CompletedProcess, asserted to exit 0
     run("launch/train.py", *args, check=False)          # the caller checks the failure
@@ -20,6 +21,7 @@ RLHF_TEST_ZYGOTE=0 turns the zygotes off for the whole run.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -46,8 +48,25 @@ def command(script: str | Path, *args: str, nproc: int | None = None) -> list[st
 
 
 def free_port() -> int:
-    """A TCP port free on this host now, for a rendezvous that `--standalone` does not pick (several "nodes")."""
-    with socket.socket() as s:
+    """A TCP port free on this host now, for a rendezvous that `--standalone` does not pick (several "nodes").
+
+    Drawn at random below the kernel's ephemeral range (ip_local_port_range): the ports every outgoing connection and
+    every `bind(port 0)` take come from that range (gloo's pairs open many), so a port outside it stays free between
+    this pick and the launched process's bind unless another explicit pick draws the same one."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is taken: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -92,8 +111,7 @@ def zygotes_on() -> bool:
 
 def _forked(script: str | Path, args, nproc: int | None, env_extra, cwd: Path, stdout, stderr):
     path = str(Path(script) if Path(script).is_absolute() else ROOT / script)
-    return _POOL.start([path, *map(str, args)], env(**(env_extra or {})), str(cwd), nproc, stdout, stderr,
-                       master_port=free_port() if nproc is not None else 0)
+    return _POOL.start([path, *map(str, args)], env(**(env_extra or {})), str(cwd), nproc, stdout, stderr)
 
 
 def run(script: str | Path, *args: str, nproc: int | None = None, timeout: float = 600, check: bool = True,

@@ -28,3 +28,21 @@ def test_child_keeps_the_callers_pythonpath_behind_the_checkout(tmp_path, monkey
     value, init, caller_var, extra = json.loads(proc.stdout)
     assert value == 42 and (caller_var, extra) == ("kept", "set")
     assert init == str(ROOT / "rlhf_mcore" / "__init__.py")
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range():
+    """`launcher.free_port()` (the rendezvous of multi-"node" tests, picked before the launch binds it) draws from
+    below the kernel's ephemeral range, where no outgoing connection or `bind(port 0)` lands, and different draws
+    differ. Mutation: the kernel's pick (`bind(("127.0.0.1", 0))`) -> a port inside the range -> fails."""
+    from pathlib import Path
+
+    import launcher
+    import pytest
+
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not range_file.exists():
+        pytest.skip("no ip_local_port_range on this system (not Linux)")
+    low = int(range_file.read_text().split()[0])
+    ports = {launcher.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1

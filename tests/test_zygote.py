@@ -1,8 +1,10 @@
 """tests/zygote.py: a launch forked from a warm interpreter behaves, towards the script and towards the test, as
 `python SCRIPT` (one process) or `torchrun --standalone` (`nproc` ranks) does."""
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -76,6 +78,40 @@ def test_ranks_get_torchruns_variables_and_their_own_hash_seeds(probe):
     assert sorted(r["rank"] for r in ranks) == ["0", "1", "2"] and {r["world"] for r in ranks} == {"3"}
     assert len({r["port"] for r in ranks}) == 1
     assert len({r["hash"] for r in ranks}) == 3
+
+
+RENDEZVOUS = r"""
+import os, pathlib, sys, time
+print("port", os.environ["MASTER_PORT"], flush=True)
+go = pathlib.Path(sys.argv[1])
+while not go.exists():  # the test checks the port before any rank binds or joins it
+    time.sleep(0.05)
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+print(f"sum {t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_meet_on_a_port_held_from_before_they_start(tmp_path):
+    """The port a multi-rank launch hands its ranks is bound by this process before the ranks start and until the job
+    ends (a TCPStore the ranks join as clients, as torchrun's agent serves its ranks), so no other process can take it
+    in between: CI once failed with EADDRINUSE on a port picked free and released before rank 0 bound it. The ranks'
+    gloo group works over it (all_reduce 1 + 2 = 3). Mutation: the old pick (`free_port()` released before the fork,
+    rank 0 binding it later) -> the port is free while the ranks wait -> this test's bind succeeds -> fails."""
+    script, go = tmp_path / "rendezvous.py", tmp_path / "go"
+    script.write_text(RENDEZVOUS)
+    job = launcher.start(script, str(go), nproc=2)
+    port = int(job.stdout.readline().split()[1])
+    with socket.socket() as s, pytest.raises(OSError) as taken:
+        s.bind(("127.0.0.1", port))
+    go.touch()
+    out, err = job.communicate(timeout=120)
+    assert taken.value.errno == errno.EADDRINUSE
+    assert job.returncode == 0, err[-3000:]
+    assert out.count("sum 3") == 2  # the ranks share the pipe: lines may interleave
 
 
 def test_one_failed_rank_stops_the_job_as_torchrun_does(probe):

@@ -19,7 +19,8 @@ What a forked child shares with its zygote and a fresh interpreter would not, an
 - CUDA: never preloaded; the launcher turns zygotes off where CUDA is available (a forked CUDA context is unusable).
 
 A multi-rank launch (`nproc`) forks one child per rank with the variables torchrun gives its ranks (RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT on a free port) and behaves as
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT of a TCPStore the test process serves,
+TORCHELASTIC_USE_AGENT_STORE, as torchrun's agent does) and behaves as
 `torchrun --standalone` does towards its caller: the ranks share the job's stdout and stderr, the first rank to fail
 takes the others down (SIGTERM, then SIGKILL), and the job exits 1 then (0 when every rank exited 0; a job killed
 by a signal reports it as a negative code, as Popen does). What torchrun itself does (its agent process, restarts,
@@ -292,10 +293,11 @@ class Launch:
     """What `subprocess.Popen` offers the tests (pid, returncode, stdout / stderr pipes, poll, wait, communicate,
     send_signal, terminate, kill), for one child or the ranks of one job."""
 
-    def __init__(self, args: list[str], children: list[Child], stdout=None, stderr=None):
+    def __init__(self, args: list[str], children: list[Child], stdout=None, stderr=None, store=None):
         import time
 
         self.args, self.children, self.stdout, self.stderr = args, children, stdout, stderr
+        self.store = store  # the ranks' rendezvous (Pool.start): served until the job has ended
         self.pid, self.returncode, self._term_at, self._clock = children[0].pid, None, None, time.monotonic
 
     def _update(self, block_s: float = 0.0) -> None:
@@ -325,6 +327,7 @@ class Launch:
             self.returncode = statuses[0]  # the whole job killed by one signal from outside
         else:
             self.returncode = 1
+        self.store = None  # every rank has exited: the rendezvous can close
 
     def poll(self):
         if self.returncode is None:
@@ -397,6 +400,16 @@ class Launch:
         self.wait()
 
 
+def agent_store():
+    """A TCPStore server on a port the kernel picks and this process holds: `init_process_group` in the ranks
+    connects to it as a client (TORCHELASTIC_USE_AGENT_STORE=True, torch.distributed.rendezvous)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
+
+
 class Pool:
     """The zygotes of one test process, by (import-time variables, rank slot); closed at the process's exit."""
 
@@ -415,9 +428,12 @@ class Pool:
             z = self.zygotes[key] = Zygote(env, self.tmp, slot)
         return z
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str, nproc: int | None, stdout, stderr,
-              master_port: int = 0) -> Launch:
-        """Fork `argv` (`[script, *args]`) once, or once per rank (`nproc`) with torchrun's variables."""
+    def start(self, argv: list[str], env: dict[str, str], cwd: str, nproc: int | None, stdout, stderr) -> Launch:
+        """Fork `argv` (`[script, *args]`) once, or once per rank (`nproc`) with torchrun's variables.
+
+        The ranks meet on a TCPStore this process serves for the job's lifetime (`agent_store`), as torchrun's agent
+        serves its ranks: the port is bound here before any rank starts, so nothing can take it between a pick and a
+        rank's bind (a free port picked by closing a probe socket was taken once on CI: EADDRINUSE)."""
         import subprocess
 
         mine, theirs = {}, []  # our read ends; descriptors to hand over (closed here once sent)
@@ -440,6 +456,7 @@ class Pool:
         out = fd(stdout, "stdout")
         err = out if stderr is subprocess.STDOUT else fd(stderr, "stderr")
         ranks = [None] if nproc is None else list(range(nproc))
+        store = None if nproc is None else agent_store()
         children = []
         try:
             for rank in ranks:
@@ -449,8 +466,8 @@ class Pool:
                                       "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
                                       "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
                                       "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                      "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0",
-                                      "TORCHELASTIC_MAX_RESTARTS": "0"})
+                                      "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                      "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"})
                 children.append(self.get(env, rank or 0).launch(argv, child_env, cwd, [stdin, out, err]))
         except BaseException:
             for c in children:
@@ -459,7 +476,7 @@ class Pool:
         finally:
             for f in theirs:
                 os.close(f)
-        return Launch(argv, children, mine.get("stdout"), mine.get("stderr"))
+        return Launch(argv, children, mine.get("stdout"), mine.get("stderr"), store)
 
     def close(self) -> None:
         import shutil
