@@ -100,18 +100,22 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3, amax: torch.Tensor | None = None,
-                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    transpose: bool = False, seen: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One scale for all of x (M, K) ("tensorwise", Transformer Engine's per-tensor scaling): (codes (M, K),
     scale (1, 1) fp32, and with `transpose` the codes of x.T (K, M), else None). The transposed codes are the same
     codes, transposed: what the backward GEMMs take. `amax` (0-dim, max |x|) when the caller has it (a weight's,
-    cached between optimizer steps); else computed here. On CUDA one Triton kernel reads x once and writes both
-    layouts."""
+    cached between optimizer steps; delayed scaling's, from earlier steps: values beyond it saturate); else computed
+    here. `seen` (one fp32 element): max |x| is folded into it (seen = max(seen, max |x|)), from the cast's own read
+    (`ActivationAmaxes`). On CUDA one Triton kernel reads x once and writes both layouts."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     amax = tensor_amax(x) if amax is None else amax
     if x.is_cuda:
         from .fp8_triton import quantize_tensor_cuda
 
-        return quantize_tensor_cuda(x, dtype, amax, transpose)
+        return quantize_tensor_cuda(x, dtype, amax, transpose, seen)
+    if seen is not None:
+        torch.maximum(seen, tensor_amax(x).float().reshape(seen.shape), out=seen)
     scale = _scale(amax.reshape(1, 1), dtype)
     q = _cast(x, scale, dtype)
     return q, scale, q.t().contiguous() if transpose else None

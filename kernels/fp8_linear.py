@@ -11,6 +11,10 @@ of the K sum exactly. The operands are kept in their original dtype between forw
 along the other axis there, by `fp8.quantize_cols_t`, which writes the transposed codes without a bf16 transpose
 copy), so activation memory is what a bf16 linear keeps.
 
+"delayed" (`ActivationAmaxes`): the tensorwise recipe with x's and dy's scales from the amaxes of earlier optimizer
+steps (Transformer Engine's DelayedScaling, amax_compute_algo "max"), so their casts read each tensor once (the cast
+folds the tensor's amax into the history from the same read) instead of twice; W keeps its exact amax.
+
 "tensorwise" (`fp8_linear_train_tensorwise`, Transformer Engine's per-tensor scaling, with current amaxes): x, W and
 dy each have one scale, so one set of codes serves both axes. Each tensor is read once for its amax and once by
 one kernel that writes its codes and their transpose (`fp8.quantize_tensor`), against two quantizations (four
@@ -36,7 +40,8 @@ import torch.distributed as dist
 from .fp8 import E4M3, E5M2, quantize_cols_t, quantize_rows, quantize_tensor, reference_mm, tensor_amax, transpose_codes
 
 GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
-RECIPES = ("rowwise", "tensorwise")
+RECIPES = ("rowwise", "tensorwise", "delayed")
+PER_TENSOR = ("tensorwise", "delayed")  # the recipes of `fp8_linear_train_tensorwise`
 _ALIGN = 16
 
 
@@ -169,6 +174,82 @@ class WeightAmax:
         return q, scale, q_t if transpose else None
 
 
+class ActivationAmaxes:
+    """Delayed scaling of the activations' and gradients' FP8 casts (the "delayed" recipe) for `sites` tensors of a
+    model chunk (two per linear: its input x and its output gradient dy): each site's scale comes from the largest
+    amax it saw over its last `history` optimizer steps (Transformer Engine's DelayedScaling with
+    amax_compute_algo="max"; Megatron's fp8_amax_history_len), values beyond it saturate at the format's largest
+    code. The cast kernel folds the tensor's own max |x| into `seen` from the read that casts it, so a cast reads its
+    tensor once instead of twice (current scaling reads it once for the amax first).
+
+    `roll()` (the train engine, after each optimizer step) pushes each site's `seen` into its history and sets the
+    scales' `amax` to the history's maximum; a site that saw nothing (or only non-finite values: a skipped step's
+    overflow) keeps its history. Between rolls the scales stay fixed, so a recomputed forward writes the same codes
+    as its first pass, whatever the schedule. A site's first cast ever has no history: it runs with current scaling
+    and primes the site with its amax (outside CUDA graph capture: a graph captured before a site's first eager cast
+    keeps current scaling for that site, correct and no faster; the engine's graphs warm up eagerly first).
+    All state is on the device (no host synchronisation, graph replays read it in place); `state_dict` for
+    checkpoints."""
+
+    def __init__(self, sites: int, history: int, device):
+        if history < 1:
+            raise ValueError(f"fp8 amax history of {history} steps: it must be >= 1")
+        f32 = {"dtype": torch.float32, "device": device}
+        self.hist = torch.zeros(sites, history, **f32)  # newest first
+        self.amax = torch.zeros(sites, **f32)           # the scales' amaxes: max over hist
+        self.seen = torch.zeros(sites, **f32)           # max |x| per site since the last roll
+        self.primed = [False] * sites
+        self.used = 0
+
+    def sites(self, n: int = 2) -> tuple[int, ...]:
+        """`n` new site indices (a linear takes two: x, dy)."""
+        if self.used + n > len(self.primed):
+            raise ValueError(f"ActivationAmaxes holds {len(self.primed)} sites; {self.used + n} requested")
+        self.used += n
+        return tuple(range(self.used - n, self.used))
+
+    def quantize(self, site: int, x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple:
+        """`quantize_tensor(x, dtype, transpose=transpose)` under the site's delayed scale (its first time: x's own
+        amax), with x's max |x| folded into the site's `seen`."""
+        seen = self.seen[site:site + 1]
+        if self.primed[site]:
+            return quantize_tensor(x, dtype, amax=self.amax[site], transpose=transpose, seen=seen)
+        amax = tensor_amax(x)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.amax[site:site + 1].copy_(amax.float().reshape(1))
+            self.primed[site] = True
+        return quantize_tensor(x, dtype, amax=amax, transpose=transpose, seen=seen)
+
+    @torch.no_grad()
+    def roll(self) -> None:
+        seen = torch.nan_to_num(self.seen, nan=0.0, posinf=0.0)
+        pushed = torch.cat([seen[:, None], self.hist[:, :-1]], dim=1)
+        self.hist.copy_(torch.where((seen > 0)[:, None], pushed, self.hist))
+        newest = self.hist.amax(dim=1)
+        self.amax.copy_(torch.where(newest > 0, newest, self.amax))
+        self.seen.zero_()
+
+    def state_dict(self) -> dict:
+        return {"hist": self.hist.cpu(), "amax": self.amax.cpu(), "seen": self.seen.cpu(),
+                "primed": torch.tensor(self.primed)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if tuple(state["hist"].shape) != tuple(self.hist.shape):
+            raise ValueError(f"FP8 amax history of shape {tuple(state['hist'].shape)} (sites, steps) in the "
+                             f"checkpoint, {tuple(self.hist.shape)} here: the model or fp8_amax_history_len differs")
+        for name in ("hist", "amax", "seen"):
+            getattr(self, name).copy_(state[name])
+        self.primed = [bool(v) for v in state["primed"].tolist()]
+
+
+class DelayedSites:
+    """One linear's two sites of an `ActivationAmaxes`: its input x (forward) and its output gradient dy."""
+
+    def __init__(self, amaxes: ActivationAmaxes):
+        self.amaxes = amaxes
+        self.x, self.dy = amaxes.sites(2)
+
+
 def _mm_tensorwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
                    ) -> torch.Tensor:
     """Codes aq (M, K) @ bq.T for bq (N, K) row-major, one scale each ((1, 1) fp32): (M, N) in out_dtype."""
@@ -180,15 +261,18 @@ def _mm_tensorwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: tor
 class Fp8TensorwiseLinearFunction(torch.autograd.Function):
     """y = x @ weight.T (+ bias) for x (M, K) under per-tensor scales (see the module docstring); weight_amax: the
     weight's `WeightAmax`; dgrad_group as in Fp8LinearFunction; backward: whether autograd will call backward
-    (decided by the caller: inside forward grad mode is always off)."""
+    (decided by the caller: inside forward grad mode is always off); delayed: the layer's `DelayedSites` (the
+    "delayed" recipe) or None (current scaling)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group, weight_amax, backward, fuse_wgrad=False):
+    def forward(ctx, x, weight, bias, grad_dtype, dgrad_group, weight_amax, backward, fuse_wgrad=False,
+                delayed=None):
         m = x.shape[0]
         xp = _pad_rows(x)
         # a forward under no_grad (the first pass of activation recompute, log-probs) writes no transposes; the
         # recompute pass then writes the same codes (the same amaxes of the same tensors) and the transposes
-        xq, xs, xq_t = quantize_tensor(xp, E4M3, transpose=backward)
+        xq, xs, xq_t = (quantize_tensor(xp, E4M3, transpose=backward) if delayed is None else
+                        delayed.amaxes.quantize(delayed.x, xp, E4M3, backward))
         wq, ws, wq_t = weight_amax.codes(weight, transpose=backward)
         y = _mm_tensorwise(xq, xs, wq, ws, x.dtype)[:m]
         if bias is not None:
@@ -198,12 +282,15 @@ class Fp8TensorwiseLinearFunction(torch.autograd.Function):
         ctx.m, ctx.has_bias, ctx.grad_dtype, ctx.group = m, bias is not None, grad_dtype, dgrad_group
         ctx.x_dtype, ctx.w_dtype, ctx.w_needs_grad = x.dtype, weight.dtype, weight.requires_grad
         ctx.fused_weight = weight if fuse_wgrad and backward else None  # the parameter, for its main_grad
+        ctx.delayed = delayed
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xq_t, xs, wq_t, ws = ctx.saved_tensors
-        dyq, dys, dyq_t = quantize_tensor(_pad_rows(dy.contiguous()), ctx.grad_dtype, transpose=ctx.w_needs_grad)
+        dyp = _pad_rows(dy.contiguous())
+        dyq, dys, dyq_t = (quantize_tensor(dyp, ctx.grad_dtype, transpose=ctx.w_needs_grad) if ctx.delayed is None
+                           else ctx.delayed.amaxes.quantize(ctx.delayed.dy, dyp, ctx.grad_dtype, ctx.w_needs_grad))
         # dx = dy @ W: W (N, K) column-major is W.T's codes (K, N) transposed back
         dx = _mm_tensorwise(dyq, dys, wq_t, ws, ctx.x_dtype)[:ctx.m]
         if ctx.group is not None:
@@ -215,17 +302,19 @@ class Fp8TensorwiseLinearFunction(torch.autograd.Function):
             dw = (_accumulated(ctx.fused_weight, (dyq_t, dys, xq_t, xs), ctx.x_dtype) if ctx.fused_weight is not None
                   else _mm_tensorwise(dyq_t, dys, xq_t, xs, ctx.w_dtype))
         db = dy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear_train_tensorwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                 grad_dtype: torch.dtype = E4M3, dgrad_group=None,
-                                weight_amax: WeightAmax | None = None, fuse_wgrad: bool = False) -> torch.Tensor:
+                                weight_amax: WeightAmax | None = None, fuse_wgrad: bool = False,
+                                delayed: DelayedSites | None = None) -> torch.Tensor:
     """x (..., K) @ weight.T (+ bias) with FP8 GEMMs under per-tensor scales, forward and backward; (..., N).
     Pass the layer's own `weight_amax` to keep W's amax between calls (a fresh one recomputes it every call).
-    fuse_wgrad: the weight gradient is accumulated into `weight.main_grad` (`_accumulated`)."""
+    fuse_wgrad: the weight gradient is accumulated into `weight.main_grad` (`_accumulated`). delayed: the layer's
+    sites of an `ActivationAmaxes` (x's and dy's scales from earlier steps), None for current scaling."""
     lead = x.shape[:-1]
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     y = Fp8TensorwiseLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, grad_dtype, dgrad_group,
-                                          weight_amax or WeightAmax(), backward, fuse_wgrad)
+                                          weight_amax or WeightAmax(), backward, fuse_wgrad, delayed)
     return y.reshape(*lead, weight.shape[0])

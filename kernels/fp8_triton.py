@@ -1,9 +1,10 @@
 """Just-in-time FP8 quantization of activations on the GPU: one Triton kernel per call (amax, scale, cast), instead
 of the half dozen torch kernels of `fp8.quantize_rows` that bound an FP8 decode step (BENCHMARKS.md, "FP8").
 `quantize_tensor_cuda` casts a tensor under one scale and can write its codes transposed from the same read (the
-tensorwise training recipe). `quantize_cols_t_cuda` quantizes the columns of x into the codes of x.T (the FP8
-training linear's backward operands) in two tiled kernels -- column amax, then scaled cast with a transposed store
--- instead of a bf16 transpose copy and a row quantization of it (that copy measured 0.3 TB/s).
+tensorwise training recipe), and fold the tensor's max |x| into a running amax there (the delayed recipe).
+`quantize_cols_t_cuda` quantizes the columns of x into the codes of x.T (the FP8 training linear's backward operands) in
+two tiled kernels -- column amax, then scaled cast with a transposed store -- instead of a bf16 transpose copy and a row
+quantization of it (that copy measured 0.3 TB/s).
 
 Same meaning as the torch functions in :mod:`.fp8` (scale = amax / FP8_MAX, 1 for an all-zero group, values
 clamped to +-FP8_MAX), up to the last bit of the division.
@@ -110,11 +111,12 @@ def quantize_cols_t_cuda(x: torch.Tensor, dtype: torch.dtype, bm: int = 64, bk: 
 
 
 @triton.jit
-def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_qtk,
-                        QMAX: tl.constexpr, TRANSPOSE: tl.constexpr, LOAD_T: tl.constexpr, BM: tl.constexpr,
-                        BK: tl.constexpr):
+def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, seen_ptr, M, K, stride_xm, stride_qm, stride_qtk,
+                        QMAX: tl.constexpr, TRANSPOSE: tl.constexpr, LOAD_T: tl.constexpr, SEEN: tl.constexpr,
+                        BM: tl.constexpr, BK: tl.constexpr):
     """Program (row block, column block): the tile's codes under the one scale amax / QMAX, stored as they lie in q
-    (M, K) and, with TRANSPOSE, transposed in qt (K, M); program (0, 0) writes the scale."""
+    (M, K) and, with TRANSPOSE, transposed in qt (K, M); program (0, 0) writes the scale. With SEEN the tile's
+    max |x| is folded into seen (one fp32) by atomic max: delayed scaling's amax of this tensor, from the same read."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
@@ -124,6 +126,8 @@ def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, 
     v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     qf = tl.minimum(tl.maximum(tl.div_rn(v, scale), -QMAX), QMAX)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], qf.to(q_ptr.dtype.element_ty), mask=mask)
+    if SEEN:
+        tl.atomic_max(seen_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
     if TRANSPOSE:
         if LOAD_T:  # read the tile again as x.T: tl.trans of an fp32 tile's codes wrote wrong bytes (H100, triton 3.6)
             mt = (cols[:, None] < K) & (rows[None, :] < M)
@@ -138,18 +142,19 @@ def _tensor_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, M, K, stride_xm, 
 
 
 def quantize_tensor_cuda(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, transpose: bool,
-                         bm: int = 64, bk: int = 64
+                         seen: torch.Tensor | None = None, bm: int = 64, bk: int = 64
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes (M, K) of x (contiguous rows) under one scale from `amax` (0-dim, any float dtype, on x's device),
-    the scale (1, 1), and with `transpose` the codes of x.T (K, M) from the same read, as `fp8.quantize_tensor`."""
+    the scale (1, 1), and with `transpose` the codes of x.T (K, M) from the same read, as `fp8.quantize_tensor`.
+    `seen` (one fp32 element, >= 0): max |x| folded into it (atomic max), as `fp8.quantize_tensor`'s."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     qt = torch.empty(k, m, dtype=dtype, device=x.device) if transpose else q  # q: an unused pointer
     scale = torch.empty(1, 1, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    _tensor_cast_kernel[grid](x, amax, q, qt, scale, m, k, x.stride(0), q.stride(0), qt.stride(0),
-                              QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, LOAD_T=x.element_size() > 2,
-                              BM=bm, BK=bk)
+    _tensor_cast_kernel[grid](x, amax, q, qt, scale, scale if seen is None else seen, m, k, x.stride(0),
+                              q.stride(0), qt.stride(0), QMAX=FP8_MAX[dtype], TRANSPOSE=transpose,
+                              LOAD_T=x.element_size() > 2, SEEN=seen is not None, BM=bm, BK=bk)
     return q, scale, qt if transpose else None
 
 

@@ -184,6 +184,69 @@ def test_fp8_tensorwise_linear_gradients(grad):
         assert torch.equal(fp8_linear_train_tensorwise(x, w, b, gd), y.detach())
 
 
+def test_delayed_scaling_history_and_its_linear():
+    """`ActivationAmaxes` (fp8_recipe=delayed) on CPU. A site's first cast is current scaling (the codes of
+    `quantize_tensor(x)`) and primes its scale; until the next roll every cast uses that scale (a tensor twice as
+    large saturates at +-FP8_MAX) and folds its own max |x| into `seen`; `roll` pushes seen into the history (newest
+    first, `history` steps kept) and the scale becomes the history's max, so an amax leaves it after `history` rolls;
+    a site that saw nothing or only inf keeps its history; `state_dict` round-trips. The delayed linear's y, dx and dW
+    equal the per-tensor reference under the sites' scales. Mutations (run): the roll without the shift (the history
+    a running max) -> the first roll's history check fails; `seen` not updated on the CPU path -> the first
+    roll finds nothing and fails; the backward casting dy with current scaling -> dy's site sees nothing and the
+    last check fails."""
+    from rlhf_mcore.kernels.fp8_linear import ActivationAmaxes, DelayedSites, fp8_linear_train_tensorwise
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 64, generator=g)
+    a1 = x.abs().max().item()
+    reg = ActivationAmaxes(sites=3, history=2, device="cpu")
+    i, j = reg.sites(2)
+    q, s, _ = reg.quantize(i, x, E4M3, transpose=False)
+    want_q, want_s, _ = fp8.quantize_tensor(x, E4M3)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    q2, s2, _ = reg.quantize(i, 2 * x, E4M3, transpose=True)  # the primed scale: 2x saturates
+    assert torch.equal(s2, want_s) and q2.float().abs().max().item() == FP8_MAX[E4M3]
+    assert reg.seen[i].item() == 2 * a1 and reg.seen[j].item() == 0.0
+    reg.roll()
+    assert reg.hist[i].tolist() == [2 * a1, 0.0] and reg.amax[i].item() == 2 * a1 and reg.seen[i].item() == 0.0
+    assert reg.amax[j].item() == 0.0 and not reg.primed[j]  # never cast: nothing to roll
+    for scale_by in (0.5, 0.25):  # two smaller steps push the 2 * a1 step out of a 2-step history
+        reg.quantize(i, scale_by * x, E4M3, transpose=False)
+        reg.roll()
+    assert reg.amax[i].item() == 0.5 * a1, reg.hist[i]
+    reg.seen[i] = float("inf")  # an overflowing (skipped) step adds nothing
+    reg.roll()
+    assert reg.amax[i].item() == 0.5 * a1 and reg.seen[i].item() == 0.0
+    copy = ActivationAmaxes(sites=3, history=2, device="cpu")
+    copy.load_state_dict(reg.state_dict())
+    assert torch.equal(copy.hist, reg.hist) and torch.equal(copy.amax, reg.amax) and copy.primed == reg.primed
+    with pytest.raises(ValueError, match="fp8_amax_history_len differs"):
+        ActivationAmaxes(sites=3, history=4, device="cpu").load_state_dict(reg.state_dict())
+
+    # the linear: x's and dy's scales from their sites (primed on a first call, then delayed)
+    reg = ActivationAmaxes(sites=2, history=4, device="cpu")
+    sites = DelayedSites(reg)
+    w = (torch.randn(48, 64, generator=g) * 0.1).requires_grad_()
+    dy = torch.randn(32, 48, generator=g)
+    xr = x.clone().requires_grad_()
+    fp8_linear_train_tensorwise(xr, w, None, E5M2, delayed=sites).backward(dy)  # primes both sites
+    reg.roll()
+    x3, dy3 = 3 * x, 0.5 * dy
+    xr = x3.clone().requires_grad_()
+    w.grad = None
+    y = fp8_linear_train_tensorwise(xr, w, None, E5M2, delayed=sites)
+    y.backward(dy3)
+    xq, xs, _ = fp8.quantize_tensor(x3, E4M3, amax=torch.tensor(a1))  # x's scale: step 1's amax
+    dq, ds, _ = fp8.quantize_tensor(dy3, E5M2, amax=dy.abs().max())
+    wq, ws, _ = fp8.quantize_tensor(w.detach(), E4M3)
+    assert xs.item() == pytest.approx(a1 / FP8_MAX[E4M3], rel=1e-7)
+    torch.testing.assert_close(y.detach(), fp8.reference_mm(xq, xs, wq, ws), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(xr.grad, fp8.reference_mm(dq, ds, wq.t().contiguous(), ws), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, fp8.reference_mm(dq.t().contiguous(), ds, xq.t().contiguous(), xs),
+                               rtol=1e-6, atol=1e-6)
+    assert reg.seen.tolist() == [x3.abs().max().item(), dy3.abs().max().item()]
+
+
 def test_weight_amax_follows_every_write_to_the_weight():
     """WeightAmax keeps max |W| between calls and recomputes it after anything that writes W: an in-place update,
     an optimizer step, new storage (`.data =`, as an offload restores it), `invalidate()`; not otherwise (a write
@@ -240,8 +303,9 @@ def test_gpu_without_fp8_refused(monkeypatch):
 
 def test_config_keys_and_refusals():
     """The keys load with their defaults off (recipe rowwise, no weight cache); FP8 on a CPU run, under another
-    rollout engine, on the reference, with an unknown format or recipe, a recipe or a weight cache without FP8, or a
-    weight cache under the rowwise recipe is refused in one line naming the key."""
+    rollout engine, on the reference, with an unknown format or recipe, a recipe, a weight cache or an amax history
+    without FP8, a weight cache under the rowwise recipe, an amax history under a recipe without one or shorter than
+    a step is refused in one line naming the key."""
     from rlhf_mcore.config import ConfigError, load_config
 
     cfg = load_config(None, ["actor_rollout_ref.model.path=/m"])
@@ -261,6 +325,12 @@ def test_config_keys_and_refusals():
     fwd = load_config(None, ["actor_rollout_ref.model.path=/m", "critic.megatron.fp8=hybrid",
                              "critic.megatron.fp8_recipe=tensorwise", "critic.megatron.fp8_weight_cache=forward"])
     assert fwd.critic.megatron.fp8_weight_cache == "forward"
+    delayed = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.megatron.fp8=hybrid",
+                                 "actor_rollout_ref.actor.megatron.fp8_recipe=delayed",
+                                 "actor_rollout_ref.actor.megatron.fp8_amax_history_len=4",
+                                 "actor_rollout_ref.actor.megatron.fp8_weight_cache=forward"])
+    assert delayed.actor_rollout_ref.actor.megatron.fp8_amax_history_len == 4
+    assert ok.critic.megatron.fp8_amax_history_len == 16
     bad = {("actor_rollout_ref.rollout.quantization=fp8", "trainer.device=cpu"):
            r"'actor_rollout_ref.rollout.quantization' has value 'fp8'; it must be null with trainer.device=cpu",
            ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"):
@@ -275,12 +345,20 @@ def test_config_keys_and_refusals():
            r"'critic.megatron.fp8_recipe' has value 'tensorwise'; it must be rowwise .* while critic.megatron.fp8 is "
            r"null",
            ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_recipe=blockwise"):
-           r"choose one of rowwise, tensorwise",
+           r"choose one of rowwise, tensorwise, delayed",
+           ("critic.megatron.fp8_amax_history_len=4",):
+           r"'critic.megatron.fp8_amax_history_len' has value 4; it must be 16 .* while critic.megatron.fp8 is null",
+           ("critic.megatron.fp8=hybrid", "critic.megatron.fp8_recipe=tensorwise",
+            "critic.megatron.fp8_amax_history_len=4"):
+           r"'critic.megatron.fp8_amax_history_len' .* with fp8_recipe=tensorwise: only the delayed recipe",
+           ("critic.megatron.fp8=hybrid", "critic.megatron.fp8_recipe=delayed",
+            "critic.megatron.fp8_amax_history_len=0"):
+           r"'critic.megatron.fp8_amax_history_len' has value 0; it must be an integer >= 1",
            ("critic.megatron.fp8_weight_cache=true",):
            r"'critic.megatron.fp8_weight_cache' has value True; it must be false .* while critic.megatron.fp8 is null",
            ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_weight_cache=true"):
            r"'actor_rollout_ref.actor.megatron.fp8_weight_cache' .* false with fp8_recipe=rowwise: only the "
-           r"tensorwise recipe",
+           r"per-tensor recipes",
            ("actor_rollout_ref.actor.megatron.fp8=hybrid", "actor_rollout_ref.actor.megatron.fp8_recipe=tensorwise",
             "actor_rollout_ref.actor.megatron.fp8_weight_cache=backward"):
            r"'actor_rollout_ref.actor.megatron.fp8_weight_cache' has value 'backward'; it must be false, true \(codes "
@@ -521,6 +599,59 @@ def test_tensorwise_training_on_the_engine(fp8_engine_env, recompute, dtype):
     for m in layers:
         assert m.fp8_weight_amax.computed == 3, m.fp8_weight_amax.computed  # 2 updates of 4 micro-batches
         assert m.fp8_weight_amax.amax.item() == m.weight.detach().abs().max().item()
+
+
+def test_delayed_scaling_on_the_engine(fp8_engine_env, tmp_path):
+    """fp8_recipe=delayed on a tiny Megatron GPTModel (CPU, the reference GEMMs, fp8=hybrid, a 2-step history): two
+    PPO updates of 4 micro-batches within 10% (gradient norm) and 5% (loss) of the same model without FP8; after them
+    every one of the 16 sites (x and dy of 8 linears) holds both steps' amaxes, the scale the larger; with full
+    activation recompute the updates equal the eager ones exactly (the scales stay fixed between a micro-batch's
+    first pass and its recompute); a checkpoint holds the histories, and an engine loaded from it takes the next
+    update bitwise as the one that saved it. Mutations (run): the engine's `roll_activation_amaxes` removed -> the
+    histories stay empty and the history check fails; `_set_rng_state` not loading them -> the loaded engine's
+    scales and its next update differ."""
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.engine.builder import recompute_overrides
+    from rlhf_mcore.models import build_model, fp8_training
+
+    model_dir, state, batch = fp8_engine_env
+
+    def engine(recipe, recompute=False):
+        torch.manual_seed(0)
+        chunks = build_model(model_dir, state, role="actor", dtype=torch.float32,
+                             config_overrides=recompute_overrides(recompute) or None)
+        if recipe:
+            assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", recipe, amax_history=2) == 8
+        return TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
+                           OptimConfig(lr=1e-2))
+
+    ref = engine(None)
+    want = [ref.update_policy(batch) for _ in range(2)]
+    runs = {}
+    for recompute in (False, True):
+        eng = engine("delayed", recompute)
+        runs[recompute] = (eng, [eng.update_policy(batch) for _ in range(2)])
+    eng, got = runs[False]
+    for m0, m1 in zip(want, got):
+        assert abs(m1["actor/grad_norm"] - m0["actor/grad_norm"]) <= 0.1 * m0["actor/grad_norm"]
+        assert abs(m1["actor/pg_loss"] - m0["actor/pg_loss"]) <= 0.05 * abs(m0["actor/pg_loss"]) + 1e-3
+    amaxes = eng.chunks[0].fp8_activation_amaxes
+    assert amaxes.hist.shape == (16, 2) and all(amaxes.primed)
+    assert bool((amaxes.hist > 0).all()) and torch.equal(amaxes.amax, amaxes.hist.amax(dim=1))
+    assert not amaxes.seen.any()
+    for m0, m1 in zip(got, runs[True][1]):
+        assert (m1["actor/pg_loss"], m1["actor/grad_norm"]) == (m0["actor/pg_loss"], m0["actor/grad_norm"])
+
+    eng.save_checkpoint(tmp_path / "ckpt")
+    fresh = engine("delayed")
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    loaded = fresh.chunks[0].fp8_activation_amaxes
+    assert torch.equal(loaded.hist, amaxes.hist) and torch.equal(loaded.amax, amaxes.amax) and all(loaded.primed)
+    after = [e.update_policy(batch) for e in (eng, fresh)]
+    assert after[0]["actor/grad_norm"] == after[1]["actor/grad_norm"]
+    for a, b in zip(eng.chunks[0].parameters(), fresh.chunks[0].parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])

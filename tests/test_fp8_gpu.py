@@ -362,12 +362,13 @@ def _small_engine(tiny_model_dir, state, fmt=None, recipe="rowwise"):
 
 
 def test_fp8_training_step_tracks_bf16(tiny_model_dir):
-    """One PPO update of a Megatron GPTModel with FP8 decoder linears (e4m3 and hybrid, each rowwise and tensorwise)
-    against bf16 on the same batch: log-probs within 0.1, the policy loss within 5% and the gradient norm within 10%
-    (FP8 rounding of every GEMM operand, 2**-4 relative for e4m3); measured 2026-12-02 (H200, rowwise): |dlogprob|
-    max 0.057, loss 0.0318 vs 0.0294, grad norm 2.843 (e4m3) / 2.834 (hybrid) vs 2.837; tensorwise not yet run on a
-    GPU. Mutation (not run on the device): the _forward_impl assignment in enable_fp8_training dropped ->
-    `switched` is 0 and it raises."""
+    """One PPO update of a Megatron GPTModel with FP8 decoder linears (e4m3 and hybrid, each rowwise and tensorwise;
+    hybrid delayed: its first casts primed from their own amaxes, the later micro-batches' from them) against bf16
+    on the same batch: log-probs within 0.1, the policy loss within 5% and the gradient norm within 10% (FP8 rounding of
+    every GEMM operand, 2**-4 relative for e4m3); measured 2026-12-02 (H200, rowwise): |dlogprob| max 0.057, loss 0.0318
+    vs 0.0294, grad norm 2.843 (e4m3) / 2.834 (hybrid) vs 2.837; tensorwise first passed on an H100 in session 23,
+    delayed not yet run on a GPU. Mutation (not run on the device): the _forward_impl assignment in
+    enable_fp8_training dropped -> `switched` is 0 and it raises."""
     from test_train_cuda_graphs import rl_batch
 
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
@@ -376,8 +377,8 @@ def test_fp8_training_step_tracks_bf16(tiny_model_dir):
     try:
         batch = rl_batch(16, 1024, "cuda")
         res = {}
-        for fmt in (None, "e4m3", "hybrid", "e4m3 tensorwise", "hybrid tensorwise"):
-            recipe = "tensorwise" if fmt and fmt.endswith("tensorwise") else "rowwise"
+        for fmt in (None, "e4m3", "hybrid", "e4m3 tensorwise", "hybrid tensorwise", "hybrid delayed"):
+            recipe = fmt.split()[1] if fmt and " " in fmt else "rowwise"
             eng = _small_engine(tiny_model_dir, state, fmt and fmt.split()[0], recipe)
             lp, _ = eng.compute_log_probs(batch)
             m = eng.update_policy(batch)
@@ -499,3 +500,50 @@ def test_tensorwise_under_a_cuda_graph_follows_the_weights():
     # amax saturates most of W (4x its old max) and misses by far more
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert not torch.equal(out, before)
+
+
+def test_delayed_scaling_under_a_cuda_graph_follows_the_rolls():
+    """fp8_recipe=delayed in a CUDA graph: the scale is read from the device each replay and the cast folds max |x|
+    into `seen` inside the graph. The forward primed eagerly, captured, replayed on x doubled in place: the replay
+    saturates under the old scale (equal to the reference cast under it) and records the new amax; after
+    `roll()` a replay scales by the new amax and equals the current-scaling linear on the same x. Mutation (not run
+    on the device): `quantize_tensor_cuda` ignoring `seen` -> the roll finds nothing, the second replay keeps the old
+    scale and the last comparison fails."""
+    from rlhf_mcore.kernels.fp8_linear import (
+        E4M3,
+        ActivationAmaxes,
+        DelayedSites,
+        WeightAmax,
+        _mm_tensorwise,
+        fp8_linear_train_tensorwise,
+    )
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 256, generator=g).cuda().bfloat16()
+    w = (torch.randn(512, 256, generator=g) * 0.05).cuda().bfloat16()
+    reg = ActivationAmaxes(2, 4, "cuda")
+    sites = DelayedSites(reg)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():  # warm-up: compiles, primes the site with max |x|
+        fp8_linear_train_tensorwise(x, w, None, E4M3, None, WeightAmax(), delayed=sites)
+    torch.cuda.current_stream().wait_stream(side)
+    old = x.float().abs().max()
+    assert reg.primed[sites.x] and reg.amax[sites.x].item() == old.item()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = fp8_linear_train_tensorwise(x, w, None, E4M3, None, WeightAmax(), delayed=sites)
+    with torch.no_grad():
+        x.mul_(2)
+    reg.seen.zero_()
+    graph.replay()
+    assert reg.seen[sites.x].item() == 2 * old.item()
+    xq, xs, _ = fp8.quantize_tensor(x, E4M3, amax=old)
+    wq, ws, _ = fp8.quantize_tensor(w, E4M3)
+    torch.testing.assert_close(out.float(), _mm_tensorwise(xq, xs, wq, ws, torch.bfloat16).float(), rtol=1e-2,
+                               atol=1e-2)
+    reg.roll()
+    graph.replay()
+    with torch.no_grad():
+        want = fp8_linear_train_tensorwise(x, w, None, E4M3, None, WeightAmax())
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)

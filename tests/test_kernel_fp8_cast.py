@@ -35,8 +35,10 @@ def test_cast_kernel_arithmetic_under_the_interpreter(shape, load_t):
     """The kernel with fp32 outputs: values and transposed values equal torch's x / scale clamped to +-QMAX, the
     scale amax / QMAX, for ragged tiles, an amax below the largest value (saturation) and a zero tensor (scale
     1); both ways of writing the transpose (tl.trans of the tile, and the second read as x.T that fp32 inputs take
-    on CUDA). Mutations: the scale without / QMAX -> all 4 fail; the transposed store's mask not transposed -> it
-    stores out of bounds on the ragged shapes (the interpreter's process crashed)."""
+    on CUDA). With SEEN the tile maxima of |x| fold into `seen` by atomic max (delayed scaling's amax from the
+    cast's own read). Mutations: the scale without / QMAX -> all 4 fail; the transposed store's mask not transposed
+    -> it stores out of bounds on the ragged shapes (the interpreter's process crashed); the atomic max of only the
+    first row of each tile -> the seen check fails."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(*shape, generator=g).bfloat16() * 3
     for amax, qmax in ((x.float().abs().max().item(), 448.0), (1.0, 448.0), (2.5, 57344.0)):
@@ -46,13 +48,15 @@ def test_cast_kernel_arithmetic_under_the_interpreter(shape, load_t):
             q = torch.full((m, k), float("nan"))
             qt = torch.full((k, m), float("nan"))
             s = torch.empty(1, 1)
+            seen = torch.tensor([0.25])  # delayed scaling's running max |x|: folded in, never lowered
             grid = (-(-m // 64), -(-k // 64))
-            ft._tensor_cast_kernel[grid](t, torch.tensor(a, dtype=torch.bfloat16), q, qt, s, m, k, t.stride(0),
-                                         q.stride(0), qt.stride(0), QMAX=qmax, TRANSPOSE=True, LOAD_T=load_t,
-                                         BM=64, BK=64)
+            ft._tensor_cast_kernel[grid](t, torch.tensor(a, dtype=torch.bfloat16), q, qt, s, seen, m, k,
+                                         t.stride(0), q.stride(0), qt.stride(0), QMAX=qmax, TRANSPOSE=True,
+                                         LOAD_T=load_t, SEEN=True, BM=64, BK=64)
             want = _scaled_clamped(t, a, qmax)
             assert torch.equal(q, want) and torch.equal(qt, want.t())
             assert s.item() == pytest.approx(a / qmax if a > 0 else 1.0, rel=1e-7)
+            assert seen.item() == max(0.25, t.float().abs().max().item())
 
 
 @pytest.mark.skipif(not CUDA, reason="FP8 codes need a GPU (the interpreter's float8 conversion differs)")
@@ -75,6 +79,9 @@ def test_cast_kernel_codes_on_cuda(shape, src):
         same = (q.cpu().view(torch.uint8) == qc.view(torch.uint8)).float().mean().item()
         print(f"{shape} {dtype}: {same:.6f} of the codes equal torch's")
         assert fp8.quantize_tensor(x, dtype)[2] is None
+        seen = torch.zeros(1, device="cuda")  # delayed scaling: max |x| from the cast's read, under another amax
+        q2, s2, _ = fp8.quantize_tensor(x, dtype, amax=torch.tensor(1.0, device="cuda"), seen=seen)
+        assert seen.item() == x.float().abs().max().item() and s2.item() == 1.0 / fp8.FP8_MAX[dtype]
 
 
 @pytest.mark.parametrize("tiles", [(64, 128), (16, 32)], ids=["shipped", "small_tiles"])

@@ -71,7 +71,8 @@ def bench_train_linear(s: dict, rows: int = 4096) -> dict:
     one alone -- the six quantizations, the three FP8 GEMMs -- against the three bf16 GEMMs, the column operands'
     earlier path (bf16 transpose copy + row quantization), and a bf16 copy of x and dy (the memory-bandwidth
     yardstick of a one-pass, delayed-scaling cast); and the same parts of the tensorwise recipe
-    (`fp8_linear_train_tensorwise`: three per-tensor quantizations writing both layouts, tensor-wise GEMMs).
+    (`fp8_linear_train_tensorwise`: three per-tensor quantizations writing both layouts, tensor-wise GEMMs) and the
+    delayed recipe's casts of x and dy (one read each).
     Microseconds (do_bench, eager: the small linears' forward + backward is launch-bound here, unlike under the
     engine's CUDA graphs); `per_micro_batch_ms` sums them over the decoder's layers."""
     h, f, d = s["hidden_size"], s["intermediate_size"], s["hidden_size"] // s["num_attention_heads"]
@@ -103,6 +104,7 @@ def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
     (tx, txs, txt), (tw, tws, twt), (td, tds, tdt) = (fp8.quantize_tensor(a, e4m3, transpose=True)
                                                       for a in (xd, wd, dy))
     w_amax = WeightAmax()
+    x_amax, dy_amax, seen = fp8.tensor_amax(xd).float(), fp8.tensor_amax(dy).float(), torch.zeros(2, device="cuda")
     parts = {
         "bf16_fwd_bwd": lambda: torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), dy),
         "fp8_fwd_bwd": lambda: torch.autograd.grad(fp8_linear_train(x, w), (x, w), dy),
@@ -121,6 +123,10 @@ def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
         # cast with its amax kept (once per optimizer step: `tensor_amax_weight`)
         "tensorwise_quant_x_dy": lambda: (fp8.quantize_tensor(xd, e4m3, transpose=True),
                                           fp8.quantize_tensor(dy, e4m3, transpose=True)),
+        # the delayed recipe's: the same casts under amaxes from earlier steps, each folding its tensor's amax into
+        # the history from its own read (`fp8_linear.ActivationAmaxes`)
+        "delayed_quant_x_dy": lambda: (fp8.quantize_tensor(xd, e4m3, amax=x_amax, transpose=True, seen=seen[0:1]),
+                                       fp8.quantize_tensor(dy, e4m3, amax=dy_amax, transpose=True, seen=seen[1:2])),
         "tensorwise_quant_weight": lambda: fp8.quantize_tensor(wd, e4m3, amax=w_amax(wd), transpose=True),
         "tensor_amax_weight": lambda: fp8.tensor_amax(wd),
         "fp8_gemms_with_quant": lambda: (scaled_mm_rows(xd, wd, e4m3, e4m3, bf16),

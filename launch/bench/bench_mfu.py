@@ -9,6 +9,7 @@
     python launch/bench/bench_mfu.py --fp8 e4m3                      # FP8 decoder GEMMs (FLOPs at the bf16 peak)
     python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise   # one scale per tensor (megatron.fp8_recipe)
     python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe tensorwise --fp8-weight-cache   # W cast once a step
+    python launch/bench/bench_mfu.py --fp8 hybrid --fp8-recipe delayed --fp8-weight-cache   # x, dy cast in one read
     python launch/bench/bench_mfu.py --shapes 7b --recompute-block 8  # recompute 8 of 28 layers, keep the rest
     python launch/bench/bench_mfu.py --shapes 7b --peer-params bf16  # the peer in bf16 (its fp32 run is OOM at 7B)
     python launch/bench/bench_mfu.py --shapes 0.5b --grad-accum-fusion   # weight gradients straight into main_grad
@@ -339,8 +340,9 @@ def main(argv=None) -> dict:
                    help="the decoder as CUDA graphs (auto: where supported: no recompute, TP = PP = 1)")
     p.add_argument("--fp8", choices=("e4m3", "hybrid"), default=None,
                    help="FP8 GEMMs in the decoder's linears (megatron.fp8); FLOPs still counted at the bf16 peak")
-    p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise"), default="rowwise",
-                   help="how --fp8 scales the GEMM operands (megatron.fp8_recipe)")
+    p.add_argument("--fp8-recipe", choices=("rowwise", "tensorwise", "delayed"), default="rowwise",
+                   help="how --fp8 scales the GEMM operands (megatron.fp8_recipe; delayed: tensorwise with the "
+                        "activations' scales from earlier steps, history of 16 steps)")
     p.add_argument("--fp8-weight-cache", nargs="?", const="true", choices=["true", "forward"], default=None,
                    help="keep each weight's FP8 codes between optimizer steps (megatron.fp8_weight_cache; tensorwise): "
                         "true (bare flag) codes and transposes, forward the codes only")

@@ -220,10 +220,16 @@ def _check_fp8(cfg: RLConfig, need) -> None:
                  f"rowwise (the default) while {key}.fp8 is null: the recipe only applies to FP8 GEMMs (set fp8 too)")
             need(f"{key}.fp8_weight_cache", not megatron.fp8_weight_cache,
                  f"false (the default) while {key}.fp8 is null: it keeps FP8 weight codes (set fp8 too)")
+            need(f"{key}.fp8_amax_history_len", megatron.fp8_amax_history_len == 16,
+                 f"16 (the default) while {key}.fp8 is null: it is the delayed FP8 recipe's (set fp8 and "
+                 "fp8_recipe=delayed too)")
             continue
-        need(f"{key}.fp8_weight_cache", not megatron.fp8_weight_cache or megatron.fp8_recipe == "tensorwise",
-             f"false with fp8_recipe={megatron.fp8_recipe}: only the tensorwise recipe keeps its weights' codes (set "
-             f"{key}.fp8_recipe=tensorwise)")
+        need(f"{key}.fp8_amax_history_len", megatron.fp8_amax_history_len == 16 or megatron.fp8_recipe == "delayed",
+             f"16 (the default) with fp8_recipe={megatron.fp8_recipe}: only the delayed recipe keeps an amax history "
+             f"(set {key}.fp8_recipe=delayed, or drop the key)")
+        need(f"{key}.fp8_weight_cache", not megatron.fp8_weight_cache or megatron.fp8_recipe != "rowwise",
+             f"false with fp8_recipe={megatron.fp8_recipe}: only the per-tensor recipes keep their weights' codes (set "
+             f"{key}.fp8_recipe=tensorwise or delayed)")
         need(f"{key}.fp8", trained, "null: FP8 GEMMs are built for the trained models (actor, critic); the "
                                     "reference and reward model score in their dtype")
         need(f"{key}.fp8", not on_cpu, "null with trainer.device=cpu: FP8 GEMMs need a CUDA GPU (sm >= 89)")

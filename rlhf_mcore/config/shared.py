@@ -111,13 +111,18 @@ class MegatronConfig:
     # how fp8 scales its GEMM operands (rlhf_mcore.kernels.fp8_linear): rowwise (one scale per token and per
     # channel; measured in BENCHMARKS.md) or tensorwise (one per tensor, Transformer Engine's; less quantization
     # traffic, cuBLAS's faster tensor-wise GEMM, narrower range: pair it with fp8=hybrid). Read only with fp8 set
-    fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
-    # tensorwise only: each decoder linear keeps its weight's FP8 codes (and their transpose) from its first forward
-    # after an optimizer step to the next, as Transformer Engine does across micro-batches, instead of casting W in
-    # every forward (each micro-batch, both passes under recompute); costs 2 bytes a parameter of GPU memory while
-    # kept (dropped at each optimizer step, load and offload); "forward": only the codes (1 byte a parameter), their
-    # transpose copied from them once per micro-batch, for updates that cannot spare 2 bytes (a 7B update on one
-    # H200). Measured in BENCHMARKS.md (issue 36, sessions 39-40)
+    # delayed: tensorwise with the activations' and gradients' scales from the amaxes of the last
+    # fp8_amax_history_len optimizer steps (Transformer Engine's DelayedScaling, Megatron's fp8_recipe=delayed): each
+    # cast reads its tensor once instead of twice; values beyond the history's amax saturate
+    fp8_recipe: Literal["rowwise", "tensorwise", "delayed"] = "rowwise"
+    # fp8_recipe=delayed only: how many optimizer steps' amaxes a scale is the maximum of (Megatron's name)
+    fp8_amax_history_len: int = checked(16, ok=lambda v: isinstance(v, int) and v >= 1, what="an integer >= 1")
+    # tensorwise and delayed only: each decoder linear keeps its weight's FP8 codes (and their transpose) from its
+    # first forward after an optimizer step to the next, as Transformer Engine does across micro-batches, instead of
+    # casting W in every forward (each micro-batch, both passes under recompute); costs 2 bytes a parameter of GPU
+    # memory while kept (dropped at each optimizer step, load and offload); "forward": only the codes (1 byte a
+    # parameter), their transpose copied from them once per micro-batch, for updates that cannot spare 2 bytes (a 7B
+    # update on one H200). Measured in BENCHMARKS.md (issue 36, sessions 39-40)
     fp8_weight_cache: Union[bool, str] = checked(False, ok=lambda v: v in (False, True, "forward"),
                                                  what="false, true (codes and transposes) or forward (codes only)")
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)

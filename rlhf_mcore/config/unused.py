@@ -93,6 +93,8 @@ _RULES: tuple[_Rule, ...] = (
        lambda c, m=m: f"{m}.fp8=null: no FP8 GEMMs") for m in _FP8_SECTIONS),
     *((f"{m}.fp8_weight_cache", (), lambda c, m=m: value_at(c, f"{m}.fp8") is None,
        lambda c, m=m: f"{m}.fp8=null: no FP8 GEMMs") for m in _FP8_SECTIONS),
+    *((f"{m}.fp8_amax_history_len", (), lambda c, m=m: value_at(c, f"{m}.fp8") is None,
+       lambda c, m=m: f"{m}.fp8=null: no FP8 GEMMs") for m in _FP8_SECTIONS),
     ("actor_rollout_ref.actor.old_log_prob_from_update", (), _old_pass_kept, _old_pass_kept),
     ("actor_rollout_ref.rollout.lora_sync", (), lambda c: not lora_enabled(c),
      lambda c: "actor_rollout_ref.model.lora_rank=0: the actor has no adapters"),

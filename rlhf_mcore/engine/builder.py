@@ -109,7 +109,8 @@ def build_engine(cfg, state, *, role: str, total_steps: int = 0, load_weights: b
         from rlhf_mcore.models.fp8_training import enable_fp8_training
 
         key = "critic.megatron.fp8" if role == "critic" else f"actor_rollout_ref.{role}.megatron.fp8"
-        enable_fp8_training(chunks, megatron.fp8, key, megatron.fp8_recipe, megatron.fp8_weight_cache)
+        enable_fp8_training(chunks, megatron.fp8, key, megatron.fp8_recipe, megatron.fp8_weight_cache,
+                            megatron.fp8_amax_history_len)
     engine = TrainEngine(chunks, state, ecfg, optim, use_distributed_optimizer=megatron.use_distributed_optimizer,
                        hf_dir=str(path), param_offload=megatron.param_offload,
                        grad_offload=megatron.grad_offload, optimizer_offload=megatron.optimizer_offload)

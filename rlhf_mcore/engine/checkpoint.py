@@ -17,7 +17,9 @@ Resharding:
   parameter into canonical, unsharded tensors), so it too loads under a different TP/PP/DP; the plain
   (non-distributed) optimizer is saved per parameter as well;
 - RNG states are per (PP, TP, DP) rank and are restored only under the same layout (a different layout
-  starts from the seeded generators, as Megatron-LM does);
+  starts from the seeded generators, as Megatron-LM does); so are the amax histories of FP8 delayed scaling
+  (`fp8_recipe=delayed`: per rank, saved beside its RNG states; a different layout primes them again from its
+  first casts);
 - scheduler: plain values, layout-independent.
 
 Loading executes nothing from the files (:mod:`rlhf_mcore.engine.safe_load`): tensors and plain data only, so the
@@ -46,8 +48,19 @@ LORA_BASE_KEY = "lora_base"  # a LoRA checkpoint: {path, sha256} of the base HF 
 _LAYOUT_KEY = "layout"
 
 
-def _rng_state() -> dict:
-    """This rank's RNG states as tensors, numbers and strings (what `weights_only` loading reads)."""
+def _fp8_amaxes(modules) -> list:
+    """The FP8 delayed-scaling amax histories of the model chunks (`ActivationAmaxes`; None for a chunk without)."""
+    found = []
+    for m in modules:
+        while getattr(m, "fp8_activation_amaxes", None) is None and hasattr(m, "module"):  # DDP, Float16Module
+            m = m.module
+        found.append(getattr(m, "fp8_activation_amaxes", None))
+    return found
+
+
+def _rng_state(modules=()) -> dict:
+    """This rank's RNG states as tensors, numbers and strings (what `weights_only` loading reads), and the chunks'
+    FP8 amax histories where the delayed recipe keeps them (per-rank state like the generators)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     version, internal, gauss = random.getstate()
@@ -57,10 +70,13 @@ def _rng_state() -> dict:
              "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    amaxes = _fp8_amaxes(modules)
+    if any(a is not None for a in amaxes):
+        state["fp8_amaxes"] = [a.state_dict() if a is not None else None for a in amaxes]
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, modules=()) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     if "python" in state:
@@ -75,6 +91,9 @@ def _set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
+    for amaxes, saved in zip(_fp8_amaxes(modules), state.get("fp8_amaxes", ())):
+        if amaxes is not None and saved is not None:
+            amaxes.load_state_dict(saved)
 
 
 def _layout(state) -> dict:
@@ -163,7 +182,7 @@ def _sharded_state_dict(modules, optimizer, scheduler, state, is_loading: bool, 
         sd["scheduler"] = scheduler.state_dict()
     if with_rng:
         d = state.dims
-        sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (d.pp, d.tp, d.dp),
+        sd["rng_state"] = ShardedObject("rng_state", _rng_state(modules), (d.pp, d.tp, d.dp),
                                         (state.pp_rank, state.tp_rank, state.dp_rank), replica_id=0)
     sd[_LAYOUT_KEY] = _layout(state)
     base = _lora_base(modules)
@@ -258,7 +277,7 @@ def load_checkpoint(path: str | Path, modules: list[torch.nn.Module], state, opt
                   + (f"the config's settings replace the checkpoint's: {'; '.join(changes)}" if changes else
                      "settings as saved"), flush=True)
     if load_rng and same_layout and "rng_state" in loaded:
-        _set_rng_state(loaded["rng_state"])
+        _set_rng_state(loaded["rng_state"], modules)
     return {k: loaded.get(k) for k in (_LAYOUT_KEY, "extra")}
 
 

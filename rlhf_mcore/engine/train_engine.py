@@ -59,7 +59,7 @@ from rlhf_mcore.engine.optim import (
     wrap_ddp,
 )
 from rlhf_mcore.engine.scored_rows import ScoredRowsHead, head_unsupported
-from rlhf_mcore.models.fp8_training import invalidate_weight_amaxes
+from rlhf_mcore.models.fp8_training import invalidate_weight_amaxes, roll_activation_amaxes
 from rlhf_mcore.trace import span
 
 __all__ = ["TrainEngine"]
@@ -345,6 +345,7 @@ class TrainEngine:
                         invalidate_weight_amaxes(self.chunks)  # FP8 tensorwise: W changed
                     else:  # a NaN/inf loss (reduced, so every rank agrees) poisons the gradients: skip this step
                         ok, grad_norm = False, None
+                    roll_activation_amaxes(self.chunks)  # FP8 delayed scaling: this step's amaxes enter the history
                     s.args.update(micro_batches=int(metrics.get("num_micro_batches", 0)), tokens=sum(seqlens))
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 metrics["update_skipped"] = 0.0 if ok else 1.0

@@ -5,8 +5,11 @@ Each `ColumnParallelLinear` / `RowParallelLinear` inside `model.decoder` (QKV, a
 gets its `_forward_impl` replaced by :func:`rlhf_mcore.kernels.fp8_linear.fp8_linear_train` (forward e4m3,
 gradients e4m3 or e5m2, current scaling per row and channel), or under `<role>.megatron.fp8_recipe=tensorwise` by
 :func:`rlhf_mcore.kernels.fp8_linear.fp8_linear_train_tensorwise` (one scale per tensor; each layer keeps its
-weight's amax between optimizer steps). The embedding, the LM head (`model.output_layer`, outside the
-decoder), norms and attention stay in the model's dtype; parameters, gradients and the optimizer are untouched.
+weight's amax between optimizer steps), or under `fp8_recipe=delayed` by the same with the activations' and
+gradients' scales from the amaxes of the last `fp8_amax_history_len` optimizer steps (one `ActivationAmaxes` per
+chunk, `chunk.fp8_activation_amaxes`, rolled by the train engine after each step: `roll_activation_amaxes`). The
+embedding, the LM head (`model.output_layer`, outside the decoder), norms and attention stay in the model's dtype;
+parameters, gradients and the optimizer are untouched.
 
 Mixture-of-experts models are refused (their experts are `grouped_experts.GroupedExperts`, grouped bf16 GEMMs
 with no FP8 path).
@@ -17,17 +20,26 @@ Formats follow Megatron / Transformer Engine's names: "e4m3" (everything e4m3) a
 from __future__ import annotations
 
 from rlhf_mcore.kernels.fp8 import E4M3, E5M2, Fp8Unsupported, check_fp8_device
-from rlhf_mcore.kernels.fp8_linear import RECIPES, WeightAmax, fp8_linear_train, fp8_linear_train_tensorwise
+from rlhf_mcore.kernels.fp8_linear import (
+    PER_TENSOR,
+    RECIPES,
+    ActivationAmaxes,
+    DelayedSites,
+    WeightAmax,
+    fp8_linear_train,
+    fp8_linear_train_tensorwise,
+)
 
 FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forward is e4m3 in both)
 
 
-def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", weight_cache: bool | str = False
-                        ) -> int:
-    """Switch the decoder linears of every model chunk to FP8 GEMMs under `recipe` (rowwise or tensorwise); returns
-    how many layers were switched. weight_cache (tensorwise only, `<role>.megatron.fp8_weight_cache`): each layer keeps
-    its weight's FP8 codes (true: and their transpose; "forward": the codes only) from the first forward after an
-    optimizer step to the next (`WeightAmax.keep_codes`).
+def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", weight_cache: bool | str = False,
+                        amax_history: int = 16) -> int:
+    """Switch the decoder linears of every model chunk to FP8 GEMMs under `recipe` (rowwise, tensorwise or delayed);
+    returns how many layers were switched. weight_cache (tensorwise and delayed, `<role>.megatron.fp8_weight_cache`):
+    each layer keeps its weight's FP8 codes (true: and their transpose; "forward": the codes only) from the first
+    forward after an optimizer step to the next (`WeightAmax.keep_codes`). amax_history (delayed,
+    `<role>.megatron.fp8_amax_history_len`): how many optimizer steps' amaxes a scale is the maximum of.
     Refused (Fp8Unsupported, one line naming `key`) for MoE models, without an FP8 GPU, with sequence parallelism,
     dims not multiples of 16, a weight cache under the rowwise recipe, or no Megatron local-spec linears to switch.
     Under Megatron's gradient-accumulation fusion the FP8 weight gradients accumulate into main_grad
@@ -38,17 +50,21 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", wei
         raise Fp8Unsupported(f"{key}={fmt!r}: choose e4m3 or hybrid (e5m2 gradients), or null (off).")
     if recipe not in RECIPES:
         raise Fp8Unsupported(f"{key}_recipe={recipe!r}: choose one of {', '.join(RECIPES)}.")
-    if weight_cache and recipe != "tensorwise":
-        raise Fp8Unsupported(f"{key}_weight_cache={str(weight_cache).lower()} needs {key}_recipe=tensorwise (the "
-                             f"{recipe} recipe casts the weight per channel along each axis, which is not kept); set "
-                             "it to false.")
+    if weight_cache and recipe not in PER_TENSOR:
+        raise Fp8Unsupported(f"{key}_weight_cache={str(weight_cache).lower()} needs {key}_recipe=tensorwise or "
+                             f"delayed (the {recipe} recipe casts the weight per channel along each axis, which is not "
+                             "kept); set it to false.")
     grad_dtype, switched = FORMATS[fmt], 0
     _refuse_grouped_experts(chunks, fmt, key)
     for chunk in chunks:
         decoder = getattr(chunk, "decoder", None)
-        for name, mod in (decoder.named_modules() if decoder is not None else ()):
-            if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-                continue
+        linears = [(name, mod) for name, mod in (decoder.named_modules() if decoder is not None else ())
+                   if isinstance(mod, (ColumnParallelLinear, RowParallelLinear))]
+        amaxes = None
+        if recipe == "delayed" and linears:
+            amaxes = chunk.fp8_activation_amaxes = ActivationAmaxes(2 * len(linears), amax_history,
+                                                                    linears[0][1].weight.device)
+        for name, mod in linears:
             check_fp8_device(mod.weight.device, key)
             why = ("sequence_parallel=true" if mod.sequence_parallel else
                    f"weight shape {tuple(mod.weight.shape)} (FP8 GEMM dims must be multiples of 16)"
@@ -56,8 +72,8 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", wei
             if why is not None:
                 raise Fp8Unsupported(f"{key}={fmt}: decoder layer {name} cannot run FP8 GEMMs with {why}; set {key} "
                                      "to null for this run.")
-            mod._forward_impl = _fp8_impl(mod, grad_dtype, recipe, weight_cache)
-            if recipe == "tensorwise":  # kept on the chunk too, for invalidate_weight_amaxes (no module walk)
+            mod._forward_impl = _fp8_impl(mod, grad_dtype, recipe, weight_cache, amaxes)
+            if recipe in PER_TENSOR:  # kept on the chunk too, for invalidate_weight_amaxes (no module walk)
                 chunk.fp8_weight_amaxes = [*getattr(chunk, "fp8_weight_amaxes", ()), mod.fp8_weight_amax]
             switched += 1
     if switched == 0:
@@ -87,19 +103,30 @@ def invalidate_weight_amaxes(chunks) -> int:
     return len(caches)
 
 
-def _fp8_impl(mod, grad_dtype, recipe: str, weight_cache: bool | str = False):
+def roll_activation_amaxes(chunks) -> int:
+    """After an optimizer step: each "delayed" chunk's activation and gradient amaxes of the step enter its history
+    (`ActivationAmaxes.roll`); returns how many chunks rolled. A no-op for the other recipes or no FP8."""
+    rolled = [c.fp8_activation_amaxes for c in chunks if getattr(c, "fp8_activation_amaxes", None) is not None]
+    for amaxes in rolled:
+        amaxes.roll()
+    return len(rolled)
+
+
+def _fp8_impl(mod, grad_dtype, recipe: str, weight_cache: bool | str = False, amaxes: ActivationAmaxes | None = None):
     """A `_forward_impl` with Megatron's keyword arguments (linear_with_grad_accumulation_and_async_allreduce).
-    Tensorwise: the layer's weight amax (with weight_cache, also its codes) lives on the layer (`mod.fp8_weight_amax`)
-    between calls."""
-    if recipe == "tensorwise":
+    Tensorwise and delayed: the layer's weight amax (with weight_cache, also its codes) lives on the layer
+    (`mod.fp8_weight_amax`) between calls; delayed: its two sites of the chunk's `amaxes` too (`mod.fp8_delayed`)."""
+    if recipe in PER_TENSOR:
         mod.fp8_weight_amax = WeightAmax(keep_codes=weight_cache)
+        mod.fp8_delayed = DelayedSites(amaxes) if amaxes is not None else None
 
     def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
              sequence_parallel=False, **_unused):
         group = getattr(mod, "tp_group", None) if allreduce_dgrad else None
         fuse = bool(gradient_accumulation_fusion) and weight.requires_grad
-        if recipe == "tensorwise":
-            return fp8_linear_train_tensorwise(input, weight, bias, grad_dtype, group, mod.fp8_weight_amax, fuse)
+        if recipe in PER_TENSOR:
+            return fp8_linear_train_tensorwise(input, weight, bias, grad_dtype, group, mod.fp8_weight_amax, fuse,
+                                               mod.fp8_delayed)
         return fp8_linear_train(input, weight, bias, grad_dtype, group, fuse)
 
     return impl
