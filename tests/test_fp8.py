@@ -451,7 +451,7 @@ def test_fp8_training_refusals():
 
     with pytest.raises(Fp8Unsupported, match=r"^k='e5m2': choose e4m3 or hybrid"):
         enable_fp8_training([], "e5m2", "k")
-    with pytest.raises(Fp8Unsupported, match=r"^k_weight_cache=true needs k_recipe=tensorwise \(the rowwise recipe"):
+    with pytest.raises(Fp8Unsupported, match=r"^k_weight_cache=true needs k_recipe=tensorwise or delayed \(the"):
         enable_fp8_training([], "hybrid", "k", "rowwise", weight_cache=True)
     with pytest.raises(Fp8Unsupported, match=r"^k=e4m3: no Megatron local-spec linear layers in the decoder"):
         enable_fp8_training([torch.nn.Module()], "e4m3", "k")
@@ -658,11 +658,12 @@ def test_delayed_scaling_on_the_engine(fp8_engine_env, tmp_path):
 def test_fp8_weight_gradients_accumulate_into_main_grad(fp8_engine_env, monkeypatch, recipe):
     """Megatron's gradient-accumulation fusion with FP8 training (the weight-gradient GEMM adds into main_grad,
     `kernels.fp8_wgrad`; CPU: its reference sum): two PPO updates of 4 micro-batches equal the unfused FP8 updates
-    (losses, gradient norms, parameters after, fp32 within rounding), every decoder linear's weight gradient went
-    through the accumulation (2 updates x 4 micro-batches x 8 linears) and the DDP hook added nothing for them
-    (`grad_added_to_main_grad`, still set after the last micro-batch). Mutations (run): the accumulation replaced by
-    an assignment (`main_grad.copy_`) -> the updates differ; `_accumulated` not marking the weight (with a zero
-    placeholder the hook adds, so the sums still agree) -> the marks fail."""
+    (losses and gradient norms, and the parameters after the first, fp32 within rounding), every decoder linear's
+    weight gradient went through the accumulation (2 updates x 4 micro-batches x 8 linears) and the DDP hook added
+    nothing for them (`grad_added_to_main_grad`, still set after the last micro-batch). Mutations (run): the
+    accumulation replaced by an assignment (`main_grad.copy_`) -> the updates differ (grad norm 1.27 against 1.50);
+    `_accumulated` not marking the weight (with a zero placeholder the hook adds, so the sums still agree) -> the
+    marks fail."""
     from rlhf_mcore.config import OptimConfig
     from rlhf_mcore.engine import EngineConfig, TrainEngine
     from rlhf_mcore.kernels import fp8_wgrad
@@ -681,15 +682,21 @@ def test_fp8_weight_gradients_accumulate_into_main_grad(fp8_engine_env, monkeypa
         assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", recipe) == 8
         eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8,
                                                       cuda_graphs=False), OptimConfig(lr=1e-2))
-        res[fused] = ([eng.update_policy(batch) for _ in range(2)],
-                      [p.detach().clone() for p in eng.chunks[0].parameters()], len(calls))
+        first = eng.update_policy(batch)
+        after_first = [p.detach().clone() for p in eng.chunks[0].parameters()]
+        res[fused] = ([first, eng.update_policy(batch)], after_first, len(calls))
         marked = [getattr(m.weight, "grad_added_to_main_grad", None) for m in chunks[0].decoder.modules()
                   if hasattr(m, "_forward_impl") and hasattr(m, "weight")]
         assert len(marked) == 8 and all(x is fused for x in marked), (fused, marked)
     assert res[False][2] == 0 and res[True][2] == 2 * 4 * 8, (res[False][2], res[True][2])
-    for m0, m1 in zip(res[False][0], res[True][0]):
-        assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-5, abs=1e-7)
-        assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
+    # the first update starts from the same weights: its metrics and the weights after it equal to fp32 rounding.
+    # The second starts from weights that differ by that rounding (main_grad summed in another order), and a value on
+    # an FP8 rounding boundary then takes the neighbouring code: its metrics within 1e-3 (CI's 2-core machine: 2.3e-5
+    # in the gradient norm, rowwise), its weights not compared (Adam at lr 1e-2 moves a weight whose gradient took
+    # another code by up to the lr: 0.4% of them by up to 0.0115 here). The mutation moves both by tens of percent.
+    for m0, m1, rel in zip(res[False][0], res[True][0], (1e-5, 1e-3)):
+        assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=rel, abs=1e-7)
+        assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=rel)
     for a, b in zip(res[False][1], res[True][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

@@ -368,7 +368,7 @@ def case_fp8(model_dir, state, tmp):
     dist.barrier()
     ppo = ppo_share(model_dir, state)
     out = {}
-    for recipe in ("off", "rowwise", "tensorwise"):
+    for recipe in ("off", "rowwise", "tensorwise", "delayed"):
         engine = build(state, model_dir, actor_config(micro_batch_size=4))
         if recipe != "off":
             fp8_training.enable_fp8_training(engine.chunks, "hybrid", "fp8", recipe)
