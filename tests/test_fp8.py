@@ -603,7 +603,8 @@ def test_tensorwise_training_on_the_engine(fp8_engine_env, recompute, dtype):
 
 def test_delayed_scaling_on_the_engine(fp8_engine_env, tmp_path):
     """fp8_recipe=delayed on a tiny Megatron GPTModel (CPU, the reference GEMMs, fp8=hybrid, a 2-step history): two
-    PPO updates of 4 micro-batches within 10% (gradient norm) and 5% (loss) of the same model without FP8; after them
+    PPO updates of 4 micro-batches within 10% (gradient norm) and 5% (loss) of the same model without FP8, after a
+    log-prob pass that primes the inputs' sites and tracks fp32's log-probs; after them
     every one of the 16 sites (x and dy of 8 linears) holds both steps' amaxes, the scale the larger; with full
     activation recompute the updates equal the eager ones exactly (the scales stay fixed between a micro-batch's
     first pass and its recompute); a checkpoint holds the histories, and an engine loaded from it takes the next
@@ -627,10 +628,14 @@ def test_delayed_scaling_on_the_engine(fp8_engine_env, tmp_path):
                            OptimConfig(lr=1e-2))
 
     ref = engine(None)
+    ref_logp = ref.compute_log_probs(batch)[0]
     want = [ref.update_policy(batch) for _ in range(2)]
     runs = {}
     for recompute in (False, True):
         eng = engine("delayed", recompute)
+        # a log-prob pass first (the old log-probs; no_grad) primes the inputs' sites
+        torch.testing.assert_close(eng.compute_log_probs(batch)[0], ref_logp, rtol=0.05, atol=0.05)
+        assert sum(eng.chunks[0].fp8_activation_amaxes.primed) == 8  # x of 8 linears; dy at the first backward
         runs[recompute] = (eng, [eng.update_policy(batch) for _ in range(2)])
     eng, got = runs[False]
     for m0, m1 in zip(want, got):
