@@ -478,6 +478,20 @@ def _naive_attention(q, k, v, allowed, scale):
     return out
 
 
+def test_sdpa_mask_cache_under_inference_mode():
+    """`sdpa_allowed_mask` caches its conversion per mask (keyed by the mask's version counter); a mask made under
+    torch.inference_mode has none: it is converted every call, so a mask rewritten in place is never served stale,
+    and nothing raises. Mutation (run): keyed by `mask._version` again -> raises."""
+    from rlhf_mcore.models.attention_ops import sdpa_allowed_mask
+
+    with torch.inference_mode():
+        mask = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+        assert bool(sdpa_allowed_mask(mask).all())
+        mask[..., 1, :] = True  # query 1 may see nothing now: only itself is allowed (kept finite)
+        got = sdpa_allowed_mask(mask)
+        assert got[0, 0, 1].tolist() == [False, True, False, False] and bool(got[0, 0, 0].all())
+
+
 def test_sdpa_core_attention_padding_and_packing_match_naive_loops():
     from rlhf_mcore.models.attention_ops import (
         dense_attention,
@@ -575,7 +589,9 @@ class _OneRankGroup:  # what megatron's RoPE reads of a context-parallel group
 def test_packed_rope_is_megatrons_thd_rope_bitwise(dtype, rot_dim):
     """The sync-free packed RoPE (positions restart per document, computed on the device) gives Megatron's
     per-document THD RoPE bit for bit, values and gradients, with a trailing dummy document (the packer's
-    padding), an empty document and partial rotary dims; unpacked calls still go to Megatron's function."""
+    padding), an empty document and partial rotary dims; unpacked calls still go to Megatron's function; under
+    torch.inference_mode too. Mutation (run): the cache keyed by `cu_seqlens._version` again -> the inference-mode
+    call raises."""
     from types import SimpleNamespace
 
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
@@ -615,6 +631,15 @@ def test_packed_rope_is_megatrons_thd_rope_bitwise(dtype, rot_dim):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     assert torch.equal(apply_rope_packed(s, freqs, cfg, cp_group=_OneRankGroup()), _apply_rotary_pos_emb_bshd(s, freqs))
+    # under torch.inference_mode (a caller's log-prob pass): cu_seqlens made there has no version counter; the table
+    # cache skips it instead of failing ("Inference tensors do not track version counter", before the fix), and a
+    # second batch in the same storage is not served the first one's tables
+    with torch.inference_mode():
+        cu_inf = cu.clone()
+        assert torch.equal(apply_rope_packed(t, freqs, cfg, cu_seqlens=cu_inf, cp_group=_OneRankGroup()), ref.detach())
+        cu_inf.copy_(torch.tensor([0, 31, 31, 31, 31, 31]))  # one document now: positions 0..30
+        assert torch.equal(apply_rope_packed(t, long_freqs, cfg, cu_seqlens=cu_inf, cp_group=_OneRankGroup()),
+                           _apply_rotary_pos_emb_thd(t, cu_inf, long_freqs, cp_group=_OneRankGroup()))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks for device-to-host syncs")

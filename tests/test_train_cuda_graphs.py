@@ -126,7 +126,9 @@ def test_static_padding_leaves_log_probs_and_updates_unchanged_on_cpu(tiny_model
     real model, fp32 on CPU: log-probs equal the natural shapes' within fp32 rounding of matmuls over more rows
     (2e-5 on values near -7; a wrong position, mask or document boundary moves them by 1e-2 or more), and so does
     an update. (The 128-token floor of max_seqlen is lowered to 16 so that these 32-token documents get a
-    max_seqlen below the 128-token micro-batches, and the padding splits.)
+    max_seqlen below the 128-token micro-batches, and the padding splits.) A log-prob pass under the caller's
+    torch.inference_mode gives the plain one's log-probs bit for bit (the packed RoPE's table cache keyed by a
+    version counter that inference tensors lack raised there).
 
     Mutation: the padding as one dummy document of every padding token (longer than max_seqlen) -> the RoPE table
     of max_seqlen rows is indexed past its end: an error."""
@@ -140,6 +142,8 @@ def test_static_padding_leaves_log_probs_and_updates_unchanged_on_cpu(tiny_model
         plain, padded = _engine(model_dir, state, None, torch.float32), _engine(model_dir, state, None, torch.float32,
                                                                                 static_eager=True)
         lp_plain, ent_plain = plain.compute_log_probs(batch)
+        with torch.inference_mode():  # a caller's inference mode: the same log-probs (it raised before session 41)
+            assert torch.equal(plain.compute_log_probs(batch)[0], lp_plain)
         lp_pad, ent_pad = padded.compute_log_probs(batch)
         torch.testing.assert_close(lp_pad, lp_plain, rtol=0, atol=2e-5)
         torch.testing.assert_close(ent_pad, ent_plain, rtol=0, atol=2e-5)

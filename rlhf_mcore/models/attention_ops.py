@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rlhf_mcore.models.rope import tensor_version
+
 _COMPILED_FLEX = None
 _VARLEN = None  # (varlen_attn, its keyword parameters) once looked up; False where torch has none
 
@@ -36,13 +38,14 @@ def sdpa_allowed_mask(mask: torch.Tensor) -> torch.Tensor:
     """Megatron's mask (True = masked out) -> SDPA's (True = may attend), with fully masked query rows allowed
     to see themselves so they stay finite. Computed once per forward: cached for the last mask seen."""
     global _LAST_MASK
-    if _LAST_MASK[0] is mask and _LAST_MASK[1] == mask._version:
+    version = tensor_version(mask)
+    if _LAST_MASK[0] is mask and version is not None and _LAST_MASK[1] == version:
         return _LAST_MASK[2]
     allowed = ~mask
     dead_rows = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, S, 1): queries that may see nothing
     eye = torch.eye(allowed.size(-2), allowed.size(-1), dtype=torch.bool, device=allowed.device)
     allowed = allowed | (dead_rows & eye)  # no host sync: a no-op for rows that see something
-    _LAST_MASK = (mask, mask._version, allowed)
+    _LAST_MASK = (mask, version, allowed)
     return allowed
 
 

@@ -88,6 +88,12 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return tokens - cu[doc]
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """t's version counter (moves at every in-place write), or None for a tensor made under `torch.inference_mode`,
+    which has none: a cache keyed by it then never hits (a log-prob pass a caller runs under inference mode)."""
+    return None if t.is_inference() else t._version
+
+
 def clear_packed_tables() -> None:
     """Forget the cached packed cos/sin tables (a CUDA graph capture must compute them inside the graph)."""
     global _PACKED_TABLES
@@ -99,7 +105,8 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, d
     (every layer and both query and key of one forward pass share them)."""
     global _PACKED_TABLES
     c = _PACKED_TABLES
-    if c[0] is cu_seqlens and c[1] == cu_seqlens._version and c[2] is freqs and c[3] == total and c[4] == (
+    version = tensor_version(cu_seqlens)
+    if c[0] is cu_seqlens and version is not None and c[1] == version and c[2] is freqs and c[3] == total and c[4] == (
             dtype, mscale):
         return c[5]
     positions = getattr(cu_seqlens, POSITIONS_ATTR, None)
@@ -107,7 +114,7 @@ def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, d
         positions = packed_positions(cu_seqlens, total)
     f = freqs.index_select(0, positions)  # (total, 1, 1, rot_dim)
     tables = ((torch.cos(f) * mscale).to(dtype), (torch.sin(f) * mscale).to(dtype))
-    _PACKED_TABLES = (cu_seqlens, cu_seqlens._version, freqs, total, (dtype, mscale), tables)
+    _PACKED_TABLES = (cu_seqlens, version, freqs, total, (dtype, mscale), tables)
     return tables
 
 
