@@ -13,8 +13,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rlhf_mcore.models.rope import tensor_version
-
 _COMPILED_FLEX = None
 _VARLEN = None  # (varlen_attn, its keyword parameters) once looked up; False where torch has none
 
@@ -29,6 +27,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
                                               enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_allowed_mask(mask), dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """t's version counter (moves at every in-place write), or None for a tensor made under `torch.inference_mode`,
+    which has none: a cache keyed by it then never hits (a log-prob pass a caller runs under inference mode)."""
+    return None if t.is_inference() else t._version
 
 
 _LAST_MASK: tuple = (None, -1, None)  # (Megatron mask, its _version, SDPA mask): every layer gets the same mask

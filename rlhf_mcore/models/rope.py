@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from rlhf_mcore.models.attention_ops import tensor_version
 from rlhf_mcore.models.hf_config import ModelShape
 
 
@@ -86,12 +87,6 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     tokens = torch.arange(total, device=cu.device)
     doc = torch.searchsorted(cu[1:].contiguous(), tokens, right=True).clamp_(max=cu.numel() - 2)
     return tokens - cu[doc]
-
-
-def tensor_version(t: torch.Tensor) -> int | None:
-    """t's version counter (moves at every in-place write), or None for a tensor made under `torch.inference_mode`,
-    which has none: a cache keyed by it then never hits (a log-prob pass a caller runs under inference mode)."""
-    return None if t.is_inference() else t._version
 
 
 def clear_packed_tables() -> None:
