@@ -696,7 +696,7 @@ def test_fp8_weight_gradients_accumulate_into_main_grad(fp8_engine_env, monkeypa
     assert res[False][2] == 0 and res[True][2] == 2 * 4 * 8, (res[False][2], res[True][2])
     # the first update starts from the same weights: its metrics and the weights after it equal to fp32 rounding.
     # The second starts from weights that differ by that rounding (main_grad summed in another order), and a value on
-    # an FP8 rounding boundary then takes the neighbouring code: its metrics within 1e-3 (CI's 2-core machine: 2.3e-5
+    # an FP8 rounding boundary then takes the neighbouring code: its metrics within 1e-3 (a 2-core machine: 2.3e-5
     # in the gradient norm, rowwise), its weights not compared (Adam at lr 1e-2 moves a weight whose gradient took
     # another code by up to the lr: 0.4% of them by up to 0.0115 here). The mutation moves both by tens of percent.
     for m0, m1, rel in zip(res[False][0], res[True][0], (1e-5, 1e-3)):
