@@ -208,6 +208,11 @@ class ActivationAmaxes:
         self.used += n
         return tuple(range(self.used - n, self.used))
 
+    def scale_of(self, site: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(amax (0-dim), seen (1,)) of a primed site: what a cast under its delayed scale reads and folds into (a
+        producer that writes codes itself, `fp8_mlp`); None before the site's first cast."""
+        return (self.amax[site], self.seen[site:site + 1]) if self.primed[site] else None
+
     def quantize(self, site: int, x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple:
         """`quantize_tensor(x, dtype, transpose=transpose)` under the site's delayed scale (its first time: x's own
         amax), with x's max |x| folded into the site's `seen`."""

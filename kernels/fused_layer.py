@@ -29,7 +29,8 @@ try:
 except ImportError:  # the module still imports; calling a kernel raises a clear error
     triton = None
 
-__all__ = ["swiglu", "swiglu_reference", "rope_rotate", "rope_reference", "rope_supported", "triton_available"]
+__all__ = ["swiglu", "swiglu_grad", "swiglu_reference", "rope_rotate", "rope_reference", "rope_supported",
+           "triton_available"]
 
 # Columns one SwiGLU program handles (a power of two).
 BLOCK_F = 1024
@@ -144,13 +145,18 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        g = g.contiguous()
-        f = y.size(-1) // 2
-        dy = torch.empty_like(y)
-        rows = y.numel() // (2 * f) if f else 0
-        if rows:
-            _swiglu_bwd_kernel[_swiglu_grid(rows, f)](g, y, dy, f, BLOCK=BLOCK_F)
-        return dy
+        return swiglu_grad(g, y)
+
+
+def swiglu_grad(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """dL/dy (..., 2F) of `swiglu` from g = dL/d swiglu(y) (..., F), in one kernel (y contiguous)."""
+    g = g.contiguous()
+    f = y.size(-1) // 2
+    dy = torch.empty_like(y)
+    rows = y.numel() // (2 * f) if f else 0
+    if rows:
+        _swiglu_bwd_kernel[_swiglu_grid(rows, f)](g, y, dy, f, BLOCK=BLOCK_F)
+    return dy
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:

@@ -463,8 +463,11 @@ def test_fp8_training_at_tp2_tracks_tp1(runs):
     quantizes its own shards (scales over half of a row-parallel layer's K), so the gradient norm agrees within 2%
     and the losses within 5e-3 (measured: 0.4% and 1.6e-3, rowwise and tensorwise), and FP8 moved the gradient norm
     (the recipes ran). The delayed recipe's later micro-batches take the scales its first ones primed, per rank
-    (session 41: grad norm 3.980 at TP=1, 3.977 at TP=2, 4.115 without FP8). Mutation: the FP8 linears'
-    input-gradient all-reduce dropped -> the TP=2 gradient norm falls 16% (4.12 -> 3.47, run once)."""
+    (session 41: grad norm 3.980 at TP=1, 3.977 at TP=2, 4.115 without FP8). Its MLPs run as one Function each
+    (`fp8_training._fuse_swiglu_mlp`) and equal the two delayed linears exactly at both layouts. Mutations: the FP8
+    linears' input-gradient all-reduce dropped -> the TP=2 gradient norm falls 16% (4.12 -> 3.47, run once); the
+    fused MLP's output all-reduce dropped -> its TP=2 update leaves the two linears' (grad norm 4.017 against 3.977:
+    within the TP tolerance, caught by the exact comparison; run once)."""
     results, _ = runs
     tp1, tp2 = results["w1"]["fp8@1x1"], results["w2"]["fp8@2x1"]
     assert tp2["off"]["grad_norm"] == pytest.approx(tp1["off"]["grad_norm"], rel=1e-5)
@@ -475,6 +478,9 @@ def test_fp8_training_at_tp2_tracks_tp1(runs):
         for key in ("pg_loss", "loss"):
             assert tp2[recipe][key] == pytest.approx(tp1[recipe][key], abs=5e-3), (recipe, key)
         assert tp1[recipe]["grad_norm"] != tp1["off"]["grad_norm"]
+    for run in (tp1, tp2):
+        assert run["delayed"] == {**run["delayed_two_linears"], "fused_mlps": 4}
+        assert run["delayed_two_linears"]["fused_mlps"] == 0
 
 
 def test_gradient_accumulation_fusion_across_layouts(runs):

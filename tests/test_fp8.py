@@ -738,3 +738,104 @@ def test_learn_gpu_variants_are_real_keys():
     assert cfgs["ppo_fp8-train"].critic.megatron.fp8 == "e4m3"
     assert cfgs["ppo_fp8-train"].algorithm.adv_estimator == "gae"
     assert len({c.trainer.seed for c in cfgs.values()}) == 1
+
+
+def fused_mlp_against_unfused(device, act, unfused_act, dtype, fuse_wgrad=False, steps=3):
+    """`fp8_mlp.fp8_swiglu_mlp` with `act` against two delayed `fp8_linear_train_tensorwise` layers around
+    `unfused_act` (the same activation under autograd: the unfused path), each with its own `ActivationAmaxes` (4
+    sites) and kept weight codes, over `steps` forward + backward passes with a roll between them (the first primes
+    every site with current scaling, the later ones use the delayed scales; on CUDA with `TritonSwiGLU` those run
+    the producer casts): outputs, input gradients, weight gradients (or main_grad under `fuse_wgrad`) and the sites'
+    state equal bit for bit. Returns how many passes ran with every site primed."""
+    from rlhf_mcore.kernels.fp8_linear import ActivationAmaxes, DelayedSites, WeightAmax, fp8_linear_train_tensorwise
+    from rlhf_mcore.kernels.fp8_mlp import LinearState, fp8_swiglu_mlp
+
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(37, 64, generator=g).to(device, dtype)
+    w1 = (torch.randn(2 * 96, 64, generator=g) * 0.1).to(device, dtype)
+    w2 = (torch.randn(64, 96, generator=g) * 0.1).to(device, dtype)
+    runs, delayed_passes = {}, 0
+    for fused in (False, True):
+        reg = ActivationAmaxes(4, 2, device)
+        fc1 = LinearState(WeightAmax(keep_codes="forward"), DelayedSites(reg))
+        fc2 = LinearState(WeightAmax(keep_codes="forward"), DelayedSites(reg))
+        params = [w.clone().requires_grad_() for w in (w1, w2)]
+        if fuse_wgrad:
+            for p in params:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+        outs = []
+        for step in range(steps):
+            x = (x0 * (1 + step)).requires_grad_()  # growing amaxes: the delayed scales saturate
+            if fused:
+                out = fp8_swiglu_mlp(x, *params, fc1, fc2, act, E5M2, None, fuse_wgrad)
+            else:
+                y = fp8_linear_train_tensorwise(x, params[0], None, E5M2, None, fc1.weight_amax, fuse_wgrad,
+                                                fc1.sites)
+                out = fp8_linear_train_tensorwise(unfused_act(y), params[1], None, E5M2, None, fc2.weight_amax,
+                                                  fuse_wgrad, fc2.sites)
+            delayed_passes += fused and all(reg.primed)
+            (out.float() * torch.linspace(-1, 1, out.shape[-1], device=device)).sum().backward()
+            grads = [p.main_grad.clone() if fuse_wgrad else p.grad.clone() for p in params]
+            outs.append((out.detach(), x.grad, *grads, reg.seen.clone()))
+            for p in params:
+                p.grad = None
+            reg.roll()
+            for fc in (fc1, fc2):
+                fc.weight_amax.invalidate()
+        runs[fused] = (outs, reg.hist.clone(), reg.amax.clone())
+    for a, b in zip(runs[False][0], runs[True][0]):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+    assert torch.equal(runs[False][1], runs[True][1]) and torch.equal(runs[False][2], runs[True][2])
+    return delayed_passes
+
+
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["grads", "main_grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_swiglu_mlp_equals_the_two_linears(dtype, fuse_wgrad):
+    """The delayed recipe's MLP as one Function (`fp8_mlp`, CPU: the eager activation, the unfused casts inside the
+    Function) equals the two delayed linears around Megatron's eager glu bit for bit over three passes (primed, then
+    delayed, saturating), weight gradients returned or accumulated into main_grad; the fused path's producer casts
+    are compared on the GPU (`test_fp8_gpu.py`). Mutations (run): dx from fc2's weight codes -> shape error; fc1's dy
+    cast at fc1's x site -> the gradients differ; x cast in the gradient format (e5m2) -> the outputs differ."""
+    from rlhf_mcore.kernels.fp8_mlp import EagerSwiGLU
+    from rlhf_mcore.kernels.fused_layer import swiglu_reference
+
+    assert fused_mlp_against_unfused("cpu", EagerSwiGLU, swiglu_reference, dtype, fuse_wgrad) == 2
+
+
+@pytest.mark.parametrize("recompute, dtype", [(True, torch.float32), (False, torch.bfloat16)],
+                         ids=["full_recompute", "bf16"])
+def test_fused_swiglu_mlp_on_the_engine(fp8_engine_env, monkeypatch, recompute, dtype):
+    """fp8_recipe=delayed on a tiny Megatron GPTModel (CPU, fp8=hybrid): with its two MLPs run as one Function each
+    (`fp8_training._fuse_swiglu_mlp`, the default) a log-prob pass and two PPO updates of 4 micro-batches give the
+    same log-probs, losses, gradient norms and parameters as the two linears around Megatron's glu, bit for bit.
+    Mutation (run): the fused MLP's output not all-reduced is invisible here (TP=1: test_engine.py's TP=2 delayed
+    case covers it); `_fuse_swiglu_mlp` returning before `mlp.forward` is replaced -> the count check fails."""
+    from rlhf_mcore.config import OptimConfig
+    from rlhf_mcore.engine import EngineConfig, TrainEngine
+    from rlhf_mcore.engine.builder import recompute_overrides
+    from rlhf_mcore.models import build_model, fp8_training
+
+    model_dir, state, batch = fp8_engine_env
+    res = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(fp8_training, "FUSE_SWIGLU_MLP", fuse)
+        torch.manual_seed(0)
+        chunks = build_model(model_dir, state, role="actor", dtype=dtype,
+                             config_overrides=recompute_overrides(recompute) or None)
+        assert fp8_training.enable_fp8_training(chunks, "hybrid", "k", "delayed", amax_history=2) == 8
+        assert getattr(chunks[0], "fp8_fused_mlps", 0) == (2 if fuse else 0)
+        assert sum("forward" in vars(m) for m in chunks[0].modules()) == (2 if fuse else 0)
+        eng = TrainEngine(chunks, state, EngineConfig(role="actor", micro_batch_size=2, mini_batch_size=8),
+                          OptimConfig(lr=1e-2))
+        logp = eng.compute_log_probs(batch)[0]
+        metrics = [eng.update_policy(batch) for _ in range(2)]
+        res[fuse] = (logp, metrics, [p.detach().clone() for p in chunks[0].parameters()],
+                     chunks[0].fp8_activation_amaxes.hist.clone())
+    assert torch.equal(res[False][0], res[True][0])
+    for m0, m1 in zip(res[False][1], res[True][1]):
+        assert (m1["actor/pg_loss"], m1["actor/grad_norm"]) == (m0["actor/pg_loss"], m0["actor/grad_norm"])
+    for a, b in zip(res[False][2], res[True][2]):
+        assert torch.equal(a, b)
+    assert torch.equal(res[False][3], res[True][3])

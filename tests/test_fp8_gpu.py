@@ -547,3 +547,23 @@ def test_delayed_scaling_under_a_cuda_graph_follows_the_rolls():
     with torch.no_grad():
         want = fp8_linear_train_tensorwise(x, w, None, E4M3, None, WeightAmax())
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["grads", "main_grad"])
+def test_fused_swiglu_mlp_producer_casts_equal_the_two_linears(monkeypatch, fuse_wgrad):
+    """On the GPU, bf16: the delayed recipe's MLP Function with the Triton activation, whose primed passes write
+    fc2's input and fc1's output gradient as FP8 codes from the SwiGLU kernels (`fp8_swiglu`, counted here), equals
+    the two delayed linears around `fused_layer.swiglu` bit for bit over three passes (outputs, gradients or
+    main_grad through cuBLASLt, the sites' amaxes): `test_fp8.fused_mlp_against_unfused`."""
+    from test_fp8 import fused_mlp_against_unfused
+
+    from rlhf_mcore.kernels import fp8_swiglu
+    from rlhf_mcore.kernels.fp8_mlp import TritonSwiGLU
+    from rlhf_mcore.kernels.fused_layer import swiglu
+
+    calls = []
+    for name in ("swiglu_cast", "swiglu_bwd_cast"):
+        real = getattr(fp8_swiglu, name)
+        monkeypatch.setattr(fp8_swiglu, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    assert fused_mlp_against_unfused("cuda", TritonSwiGLU, swiglu, torch.bfloat16, fuse_wgrad) == 2
+    assert calls == ["swiglu_cast", "swiglu_bwd_cast"] * 2, calls

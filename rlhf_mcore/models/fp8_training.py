@@ -19,6 +19,8 @@ Formats follow Megatron / Transformer Engine's names: "e4m3" (everything e4m3) a
 
 from __future__ import annotations
 
+import os
+
 from rlhf_mcore.kernels.fp8 import E4M3, E5M2, Fp8Unsupported, check_fp8_device
 from rlhf_mcore.kernels.fp8_linear import (
     PER_TENSOR,
@@ -31,6 +33,9 @@ from rlhf_mcore.kernels.fp8_linear import (
 )
 
 FORMATS = {"e4m3": E4M3, "hybrid": E5M2}  # format -> gradient dtype (the forward is e4m3 in both)
+# The delayed recipe runs SwiGLU MLPs as one Function (`_fuse_swiglu_mlp`); RLHF_MCORE_FP8_FUSED_MLP=0 keeps the two
+# linears (the same numbers: for A/B measurements, read when FP8 is enabled; tests set this flag instead).
+FUSE_SWIGLU_MLP = True
 
 
 def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", weight_cache: bool | str = False,
@@ -76,6 +81,8 @@ def enable_fp8_training(chunks, fmt: str, key: str, recipe: str = "rowwise", wei
             if recipe in PER_TENSOR:  # kept on the chunk too, for invalidate_weight_amaxes (no module walk)
                 chunk.fp8_weight_amaxes = [*getattr(chunk, "fp8_weight_amaxes", ()), mod.fp8_weight_amax]
             switched += 1
+        if amaxes is not None and FUSE_SWIGLU_MLP and os.environ.get("RLHF_MCORE_FP8_FUSED_MLP", "1") != "0":
+            chunk.fp8_fused_mlps = sum(_fuse_swiglu_mlp(mlp, grad_dtype) for mlp in _mlps(decoder))
     if switched == 0:
         raise Fp8Unsupported(f"{key}={fmt}: no Megatron local-spec linear layers in the decoder to switch (a "
                              "Transformer Engine spec has its own FP8); set it to null.")
@@ -110,6 +117,52 @@ def roll_activation_amaxes(chunks) -> int:
     for amaxes in rolled:
         amaxes.roll()
     return len(rolled)
+
+
+def _mlps(decoder):
+    from megatron.core.transformer.mlp import MLP
+
+    return [m for m in decoder.modules() if type(m) is MLP] if decoder is not None else []
+
+
+def _fuse_swiglu_mlp(mlp, grad_dtype) -> bool:
+    """Under the delayed recipe, run a dense SwiGLU MLP whose two linears were switched as one
+    `fp8_mlp.Fp8SwiGLUMLPFunction` (the SwiGLU kernels write fc2's input and fc1's output gradient as FP8 codes:
+    the same codes as the two linears around the activation, without the bf16 tensors between). Megatron's
+    plain layout only (no biases, no gathered or scattered activations, no activation clamp or offset, no deferred
+    embedding wgrad); any other MLP keeps the two linears (the same numbers, one bf16 round trip more). Returns
+    whether it was fused."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    from rlhf_mcore.kernels.fp8_mlp import EagerSwiGLU, LinearState, TritonSwiGLU, fp8_swiglu_mlp
+    from rlhf_mcore.models.fused_layers import FusedSwiGLU
+
+    fc1, fc2, cfg = mlp.linear_fc1, mlp.linear_fc2, mlp.config
+    states = [getattr(fc, "fp8_delayed", None) for fc in (fc1, fc2)]
+    eager = (cfg.gated_linear_unit and cfg.activation_func is F.silu and not cfg.use_te_activation_func
+             and not cfg.bias_activation_fusion and cfg.activation_func_clamp_value is None
+             and not cfg.glu_linear_offset)
+    act = TritonSwiGLU if isinstance(mlp.activation_func, FusedSwiGLU) else EagerSwiGLU if eager else None
+    plain = (act is not None and None not in states and fc1.bias is None and fc2.bias is None
+             and not fc1.gather_output and fc2.input_is_parallel and not fc1.explicit_expert_comm
+             and not fc2.explicit_expert_comm and not getattr(fc1, "disable_grad_reduce", False)
+             and not cfg.defer_embedding_wgrad_compute)
+    if not plain:
+        return False
+    fc1_state = LinearState(fc1.fp8_weight_amax, fc1.fp8_delayed)
+    fc2_state = LinearState(fc2.fp8_weight_amax, fc2.fp8_delayed)
+
+    def forward(hidden_states, per_token_scale=None, **_unused):
+        if per_token_scale is not None:
+            raise ValueError("the FP8 SwiGLU MLP has no per_token_scale (a mixture-of-experts input; FP8 refuses MoE)")
+        group = fc1.tp_group if fc1.allreduce_dgrad else None
+        out = fp8_swiglu_mlp(hidden_states, fc1.weight, fc2.weight, fc1_state, fc2_state, act, grad_dtype, group,
+                             bool(fc1.gradient_accumulation_fusion))
+        return reduce_from_tensor_model_parallel_region(out, group=fc2.tp_group), None
+
+    mlp.forward = forward
+    return True
 
 
 def _fp8_impl(mod, grad_dtype, recipe: str, weight_cache: bool | str = False, amaxes: ActivationAmaxes | None = None):

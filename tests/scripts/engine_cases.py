@@ -368,12 +368,14 @@ def case_fp8(model_dir, state, tmp):
     dist.barrier()
     ppo = ppo_share(model_dir, state)
     out = {}
-    for recipe in ("off", "rowwise", "tensorwise", "delayed"):
+    for recipe in ("off", "rowwise", "tensorwise", "delayed", "delayed_two_linears"):
         engine = build(state, model_dir, actor_config(micro_batch_size=4))
+        fp8_training.FUSE_SWIGLU_MLP = recipe != "delayed_two_linears"  # delayed: its MLPs as one Function each
         if recipe != "off":
-            fp8_training.enable_fp8_training(engine.chunks, "hybrid", "fp8", recipe)
+            fp8_training.enable_fp8_training(engine.chunks, "hybrid", "fp8", recipe.split("_")[0])
         m = engine.update_policy(ppo)
         out[recipe] = {k: m[f"actor/{k}"] for k in ("grad_norm", "pg_loss", "loss")}
+        out[recipe]["fused_mlps"] = getattr(engine.chunks[0], "fp8_fused_mlps", 0)
     return out
 
 
