@@ -85,7 +85,36 @@ def bench_train_linear(s: dict, rows: int = 4096) -> dict:
     keys = [k for k in out["linears"][0] if k not in ("linear", "n", "k")]
     out["per_micro_batch_ms"] = {k: sum(r[k] for r in out["linears"]) * s["num_hidden_layers"] / 1e3 for k in keys}
     print(json.dumps(out["per_micro_batch_ms"]), flush=True)
+    out["swiglu_casts"] = _swiglu_cast_parts(f, rows)
+    print(json.dumps({"swiglu_casts": out["swiglu_casts"]}), flush=True)
     return out
+
+
+def _swiglu_cast_parts(f: int, rows: int) -> dict[str, float]:
+    """The delayed recipe's MLP (kernels/fp8_mlp.py) at F = `f`, `rows` tokens, microseconds a layer: SwiGLU then
+    the cast of fc2's input (codes and transpose, under a known amax, folding its amax), against the SwiGLU kernel
+    writing the codes (`fp8_swiglu.swiglu_cast`); the same for the backward (fc1's output gradient, e5m2); the
+    bf16 SwiGLU kernels alone as the yardstick."""
+    from triton.testing import do_bench
+
+    from rlhf_mcore.kernels.fp8_swiglu import swiglu_bwd_cast, swiglu_cast
+    from rlhf_mcore.kernels.fused_layer import swiglu, swiglu_grad
+
+    y = torch.randn(rows, 2 * f, device="cuda").bfloat16()
+    g = torch.randn(rows, f, device="cuda").bfloat16()
+    amax, seen = torch.tensor(4.0, device="cuda"), torch.zeros(1, device="cuda")
+    e4m3, e5m2 = fp8.E4M3, fp8.E5M2
+    parts = {
+        "swiglu_bf16": lambda: swiglu(y),
+        "swiglu_then_cast": lambda: fp8.quantize_tensor(swiglu(y), e4m3, amax=amax, transpose=True, seen=seen),
+        "swiglu_cast": lambda: swiglu_cast(y, e4m3, amax, seen, True),
+        "swiglu_grad_bf16": lambda: swiglu_grad(g, y),
+        "swiglu_grad_then_cast": lambda: fp8.quantize_tensor(swiglu_grad(g, y), e5m2, amax=amax, transpose=True,
+                                                             seen=seen),
+        "swiglu_bwd_cast": lambda: swiglu_bwd_cast(g, y, e5m2, amax, seen, True),
+    }
+    with torch.no_grad():
+        return {name: do_bench(fn) * 1e3 for name, fn in parts.items()}
 
 
 def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
