@@ -23,7 +23,7 @@ save. Rows are zero-padded to a multiple of 16 once, at the input (zero rows sta
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,37 +39,37 @@ class LinearState(NamedTuple):
     sites: DelayedSites
 
 
-class EagerSwiGLU:
-    """Megatron's eager gated SiLU (`silu(a) * b`, each op rounded to the input's dtype); backward by autograd."""
-    producer_casts = False
-
-    @staticmethod
-    def forward(y: torch.Tensor) -> torch.Tensor:
-        return swiglu_reference(y)
-
-    @staticmethod
-    def backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            y = y.detach().requires_grad_()
-            (dy,) = torch.autograd.grad(swiglu_reference(y), y, g)
-        return dy
+class SwiGLU(NamedTuple):
+    """An implementation of the MLP's activation: forward(y) -> h, backward(g, y) -> dL/dy, and whether its kernels
+    can write their outputs as FP8 codes themselves (`fp8_swiglu`, on CUDA)."""
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    producer_casts: bool
 
 
-class TritonSwiGLU:
-    """`fused_layer.swiglu` (fp32 inside, rounded once): on CUDA its producer casts write the FP8 codes directly."""
-    producer_casts = True
+def _eager_grad(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        y = y.detach().requires_grad_()
+        (dy,) = torch.autograd.grad(swiglu_reference(y), y, g)
+    return dy
 
-    @staticmethod
-    def forward(y: torch.Tensor) -> torch.Tensor:
-        from .fused_layer import swiglu
 
-        return swiglu(y)
+def _triton_swiglu(y: torch.Tensor) -> torch.Tensor:
+    from .fused_layer import swiglu
 
-    @staticmethod
-    def backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from .fused_layer import swiglu_grad
+    return swiglu(y)
 
-        return swiglu_grad(g, y)
+
+def _triton_grad(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    from .fused_layer import swiglu_grad
+
+    return swiglu_grad(g, y)
+
+
+# Megatron's eager gated SiLU (`silu(a) * b`, each op rounded to the input's dtype), its backward by autograd
+EAGER_SWIGLU = SwiGLU(swiglu_reference, _eager_grad, False)
+# `fused_layer.swiglu` (fp32 inside, rounded once): on CUDA the producer casts write the FP8 codes directly
+TRITON_SWIGLU = SwiGLU(_triton_swiglu, _triton_grad, True)
 
 
 def _producer_scale(act, t: torch.Tensor, sites: DelayedSites, site: int):
@@ -100,7 +100,7 @@ def _dy_codes(act, dh: torch.Tensor, y: torch.Tensor, sites: DelayedSites, dtype
 
 class Fp8SwiGLUMLPFunction(torch.autograd.Function):
     """fc2(swiglu(fc1(x))) for x (M, H), weights w1 (2F, H) and w2 (H, F); see the module docstring. fc1, fc2: their
-    `LinearState`s; act: `EagerSwiGLU` or `TritonSwiGLU`; dgrad_group: all-reduce dx over it (fc1 is
+    `LinearState`s; act: `EAGER_SWIGLU` or `TRITON_SWIGLU`; dgrad_group: all-reduce dx over it (fc1 is
     column-parallel); backward: whether autograd will call backward; fuse_wgrad: weight gradients accumulate into
     `main_grad` (`fp8_linear._accumulated`)."""
 
@@ -151,8 +151,8 @@ def _wgrad(fused_weight: torch.Tensor | None, needed: bool, operands: tuple, x_d
 
 
 def fp8_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, fc1: LinearState, fc2: LinearState,
-                   act=TritonSwiGLU, grad_dtype: torch.dtype = E4M3, dgrad_group=None, fuse_wgrad: bool = False
-                   ) -> torch.Tensor:
+                   act: SwiGLU = TRITON_SWIGLU, grad_dtype: torch.dtype = E4M3, dgrad_group=None,
+                   fuse_wgrad: bool = False) -> torch.Tensor:
     """fc2(swiglu(fc1(x))) for x (..., H) with FP8 GEMMs under the delayed recipe; (..., H_out). fc1 and fc2 hold
     the two linears' kept weight amaxes and their sites of one `ActivationAmaxes`."""
     lead = x.shape[:-1]

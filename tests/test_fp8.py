@@ -744,7 +744,7 @@ def fused_mlp_against_unfused(device, act, unfused_act, dtype, fuse_wgrad=False,
     """`fp8_mlp.fp8_swiglu_mlp` with `act` against two delayed `fp8_linear_train_tensorwise` layers around
     `unfused_act` (the same activation under autograd: the unfused path), each with its own `ActivationAmaxes` (4
     sites) and kept weight codes, over `steps` forward + backward passes with a roll between them (the first primes
-    every site with current scaling, the later ones use the delayed scales; on CUDA with `TritonSwiGLU` those run
+    every site with current scaling, the later ones use the delayed scales; on CUDA with `TRITON_SWIGLU` those run
     the producer casts): outputs, input gradients, weight gradients (or main_grad under `fuse_wgrad`) and the sites'
     state equal bit for bit. Returns how many passes ran with every site primed."""
     from rlhf_mcore.kernels.fp8_linear import ActivationAmaxes, DelayedSites, WeightAmax, fp8_linear_train_tensorwise
@@ -798,10 +798,10 @@ def test_fused_swiglu_mlp_equals_the_two_linears(dtype, fuse_wgrad):
     delayed, saturating), weight gradients returned or accumulated into main_grad; the fused path's producer casts
     are compared on the GPU (`test_fp8_gpu.py`). Mutations (run): dx from fc2's weight codes -> shape error; fc1's dy
     cast at fc1's x site -> the gradients differ; x cast in the gradient format (e5m2) -> the outputs differ."""
-    from rlhf_mcore.kernels.fp8_mlp import EagerSwiGLU
+    from rlhf_mcore.kernels.fp8_mlp import EAGER_SWIGLU
     from rlhf_mcore.kernels.fused_layer import swiglu_reference
 
-    assert fused_mlp_against_unfused("cpu", EagerSwiGLU, swiglu_reference, dtype, fuse_wgrad) == 2
+    assert fused_mlp_against_unfused("cpu", EAGER_SWIGLU, swiglu_reference, dtype, fuse_wgrad) == 2
 
 
 @pytest.mark.parametrize("recompute, dtype", [(True, torch.float32), (False, torch.bfloat16)],

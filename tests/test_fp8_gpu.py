@@ -558,12 +558,12 @@ def test_fused_swiglu_mlp_producer_casts_equal_the_two_linears(monkeypatch, fuse
     from test_fp8 import fused_mlp_against_unfused
 
     from rlhf_mcore.kernels import fp8_swiglu
-    from rlhf_mcore.kernels.fp8_mlp import TritonSwiGLU
+    from rlhf_mcore.kernels.fp8_mlp import TRITON_SWIGLU
     from rlhf_mcore.kernels.fused_layer import swiglu
 
     calls = []
     for name in ("swiglu_cast", "swiglu_bwd_cast"):
         real = getattr(fp8_swiglu, name)
         monkeypatch.setattr(fp8_swiglu, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
-    assert fused_mlp_against_unfused("cuda", TritonSwiGLU, swiglu, torch.bfloat16, fuse_wgrad) == 2
+    assert fused_mlp_against_unfused("cuda", TRITON_SWIGLU, swiglu, torch.bfloat16, fuse_wgrad) == 2
     assert calls == ["swiglu_cast", "swiglu_bwd_cast"] * 2, calls

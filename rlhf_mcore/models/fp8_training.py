@@ -135,7 +135,7 @@ def _fuse_swiglu_mlp(mlp, grad_dtype) -> bool:
     import torch.nn.functional as F
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    from rlhf_mcore.kernels.fp8_mlp import EagerSwiGLU, LinearState, TritonSwiGLU, fp8_swiglu_mlp
+    from rlhf_mcore.kernels.fp8_mlp import EAGER_SWIGLU, TRITON_SWIGLU, LinearState, fp8_swiglu_mlp
     from rlhf_mcore.models.fused_layers import FusedSwiGLU
 
     fc1, fc2, cfg = mlp.linear_fc1, mlp.linear_fc2, mlp.config
@@ -143,7 +143,7 @@ def _fuse_swiglu_mlp(mlp, grad_dtype) -> bool:
     eager = (cfg.gated_linear_unit and cfg.activation_func is F.silu and not cfg.use_te_activation_func
              and not cfg.bias_activation_fusion and cfg.activation_func_clamp_value is None
              and not cfg.glu_linear_offset)
-    act = TritonSwiGLU if isinstance(mlp.activation_func, FusedSwiGLU) else EagerSwiGLU if eager else None
+    act = TRITON_SWIGLU if isinstance(mlp.activation_func, FusedSwiGLU) else EAGER_SWIGLU if eager else None
     plain = (act is not None and None not in states and fc1.bias is None and fc2.bias is None
              and not fc1.gather_output and fc2.input_is_parallel and not fc1.explicit_expert_comm
              and not fc2.explicit_expert_comm and not getattr(fc1, "disable_grad_reduce", False)
