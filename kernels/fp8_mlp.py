@@ -14,8 +14,8 @@ read of the whole tensor after the kernel that produced it. Everything else is t
 `Fp8TensorwiseLinearFunction`s around the activation: the same sites in the same order, the same kept weight codes,
 the same weight-gradient fusion, the same codes bit for bit (the SwiGLU kernels round each value to y's dtype before
 casting it). A site without a history yet (its first cast ever primes it with current scaling), an activation other
-than the Triton one (Megatron's eager glu: CPU models, `fused_kernels` off) or CPU tensors take the unfused way
-through the same Function: the activation's output in y's dtype, then `ActivationAmaxes.quantize`.
+than the Triton one (Megatron's eager glu: CPU models, `fused_kernels` off), fp32 models or CPU tensors take the
+unfused way through the same Function: the activation's output in y's dtype, then `ActivationAmaxes.quantize`.
 
 Saved for the backward: x.T's and h.T's codes, y (bf16) and the weights' transposed codes: what the unfused layers
 save. Rows are zero-padded to a multiple of 16 once, at the input (zero rows stay zero through SwiGLU).
@@ -73,8 +73,11 @@ TRITON_SWIGLU = SwiGLU(_triton_swiglu, _triton_grad, True)
 
 
 def _producer_scale(act, t: torch.Tensor, sites: DelayedSites, site: int):
-    """The site's (amax, seen) when the activation's kernel can write the codes itself, else None."""
-    return sites.amaxes.scale_of(site) if act.producer_casts and t.is_cuda else None
+    """The site's (amax, seen) when the activation's kernel can write the codes itself, else None. 16-bit y only:
+    the kernels store the transposed codes with `tl.trans`, which wrote wrong bytes from fp32 tiles in the cast
+    kernel (H100, triton 3.6: `fp8_triton._tensor_cast_kernel`'s LOAD_T), so fp32 models take the unfused casts."""
+    ok = act.producer_casts and t.is_cuda and t.element_size() == 2
+    return sites.amaxes.scale_of(site) if ok else None
 
 
 def _h_codes(act, y: torch.Tensor, sites: DelayedSites, transpose: bool) -> tuple:
