@@ -12,9 +12,9 @@ kernel that computes it can write its codes at once instead of a bf16 tensor tha
 Each value is rounded to y's dtype before its cast, so the codes, the scale and the amax folded into `seen` are bit for
 bit what `fused_layer.swiglu` (or its backward) followed by `fp8.quantize_tensor(..., amax=, seen=)` give: the unfused
 path, which the delayed recipe keeps for a site's first cast (it has no history yet), for fp32 y and on CPU. y is
-16-bit here (the transposed store is `tl.trans` of the code tile, as the cast kernel's 16-bit path). Saved per element of
-fc2's input: the bf16 write and read (4 bytes of the 7 the unfused pair moves); per element of fc1's output gradient
-the same.
+16-bit here (the transposed store is `tl.trans` of the code tile, as the cast kernel's 16-bit path). Saved per
+element of fc2's input: the bf16 write and read (4 bytes of the 7 the unfused pair moves); per element of fc1's output
+gradient the same.
 """
 
 from __future__ import annotations
