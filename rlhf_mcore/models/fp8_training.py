@@ -7,9 +7,11 @@ gradients e4m3 or e5m2, current scaling per row and channel), or under `<role>.m
 :func:`rlhf_mcore.kernels.fp8_linear.fp8_linear_train_tensorwise` (one scale per tensor; each layer keeps its
 weight's amax between optimizer steps), or under `fp8_recipe=delayed` by the same with the activations' and
 gradients' scales from the amaxes of the last `fp8_amax_history_len` optimizer steps (one `ActivationAmaxes` per
-chunk, `chunk.fp8_activation_amaxes`, rolled by the train engine after each step: `roll_activation_amaxes`). The
-embedding, the LM head (`model.output_layer`, outside the decoder), norms and attention stay in the model's dtype;
-parameters, gradients and the optimizer are untouched.
+chunk, `chunk.fp8_activation_amaxes`, rolled by the train engine after each step: `roll_activation_amaxes`), where
+each dense SwiGLU MLP also runs as one Function whose SwiGLU kernels write fc2's input and fc1's output gradient as
+FP8 codes (`_fuse_swiglu_mlp`, `kernels/fp8_mlp.py`; the same numbers as the two linears). The embedding, the LM
+head (`model.output_layer`, outside the decoder), norms and attention stay in the model's dtype; parameters,
+gradients and the optimizer are untouched.
 
 Mixture-of-experts models are refused (their experts are `grouped_experts.GroupedExperts`, grouped bf16 GEMMs
 with no FP8 path).
