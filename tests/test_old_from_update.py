@@ -1,13 +1,15 @@
-"""The old log-probs from the update's own forward (Learner.old_from_update, actor.old_log_prob_from_update): when
-the actor's update is one optimizer step on the whole batch, the old-log-prob pass is skipped and the loss takes its
-own log-probs, detached, as the old ones. One process, fp32 on CPU, the real actor engine of a tiny Qwen2 model,
-one GRPO update of 2 prompts x 2 samples:
+"""The old log-probs from the update's own forward (Learner.old_from_update, actor.old_log_prob_from_update): the
+actor update's first mini-batch runs before any optimizer step, so its loss takes its own log-probs, detached, as the
+old ones, and the old-log-prob pass leaves its rows out (no pass when the update is one optimizer step on the whole
+batch). One process, fp32 on CPU, the real actor engine of a tiny Qwen2 model, one GRPO update of 2 prompts x 2
+samples:
 - with the skip the update equals the update after the pass: the same parameters (to fp32 rounding), loss and
-  metrics (timings aside; `actor/old_log_prob_from_update` says which path), the same old log-probs and entropy in
-  the batch for the step's metrics, and the pass is not run;
-- with ppo_epochs=2 or two mini-batches the skip is not taken, and the update equals the pass + update reference;
+  metrics (timings aside; `actor/old_log_prob_from_update` says what share of the rows the update took), the same
+  old log-probs and entropy in the batch for the step's metrics, and the pass runs on the other rows only;
+- the same with ppo_epochs=2 (no pass: the first epoch's one mini-batch is the whole batch) and with two
+  mini-batches (the pass on the second's rows), shuffled or not;
 - nothing that reads the old log-probs before the update loses them: KL in the reward, rollout correction,
-  use_rollout_log_probs each keep the pass.
+  use_rollout_log_probs each keep the whole pass.
 """
 import pytest
 import torch
@@ -31,7 +33,7 @@ def env(tiny_model_dir):
 
 def learner(env, *extra):
     """A learner around a fresh actor (the same weights and optimizer state every time) of a GRPO run; its
-    `compute_log_probs` calls are counted in `learner.passes`."""
+    `compute_log_probs` calls are counted in `learner.passes`, the rows each took in `learner.pass_rows`."""
     from rlhf_mcore.config import load_config
     from rlhf_mcore.trainer import roles
     from rlhf_mcore.trainer.learner import Learner
@@ -46,12 +48,13 @@ def learner(env, *extra):
         "actor_rollout_ref.rollout.temperature=1", *extra])
     actor = roles.build_actor(cfg, state, total_steps=1)
     out = Learner(cfg, state, actor)
-    out.passes = 0
+    out.passes, out.pass_rows = 0, []
     compute = actor.compute_log_probs
 
-    def counted(*a, **kw):
+    def counted(batch, *a, **kw):
         out.passes += 1
-        return compute(*a, **kw)
+        out.pass_rows.append(batch["input_ids"].sum(-1).tolist())  # each row's token sum names it
+        return compute(batch, *a, **kw)
 
     actor.compute_log_probs = counted
     return out
@@ -104,7 +107,7 @@ def test_the_skip_equals_the_pass_and_runs_no_pass(env):
     loss, metrics and the batch's old log-probs / entropy equal those of the update after the pass
     (old_log_prob_from_update=false). Mutations: actor_loss's old log-probs not its own under on_policy (zeros)
     -> fails; `entropy` instead of `old_entropy` in ON_POLICY_KEYS and actor_loss (the entropy metric
-    overwritten) -> fails; Learner.forward_passes running the pass whatever `old` says -> fails (the count)."""
+    overwritten) -> fails; Learner.old_log_probs running the whole pass whatever `skip` says -> fails (the count)."""
     skip, keep = learner(env), learner(env, "actor_rollout_ref.actor.old_log_prob_from_update=false")
     (m_skip, b_skip, p_skip), (m_keep, b_keep, p_keep) = step(skip), step(keep)
     assert (skip.passes, keep.passes) == (0, 1)
@@ -122,8 +125,8 @@ def test_the_skip_equals_the_pass_and_runs_no_pass(env):
 
 def test_the_shuffled_update_writes_back_in_row_order(env):
     """actor.shuffle=true permutes the one mini-batch's rows; the old log-probs written back are still each row's
-    own, those of the pass. Mutation: TrainEngine.update's write-back `index_copy_(0, order, ...)` -> the
-    mini-batch's order as is -> fails."""
+    own, those of the pass. Mutation: TrainEngine.update's write-back at `torch.arange(mini)` instead of
+    `order[:mini]` (the mini-batch's order as is) -> fails."""
     shuffled = ("actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.megatron.seed=1")  # 42: identity
     skip = learner(env, *shuffled)
     keep = learner(env, *shuffled, "actor_rollout_ref.actor.old_log_prob_from_update=false")
@@ -134,21 +137,38 @@ def test_the_shuffled_update_writes_back_in_row_order(env):
     assert_same_params(p_skip, p_keep)
 
 
-@pytest.mark.parametrize("extra", [["actor_rollout_ref.actor.ppo_epochs=2"],
-                                   ["actor_rollout_ref.actor.ppo_mini_batch_size=1"]],
-                         ids=["two_epochs", "two_mini_batches"])
-def test_no_skip_when_the_update_takes_more_than_one_step(env, extra):
-    """ppo_epochs=2, or two mini-batches: the second optimizer step's ratio is against the policy before the first,
-    so the pass runs and the update equals the naive pass + update. Mutation: TrainEngine.one_step returning True
-    (the skip forced) -> two_epochs fails on the weights (the second epoch's ratio is 1 against its own policy, not
-    against the policy before the first step), two_mini_batches in the update's write-back of one mini-batch's
-    log-probs over the whole batch (index_copy_: 4 indices, 2 rows)."""
+SHUFFLED = ["actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.megatron.seed=3"]
+
+
+@pytest.mark.parametrize("extra, share, passed", [
+    (["actor_rollout_ref.actor.ppo_epochs=2"], 1.0, []),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=1"], 0.5, [[2, 3]]),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=1", *SHUFFLED], 0.5, None),
+], ids=["two_epochs", "two_mini_batches", "two_mini_batches_shuffled"])
+def test_more_than_one_step_takes_the_first_mini_batch_from_the_update(env, extra, share, passed):
+    """ppo_epochs=2, or two mini-batches: the first mini-batch's old log-probs come from the update, the pass takes
+    the other rows (none with two epochs of one mini-batch), and the update equals the naive pass + update --
+    weights, and the old log-probs and entropy the batch carries. `passed`: the rows the pass took (None: those not
+    in the engine's shuffled first mini-batch). Mutations: the first-mini-batch test in TrainEngine.update without
+    `epoch == 0` -> two_epochs fails on the weights (the second epoch's ratio is 1 against its own policy); the
+    update's own grids not written back into its `batch` (only the caller's) -> two_epochs fails (the second epoch
+    reads zeros as the old log-probs); the write-back at `torch.arange(mini)` instead of `order[:mini]` ->
+    two_mini_batches_shuffled fails; Learner.old_log_probs_but passing every row -> the rows check fails."""
     learn = learner(env, *extra)
-    metrics, _, params = step(learn)
-    _, want = reference(learner(env, *extra))
-    assert_same_params(params, want)  # first: a forced skip shows here, in the weights
-    assert learn.passes == 1 and metrics["actor/old_log_prob_from_update"] == 0.0
+    first = learn.actor.on_policy_rows(B_PROMPTS * N).tolist()
+    metrics, batch, params = step(learn)
+    want_batch, want = reference(learner(env, *extra))
+    assert_same_params(params, want)  # first: a wrong old policy shows here, in the weights
+    for k in ("old_log_probs", "old_entropy"):
+        torch.testing.assert_close(batch[k], want_batch[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert metrics["actor/old_log_prob_from_update"] == share
     assert metrics["actor/num_optimizer_steps"] == 2.0
+    rows = batch["input_ids"].sum(-1).tolist()  # the rows' names (see learner)
+    assert len(set(rows)) == 4
+    if passed is None:
+        assert first != [0, 1] and len(first) == 2  # the shuffle chose other rows than the unshuffled first two
+        passed = [[i for i in range(4) if i not in first]]
+    assert learn.pass_rows == [[rows[i] for i in p] for p in passed]
 
 
 @pytest.mark.parametrize("extra", [
@@ -164,32 +184,24 @@ def test_what_reads_the_old_log_probs_before_the_update_keeps_the_pass(env, extr
     Mutations: Learner.old_from_update without `not alg.use_kl_in_reward` -> kl_in_reward fails; without
     `not _corrects(...)` -> the three rollout-correction cases fail."""
     learn = learner(env, *extra)
-    assert learn.actor.one_step(B_PROMPTS * N)  # the schedule alone would allow it
     assert not learn.old_from_update(grpo_batch())
 
 
-def test_an_on_policy_update_of_more_than_one_step_is_refused(env):
-    """The engine refuses on_policy where the old policy is not the update's (ppo_epochs=2), naming the fix."""
-    learn = learner(env, "actor_rollout_ref.actor.ppo_epochs=2")
-    batch = grpo_batch()
-    batch["advantages"] = batch["token_level_scores"]
-    with pytest.raises(ValueError, match="ppo_epochs=2 x 1 mini-batches: compute the old log-probs first"):
-        learn.actor.update_policy(batch, on_policy=True)
 
 
 def test_the_key_is_named_unused_where_the_pass_always_runs(capsys):
-    """`actor.old_log_prob_from_update` set where the pass can never be skipped (ppo_epochs=2, KL in the reward,
-    rollout correction, use_rollout_log_probs) is named in the unused-keys notice with the reason; where the
-    schedule may allow the skip it is not. Mutation: the rule dropped from config.unused._RULES -> fails."""
+    """`actor.old_log_prob_from_update` set where the pass always takes every row (KL in the reward, rollout
+    correction, use_rollout_log_probs) is named in the unused-keys notice with the reason; where the key decides
+    (ppo_epochs=2 among them) it is not. Mutation: the rule dropped from config.unused._RULES -> fails."""
     from rlhf_mcore.config import load_config
 
     key = "actor_rollout_ref.actor.old_log_prob_from_update=false"
-    for extra, why in ((["actor_rollout_ref.actor.ppo_epochs=2"], "ppo_epochs=2: the old-log-prob pass always runs"),
-                       (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward=true: the advantages read"),
+    for extra, why in ((["algorithm.use_kl_in_reward=true"], "use_kl_in_reward=true: the advantages read"),
                        ([f"{RC}.rollout_is=token"], "rollout_correction is on"),
                        (["actor_rollout_ref.actor.use_rollout_log_probs=true"], "there is no old-log-prob pass")):
         load_config(None, ["actor_rollout_ref.model.path=/m", key, *extra])
         err = capsys.readouterr().err
         assert "actor_rollout_ref.actor.old_log_prob_from_update" in err and why in err, (extra, err)
-    load_config(None, ["actor_rollout_ref.model.path=/m", key])
-    assert "old_log_prob_from_update" not in capsys.readouterr().err
+    for extra in ([], ["actor_rollout_ref.actor.ppo_epochs=2"]):
+        load_config(None, ["actor_rollout_ref.model.path=/m", key, *extra])
+        assert "old_log_prob_from_update" not in capsys.readouterr().err, extra

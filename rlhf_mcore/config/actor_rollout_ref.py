@@ -81,10 +81,11 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     # the rollout's log-probs are the old policy: no old-log-prob forward pass (veRL's bypass mode)
     use_rollout_log_probs: bool = False
-    # when the update is one optimizer step on the whole batch (ppo_epochs=1, ppo_mini_batch_size =
-    # data.train_batch_size) and nothing reads the old log-probs before it (no KL in the reward, no rollout
-    # correction, not a MoE actor), they are the update's own log-probs, detached: the same loss and gradient
-    # without the old-log-prob pass (rlhf_mcore.trainer.learner.Learner.old_from_update); false: always run the pass
+    # when nothing reads the old log-probs before the update (no KL in the reward, no rollout correction, not a
+    # MoE actor), those of the update's first mini-batch are its own log-probs, detached (no optimizer step has
+    # run yet): the same loss and gradient, and the old-log-prob pass leaves those rows out -- no pass at all when
+    # the update is one optimizer step on the whole batch (rlhf_mcore.trainer.learner.Learner.old_from_update);
+    # false: the pass takes every row
     old_log_prob_from_update: bool = True
     logprob_backend: str = "auto"  # log-prob/entropy kernel: auto (triton on CUDA if installed) | torch | triton
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)

@@ -38,14 +38,13 @@ def _reference_off(cfg) -> bool:
 
 
 def _old_pass_kept(cfg) -> str:
-    """Why the old-log-prob pass is never skipped in this setup (rlhf_mcore.trainer.learner.Learner.old_from_update)
-    whatever `actor.old_log_prob_from_update` says; "" when it may be (the schedule decides at each step)."""
+    """Why the old-log-prob pass always takes every row in this setup (rlhf_mcore.trainer.learner.Learner.
+    old_from_update) whatever `actor.old_log_prob_from_update` says; "" when the key decides (a MoE actor, known
+    only once its model is read, keeps the pass too)."""
     actor, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
     rc = alg.rollout_correction
     if actor.use_rollout_log_probs:
         return "actor_rollout_ref.actor.use_rollout_log_probs=true: there is no old-log-prob pass"
-    if actor.ppo_epochs > 1:
-        return f"actor_rollout_ref.actor.ppo_epochs={actor.ppo_epochs}: the old-log-prob pass always runs"
     if alg.use_kl_in_reward:
         return "algorithm.use_kl_in_reward=true: the advantages read the old log-probs, the pass always runs"
     if rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None:

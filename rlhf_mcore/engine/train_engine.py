@@ -302,19 +302,22 @@ class TrainEngine:
             raise RuntimeError(f"update_critic needs a critic engine, this one is {self.cfg.role!r}")
         return self.update(batch)
 
-    def one_step(self, batch_size: int) -> bool:
-        """Whether an update of this rank's `batch_size` sequences is one optimizer step on the whole batch
-        (ppo_epochs=1, one mini-batch): its forward then runs the policy that generated the old log-probs."""
-        return self.cfg.ppo_epochs == 1 and (self.cfg.mini_batch_size or batch_size) == batch_size
+    def on_policy_rows(self, batch_size: int) -> torch.Tensor:
+        """The rows (of this rank's `batch_size`) of the update's first mini-batch: its forward, before any
+        optimizer step, runs the policy an old-log-prob pass would run (:meth:`update`'s `on_policy`). The whole
+        batch when the update is one mini-batch; a long tensor on the engine's device, in the update's order."""
+        return self._epoch_order(batch_size, 0)[:self.cfg.mini_batch_size or batch_size]
 
     def update(self, batch: dict, on_policy: bool = False) -> dict[str, float]:
         """One PPO update on this rank's batch: `ppo_epochs` × mini-batches, one optimizer step each, then one
         LR-scheduler step. Returns metrics averaged over the optimizer steps (identical on every rank).
 
-        `on_policy` (an actor whose update is :meth:`one_step`): the batch has no `old_log_probs`; the loss takes
-        its own log-probs, detached, as the old ones -- the same values an old-log-prob pass computes, so the same
-        loss and gradient without that pass -- and they and the entropy go into `batch` as `old_log_probs` and
-        `old_entropy` (B, R), where the pass would have put them."""
+        `on_policy` (an actor): the first mini-batch of the first epoch (:meth:`on_policy_rows`) runs before any
+        optimizer step, so its loss takes its own log-probs, detached, as the old ones -- the values an
+        old-log-prob pass computes, so the same loss and gradient without the pass over those rows -- and they and
+        the entropy go into `batch` as `old_log_probs` and `old_entropy` (B, R) at those rows, where the pass
+        would have put them (the batch's own values there are not read; the batch needs none when the first
+        mini-batch is all of it). Later mini-batches and epochs read the batch's, those rows included."""
         if self.optimizer is None:
             raise RuntimeError(f"the {self.cfg.role} engine is frozen (built without an optimizer); it has no update")
         self._require_onloaded()
@@ -326,10 +329,9 @@ class TrainEngine:
         if B % mini:
             raise ValueError(f"this rank's batch of {B} sequences is not divisible by the mini-batch size {mini} "
                              "(ppo_mini_batch_size × rollout.n / DP): make the batch a multiple of it")
-        if on_policy and not (self.cfg.role == "actor" and self.one_step(B)):
-            raise ValueError(f"an on-policy update is one optimizer step of an actor on its whole batch; this "
-                             f"{self.cfg.role} takes ppo_epochs={self.cfg.ppo_epochs} x {B // mini} mini-batches: "
-                             "compute the old log-probs first (compute_log_probs) and update with on_policy=False")
+        if on_policy and self.cfg.role != "actor":
+            raise ValueError(f"an on-policy update takes an actor's own log-probs as the old ones; this is a "
+                             f"{self.cfg.role} engine: update with on_policy=False")
         lr = current_lr(self.optimizer)
         captures = self.graph_captures
         steps, flops, tokens = [], 0.0, 0
@@ -339,7 +341,14 @@ class TrainEngine:
                 with span(f"{self.cfg.role} mini-batch", epoch=epoch, index=first // mini,  # the run's trace
                           sequences=mini) as s:
                     sub = select_rows(batch, order[first:first + mini])
-                    metrics, seqlens = self.forward_backward(sub, on_policy)
+                    own = on_policy and epoch == 0 and first == 0  # no optimizer step yet: the old policy
+                    metrics, seqlens = self.forward_backward(sub, own)
+                    if own:  # its rows' old log-probs and entropy, for later epochs and the caller
+                        rows = order[:mini]
+                        for k in ON_POLICY_KEYS:
+                            grid = batch.get(k)
+                            grid = sub[k].new_zeros((B, *sub[k].shape[1:])) if grid is None else grid
+                            batch[k] = grid.to(sub[k].dtype).index_copy(0, rows, sub[k])
                     if math.isfinite(metrics.get("loss", 0.0)):
                         ok, grad_norm, _ = self.optimizer.step()
                         invalidate_weight_amaxes(self.chunks)  # FP8 tensorwise: W changed
@@ -352,9 +361,9 @@ class TrainEngine:
                 steps.append(metrics)
                 flops += train_flops(self.flop_shape, seqlens, metrics.pop("head_rows", None))
                 tokens += sum(seqlens)
-        if on_policy:  # one mini-batch: `sub` is the whole batch, its rows in `order`
+        if on_policy:
             for k in ON_POLICY_KEYS:
-                caller[k] = torch.empty_like(sub[k]).index_copy_(0, order, sub[k]).to(caller["input_ids"].device)
+                caller[k] = batch[k].to(caller["input_ids"].device)
         self.scheduler.step(1)
         self.global_steps += 1
         self._sync_device()

@@ -1,8 +1,9 @@
 """The learner: the training engines (actor, critic, reference, PRIME's implicit PRM) and what turns a generated
 batch into their updates -- old / reference log-probs and values, advantages (the KL-in-reward penalty, PRIME),
 rollout correction, the critic's and the actor's updates. Every mode's loop calls :meth:`Learner.train_on`; it
-returns the step's metrics and keeps nothing of the step. An update that is one optimizer step on the whole batch
-computes the old log-probs itself, with no separate pass (:meth:`Learner.old_from_update`)."""
+returns the step's metrics and keeps nothing of the step. The actor's update computes the old log-probs of its first
+mini-batch itself, which the old-log-prob pass then leaves out: all of them, and no pass, when the update is one
+optimizer step on the whole batch (:meth:`Learner.old_from_update`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from rlhf_mcore import algos
+from rlhf_mcore.engine.micro_batches import select_rows
 from rlhf_mcore.engine.routes import OLD_ROUTES, ROLLOUT_ROUTES
 from rlhf_mcore.parallel.collectives import group_all_reduce
 from rlhf_mcore.trace import span
@@ -27,35 +29,40 @@ class Learner:
 
     def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
         """A generated batch to an update (steps 4-6 of every mode). Returns their metrics, with
-        `actor/old_log_prob_from_update`: 1 when the update computed the old log-probs (:meth:`old_from_update`)."""
+        `actor/old_log_prob_from_update`: the fraction of the batch's rows whose old log-probs the update computed
+        (:meth:`old_from_update`; 1 when there was no pass, 0 when the pass took every row)."""
         from_update = self.old_from_update(batch)
+        rows = self.actor.on_policy_rows(batch["response_mask"].shape[0]) if from_update else None
         with t("old_log_prob"):
-            route_metrics = self.forward_passes(batch, old=not from_update)
+            route_metrics = self.forward_passes(batch, skip=rows)
         with t("adv"):
             adv_metrics = self.compute_advantages(batch)
             corr_metrics = self.correct_rollout(batch)  # off-policy IS weights / rejection
         with t("update"):
             update_metrics = self.update(batch, on_policy=from_update)
+        share = 0.0 if rows is None else rows.numel() / batch["response_mask"].shape[0]
         return {**route_metrics, **adv_metrics, **corr_metrics, **update_metrics,
-                "actor/old_log_prob_from_update": float(from_update)}
+                "actor/old_log_prob_from_update": share}
 
     def old_from_update(self, batch: dict[str, Any]) -> bool:
-        """Whether this step's old log-probs are the actor update's own log-probs, detached, with no old-log-prob
-        pass (`actor.old_log_prob_from_update`, on by default). Exact when the update is one optimizer step on the
-        whole batch (ppo_epochs=1, one mini-batch: the engine's `one_step`): its forward runs the policy that the
-        pass would run, so the same values, loss and gradient (the ratio is exactly 1). Not taken when something
-        reads the old log-probs before the update -- the KL penalty in the reward (the advantages), rollout
-        correction (its IS weights and rejection mask), a MoE actor's pass (R2 replays its routes; the routing
-        metrics read them) -- nor with `use_rollout_log_probs` (no pass to skip)."""
+        """Whether the actor update's first mini-batch takes its own log-probs, detached, as the old ones, and the
+        old-log-prob pass leaves its rows out (`actor.old_log_prob_from_update`, on by default; the rows:
+        the engine's `on_policy_rows`). Exact: that mini-batch runs before any optimizer step, so its forward runs
+        the policy the pass would run -- the same values, loss and gradient (its ratio is exactly 1). When the
+        update is one optimizer step on the whole batch (ppo_epochs=1, one mini-batch) there is no pass at all;
+        with n mini-batches the pass takes (n - 1) / n of the rows. Not taken when something reads the old
+        log-probs before the update -- the KL penalty in the reward (the advantages), rollout correction (its IS
+        weights and rejection mask), a MoE actor's pass (R2 replays its routes; the routing metrics read them) --
+        nor with `use_rollout_log_probs` (no pass to skip). `batch` is the step's (the decision does not depend
+        on it today)."""
         actor, alg = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
         return (actor.old_log_prob_from_update and not actor.use_rollout_log_probs and not alg.use_kl_in_reward
-                and not _corrects(alg.rollout_correction) and getattr(self.actor, "moe_shape", None) is None
-                and self.actor.one_step(batch["response_mask"].shape[0]))
+                and not _corrects(alg.rollout_correction) and getattr(self.actor, "moe_shape", None) is None)
 
-    def forward_passes(self, batch: dict[str, Any], old: bool = True) -> dict[str, float]:
-        """Old (unless not `old`: the update computes them, :meth:`old_from_update`) and reference log-probs,
-        values. Returns the routing metrics of a MoE actor's old-log-prob pass (:meth:`old_log_probs`)."""
-        metrics = self.old_log_probs(batch) if old else {}
+    def forward_passes(self, batch: dict[str, Any], skip: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """Old log-probs (but for the rows `skip`, whose the update computes: :meth:`old_from_update`), reference
+        log-probs, values. Returns the routing metrics of a MoE actor's old-log-prob pass (:meth:`old_log_probs`)."""
+        metrics = self.old_log_probs(batch, skip)
         if self.ref is not None:
             with span("reference"):
                 batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
@@ -64,10 +71,14 @@ class Learner:
                 batch["values"] = self.critic.compute_values(batch)
         return metrics
 
-    def old_log_probs(self, batch: dict[str, Any]) -> dict[str, float]:
-        """`old_log_probs` (and `old_entropy`) into the batch. A MoE actor records its routes in the old-log-prob
-        pass (R2 replays them in the update); returns the routing metrics (:meth:`routing_metrics`)."""
-        if self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
+    def old_log_probs(self, batch: dict[str, Any], skip: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """`old_log_probs` (and `old_entropy`) into the batch; with `skip` (rows the update computes them for) of
+        the other rows only, zeros at those (no pass when no other row is left). A MoE actor records its routes in
+        the old-log-prob pass (R2 replays them in the update); returns the routing metrics
+        (:meth:`routing_metrics`)."""
+        if skip is not None:
+            self.old_log_probs_but(batch, skip)
+        elif self.cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # the rollout's log-probs are the old policy
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif getattr(self.actor, "moe_shape", None) is not None:
             batch["old_log_probs"], batch["old_entropy"], routes = self.actor.compute_log_probs(batch,
@@ -78,6 +89,19 @@ class Learner:
         else:
             batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_probs(batch)
         return {}
+
+    def old_log_probs_but(self, batch: dict[str, Any], skip: torch.Tensor) -> None:
+        """The old-log-prob pass over the rows not in `skip`, scattered into (B, R) grids with zeros at `skip`."""
+        B = batch["response_mask"].shape[0]
+        rest = torch.ones(B, dtype=torch.bool)
+        rest[skip.cpu()] = False
+        if not rest.any():
+            return
+        rows = rest.nonzero().squeeze(1).to(batch["input_ids"].device)
+        lp, ent = self.actor.compute_log_probs(select_rows(batch, rows))
+        batch["old_log_probs"] = lp.new_zeros((B, *lp.shape[1:])).index_copy(0, rows.to(lp.device), lp)
+        if ent is not None:
+            batch["old_entropy"] = ent.new_zeros((B, *ent.shape[1:])).index_copy(0, rows.to(ent.device), ent)
 
     def routing_metrics(self, batch: dict[str, Any], trainer_routes) -> dict[str, float]:
         """MoE routing, over the whole step (every DP rank's tokens, every pipeline stage's MoE layers):
