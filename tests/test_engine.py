@@ -406,9 +406,10 @@ def runs(tiny_model_dir, tmp_path_factory):
     model_dir = tiny_model_dir("qwen2", layers=4)
     tmp = tmp_path_factory.mktemp("engine")
     launches = {
-        "w1": (1, "hf,layout@1x1,grads,offload,critic,fp8@1x1,fusion@1x1"),
-        "w2": (2, "logprob_tp@2x1,layout@2x1,layout@1x1,layout@1x2v2,ckpt@2x1,fp8@2x1,fusion@1x2,fusion@1x1"),
-        "w4": (4, "layout@2x2,fusion@2x2"),
+        "w1": (1, "hf,layout@1x1,grads,offload,critic,fp8@1x1,fusion@1x1,on_policy@1x1"),
+        "w2": (2, "logprob_tp@2x1,layout@2x1,layout@1x1,layout@1x2v2,ckpt@2x1,fp8@2x1,fusion@1x2,fusion@1x1,"
+                  "on_policy@1x1,on_policy@1x2"),
+        "w4": (4, "layout@2x2,fusion@2x2,on_policy@2x2"),
     }
     procs = {name: _launch(n, cases, model_dir, tmp / name) for name, (n, cases) in launches.items()}
     try:
@@ -497,6 +498,25 @@ def test_gradient_accumulation_fusion_across_layouts(runs):
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (case, variant)
             for key in ("pg_loss", "loss"):
                 assert got[key] == pytest.approx(ref[key], abs=1e-6), (case, variant, key)
+
+
+def test_first_mini_batch_old_log_probs_from_the_update_across_layouts(runs):
+    """The update that takes its first mini-batch's old log-probs from its own forward (`on_policy`; the batch holds
+    5.0 at those rows) equals the update after an old-log-prob pass -- two shuffled mini-batches a rank, two epochs
+    -- in one process, at DP=2 (each rank its own rows), PP=2 (the grids broadcast from the last stage) and TP=2 x
+    PP=2: loss, gradient norm and weights, and the old log-probs and entropy it writes back are the pass's. The
+    shuffled first mini-batch is not the first rows. Mutation: the write-back's rows `order[:mini]` ->
+    `torch.arange(mini)` fails (the later mini-batch and epoch read 5.0 where the shuffled rows were; run once: the
+    single process's grad norm 14.02 against 14.15)."""
+    results, _ = runs
+    for launch, case in (("w1", "on_policy@1x1"), ("w2", "on_policy@1x1"), ("w2", "on_policy@1x2"),
+                         ("w4", "on_policy@2x2")):
+        got = results[launch][case]
+        assert got["rows"] != list(range(len(got["rows"]))), case  # shuffled: not the leading rows
+        for key in ("grad_norm", "pg_loss", "loss"):
+            assert got["own"][key] == pytest.approx(got["pass"][key], rel=1e-5, abs=1e-6), (case, key)
+        assert got["old_diff"] < 1e-5 and got["entropy_diff"] < 1e-5, case
+        assert got["param_diff"] < 1e-6, case
 
 
 @pytest.mark.slow

@@ -400,8 +400,32 @@ def case_fusion(model_dir, state, tmp):
     return out
 
 
+def case_on_policy(model_dir, state, tmp):
+    """Two shuffled mini-batches a rank and two epochs: the update after an old-log-prob pass against the update
+    that takes the first mini-batch's old log-probs from its own forward (`on_policy`, Learner.old_from_update),
+    whose batch holds garbage at those rows: loss, gradient norm, the old log-probs written back, the weights'
+    largest difference (the layouts' grids and rows: DP shares, pipeline stages' broadcast, TP)."""
+    share = ppo_share(model_dir, state)
+    b = share["input_ids"].shape[0]
+    cfg = actor_config(micro_batch_size=1, mini_batch_size=b // 2, shuffle=True, seed=3, ppo_epochs=2)
+    engine = build(state, model_dir, cfg)
+    lp, ent = engine.compute_log_probs(share)
+    m_pass = engine.update_policy({**share, "old_log_probs": lp})
+    after_pass = _params(engine)
+    engine = build(state, model_dir, cfg)
+    rows = engine.on_policy_rows(b)
+    batch = {**share, "old_log_probs": lp.clone().index_fill_(0, rows, 5.0)}
+    m_own = engine.update_policy(batch, on_policy=True)
+    keys = ("grad_norm", "pg_loss", "loss")
+    return {"pass": {k: m_pass[f"actor/{k}"] for k in keys}, "own": {k: m_own[f"actor/{k}"] for k in keys},
+            "rows": rows.tolist(), "old_diff": float((batch["old_log_probs"] - lp).abs().max()),
+            "entropy_diff": float((batch["old_entropy"] - ent)[rows].abs().max()),  # the batch had none elsewhere
+            "param_diff": _max_diff(after_pass, _params(engine))}
+
+
 CASES = {"hf": case_hf, "layout": case_layout, "grads": case_grads, "offload": case_offload, "critic": case_critic,
-         "ckpt": case_ckpt, "logprob_tp": case_logprob_tp, "fp8": case_fp8, "fusion": case_fusion}
+         "ckpt": case_ckpt, "logprob_tp": case_logprob_tp, "fp8": case_fp8, "fusion": case_fusion,
+         "on_policy": case_on_policy}
 
 
 def parse_layout(text: str):
