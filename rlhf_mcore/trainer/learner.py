@@ -60,7 +60,7 @@ class Learner:
                 and not _corrects(alg.rollout_correction) and getattr(self.actor, "moe_shape", None) is None)
 
     def forward_passes(self, batch: dict[str, Any], skip: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """Old log-probs (but at the rows `skip`, whose the update computes itself: :meth:`old_from_update`), reference
+        """Old log-probs (not at the rows `skip`: the update computes those, :meth:`old_from_update`), reference
         log-probs, values. Returns the routing metrics of a MoE actor's old-log-prob pass (:meth:`old_log_probs`)."""
         metrics = self.old_log_probs(batch, skip)
         if self.ref is not None:
