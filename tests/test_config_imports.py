@@ -58,7 +58,8 @@ def test_builtin_names_are_the_registries():
     assert set(builtin) == set(names.ADV_ESTIMATOR_NEEDS)
     for name, info in builtin.items():
         assert names.Needs(**names.ADV_ESTIMATOR_NEEDS[name]) == names.Needs(
-            info.needs_critic, info.needs_greedy_baseline, info.needs_group_index), name
+            info.needs_critic, info.needs_greedy_baseline, info.needs_group_index,
+            info.lam1_returns_free_of_values), name
     losses = {n for n, fn in _POLICY_LOSSES.snapshot().items() if fn.__module__.startswith("rlhf_mcore.algos")}
     assert losses == set(names.POLICY_LOSSES)
     assert algos.list_loss_agg_modes() == list(names.LOSS_AGG_MODES)

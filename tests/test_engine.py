@@ -408,8 +408,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     launches = {
         "w1": (1, "hf,layout@1x1,grads,offload,critic,fp8@1x1,fusion@1x1,on_policy@1x1"),
         "w2": (2, "logprob_tp@2x1,layout@2x1,layout@1x1,layout@1x2v2,ckpt@2x1,fp8@2x1,fusion@1x2,fusion@1x1,"
-                  "on_policy@1x1,on_policy@1x2"),
-        "w4": (4, "layout@2x2,fusion@2x2,on_policy@2x2"),
+                  "on_policy@1x1,on_policy@1x2,values_on_policy@1x1,values_on_policy@1x2"),
+        "w4": (4, "layout@2x2,fusion@2x2,on_policy@2x2,values_on_policy@2x2"),
     }
     procs = {name: _launch(n, cases, model_dir, tmp / name) for name, (n, cases) in launches.items()}
     try:
@@ -517,6 +517,23 @@ def test_first_mini_batch_old_log_probs_from_the_update_across_layouts(runs):
             assert got["own"][key] == pytest.approx(got["pass"][key], rel=1e-5, abs=1e-6), (case, key)
         assert got["old_diff"] < 1e-5 and got["entropy_diff"] < 1e-5, case
         assert got["param_diff"] < 1e-6, case
+
+
+def test_first_mini_batch_values_from_the_critic_update_across_layouts(runs):
+    """The critic's update that takes its first mini-batch's values from its own forward (`on_policy`; the batch
+    holds 5.0 at those rows) equals the update after a values pass -- two shuffled mini-batches a rank, two epochs,
+    a value clip of 0.002 that the later mini-batches' loss reads -- at DP=2, PP=2 (the values broadcast from the last
+    stage) and TP=2 x PP=2: loss, clip fraction, gradient norm and weights, and the values it writes back are the
+    pass's. Mutation: critic_loss's old values zeros under on_policy -> fails (run once: the single process's
+    gradient norm 0.833 against 1.416)."""
+    results, _ = runs
+    for case in ("values_on_policy@1x1", "values_on_policy@1x2", "values_on_policy@2x2"):
+        got = results["w4" if case.endswith("2x2") else "w2"][case]
+        assert got["rows"] != list(range(len(got["rows"]))), case  # shuffled: not the leading rows
+        assert got["pass"]["vf_clipfrac"] > 0, case  # the clip read the old values
+        for key in ("grad_norm", "vf_loss", "vf_clipfrac", "loss"):
+            assert got["own"][key] == pytest.approx(got["pass"][key], rel=1e-5, abs=1e-6), (case, key)
+        assert got["values_diff"] < 1e-5 and got["param_diff"] < 1e-6, case
 
 
 @pytest.mark.slow

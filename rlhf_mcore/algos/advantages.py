@@ -26,8 +26,11 @@ Users add estimators the same way the built-ins are defined::
 
 What an estimator needs from the trainer is registered with it (:class:`AdvEstimator`): a critic's values
 (`needs_critic`, GAE), the reward of a greedy response per prompt (`needs_greedy_baseline`, ReMax), several
-samples per prompt grouped by `index` (`needs_group_index`, GRPO/RLOO). The trainer and the config checks read
-these facts; nothing outside this module names an estimator.
+samples per prompt grouped by `index` (`needs_group_index`, GRPO/RLOO); and whether, at `lam=1`, its returns do not
+read the values (`lam1_returns_free_of_values`, GAE: the discounted rewards-to-go), so that a critic's update may
+compute some rows' values itself before the advantages read them (rlhf_mcore.trainer.learner.Learner.
+values_from_update). The trainer and the config checks read these facts; nothing outside this module names an
+estimator.
 """
 from __future__ import annotations
 
@@ -67,6 +70,12 @@ class AdvEstimator:
     needs_critic: bool = False  # `values` (B, T) from a critic
     needs_greedy_baseline: bool = False  # `reward_baselines` (B,): the reward of a greedy response to each prompt
     needs_group_index: bool = False  # `index` (B,) groups the n samples of a prompt; n >= 2 to mean anything
+    # with lam=1 the returns equal those of any other values (the values enter the advantages only)
+    lam1_returns_free_of_values: bool = False
+
+    def returns_free_of_values(self, lam: float) -> bool:
+        """Whether this estimator's returns at `lam` do not depend on the values it is given."""
+        return self.lam1_returns_free_of_values and lam == 1
 
 
 _ADV_ESTIMATORS: Registry[AdvEstimator] = Registry(
@@ -76,7 +85,7 @@ GRPO_EPS = 1e-6  # veRL's epsilon in (score - mean) / (std + eps)
 
 
 def register_adv_estimator(name: str, *, needs_critic: bool = False, needs_greedy_baseline: bool = False,
-                           needs_group_index: bool = False,
+                           needs_group_index: bool = False, lam1_returns_free_of_values: bool = False,
                            override: bool = False) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
     """Decorator: make `fn` available as `algorithm.adv_estimator=<name>`, with what it needs (see
     :class:`AdvEstimator`).
@@ -86,8 +95,8 @@ def register_adv_estimator(name: str, *, needs_critic: bool = False, needs_greed
     """
 
     def decorator(fn: AdvEstimatorFn) -> AdvEstimatorFn:
-        _ADV_ESTIMATORS.add(name, AdvEstimator(fn, needs_critic, needs_greedy_baseline, needs_group_index),
-                            override=override)
+        _ADV_ESTIMATORS.add(name, AdvEstimator(fn, needs_critic, needs_greedy_baseline, needs_group_index,
+                                               lam1_returns_free_of_values), override=override)
         return fn
 
     return decorator
@@ -148,7 +157,7 @@ def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- estimators
 
 
-@register_adv_estimator("gae", needs_critic=True)
+@register_adv_estimator("gae", needs_critic=True, lam1_returns_free_of_values=True)
 def compute_gae(
     *,
     token_level_rewards: torch.Tensor,
@@ -163,7 +172,9 @@ def compute_gae(
     Backward recursion over valid tokens: `delta_t = r_t + gamma * V_next - V_t`, `A_t = delta_t + gamma *
     lam * A_next`; masked positions (padding, or tool/observation tokens inside a response) are skipped:
     they neither contribute a TD error nor break the chain. `returns = A + V` (before whitening) is the
-    critic's regression target; `advantages` is `A` whitened over all valid tokens of the batch.
+    critic's regression target; `advantages` is `A` whitened over all valid tokens of the batch. With `lam=1`
+    the sum telescopes: `A_t = G_t - V_t` (`G` the discounted reward-to-go over valid tokens), so the returns are
+    `G` whatever the values (to fp32 rounding).
     """
     if values is None:
         raise ValueError("adv_estimator='gae' needs critic values (values=...); enable a critic or use 'grpo'")

@@ -14,7 +14,7 @@ from typing import Optional
 
 # name -> what the trainer has to provide (the needs_* flags its decorator in .advantages registers)
 ADV_ESTIMATOR_NEEDS: dict[str, dict[str, bool]] = {
-    "gae": {"needs_critic": True},
+    "gae": {"needs_critic": True, "lam1_returns_free_of_values": True},
     "grpo": {"needs_group_index": True},
     "rloo": {"needs_group_index": True},
     "remax": {"needs_greedy_baseline": True},
@@ -33,6 +33,7 @@ class Needs:
     needs_critic: bool = False
     needs_greedy_baseline: bool = False
     needs_group_index: bool = False
+    lam1_returns_free_of_values: bool = False
 
 
 def _loaded(module: str):
@@ -52,7 +53,8 @@ def adv_estimator_needs(name: str) -> Optional[Needs]:
     if mod is None:
         return Needs(**ADV_ESTIMATOR_NEEDS[name])
     info = mod.adv_estimator_info(name)
-    return Needs(info.needs_critic, info.needs_greedy_baseline, info.needs_group_index)
+    return Needs(info.needs_critic, info.needs_greedy_baseline, info.needs_group_index,
+                 info.lam1_returns_free_of_values)
 
 
 def policy_loss_names() -> list[str]:

@@ -46,6 +46,9 @@ class CriticConfig:
     forward_micro_batch_size_per_gpu: Optional[int] = None  # None: ppo_micro_batch_size_per_gpu
     forward_max_token_len_per_gpu: Optional[int] = None  # None: ppo_max_token_len_per_gpu (use_dynamic_bsz)
     ppo_epochs: Optional[int] = None  # None: the actor's
+    # the update's first mini-batch takes its own values as the old ones and the values pass leaves its rows out
+    # (exact where the returns do not read the values: GAE with algorithm.lam=1; rlhf_mcore.trainer.learner)
+    values_from_update: bool = True
     grad_clip: float = checked(1.0, **GRAD_CLIP)
     cliprange_value: float = checked(0.5, ok=above(0), what="> 0")
     loss_agg_mode: str = "token-mean"

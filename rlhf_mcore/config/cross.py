@@ -48,10 +48,10 @@ def critic_enabled(cfg: RLConfig) -> bool:
     """`critic.enable` when set, else whether the advantage estimator needs a critic (its registered facts)."""
     if cfg.critic.enable is not None:
         return cfg.critic.enable
-    return _estimator(cfg).needs_critic
+    return estimator_needs(cfg).needs_critic
 
 
-def _estimator(cfg: RLConfig):
+def estimator_needs(cfg: RLConfig):
     """What the configured advantage estimator needs (the registry's facts, read without torch)."""
     from rlhf_mcore.algos.names import adv_estimator_names, adv_estimator_needs
 
@@ -808,7 +808,7 @@ def _check_async(cfg: RLConfig, train_world: int) -> None:
         require(r.tensor_model_parallel_size == 1,
                 "async_training.mode=fully_async runs rollout replicas of one process each: set "
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1 (one_step_off takes rollout TP > 1).")
-        require(not _estimator(cfg).needs_greedy_baseline,
+        require(not estimator_needs(cfg).needs_greedy_baseline,
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a greedy baseline per prompt, which "
                 f"the streaming rollout does not generate: use one_step_off or another estimator.")
 
@@ -831,7 +831,7 @@ def _check_algorithm_names(cfg: RLConfig) -> None:
             close = difflib.get_close_matches(str(value), names, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"config key '{key}' has value {value!r}; choose one of {', '.join(names)}{how}.{hint}")
-    est, name, n = _estimator(cfg), cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    est, name, n = estimator_needs(cfg), cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est.needs_critic and cfg.critic.enable is False:
         raise ConfigError(f"algorithm.adv_estimator={name} needs a critic but critic.enable is false: set "
                           f"critic.enable=true or choose an estimator without one (e.g. grpo).")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from rlhf_mcore.config.checks import value_at
-from rlhf_mcore.config.cross import critic_enabled, lora_enabled, reference_enabled
+from rlhf_mcore.config.cross import critic_enabled, estimator_needs, lora_enabled, reference_enabled
 from rlhf_mcore.config.errors import ConfigError
 
 # (section or key prefix, keys under it that stay meaningful, "is it unused?", why). Conditions are evaluated only
@@ -50,6 +50,24 @@ def _old_pass_kept(cfg) -> str:
     if rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None:
         return "algorithm.rollout_correction is on: it reads the old log-probs, the pass always runs"
     return ""
+
+
+def _values_pass_kept(cfg) -> str:
+    """Why the values pass always takes every row (rlhf_mcore.trainer.learner.Learner.values_from_update) whatever
+    `critic.values_from_update` says; "" when the key decides (or no critic is built: the `critic.` rule says so)."""
+    try:
+        needs = estimator_needs(cfg)
+    except ConfigError:  # an estimator from trainer.plugins, registered later: the learner decides
+        return ""
+    if not needs.needs_critic and cfg.critic.enable is not True:
+        return ""
+    if not needs.lam1_returns_free_of_values:
+        return (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} does not declare its returns free of the "
+                "values (lam1_returns_free_of_values): the values pass always runs")
+    if cfg.algorithm.lam != 1:
+        return (f"algorithm.lam={cfg.algorithm.lam} < 1: GAE's returns read the values, the values pass always "
+                "runs")
+    return ""  # PRIME needs rloo: its estimator is named above
 
 
 _FP8_SECTIONS = ("actor_rollout_ref.actor.megatron", "critic.megatron", "actor_rollout_ref.ref.megatron",
@@ -95,6 +113,7 @@ _RULES: tuple[_Rule, ...] = (
     *((f"{m}.fp8_amax_history_len", (), lambda c, m=m: value_at(c, f"{m}.fp8") is None,
        lambda c, m=m: f"{m}.fp8=null: no FP8 GEMMs") for m in _FP8_SECTIONS),
     ("actor_rollout_ref.actor.old_log_prob_from_update", (), _old_pass_kept, _old_pass_kept),
+    ("critic.values_from_update", (), _values_pass_kept, _values_pass_kept),
     ("actor_rollout_ref.rollout.lora_sync", (), lambda c: not lora_enabled(c),
      lambda c: "actor_rollout_ref.model.lora_rank=0: the actor has no adapters"),
 )

@@ -31,9 +31,11 @@ __all__ = ["LossContext", "score_tokens", "token_values", "actor_loss", "critic_
            "ACTOR_KEYS", "CRITIC_KEYS", "ON_POLICY_KEYS"]
 
 ACTOR_KEYS = ("response_mask", "old_log_probs", "advantages")  # + rollout_is_weights (b, R) when present
-# (b, R) an on-policy update's log-probs and entropy, per token, returned with its loss's metrics (and `index`)
-ON_POLICY_KEYS = ("old_log_probs", "old_entropy")
 CRITIC_KEYS = ("response_mask", "values", "returns")
+# by role, the (b, R) grids an on-policy update computes itself (its first mini-batch, before any optimizer step,
+# runs the model the forward pass would run) and returns per token with its loss's metrics (and `index`): the
+# actor's log-probs and entropy (the old ones), the critic's values (the old values of the clipped loss)
+ON_POLICY_KEYS = {"actor": ("old_log_probs", "old_entropy"), "critic": ("values",)}
 # token-weighted means among the policy loss's metrics
 _TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "approx_kl", "vf_clipfrac", "vpred_mean")
 
@@ -46,8 +48,8 @@ class LossContext:
     global_tokens: torch.Tensor  # () valid response tokens of the mini-batch, all DP ranks
     global_seqs: torch.Tensor  # () sequences with a valid response token, all DP ranks
     scale: float  # num_microbatches × dp_size: undoes Megatron's two averages
-    # the update is one optimizer step on the whole batch: the old policy is this forward's own, so its log-probs,
-    # detached, are the old log-probs (ratio exactly 1) and come back per token (`ON_POLICY_KEYS`)
+    # no optimizer step yet: the old model is this forward's own, so its log-probs (the actor) or values (the
+    # critic), detached, are the old ones (ratio exactly 1, no clipping) and come back per token (`ON_POLICY_KEYS`)
     on_policy: bool = False
 
 
@@ -143,14 +145,17 @@ def critic_loss(output: torch.Tensor, mb: MicroBatch, ctx: LossContext) -> tuple
     cfg = ctx.cfg
     mask = mb.data["response_mask"]  # (b, R)
     vpreds = token_values(output, mb.inputs)  # (b, R)
+    old = vpreds.detach() if ctx.on_policy else mb.data["values"]
     loss, vf_metrics = compute_value_loss(
-        vpreds, mb.data["returns"], mb.data["values"], mask, cliprange_value=cfg.cliprange_value,
+        vpreds, mb.data["returns"], old, mask, cliprange_value=cfg.cliprange_value,
         loss_agg_mode=cfg.loss_agg_mode, global_tokens=ctx.global_tokens, global_seqs=ctx.global_seqs,
         loss_scale_factor=cfg.loss_scale_factor)
     n_tokens = mask.sum().float()
     metrics = _token_weighted({"vf_loss": loss.detach(), **vf_metrics}, n_tokens)
     metrics["loss"] = loss.detach().float()
     metrics["n_tokens"] = n_tokens
+    if ctx.on_policy:  # per token, not summed: the engine takes them out before reducing the metrics
+        metrics.update(index=mb.index, values=old)
     return loss * ctx.scale, metrics
 
 

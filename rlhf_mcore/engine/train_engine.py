@@ -296,28 +296,30 @@ class TrainEngine:
             raise RuntimeError(f"update_policy needs an actor engine, this one is {self.cfg.role!r}")
         return self.update(batch, on_policy=on_policy)
 
-    def update_critic(self, batch: dict) -> dict[str, float]:
+    def update_critic(self, batch: dict, on_policy: bool = False) -> dict[str, float]:
         """The critic's value update (see :meth:`update`)."""
         if self.cfg.role != "critic":
             raise RuntimeError(f"update_critic needs a critic engine, this one is {self.cfg.role!r}")
-        return self.update(batch)
+        return self.update(batch, on_policy=on_policy)
 
     def on_policy_rows(self, batch_size: int) -> torch.Tensor:
         """The rows (of this rank's `batch_size`) of the update's first mini-batch: its forward, before any
-        optimizer step, runs the policy an old-log-prob pass would run (:meth:`update`'s `on_policy`). The whole
-        batch when the update is one mini-batch; a long tensor on the engine's device, in the update's order."""
+        optimizer step, runs the model an old-log-prob (values) pass would run (:meth:`update`'s `on_policy`). The
+        whole batch when the update is one mini-batch; a long tensor on the engine's device, in the update's
+        order."""
         return self._epoch_order(batch_size, 0)[:self.cfg.mini_batch_size or batch_size]
 
     def update(self, batch: dict, on_policy: bool = False) -> dict[str, float]:
         """One PPO update on this rank's batch: `ppo_epochs` × mini-batches, one optimizer step each, then one
         LR-scheduler step. Returns metrics averaged over the optimizer steps (identical on every rank).
 
-        `on_policy` (an actor): the first mini-batch of the first epoch (:meth:`on_policy_rows`) runs before any
-        optimizer step, so its loss takes its own log-probs, detached, as the old ones -- the values an
-        old-log-prob pass computes, so the same loss and gradient without the pass over those rows -- and they and
-        the entropy go into `batch` as `old_log_probs` and `old_entropy` (B, R) at those rows, where the pass
-        would have put them (the batch's own values there are not read; the batch needs none when the first
-        mini-batch is all of it). Later mini-batches and epochs read the batch's, those rows included."""
+        `on_policy`: the first mini-batch of the first epoch (:meth:`on_policy_rows`) runs before any optimizer
+        step, so its loss takes its own outputs, detached, as the old ones -- an actor's log-probs (the old
+        log-probs), a critic's values (the old values its clipped loss reads): what the forward pass computes, so
+        the same loss and gradient without the pass over those rows -- and they go into `batch` at those rows as
+        the role's `ON_POLICY_KEYS` (the actor's `old_log_probs` and `old_entropy`, the critic's `values`, (B,
+        R)), where the pass would have put them (the batch's own there are not read; the batch needs none when the
+        first mini-batch is all of it). Later mini-batches and epochs read the batch's, those rows included."""
         if self.optimizer is None:
             raise RuntimeError(f"the {self.cfg.role} engine is frozen (built without an optimizer); it has no update")
         self._require_onloaded()
@@ -329,9 +331,10 @@ class TrainEngine:
         if B % mini:
             raise ValueError(f"this rank's batch of {B} sequences is not divisible by the mini-batch size {mini} "
                              "(ppo_mini_batch_size × rollout.n / DP): make the batch a multiple of it")
-        if on_policy and self.cfg.role != "actor":
-            raise ValueError(f"an on-policy update takes an actor's own log-probs as the old ones; this is a "
-                             f"{self.cfg.role} engine: update with on_policy=False")
+        if on_policy and self.cfg.role not in ON_POLICY_KEYS:
+            raise ValueError(f"an on-policy update takes an actor's own log-probs or a critic's own values as the old "
+                             f"ones; this is a {self.cfg.role} engine: update with on_policy=False")
+        own_keys = ON_POLICY_KEYS.get(self.cfg.role, ())
         lr = current_lr(self.optimizer)
         captures = self.graph_captures
         steps, flops, tokens = [], 0.0, 0
@@ -343,9 +346,9 @@ class TrainEngine:
                     sub = select_rows(batch, order[first:first + mini])
                     own = on_policy and epoch == 0 and first == 0  # no optimizer step yet: the old policy
                     metrics, seqlens = self.forward_backward(sub, own)
-                    if own:  # its rows' old log-probs and entropy, for later epochs and the caller
+                    if own:  # its rows' old outputs, for later epochs and the caller
                         rows = order[:mini]
-                        for k in ON_POLICY_KEYS:
+                        for k in own_keys:
                             grid = batch.get(k)
                             grid = sub[k].new_zeros((B, *sub[k].shape[1:])) if grid is None else grid
                             batch[k] = grid.to(sub[k].dtype).index_copy(0, rows, sub[k])
@@ -362,7 +365,7 @@ class TrainEngine:
                 flops += train_flops(self.flop_shape, seqlens, metrics.pop("head_rows", None))
                 tokens += sum(seqlens)
         if on_policy:
-            for k in ON_POLICY_KEYS:
+            for k in own_keys:
                 caller[k] = batch[k].to(caller["input_ids"].device)
         self.scheduler.step(1)
         self.global_steps += 1
@@ -383,15 +386,15 @@ class TrainEngine:
 
         Returns the mini-batch's metrics (identical on every rank) and the sequence lengths it processed; with the
         output layer on the scored rows only, `metrics["head_rows"]` is this rank's count of them (for the FLOPs).
-        `on_policy` (see :meth:`update`): the loss's old log-probs are its own, detached; the log-probs and entropy
-        it computed go into `mini_batch` as `old_log_probs` and `old_entropy` (b, R).
+        `on_policy` (see :meth:`update`): the loss's old log-probs (values) are its own, detached; they go into
+        `mini_batch` as the role's `ON_POLICY_KEYS` (b, R).
         """
         self._require_onloaded()
         state, cfg = self.state, self.cfg
         sub = self._to_device(mini_batch)
         keys, loss_fn = self.loss_inputs(sub)
-        if on_policy:
-            keys = tuple(k for k in keys if k != "old_log_probs")
+        own_keys = ON_POLICY_KEYS[cfg.role] if on_policy else ()
+        keys = tuple(k for k in keys if k not in own_keys)
         mask = sub["response_mask"]  # (b, R)
         counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)  # (2,) tokens, sequences
         if state.dims.dp > 1:
@@ -416,8 +419,8 @@ class TrainEngine:
             m.train()
         per_micro = self._run_schedule(mbs, lambda mb, out: loss_fn(out, mb, ctx), forward_only=False)
         if on_policy:  # the per-token outputs out of the metrics, as (b, R) grids
-            tokens = [{k: d.pop(k) for k in ("index", *ON_POLICY_KEYS)} for d in per_micro]
-            mini_batch.update(self._gather_grids(tokens, ON_POLICY_KEYS, len(seqlens), response_length_of(sub)))
+            tokens = [{k: d.pop(k) for k in ("index", *own_keys)} for d in per_micro]
+            mini_batch.update(self._gather_grids(tokens, own_keys, len(seqlens), response_length_of(sub)))
         metrics = reduce_metrics(per_micro, sum_groups=[state.dp_group], src_group=state.pp_group,
                                  src_has_data=state.is_last_stage, device=state.device)
         metrics["num_micro_batches"] = float(len(mbs))

@@ -30,19 +30,22 @@ class Learner:
     def train_on(self, batch: dict[str, Any], t: PhaseTimer) -> dict[str, float]:
         """A generated batch to an update (steps 4-6 of every mode). Returns their metrics, with
         `actor/old_log_prob_from_update`: the fraction of the batch's rows whose old log-probs the update computed
-        (:meth:`old_from_update`; 1 when there was no pass, 0 when the pass took every row)."""
-        from_update = self.old_from_update(batch)
-        rows = self.actor.on_policy_rows(batch["response_mask"].shape[0]) if from_update else None
+        (:meth:`old_from_update`; 1 when there was no pass, 0 when the pass took every row), and with a critic
+        `critic/values_from_update`, the same for the values (:meth:`values_from_update`)."""
+        B = batch["response_mask"].shape[0]
+        rows = self.actor.on_policy_rows(B) if self.old_from_update(batch) else None
+        value_rows = self.critic.on_policy_rows(B) if self.values_from_update() else None
         with t("old_log_prob"):
-            route_metrics = self.forward_passes(batch, skip=rows)
+            route_metrics = self.forward_passes(batch, skip=rows, skip_values=value_rows)
         with t("adv"):
-            adv_metrics = self.compute_advantages(batch)
+            adv_metrics = self.compute_advantages(batch)  # with value_rows: their returns only (values not yet read)
             corr_metrics = self.correct_rollout(batch)  # off-policy IS weights / rejection
         with t("update"):
-            update_metrics = self.update(batch, on_policy=from_update)
-        share = 0.0 if rows is None else rows.numel() / batch["response_mask"].shape[0]
-        return {**route_metrics, **adv_metrics, **corr_metrics, **update_metrics,
-                "actor/old_log_prob_from_update": share}
+            update_metrics = self.update(batch, on_policy=rows is not None, values_on_policy=value_rows is not None)
+        shares = {"actor/old_log_prob_from_update": 0.0 if rows is None else rows.numel() / B}
+        if self.critic is not None:
+            shares["critic/values_from_update"] = 0.0 if value_rows is None else value_rows.numel() / B
+        return {**route_metrics, **adv_metrics, **corr_metrics, **update_metrics, **shares}
 
     def old_from_update(self, batch: dict[str, Any]) -> bool:
         """Whether the actor update's first mini-batch takes its own log-probs, detached, as the old ones, and the
@@ -59,16 +62,35 @@ class Learner:
         return (actor.old_log_prob_from_update and not actor.use_rollout_log_probs and not alg.use_kl_in_reward
                 and not _corrects(alg.rollout_correction) and getattr(self.actor, "moe_shape", None) is None)
 
-    def forward_passes(self, batch: dict[str, Any], skip: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """Old log-probs (not at the rows `skip`: the update computes those, :meth:`old_from_update`), reference
-        log-probs, values. Returns the routing metrics of a MoE actor's old-log-prob pass (:meth:`old_log_probs`)."""
+    def values_from_update(self) -> bool:
+        """Whether the critic update's first mini-batch takes its own values, detached, as the old ones (those its
+        clipped loss reads) and the values pass leaves its rows out (`critic.values_from_update`, on by default).
+        Exact as :meth:`old_from_update` is, where nothing reads those rows' values before the critic's update:
+        the returns (the critic's targets) must not depend on them -- GAE's with `lam=1` are the discounted
+        rewards-to-go (`A + V` with `A = G - V`) -- and the advantages, which do, are estimated again once the
+        critic's update has written its values back (before the actor's update; the critic updates first)."""
+        if self.critic is None or self.prime is not None or not self.cfg.critic.values_from_update:
+            return False
+        return self.estimator.returns_free_of_values(self.cfg.algorithm.lam)
+
+    def forward_passes(self, batch: dict[str, Any], skip: Optional[torch.Tensor] = None,
+                       skip_values: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """Old log-probs (not at the rows `skip`: the actor's update computes those, :meth:`old_from_update`),
+        reference log-probs, values (not at the rows `skip_values`: the critic's update computes those, zeros
+        there until it has, :meth:`values_from_update`). Returns the routing metrics of a MoE actor's
+        old-log-prob pass (:meth:`old_log_probs`)."""
         metrics = self.old_log_probs(batch, skip)
         if self.ref is not None:
             with span("reference"):
                 batch["ref_log_prob"], _ = self.ref.compute_log_probs(batch)
         if self.critic is not None:
             with span("values"):
-                batch["values"] = self.critic.compute_values(batch)
+                if skip_values is None:
+                    batch["values"] = self.critic.compute_values(batch)
+                else:  # zeros at skip_values until the critic's update writes them (the returns do not read them)
+                    out = _pass_but(batch, skip_values, lambda b: (self.critic.compute_values(b),))
+                    batch["values"] = out[0] if out is not None else batch["response_mask"].new_zeros(
+                        batch["response_mask"].shape, dtype=torch.float32)
         return metrics
 
     def old_log_probs(self, batch: dict[str, Any], skip: Optional[torch.Tensor] = None) -> dict[str, float]:
@@ -92,16 +114,11 @@ class Learner:
 
     def old_log_probs_but(self, batch: dict[str, Any], skip: torch.Tensor) -> None:
         """The old-log-prob pass over the rows not in `skip`, scattered into (B, R) grids with zeros at `skip`."""
-        B = batch["response_mask"].shape[0]
-        rest = torch.ones(B, dtype=torch.bool)
-        rest[skip.cpu()] = False
-        if not rest.any():
-            return
-        rows = rest.nonzero().squeeze(1).to(batch["input_ids"].device)
-        lp, ent = self.actor.compute_log_probs(select_rows(batch, rows))
-        batch["old_log_probs"] = lp.new_zeros((B, *lp.shape[1:])).index_copy(0, rows.to(lp.device), lp)
-        if ent is not None:
-            batch["old_entropy"] = ent.new_zeros((B, *ent.shape[1:])).index_copy(0, rows.to(ent.device), ent)
+        out = _pass_but(batch, skip, self.actor.compute_log_probs)
+        if out is not None:  # else the update writes every row
+            batch["old_log_probs"], ent = out
+            if ent is not None:
+                batch["old_entropy"] = ent
 
     def routing_metrics(self, batch: dict[str, Any], trainer_routes) -> dict[str, float]:
         """MoE routing, over the whole step (every DP rank's tokens, every pipeline stage's MoE layers):
@@ -145,11 +162,16 @@ class Learner:
             self.kl_ctrl.update(current, n_steps=self.cfg.data.train_batch_size)
             metrics = {"actor/reward_kl_penalty": float(kl_metrics["reward_kl_penalty"]),
                        "actor/reward_kl_penalty_coeff": coef}
+        self.estimate_advantages(batch)
+        return metrics
+
+    def estimate_advantages(self, batch: dict[str, Any]) -> None:
+        """`advantages` and `returns` into the batch from its `token_level_rewards` (and `values`)."""
+        alg = self.cfg.algorithm
         batch["advantages"], batch["returns"] = self.estimator.fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"].float(),
             values=batch.get("values"), index=batch["index"], gamma=alg.gamma, lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, reward_baselines=batch.get("reward_baselines"))
-        return metrics
 
     def correct_rollout(self, batch: dict[str, Any]) -> dict[str, float]:
         """`algorithm.rollout_correction`: puts `rollout_is_weights` (B, R) and `loss_mask` (B, R; the response
@@ -168,13 +190,21 @@ class Learner:
         batch["loss_mask"] = corr.response_mask
         return corr.metrics
 
-    def update(self, batch: dict[str, Any], on_policy: bool = False) -> dict[str, float]:
+    def update(self, batch: dict[str, Any], on_policy: bool = False, values_on_policy: bool = False
+               ) -> dict[str, float]:
         """Critic, then actor; their losses see `loss_mask` (rollout rejection) as the response mask when set.
-        `on_policy` (:meth:`old_from_update`): the actor's update puts the old log-probs and entropy into `batch`."""
+        `on_policy` (:meth:`old_from_update`): the actor's update puts the old log-probs and entropy into `batch`.
+        `values_on_policy` (:meth:`values_from_update`): the critic's update puts its first mini-batch's values
+        into `batch`, and the advantages are estimated again from them before the actor's update."""
         view = {**batch, "response_mask": batch["loss_mask"]} if "loss_mask" in batch else batch
         metrics = {}
         if self.critic is not None:
-            metrics.update(self.critic.update_critic(view))
+            metrics.update(self.critic.update_critic(view, on_policy=values_on_policy))
+            if values_on_policy:
+                batch["values"] = view["values"]
+                with span("advantages"):
+                    self.estimate_advantages(batch)
+                view = {**batch, "response_mask": batch["loss_mask"]} if "loss_mask" in batch else batch
         if on_policy:  # no rollout correction, so no loss_mask: the update writes into the step's batch itself
             metrics.update(self.actor.update_policy(batch, on_policy=True))
         else:
@@ -206,6 +236,20 @@ class Learner:
     def engines(self) -> tuple[Any, Optional[Any], Optional[Any]]:
         """The engines that move to the host around a colocated rollout (when their config asks)."""
         return self.actor, self.critic, self.ref
+
+
+def _pass_but(batch: dict[str, Any], skip: torch.Tensor, forward) -> Optional[tuple[Optional[torch.Tensor], ...]]:
+    """`forward` (a pass returning a tuple of (b, R) grids or Nones) over the rows of `batch` not in `skip`, its
+    grids scattered into (B, R) ones with zeros at `skip`; None (no pass) when no other row is left."""
+    B = batch["response_mask"].shape[0]
+    rest = torch.ones(B, dtype=torch.bool)
+    rest[skip.cpu()] = False
+    if not rest.any():
+        return None
+    rows = rest.nonzero().squeeze(1).to(batch["input_ids"].device)
+    outs = forward(select_rows(batch, rows))
+    return tuple(None if g is None else g.new_zeros((B, *g.shape[1:])).index_copy(0, rows.to(g.device), g)
+                 for g in outs)
 
 
 def _corrects(rc) -> bool:

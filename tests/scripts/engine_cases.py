@@ -423,9 +423,36 @@ def case_on_policy(model_dir, state, tmp):
             "param_diff": _max_diff(after_pass, _params(engine))}
 
 
+def case_values_on_policy(model_dir, state, tmp):
+    """The critic's counterpart of `case_on_policy` (Learner.values_from_update): two shuffled mini-batches a rank,
+    two epochs, a small value clip (the loss reads the old values), the update after a values pass against the
+    update that takes its first mini-batch's values from its own forward, whose batch holds garbage at those rows:
+    loss, gradient norm, the values written back, the weights' largest difference."""
+    from rlhf_mcore.engine import EngineConfig
+
+    share = dp_share(make_batch(tokenizer_vocab(model_dir)), state)
+    b = share["input_ids"].shape[0]
+    mask = share["response_mask"].float()
+    share["returns"] = torch.linspace(-1, 1, mask.shape[1]).expand_as(mask) * mask
+    cfg = EngineConfig(role="critic", micro_batch_size=1, mini_batch_size=b // 2, shuffle=True, seed=3, ppo_epochs=2,
+                       cliprange_value=0.002)
+    engine = build(state, model_dir, cfg, role="critic", lr=1e-2)
+    values = engine.compute_values(share)
+    m_pass = engine.update_critic({**share, "values": values})
+    after_pass = _params(engine)
+    engine = build(state, model_dir, cfg, role="critic", lr=1e-2)
+    rows = engine.on_policy_rows(b)
+    batch = {**share, "values": values.clone().index_fill_(0, rows, 5.0)}
+    m_own = engine.update_critic(batch, on_policy=True)
+    keys = ("grad_norm", "vf_loss", "vf_clipfrac", "loss")
+    return {"pass": {k: m_pass[f"critic/{k}"] for k in keys}, "own": {k: m_own[f"critic/{k}"] for k in keys},
+            "rows": rows.tolist(), "values_diff": float((batch["values"] - values).abs().max()),
+            "param_diff": _max_diff(after_pass, _params(engine))}
+
+
 CASES = {"hf": case_hf, "layout": case_layout, "grads": case_grads, "offload": case_offload, "critic": case_critic,
          "ckpt": case_ckpt, "logprob_tp": case_logprob_tp, "fp8": case_fp8, "fusion": case_fusion,
-         "on_policy": case_on_policy}
+         "on_policy": case_on_policy, "values_on_policy": case_values_on_policy}
 
 
 def parse_layout(text: str):
