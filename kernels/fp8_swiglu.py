@@ -98,19 +98,20 @@ def _outputs(m: int, k: int, dtype: torch.dtype, transpose: bool, device) -> tup
 
 
 def swiglu_cast(y: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, seen: torch.Tensor, transpose: bool,
-                bm: int = 64, bk: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                bm: int = 64, bk: int = 64, num_warps: int = 4
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes (M, F) of swiglu(y) for y (M, 2F) with contiguous rows under the scale from `amax` (0-dim), the scale
     (1, 1), and with `transpose` the codes of its transpose (F, M); its max |h| folded into `seen` (one fp32)."""
     m, f = y.shape[0], y.shape[1] // 2
     q, qt, scale = _outputs(m, f, dtype, transpose, y.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(f, bk))
     _swiglu_cast_kernel[grid](y, amax, q, qt, scale, seen, m, f, y.stride(0), q.stride(0), qt.stride(0),
-                              QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=bm, BK=bk)
+                              QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=bm, BK=bk, num_warps=num_warps)
     return q, scale, qt if transpose else None
 
 
 def swiglu_bwd_cast(g: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, seen: torch.Tensor,
-                    transpose: bool, bm: int = 64, bk: int = 64
+                    transpose: bool, bm: int = 64, bk: int = 64, num_warps: int = 4
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes (M, 2F) of dL/dy for g = dL/dh (M, F) and y (M, 2F) (contiguous rows) under the scale from `amax`,
     the scale (1, 1), and with `transpose` the codes of dy.T (2F, M); max |dy| folded into `seen`."""
@@ -118,5 +119,6 @@ def swiglu_bwd_cast(g: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, amax: 
     q, qt, scale = _outputs(m, 2 * f, dtype, transpose, y.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(f, bk))
     _swiglu_bwd_cast_kernel[grid](g, y, amax, q, qt, scale, seen, m, f, g.stride(0), y.stride(0), q.stride(0),
-                                  qt.stride(0), QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=bm, BK=bk)
+                                  qt.stride(0), QMAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=bm, BK=bk,
+                                  num_warps=num_warps)
     return q, scale, qt if transpose else None

@@ -3,7 +3,8 @@ batch into their updates -- old / reference log-probs and values, advantages (th
 rollout correction, the critic's and the actor's updates. Every mode's loop calls :meth:`Learner.train_on`; it
 returns the step's metrics and keeps nothing of the step. The actor's update computes the old log-probs of its first
 mini-batch itself, which the old-log-prob pass then leaves out: all of them, and no pass, when the update is one
-optimizer step on the whole batch (:meth:`Learner.old_from_update`)."""
+optimizer step on the whole batch (:meth:`Learner.old_from_update`); the critic's update likewise its first
+mini-batch's values, which the values pass leaves out (:meth:`Learner.values_from_update`)."""
 from __future__ import annotations
 
 from pathlib import Path
