@@ -15,14 +15,8 @@ B, R = 4, 6
 
 
 @pytest.fixture(scope="module")
-def env(tiny_model_dir):
-    from rlhf_mcore.parallel import destroy_distributed, init_distributed
-
-    if torch.cuda.is_available():  # as tests/test_old_from_update.py's CPU engines
-        pytest.skip("a CPU engine would hide the GPUs from this whole process (cpu_compat)")
-    state = init_distributed(device="cpu")
-    yield state, tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
-    destroy_distributed()
+def env(cpu_state, tiny_model_dir):
+    return cpu_state, tiny_model_dir(arch="qwen2", vocab=1000, layers=2, heads=4, kv_heads=2)
 
 
 def learner(env, *extra):
