@@ -87,6 +87,8 @@ def bench_train_linear(s: dict, rows: int = 4096) -> dict:
     print(json.dumps(out["per_micro_batch_ms"]), flush=True)
     out["swiglu_casts"] = _swiglu_cast_parts(f, rows)
     print(json.dumps({"swiglu_casts": out["swiglu_casts"]}), flush=True)
+    out["swiglu_cast_tiles"] = _swiglu_cast_tiles(f, rows)
+    print(json.dumps({"swiglu_cast_tiles": out["swiglu_cast_tiles"]}), flush=True)
     return out
 
 
@@ -115,6 +117,34 @@ def _swiglu_cast_parts(f: int, rows: int) -> dict[str, float]:
     }
     with torch.no_grad():
         return {name: do_bench(fn) * 1e3 for name, fn in parts.items()}
+
+
+def _swiglu_cast_tiles(f: int, rows: int) -> dict[str, list]:
+    """The SwiGLU-cast kernels' tiles and warps at F = `f`, `rows` tokens: {"fwd|bwd_BMxBK_wW": [microseconds,
+    codes bit for bit those of the shipped tiles]} (session 44: the backward at 616 us moved ~776 MB at the 7B width,
+    ~1.3 TB/s, where the forward reaches ~2 TB/s)."""
+    import itertools
+
+    from triton.testing import do_bench
+
+    from rlhf_mcore.kernels.fp8_swiglu import swiglu_bwd_cast, swiglu_cast
+
+    y = torch.randn(rows, 2 * f, device="cuda").bfloat16()
+    g = torch.randn(rows, f, device="cuda").bfloat16()
+    amax, seen = torch.tensor(4.0, device="cuda"), torch.zeros(1, device="cuda")
+    kernels = {"fwd": lambda **kw: swiglu_cast(y, fp8.E4M3, amax, seen, True, **kw),
+               "bwd": lambda **kw: swiglu_bwd_cast(g, y, fp8.E5M2, amax, seen, True, **kw)}
+    out = {}
+    with torch.no_grad():
+        for name, fn in kernels.items():
+            want = [t.view(torch.uint8) for t in fn()[::2]]  # codes and transposed codes of the shipped tiles
+            for bm, bk, w in itertools.product((32, 64, 128), (32, 64, 128), (4, 8)):
+                if bm * bk > 128 * 64:
+                    continue
+                cfg = dict(bm=bm, bk=bk, num_warps=w)
+                same = all(torch.equal(a.view(torch.uint8), b) for a, b in zip(fn(**cfg)[::2], want))
+                out[f"{name}_{bm}x{bk}_w{w}"] = [do_bench(lambda fn=fn, cfg=cfg: fn(**cfg)) * 1e3, same]
+    return out
 
 
 def _train_linear_parts(n: int, k: int, rows: int) -> dict[str, float]:
