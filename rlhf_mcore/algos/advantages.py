@@ -170,7 +170,7 @@ def _gae_recursion(rewards: np.ndarray, values: np.ndarray, valid: np.ndarray, g
         np.copyto(next_value, v[t], where=ok[t])
         np.copyto(next_adv, adv_t, where=ok[t])
         adv[t] = next_adv
-    return adv.T
+    return np.ascontiguousarray(adv.T)  # (B, T) row-major, as the batch's tensors: the whitening's sums in their order
 
 
 @register_adv_estimator("gae", needs_critic=True, lam1_returns_free_of_values=True)
