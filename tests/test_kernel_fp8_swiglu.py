@@ -44,8 +44,9 @@ def test_swiglu_cast_arithmetic_under_the_interpreter(shape):
     y, dh = _inputs(m, f)
     h = fl.swiglu(y)
     dy = fl.swiglu_grad(dh, y)
-    grid = (-(-m // 64), -(-f // 64))
     for want_src, cols in ((h, f), (dy, 2 * f)):
+        bm, bk, _ = fs.FWD_TILES if want_src is h else fs.BWD_TILES  # the shipped tiles
+        grid = (-(-m // bm), -(-f // bk))
         for amax in (want_src.float().abs().max().item(), 0.5, 0.0):
             q = torch.full((m, cols), float("nan"))
             qt = torch.full((cols, m), float("nan"))
@@ -54,11 +55,11 @@ def test_swiglu_cast_arithmetic_under_the_interpreter(shape):
             a = torch.tensor(amax, dtype=torch.float32)
             if want_src is h:
                 fs._swiglu_cast_kernel[grid](y, a, q, qt, s, seen, m, f, y.stride(0), q.stride(0), qt.stride(0),
-                                             QMAX=448.0, TRANSPOSE=True, BM=64, BK=64)
+                                             QMAX=448.0, TRANSPOSE=True, BM=bm, BK=bk)
             else:
                 fs._swiglu_bwd_cast_kernel[grid](dh, y, a, q, qt, s, seen, m, f, dh.stride(0), y.stride(0),
-                                                 q.stride(0), qt.stride(0), QMAX=57344.0, TRANSPOSE=True, BM=64,
-                                                 BK=64)
+                                                 q.stride(0), qt.stride(0), QMAX=57344.0, TRANSPOSE=True, BM=bm,
+                                                 BK=bk)
             qmax = 448.0 if want_src is h else 57344.0
             want = _scaled_clamped(want_src, amax, qmax)
             assert torch.equal(q, want) and torch.equal(qt, want.t())
