@@ -5,8 +5,8 @@ synthetic task at difficulty 0, "read the number back", with 70% of the warm-sta
 the strict GSM8K reward rejects -> launch/sft.py), trained once by tests/data/make_warm_starts.py and committed.
 
 - Learning: GRPO, and PPO with a critic, on prompts drawn from the whole training set, raise the greedy
-  accuracy on held-out problems by a clear margin in 8 steps, GRPO with LoRA adapters (the base frozen) in 2; the
-  three runs go side by side (numbers in the tests).
+  accuracy on held-out problems by a clear margin in 8 steps (PPO in 4), GRPO with LoRA adapters (the base frozen)
+  in 2; the three runs go side by side (numbers in the tests).
 - PPO with a critic runs at TP=2 on 2 processes, and at PP=2.
 - A run killed with SIGKILL after a checkpoint resumes to exactly the metrics and weights of an uninterrupted run;
   the same uninterrupted run is the reference of sleep level 2 (one launch for both).
@@ -92,6 +92,10 @@ LEARN = ["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature
          "actor_rollout_ref.actor.optim.lr=3e-4", "actor_rollout_ref.actor.ppo_epochs=2",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.val_before_train=true"]
 LEARN_STEPS = 8
+# PPO's test asserts the held-out gain only (GRPO's also the reward's and the entropy's trends over steps 1-3 -> 6-8):
+# 4 steps, where the held-out accuracy is +0.64 to +0.73 over seeds 1-3 (session 46), and the PPO run (the fixture's
+# longest: a critic's pass and update a step) costs half
+PPO_STEPS = 4
 PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=16"]
 HELD_OUT = "val/synthetic/arithmetic/acc"
 # configs/demo_lora_cpu.yaml's adapters (rank 16, alpha 32, every linear) and learning rate, 10x full fine-tuning's
@@ -106,7 +110,7 @@ def learning_runs(assets, tmp_path_factory):
     """The GRPO, PPO and GRPO-with-LoRA learning runs, side by side (one process each, single-threaded: such runs
     are deterministic however they are scheduled). Returns {name: (train metrics by step, validations, run dir)}."""
     root = tmp_path_factory.mktemp("learning")
-    runs = {"grpo": (LEARN_STEPS, []), "ppo": (LEARN_STEPS, [*PPO, f"critic.model.path={assets / 'sft'}"]),
+    runs = {"grpo": (LEARN_STEPS, []), "ppo": (PPO_STEPS, [*PPO, f"critic.model.path={assets / 'sft'}"]),
             "lora": (LORA_STEPS, LORA)}
     wait_all({name: start_train(*base_args(assets, root / name, steps, *LEARN, f"trainer.test_freq={steps}", *extra))
               for name, (steps, extra) in runs.items()})
@@ -170,9 +174,12 @@ def test_grpo_raises_held_out_accuracy(learning_runs):
 @pytest.mark.slow
 def test_ppo_with_critic_raises_held_out_accuracy(learning_runs):
     """PPO with a critic (GAE; the critic starts from the warm start with a fresh value head) on the same
-    prompts and settings: held-out greedy accuracy before -> after step 8 measured 0.000 -> 0.766."""
+    prompts and settings: held-out greedy accuracy before -> after step 4 measured 0.000 -> 0.703 (trainer.seed 1,
+    this test's; 0.734 and 0.641 at seeds 2 and 3; 0.766 after step 8 at seed 1).
+    Mutation: compute_gae's whitened advantages zeroed (`advantages = 0 * masked_whiten(...)`) -> 0.000 -> 0.000,
+    fails (run once)."""
     m, vals, _ = learning_runs["ppo"]
-    before, after = held_out_before_after(vals)
+    before, after = held_out_before_after(vals, PPO_STEPS)
     assert after >= before + 0.30, f"PPO did not raise held-out accuracy: {before:.3f} -> {after:.3f}"
     assert all(torch.isfinite(torch.tensor(m[s]["critic/vf_loss"])) for s in m)
 
