@@ -45,7 +45,7 @@ from rlhf_mcore.engine.offload import StorageOffloader
 from rlhf_mcore.engine.packing import build_model_inputs
 from rlhf_mcore.kernels.logprob_reference import vocab_parallel_logprobs
 
-pytestmark = pytest.mark.cost(60)
+pytestmark = pytest.mark.cost(85)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "engine_cases.py"

@@ -17,7 +17,7 @@ from launcher import CPU, run
 
 from rlhf_mcore.models import ModelShape, UnsupportedModelError, load_hf_config
 
-pytestmark = pytest.mark.cost(65)
+pytestmark = pytest.mark.cost(90)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "models_check.py"

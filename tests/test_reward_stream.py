@@ -8,7 +8,7 @@ import torch
 from rlhf_mcore.rewards import RewardScorer
 from rlhf_mcore.rewards.stream import ScoringStream
 
-pytestmark = pytest.mark.cost(55)
+pytestmark = pytest.mark.cost(80)
 
 
 def slow_fn(data_source, solution_str, ground_truth, extra_info=None):

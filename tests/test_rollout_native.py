@@ -23,7 +23,7 @@ from rlhf_mcore.rollout.base import Request
 from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 from rlhf_mcore.rollout.native.weights import iter_safetensors
 
-pytestmark = pytest.mark.cost(15)
+pytestmark = pytest.mark.cost(65)
 
 ARCHS = ["qwen2", "llama", "qwen3"]
 REPO = Path(__file__).resolve().parents[1]

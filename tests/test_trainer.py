@@ -28,7 +28,7 @@ from launcher import CPU, QUIET, free_port, start, wait_all
 from launcher import run as run_script
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.cost(315)
+pytestmark = pytest.mark.cost(210)
 
 ROOT = Path(__file__).resolve().parents[1]
 # The warm start's 300 SFT steps of 32 (tests/warm_starts.py): the 2-layer model learns the format at once and copying

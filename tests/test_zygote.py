@@ -11,7 +11,10 @@ import time
 import launcher
 import pytest
 
-pytestmark = pytest.mark.skipif(not launcher.zygotes_on(), reason="zygotes are off here (CUDA, or RLHF_TEST_ZYGOTE=0)")
+# cost: unmarked, the file ran last, alone for its ~30 s (session 46's timeline of `make test`)
+pytestmark = [pytest.mark.skipif(not launcher.zygotes_on(),
+                                 reason="zygotes are off here (CUDA, or RLHF_TEST_ZYGOTE=0)"),
+              pytest.mark.cost(30)]
 
 PROBE = r"""
 import json, os, random, sys
