@@ -162,6 +162,56 @@ def test_one_decode_step_in_flight_and_none_wasted_at_the_cap(tiny_model_dir):
     assert tokens(staggered) == [[s.token_ids[:c] for s in o.samples] for o, c in zip(capped, caps)]
 
 
+def test_several_decode_steps_a_launch_equal_one(tiny_model_dir):
+    """`decode_steps_per_launch=3`: three decode steps a launch (one CUDA-graph replay on GPU) before the finished
+    flags are read back give the tokens, log-probs, finish reasons and decode-step count of one step a launch --
+    rows stopping at different steps inside a launch, staggered caps, more sequences than slots (admission between
+    launches), a stream aborted and continued. Mutation: the finished flag not kept inside a launch (a flagged row
+    advances and records the next steps' tokens, `done` recomputed from them) -> rows run past their stop tokens
+    and caps, fails."""
+    d = tiny_model_dir("llama")
+    prompts = make_prompts(5, seed=12)
+    one = NativeRolloutEngine(d, max_num_seqs=4, max_model_len=64, device=DEVICE)
+    three = NativeRolloutEngine(d, max_num_seqs=4, max_model_len=64, device=DEVICE, decode_steps_per_launch=3)
+    free = one.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=5, stop_token_ids=()))
+    stops = (free[0].samples[0].token_ids[4], free[2].samples[1].token_ids[7])
+    for params, caps in ((SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=5, stop_token_ids=stops),
+                          None),
+                         (SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=5, stop_token_ids=()),
+                          [2, 14, 5, 9, 13])):
+        a = one.generate(prompts, params, max_new_tokens=caps)
+        steps_one = one.last_stats["decode_steps"]
+        b = three.generate(prompts, params, max_new_tokens=caps)
+        assert tokens(b) == tokens(a)
+        assert [[s.finish_reason for s in o.samples] for o in b] == [[s.finish_reason for s in o.samples] for o in a]
+        for x, y in zip(a, b):  # the batches differ (finished rows stay to the end of a launch): last bits only
+            for sx, sy in zip(x.samples, y.samples):
+                torch.testing.assert_close(torch.tensor(sy.logprobs), torch.tensor(sx.logprobs), atol=1e-5, rtol=0)
+        assert three.last_stats["generated_tokens"] == one.last_stats["generated_tokens"]
+        assert three.last_stats["decode_steps"] >= steps_one
+        reasons = {s.finish_reason for o in a for s in o.samples}
+        assert reasons == ({"length"} if caps else {"stop", "length"}), reasons
+    # abort mid-stream, then continue from the returned tokens: the rows of a launch come back as they stood
+    params = SamplingParams(temperature=1.0, max_new_tokens=14, seed=5, stop_token_ids=())
+    three.open_stream(params)
+    three.submit([Request(i, p) for i, p in enumerate(prompts[:3])])
+    for _ in range(3):
+        three.step()
+    cut = three.abort()
+    three.close_stream()
+    assert {f.sample.finish_reason for f in cut} == {"abort"}
+    assert all(0 < len(f.sample.token_ids) < 14 for f in cut)
+    three.open_stream(params)
+    three.submit([Request(f.request.request_id, f.request.prompt_ids, prefix=f.sample) for f in cut])
+    done = []
+    while three.num_pending:
+        done += three.step()
+    three.close_stream()
+    ref = one.generate(prompts[:3], params)
+    assert sorted((f.request.request_id, f.sample.token_ids) for f in done) == [
+        (i, o.samples[0].token_ids) for i, o in enumerate(ref)]
+
+
 def test_seeds_reproduce_and_differ(tiny_model_dir):
     engine = NativeRolloutEngine(tiny_model_dir("qwen2"), max_num_seqs=8, max_model_len=64, device=DEVICE)
     prompts = make_prompts(3, seed=5)
@@ -536,6 +586,19 @@ def _triton_interpret_checks(model_dir: str) -> None:
                 q3 = tk.qkv_rope_cache(h_in, wqkv, bqkv, pos, slot, cos, sin, kc3, vc3, hq, hkv, head_split=2)
                 for got, want in ((q3, q_out), (kc3, kc2), (vc3, vc2)):
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the decode step's bookkeeping: live rows record their token and advance (row 0 samples a stop id, row 1
+    # reaches its cap, row 3 runs on); a row already flagged (row 2, several steps a launch) stays exactly as it is.
+    # Mutation: the kernel's `live` masks dropped -> row 2 records token 7 and advances, fails.
+    resp_t, resp_l = torch.zeros(5, 10, dtype=torch.int64), torch.zeros(5, 10)
+    tok, lp = torch.tensor([9, 5, 7, 6]), torch.tensor([-0.5, -1.0, -1.5, -2.0])
+    slots, pos, steps = torch.tensor([1, 2, 3, 4]), torch.tensor([4, 5, 6, 7]), torch.tensor([1, 2, 3, 4])
+    limit, in_tok = torch.tensor([8, 3, 8, 8]), torch.tensor([0, 0, 4, 0])
+    done = torch.tensor([False, False, True, False])
+    stop_ids = torch.tensor([9, -1, -1, -1])
+    tk.advance_rows(tok, lp, slots, pos, steps, limit, in_tok, done, stop_ids, resp_t, resp_l, 9)
+    assert done.tolist() == [True, True, True, False] and steps.tolist() == [2, 3, 3, 5], (done, steps)
+    assert pos.tolist() == [5, 6, 6, 8] and in_tok.tolist() == [9, 5, 4, 6], (pos, in_tok)
+    assert resp_t[[1, 2, 3, 4], [1, 2, 3, 4]].tolist() == [9, 5, 0, 6] and resp_l[3].abs().sum() == 0
     # the whole engine on the kernels (qwen3: QK-norm) equals the torch paths
     prompts = make_prompts(2, seed=13, lengths=(3, 12))
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=3, seed=1, stop_token_ids=())

@@ -362,18 +362,21 @@ def test_shared_prompt_reads_change_no_bit_on_the_gpu(gpu_model_dirs, monkeypatc
     assert outs[True] == outs[False], "reading a group's prompt from one slot changed the samples"
 
 
-def test_decode_step_in_flight_on_cuda(gpu_model_dirs):
-    """The engine's CUDA path of one decode step in flight (page-locked double buffers, events, finished rows'
-    tokens copied back behind the next step): bf16, CUDA graphs, rows reaching their caps at different steps, then
-    rows stopping early. Every request comes back once; capped rows with exactly their cap; with a stop id, each
-    sample either ends at its first stop id ("stop") or runs to the cap without one ("length"); decode steps = the
-    longest cap - 1 when every row runs to its cap. (Structure only: bf16 tokens may differ between batch sizes.)
-    Reading a host copy before its event (a race) returns stale flags or tokens: wrong lengths, a stop id inside
-    a response, or a request missing."""
+@pytest.mark.parametrize("steps_a_launch", [1, 4])
+def test_decode_step_in_flight_on_cuda(gpu_model_dirs, steps_a_launch):
+    """The engine's CUDA path of one decode launch in flight (page-locked double buffers, events, finished rows' tokens
+    copied back behind the next launch): bf16, CUDA graphs of one and of four decode steps a launch
+    (`decode_steps_per_launch`), rows reaching their caps at different steps, then rows stopping early. Every
+    request comes back once; capped rows with exactly their cap; with a stop id, each sample either ends at its
+    first stop id ("stop") or runs to the cap without one ("length"); decode steps = the longest cap - 1 when every
+    row runs to its cap. (Structure only: bf16 tokens may differ between batch sizes.) Reading a host copy before
+    its event (a race) returns stale flags or tokens: wrong lengths, a stop id inside a response, or a request
+    missing."""
     from rlhf_mcore.rollout import SamplingParams
     from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
 
-    engine = NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=64, max_model_len=128)
+    engine = NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=64, max_model_len=128,
+                                 decode_steps_per_launch=steps_a_launch)
     prompts = make_prompts(16, 900)
     caps = [4 + 3 * (i % 8) for i in range(16)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=5, stop_token_ids=())

@@ -108,17 +108,19 @@ def kernel_intervals(prof) -> list[tuple[float, float]]:
 
 
 def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> tuple[float, float]:
-    """Milliseconds per replay of the engine's captured decode graph for `batch` rows, replayed back to back with
-    no host work between (rows set to position `pos`, the generate's average, each replay advancing them), and the
-    host's microseconds per `graph.replay()` call in that loop (the launch: if it is near the replay's time, a
-    decode step is bound by launching its graph plus the engine's host work, not by the GPU)."""
-    keys = [k for k in engine.graphs.graphs if k[0] == batch]
-    graph = engine.graphs.graphs[keys[-1]]
+    """Milliseconds per decode step of the engine's captured decode graph for `batch` rows (the one of the most
+    steps a launch), replayed back to back with no host work between (rows set to position `pos`, the generate's
+    average, each replay advancing them), and the host's microseconds per `graph.replay()` call in that loop (the
+    launch: if it is near the replay's time, a decode step is bound by launching its graph plus the engine's host
+    work, not by the GPU)."""
+    key = max((k for k in engine.graphs.graphs if k[0] == batch), key=lambda k: k[-1])
+    graph, steps = engine.graphs.graphs[key], key[-1]
     engine.r_pos[:batch] = pos
     engine.r_step[:batch] = 1
     engine.r_limit[:batch] = 1 << 30
     engine.r_done[:batch] = False
     engine.r_slot[:batch] = torch.arange(batch, device=engine.device)
+    n = max(1, n // steps)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -129,7 +131,7 @@ def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> tuple[float, f
     launch_us = (time.perf_counter() - t0) / n * 1e6
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / n, launch_us
+    return start.elapsed_time(end) / (n * steps), launch_us
 
 
 def decode_bound_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, bytes_per: int) -> float:
@@ -207,6 +209,8 @@ def main(argv=None) -> dict:
                    help="the engine's KV cache: the model's dtype, or e4m3 codes with a scale per token and head")
     p.add_argument("--cublas-gemms", action="store_true",
                    help="o_proj, gate_up and down on cuBLAS at every batch (bf16 weights), QKV still fused")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps a launch (engine.DECODE_STEPS_PER_LAUNCH; default: the engine's)")
     p.add_argument("--model-dir", default=None, help="keep the random model here (reused when it has config.json)")
     p.add_argument("--profile-tokens", type=int, default=32, help="tokens generated under the profiler")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (kernel names when graph tracing fails)")
@@ -221,15 +225,18 @@ def main(argv=None) -> dict:
     if args.fp8_triton_decode and (args.quantization != "fp8" or args.fp8_decode != "w8a8"):
         raise SystemExit("--fp8-triton-decode routes the w8a8 decode GEMMs: pass --quantization fp8 (w8a8)")
     names = ("TRITON_OUT_PROJ_MAX_ROWS", "FUSED_SILU_MAX_ROWS", "FP8_TRITON_DECODE")
-    saved = engine_mod.SHARE_PROMPT_READS, {n: getattr(model_mod, n) for n in names}
+    saved = (engine_mod.SHARE_PROMPT_READS, {n: getattr(model_mod, n) for n in names},
+             engine_mod.DECODE_STEPS_PER_LAUNCH)
     engine_mod.SHARE_PROMPT_READS = not args.own_slot_reads
+    if args.decode_steps is not None:
+        engine_mod.DECODE_STEPS_PER_LAUNCH = args.decode_steps
     if args.cublas_gemms:
         model_mod.TRITON_OUT_PROJ_MAX_ROWS = model_mod.FUSED_SILU_MAX_ROWS = 0
     model_mod.FP8_TRITON_DECODE = args.fp8_triton_decode or model_mod.FP8_TRITON_DECODE
     try:  # the module settings go back afterwards (a caller's process keeps running)
         return _profile(args, NativeRolloutEngine, SamplingParams, engine_mod)
     finally:
-        engine_mod.SHARE_PROMPT_READS = saved[0]
+        engine_mod.SHARE_PROMPT_READS, engine_mod.DECODE_STEPS_PER_LAUNCH = saved[0], saved[2]
         for n, v in saved[1].items():
             setattr(model_mod, n, v)
 
@@ -278,7 +285,8 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
                "samples": args.samples, "quantization": args.quantization,
                "fp8_decode": args.fp8_decode if args.quantization else None, "cublas_gemms": args.cublas_gemms,
                "fp8_triton_decode": args.fp8_triton_decode,
-               "shared_prompt_reads": engine_mod.SHARE_PROMPT_READS, "prompt_len": args.prompt_len,
+               "shared_prompt_reads": engine_mod.SHARE_PROMPT_READS,
+               "decode_steps_per_launch": engine.decode_steps_per_launch, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens,
                "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"],
                "cuda_graphs": engine.use_graphs, "wall_s": wall,
@@ -334,9 +342,9 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
             if engine.use_graphs:
                 out["graph_replay_ms"], out["graph_launch_us"] = graph_replay_ms(
                     engine, args.batch, args.prompt_len + args.new_tokens // 2)
-                print(f"back-to-back replays of the batch-{args.batch} graph: {out['graph_replay_ms']:.3f} ms each "
-                      "(kernels + the graph's own gaps between them; wall - this = the host's share); the host's "
-                      f"graph.replay() call {out['graph_launch_us']:.1f} us", flush=True)
+                print(f"back-to-back replays of the batch-{args.batch} graph: {out['graph_replay_ms']:.3f} ms a "
+                      "decode step (kernels + the graph's own gaps between them; wall - this = the host's share); "
+                      f"the host's graph.replay() call {out['graph_launch_us']:.1f} us", flush=True)
         engine.shutdown()
     path = args.out or os.path.join(os.environ.get("OUT", "."), "profile_decode.json")
     Path(path).write_text(json.dumps(out, indent=1))

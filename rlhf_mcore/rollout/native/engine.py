@@ -83,6 +83,11 @@ from .sampling import sample_torch, sequence_key
 from .weights import ModelWeights, iter_safetensors
 
 _MAX_STOP_IDS = 16
+# Decode steps one launch runs (one CUDA-graph replay, or one eager call) before the host reads finished flags back:
+# k steps in one graph leave out k - 1 of the host's turns and of the gaps between graphs; a row that finishes
+# inside a launch stays put for the rest of it (its finished flag holds, nothing more is recorded), so the results
+# are those of k = 1. The engine's `decode_steps_per_launch` (None: this).
+DECODE_STEPS_PER_LAUNCH = 1
 
 
 @dataclass
@@ -199,7 +204,8 @@ class NativeRolloutEngine(RolloutEngine):
                  decode_splits: int | None = None, max_prefill_tokens: int = 32768, admit_fraction: float = 0.125,
                  weight_offload: str = "cpu", load_weights: bool = True, show_progress: bool = False,
                  quantization: str | None = None, fp8_layout: str | None = None, fp8_decode: str = "w8a8",
-                 kv_cache_dtype: str = "auto", record_routes: bool = False):
+                 kv_cache_dtype: str = "auto", record_routes: bool = False,
+                 decode_steps_per_launch: int | None = None):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model_dir={str(model_dir)!r} is not a directory; pass a Hugging Face model "
@@ -238,6 +244,11 @@ class NativeRolloutEngine(RolloutEngine):
         if decode_splits is not None and (decode_splits < 1 or decode_splits & (decode_splits - 1)):
             raise ValueError(f"decode_splits={decode_splits}: must be a power of two >= 1 (or None for automatic).")
         self.decode_splits = decode_splits
+        k = DECODE_STEPS_PER_LAUNCH if decode_steps_per_launch is None else decode_steps_per_launch
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"decode_steps_per_launch={decode_steps_per_launch!r}: give an int >= 1 (decode steps run "
+                             "by one launch, one CUDA graph replay) or None for the default.")
+        self.decode_steps_per_launch = k
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_prefill_tokens, self.admit_fraction = max_prefill_tokens, admit_fraction
         self.weight_offload, self.show_progress = weight_offload, show_progress
@@ -888,8 +899,14 @@ class NativeRolloutEngine(RolloutEngine):
             self.r_src[b:bb] = self.scratch_slot
             self.r_shared[b:bb] = 0
 
+    def _decode_steps(self, bb: int, attn_len: int, num_splits: int, k: int) -> None:
+        """k decode steps on rows [0, bb): everything here is captured into one CUDA graph."""
+        for _ in range(k):
+            self._decode_step(bb, attn_len, num_splits)
+
     def _decode_step(self, bb: int, attn_len: int, num_splits: int) -> None:
-        """One decode step on rows [0, bb): everything here is captured into the CUDA graph."""
+        """One decode step on rows [0, bb). A row flagged finished (r_done) stays as it is: no token recorded, no
+        position or step advanced, the flag kept (its forward still runs, on its last token and position)."""
         slots, steps = self.r_slot[:bb], self.r_step[:bb]
         self._start_routes()
         shared = (self.r_src[:bb], self.r_shared[:bb]) if SHARE_PROMPT_READS else None
@@ -903,57 +920,60 @@ class NativeRolloutEngine(RolloutEngine):
             advance_rows(tok, lp, slots, self.r_pos[:bb], steps, self.r_limit[:bb], self.r_tokens[:bb],
                          self.r_done[:bb], self.stop_ids, self.resp_tokens, self.resp_logprobs, self.max_model_len)
             return
-        self.resp_tokens[slots, steps] = tok
-        self.resp_logprobs[slots, steps] = lp
-        self.r_tokens[:bb] = tok
-        self.r_pos[:bb].add_(1).clamp_(max=self.max_model_len)
-        steps.add_(1).clamp_(max=self.max_model_len)
+        done = self.r_done[:bb]
+        live = ~done
+        self.resp_tokens[slots, steps] = torch.where(live, tok, self.resp_tokens[slots, steps])
+        self.resp_logprobs[slots, steps] = torch.where(live, lp, self.resp_logprobs[slots, steps])
+        self.r_tokens[:bb] = torch.where(live, tok, self.r_tokens[:bb])
+        self.r_pos[:bb].add_(live.long()).clamp_(max=self.max_model_len)
+        steps.add_(live.long()).clamp_(max=self.max_model_len)
         stop_hit = (tok[:, None] == self.stop_ids[None, :]).any(-1)
-        self.r_done[:bb] = stop_hit | (steps >= self.r_limit[:bb])
+        self.r_done[:bb] = done | (live & (stop_hit | (steps >= self.r_limit[:bb])))
 
     def _decode_once(self) -> list[tuple[_Seq, int]]:
-        """Launch the next decode step over the running rows, then read back the one launched before it: one step
-        stays in flight, so the host's reading of step t (a wait, the finished flags, compaction) overlaps the
-        GPU's step t+1 instead of leaving the GPU idle between steps. A row that finished at step t runs once more
-        at t+1 (its token and keys/values land beyond its end and are never read); no step is launched when every
-        row is certain to have reached its length cap with the one in flight. Returns the rows read back as
-        finished, as (seq, response length)."""
+        """Launch the next decode steps over the running rows (`decode_steps_per_launch` of them while some row has
+        that many left to its cap, else one), then read back the launch before it: one launch stays in flight, so
+        the host's reading of launch t (a wait, the finished flags, compaction) overlaps the GPU's launch t+1 instead
+        of leaving the GPU idle between them. A row that finished in launch t runs on in t+1 without advancing (its
+        keys/values land beyond its end and are never read); no launch is made when every row is certain to have
+        reached its length cap with the one in flight. Returns the rows read back as finished, as (seq, response
+        length)."""
         prev, self._inflight = self._inflight, None
         b = len(self._rows)
         if prev is None or not np.all(self._row_step[:b] >= self._row_limit[:b]):
             self._inflight = self._launch(b)
-        finished = self._read_back(prev) if prev is not None else []
-        if self._inflight is not None:
-            self._sampled -= len(finished)  # their extra step in flight samples nothing anyone reads
-        return finished
+        return self._read_back(prev) if prev is not None else []
 
     def _launch(self, b: int) -> _InFlight:
-        """One decode step over rows [0, b), and the asynchronous copy of its finished flags and step counts."""
+        """k decode steps over rows [0, b), and the asynchronous copy of their finished flags and step counts."""
+        k = self.decode_steps_per_launch
+        if k > 1 and int((self._row_limit[:b] - self._row_step[:b]).max()) < k:
+            k = 1  # the last steps one at a time: none is run that no row needs
         if self.use_graphs:
             bb = bucket_for(b, self.buckets)
             self._pad_rows(b, bb)
             attn_len = 0
             if self.attention == "torch":
-                need = int(self._row_pos[:b].max()) + 1
+                need = int(self._row_pos[:b].max()) + k
                 attn_len = min(_round_up(need, 256), self.max_model_len + 1)
             splits = self._num_splits(bb)
-            key = (bb, attn_len, splits, self._sampler_key)
+            key = (bb, attn_len, splits, self._sampler_key, k)
             with torch.inference_mode():
-                self.graphs.run(key, lambda: self._decode_step(bb, attn_len, splits),
+                self.graphs.run(key, lambda: self._decode_steps(bb, attn_len, splits, k),
                                 lambda: self._scratch_state(bb))
         else:
             with torch.inference_mode():
-                self._decode_step(b, int(self._row_pos[:b].max()) + 1, self._num_splits(b))
-        self._row_pos[:b] += 1
-        self._row_step[:b] += 1
+                self._decode_steps(b, int(self._row_pos[:b].max()) + k, self._num_splits(b), k)
+        self._row_pos[:b] += k  # the host's mirrors run ahead for rows that finished inside the launch
+        self._row_step[:b] += k
         i, self._flip = self._flip, self._flip ^ 1
         flags, steps, event = self._done_host[i, :b], self._steps_host[i, :b], self._events[i]
         flags.copy_(self.r_done[:b], non_blocking=event is not None)
         steps.copy_(self.r_step[:b], non_blocking=event is not None)
         if event is not None:
             event.record()
-        self._stats["decode_steps"] += 1
-        self._sampled += b  # a token for each running sequence
+        self._stats["decode_steps"] += k
+        self._sampled += b * k  # a token a step for each running sequence (less what finished rows did not sample)
         return _InFlight(list(self._rows), flags, steps, event)
 
     def _read_back(self, done_step: _InFlight) -> list[tuple[_Seq, int]]:
@@ -971,6 +991,8 @@ class NativeRolloutEngine(RolloutEngine):
         if not finished:
             return []
         gone = {index[id(s)] for s, _ in finished}
+        # steps launched after each finished row's last one sampled nothing anyone reads
+        self._sampled -= sum(int(self._row_step[index[id(s)]]) - n for s, n in finished)
         b = len(self._rows)
         keep = [i for i in range(b) if i not in gone]
         if keep:

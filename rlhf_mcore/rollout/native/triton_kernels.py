@@ -180,21 +180,23 @@ def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
 def _advance_rows_kernel(tok_ptr, lp_ptr, slot_ptr, pos_ptr, step_ptr, limit_ptr, in_tok_ptr, done_ptr, stop_ptr,
                          resp_tok_ptr, resp_lp_ptr, resp_stride, cap, NSTOP: tl.constexpr, PDL: tl.constexpr):
     """Per row after sampling: record the token and log-prob in the slot's response, feed the token back as
-    the next input, advance position and step (clamped to `cap`), flag stop-token / length finishes."""
+    the next input, advance position and step (clamped to `cap`), flag stop-token / length finishes. A row already
+    flagged is left as it is (several steps run in one launch: engine.DECODE_STEPS_PER_LAUNCH)."""
     _pdl_wait(PDL)
     row = tl.program_id(0)
+    live = tl.load(done_ptr + row).to(tl.int32) == 0
     tok = tl.load(tok_ptr + row)
     slot = tl.load(slot_ptr + row)
     step = tl.load(step_ptr + row)
-    tl.store(resp_tok_ptr + slot * resp_stride + step, tok)
-    tl.store(resp_lp_ptr + slot * resp_stride + step, tl.load(lp_ptr + row))
-    tl.store(in_tok_ptr + row, tok)
-    tl.store(pos_ptr + row, tl.minimum(tl.load(pos_ptr + row) + 1, cap))
+    tl.store(resp_tok_ptr + slot * resp_stride + step, tok, mask=live)
+    tl.store(resp_lp_ptr + slot * resp_stride + step, tl.load(lp_ptr + row), mask=live)
+    tl.store(in_tok_ptr + row, tok, mask=live)
+    tl.store(pos_ptr + row, tl.minimum(tl.load(pos_ptr + row) + 1, cap), mask=live)
     step = tl.minimum(step + 1, cap)
-    tl.store(step_ptr + row, step)
+    tl.store(step_ptr + row, step, mask=live)
     stops = tl.load(stop_ptr + tl.arange(0, NSTOP))
     hit = tl.sum((stops == tok).to(tl.int32), 0) > 0
-    tl.store(done_ptr + row, (hit | (step >= tl.load(limit_ptr + row))).to(tl.int1))
+    tl.store(done_ptr + row, (hit | (step >= tl.load(limit_ptr + row))).to(tl.int1), mask=live)
 
 
 def advance_rows(tok, lp, slots, pos, steps, limit, in_tokens, done, stop_ids, resp_tokens, resp_logprobs,
