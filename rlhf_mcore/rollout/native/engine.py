@@ -23,10 +23,11 @@ fit), so prefills run in batches instead of one prompt at a time between decode 
 
 Per-row state lives in persistent device buffers that the decode step (and its CUDA graph) updates in
 place: the step writes the sampled token into the row's input, advances positions, records the token and
-log-prob in a per-slot response buffer and flags finished rows; the host only reads the flags. One step stays in
-flight: step t+1 is launched before the host reads step t's flags back, so that reading (a wait, the compaction of
-finished rows) overlaps the GPU's work instead of leaving it idle between steps. A row finished at step t runs
-once more at t+1 (its extra token lands past its end and is never read). Finished rows' tokens are copied to the
+log-prob in a per-slot response buffer and flags finished rows; the host only reads the flags. A launch runs
+`decode_steps_per_launch` steps (one CUDA graph; a flagged row holds still for the rest of it), and one launch stays
+in flight: launch t+1 is made before the host reads launch t's flags back, so that reading (a wait, the compaction
+of finished rows) overlaps the GPU's work instead of leaving it idle between launches. A row finished in launch t
+runs on in t+1 without advancing (its keys/values land past its end and are never read). Finished rows' tokens are copied to the
 host behind the step in flight and returned by the next step() (`num_pending` counts them until then), so a step
 where rows finish does not wait for the GPU either; abort() reads everything in flight back first, so requests it
 finished come back with their own reason.
