@@ -407,6 +407,7 @@ def test_verl_top_level_reward_sections_are_aliases(tmp_path):
     ("actor_rollout_ref.rollout.mode=async", r"rollout.mode' has value 'async'; choose one of sync"),
     ("actor_rollout_ref.rollout.response_length=300", r"equal to data.max_response_length \(512\)"),
     ("actor_rollout_ref.rollout.load_format=dummy_dtensor", r"does not apply to rlhf_mcore: the rollout engine always"),
+    ("actor_rollout_ref.rollout.decode_steps_per_launch=0", r"decode_steps_per_launch' has value 0; it must be unset"),
 ])
 def test_single_key_values_are_checked_at_load(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -415,8 +416,31 @@ def test_single_key_values_are_checked_at_load(override, message):
 
 def test_accepted_values_of_the_checked_keys_load():
     cfg = load_config(None, MODEL + ["actor_rollout_ref.rollout.response_length=512", "data.val_batch_size=8",
-                                     "actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.rollout.top_k=50"])
+                                     "actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.rollout.top_k=50",
+                                     "actor_rollout_ref.rollout.decode_steps_per_launch=4"])
     assert cfg.data.val_batch_size == 8 and cfg.actor_rollout_ref.rollout.response_length == 512
+    assert cfg.actor_rollout_ref.rollout.decode_steps_per_launch == 4
+
+
+def test_decode_steps_per_launch_is_the_native_engines_and_reaches_it(tiny_model_dir):
+    """Refused with another rollout engine (the key, the value, the fix); with the native one it reaches the engine
+    the trainer builds. Mutation: build_rollout not passing it -> the engine keeps its default 1, fails."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf_mcore.trainer.roles import build_rollout
+
+    with pytest.raises(ConfigError, match=r"decode_steps_per_launch' has value 4; it must be unset with "
+                                          r"rollout.name=hf.*rollout.name=native"):
+        load_config(None, MODEL + ["actor_rollout_ref.rollout.name=hf",
+                                   "actor_rollout_ref.rollout.decode_steps_per_launch=4"])
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir('qwen2')}", "trainer.device=cpu",
+                             "data.max_prompt_length=16", "data.max_response_length=16",
+                             "actor_rollout_ref.rollout.max_num_seqs=2",
+                             "actor_rollout_ref.rollout.decode_steps_per_launch=3"])
+    engine = build_rollout(cfg, SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0))
+    assert engine.decode_steps_per_launch == 3
 
 
 def test_estimator_facts_come_from_the_registry():

@@ -122,7 +122,8 @@ def main(argv=None) -> dict:
                    help="HF generate's KV caches to time (the ratio is against the fastest)")
     p.add_argument("--variants", nargs="+", default=["triton"],
                    help="native variants: triton (default: all kernels), torch-attn (torch attention), "
-                        "unfused (no fused element-wise kernels), eager (no CUDA graphs)")
+                        "unfused (no fused element-wise kernels), eager (no CUDA graphs), splits1/2/4 (attention "
+                        "splits), steps2/4/8 (decode steps a launch)")
     p.add_argument("--out", default=None, help="JSON output (default $OUT/bench_rollout.json or ./bench_rollout.json)")
     args = p.parse_args(argv)
 
@@ -134,7 +135,9 @@ def main(argv=None) -> dict:
     new_tokens = args.new_tokens or (16 if args.tiny else 256)
     variant_cfg = {"triton": {}, "torch-attn": {"attention": "torch"}, "eager": {"cuda_graphs": False},
                    "unfused": {"fused_kernels": False}, "splits1": {"decode_splits": 1},
-                   "splits2": {"decode_splits": 2}, "splits4": {"decode_splits": 4}}
+                   "splits2": {"decode_splits": 2}, "splits4": {"decode_splits": 4},
+                   "steps2": {"decode_steps_per_launch": 2}, "steps4": {"decode_steps_per_launch": 4},
+                   "steps8": {"decode_steps_per_launch": 8}}
     for v in args.variants:
         if v not in variant_cfg:
             raise SystemExit(f"--variants: unknown {v!r}; choose from {sorted(variant_cfg)}")

@@ -152,6 +152,10 @@ class RolloutConfig:
     # per token and head (half the bytes a decode step's attention reads; rlhf_mcore.rollout.native.kv_cache), an
     # FP8 GPU only; auto: the rollout's dtype. Independent of quantization; pair it with algorithm.rollout_correction
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    # decode steps the native engine runs in one launch (one CUDA graph replay) before it reads finished rows back: a
+    # row that finishes inside a launch holds still, so the samples are those of 1 (rlhf_mcore.rollout.native.engine;
+    # BENCHMARKS.md, session 47). null: the engine's default
+    decode_steps_per_launch: Optional[int] = checked(None, ok=unset_or(at_least(1)), what="unset or >= 1")
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384

@@ -91,6 +91,10 @@ def check_relations(cfg: RLConfig) -> None:
         v = value_at(cfg, f"{r}.{k}")
         need(f"{r}.{k}", v is None or v == value_at(cfg, f"data.{data_key}"),
              f"unset or equal to data.{data_key} ({value_at(cfg, f'data.{data_key}')}), which sets it")
+    name = cfg.actor_rollout_ref.rollout.name
+    need(f"{r}.decode_steps_per_launch", value_at(cfg, f"{r}.decode_steps_per_launch") is None or name == "native",
+         f"unset with rollout.name={name}: several decode steps a launch are the native engine's (set "
+         "actor_rollout_ref.rollout.name=native)")
     _check_dapo(cfg, need)
     _check_multi_turn(cfg, need)
     _check_fp8(cfg, need)

@@ -112,7 +112,7 @@ def build_rollout(cfg: RLConfig, state: ParallelState):
                       dtype=None if r.dtype == "auto" else r.dtype, cuda_graphs=None if not r.enforce_eager else False,
                       load_weights=False, weight_offload="drop" if r.sleep_level == 2 else "cpu",
                       quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype,
-                      record_routes=rollout_records_routes(cfg))
+                      record_routes=rollout_records_routes(cfg), decode_steps_per_launch=r.decode_steps_per_launch)
         if r.tensor_model_parallel_size > 1:
             kwargs["tp_group"] = rollout_tp_group(state, r.tensor_model_parallel_size)
     elif r.name == "hf":

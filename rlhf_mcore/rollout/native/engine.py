@@ -27,10 +27,10 @@ log-prob in a per-slot response buffer and flags finished rows; the host only re
 `decode_steps_per_launch` steps (one CUDA graph; a flagged row holds still for the rest of it), and one launch stays
 in flight: launch t+1 is made before the host reads launch t's flags back, so that reading (a wait, the compaction
 of finished rows) overlaps the GPU's work instead of leaving it idle between launches. A row finished in launch t
-runs on in t+1 without advancing (its keys/values land past its end and are never read). Finished rows' tokens are copied to the
-host behind the step in flight and returned by the next step() (`num_pending` counts them until then), so a step
-where rows finish does not wait for the GPU either; abort() reads everything in flight back first, so requests it
-finished come back with their own reason.
+runs on in t+1 without advancing (its keys/values land past its end and are never read). Finished rows' tokens are
+copied to the host behind the launch in flight and returned by the next step() (`num_pending` counts them until
+then), so a step where rows finish does not wait for the GPU either; abort() reads everything in flight back
+first, so requests it finished come back with their own reason.
 
 Randomness: each sequence has a key from (seed, request id, sample index) and response token t of it (prefix
 tokens counted) uses noise hash(key, t, vocab id) (sampling.py), so seeded results do not depend on slots,
