@@ -558,8 +558,9 @@ class NativeRolloutEngine(RolloutEngine):
                 self._waiting.append(seq)
 
     def step(self) -> list[Finished]:
-        """Admit waiting requests into free slots (one batched prefill) and run one decode step over the
-        running ones; returns the requests that finished during it."""
+        """Admit waiting requests into free slots (one batched prefill) and make one decode launch over the
+        running ones (`decode_steps_per_launch` steps, one by default); returns the requests that finished during
+        it."""
         self._require_stream("step")
         self._check_ready()
         finished, self._ready = self._ready, []
