@@ -457,6 +457,7 @@ def _triton_interpret_checks(model_dir: str) -> None:
     from rlhf_mcore.rollout.native.rope import apply_rope
     from rlhf_mcore.rollout.native.sampling import sample_torch
 
+    _pdl_rule_check(tk)
     g = torch.Generator().manual_seed(0)
     # fused sampling: same tokens and log-probs as the torch sampler, greedy and sampled rows, V not a power of 2
     logits = 3 * torch.randn(6, 3000, generator=g)
@@ -1005,6 +1006,42 @@ def _kv_fp8_check(model_dir: str) -> None:
     for a, b in zip(out, ref_out):
         for sa, sb in zip(a.samples, b.samples):
             torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-4, rtol=0)
+
+
+def _pdl_rule_check(tk) -> None:
+    """Programmatic dependent launch as a Hopper GPU would decide it (the capability and the interpreter faked): on
+    outside a decode batch's scope, on up to `PDL_MAX_ROWS` rows and off above (session 48: 3.5% slower at 256 rows
+    on an H100); RLHF_MCORE_DECODE_PDL=1 on and =0 off at every batch. Mutation: `pdl_enabled` not reading the
+    batch's scope -> PDL at PDL_MAX_ROWS + 1 rows, fails (run once)."""
+    import os
+
+    saved_env, saved_sm90 = dict(os.environ), list(tk._SM90)
+    try:
+        tk._SM90[:] = [True]
+        os.environ["TRITON_INTERPRET"] = "0"
+        os.environ.pop("RLHF_MCORE_DECODE_PDL", None)
+        assert tk.pdl_enabled()  # the prefill: no batch scope
+        with tk.pdl_for_batch(tk.PDL_MAX_ROWS):
+            assert tk.pdl_enabled()
+        with tk.pdl_for_batch(tk.PDL_MAX_ROWS + 1):
+            assert not tk.pdl_enabled()
+            with tk.pdl_for_batch(64):
+                assert tk.pdl_enabled()
+            assert not tk.pdl_enabled()
+        assert tk.pdl_enabled()
+        os.environ["RLHF_MCORE_DECODE_PDL"] = "1"
+        with tk.pdl_for_batch(tk.PDL_MAX_ROWS + 1):
+            assert tk.pdl_enabled()
+        os.environ["RLHF_MCORE_DECODE_PDL"] = "0"
+        with tk.pdl_for_batch(1):
+            assert not tk.pdl_enabled()
+        tk._SM90[:] = [False]
+        os.environ.pop("RLHF_MCORE_DECODE_PDL")
+        assert not tk.pdl_enabled()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tk._SM90[:] = saved_sm90
 
 
 def _shared_prompt_reads_check(model_dir: str) -> None:

@@ -341,6 +341,46 @@ def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatc
     assert outs["1"] == outs["0"], "programmatic dependent launch changed the samples"
 
 
+def test_decode_graphs_use_pdl_up_to_the_batch_limit(gpu_model_dirs, monkeypatch):
+    """The engine captures a decode batch's graph inside `pdl_for_batch(its padded rows)`: with PDL_MAX_ROWS set to 2
+    here, the graph of 1 row is captured with programmatic dependent launch and the graph of 3 rows (padded to 4)
+    without; the samples are the same either way (the test above). Mutation: `_launch` without `self._pdl_scope`
+    (every batch on) -> fails."""
+    from contextlib import contextmanager
+
+    from rlhf_mcore.rollout import SamplingParams
+    from rlhf_mcore.rollout.native import triton_kernels
+    from rlhf_mcore.rollout.native.engine import NativeRolloutEngine
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9 (Hopper)")
+    monkeypatch.delenv("RLHF_MCORE_DECODE_PDL", raising=False)
+    monkeypatch.setattr(triton_kernels, "PDL_MAX_ROWS", 2)
+    seen, real = [], triton_kernels.pdl_for_batch
+    launches = []
+    real_launch = triton_kernels._launch
+
+    @contextmanager
+    def recorded(rows):
+        with real(rows):
+            seen.append(rows)
+            yield
+
+    monkeypatch.setattr(triton_kernels, "pdl_for_batch", recorded)
+    monkeypatch.setattr(triton_kernels, "_launch", lambda pdl: launches.append((seen[-1] if seen else 0, pdl))
+                        or real_launch(pdl))
+    engine = NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=8, max_model_len=64)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=())
+    for n in (1, 3):
+        seen.clear(), launches.clear()
+        engine.generate(make_prompts(n, 900), params)
+        bucket = 1 if n == 1 else 4
+        assert seen and set(seen) == {bucket}, seen
+        decode = [pdl for rows, pdl in launches if rows == bucket]
+        assert decode and all(pdl == (bucket <= 2) for pdl in decode), (n, decode)
+    engine.shutdown()
+
+
 def test_shared_prompt_reads_change_no_bit_on_the_gpu(gpu_model_dirs, monkeypatch):
     """GRPO's layout on the GPU (bf16, CUDA graphs, Triton attention): 16 prompts x 8 samples through 64 slots, the
     rows of one prefilled prompt reading it from one slot (`engine.SHARE_PROMPT_READS`, the default) against every

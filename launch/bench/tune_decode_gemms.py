@@ -433,7 +433,7 @@ def main(argv=None) -> dict:
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ["RLHF_MCORE_DECODE_PDL"] = "0"  # each kernel alone in the grid; the end-to-end runs put it back
+    os.environ["RLHF_MCORE_DECODE_PDL"] = "0"  # each kernel alone in the grid; the end-to-end runs drop it
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.tp > 1 and args.e2e_batch and not args.tiny:
@@ -470,7 +470,7 @@ def main(argv=None) -> dict:
         b = 4 if args.tiny else args.e2e_batch
         r = min(out["rows"], key=lambda x: abs(int(x) - b))
         choice = {name: (v["best"], {"cfg": v["best_cfg"]}) for name, v in out["rows"][r].items()}
-        os.environ["RLHF_MCORE_DECODE_PDL"] = "1"
+        del os.environ["RLHF_MCORE_DECODE_PDL"]  # the engine's own choice (triton_kernels.PDL_MAX_ROWS)
         with tempfile.TemporaryDirectory() as tmp:
             base = e2e(shape, b, None, device, dtype, Path(tmp), args.tiny)
             tuned = e2e(shape, b, choice, device, dtype, Path(tmp), args.tiny)

@@ -47,6 +47,7 @@ and releases), so they agree without extra communication.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import time
@@ -960,11 +961,11 @@ class NativeRolloutEngine(RolloutEngine):
                 attn_len = min(_round_up(need, 256), self.max_model_len + 1)
             splits = self._num_splits(bb)
             key = (bb, attn_len, splits, self._sampler_key, k)
-            with torch.inference_mode():
+            with torch.inference_mode(), self._pdl_scope(bb):
                 self.graphs.run(key, lambda: self._decode_steps(bb, attn_len, splits, k),
                                 lambda: self._scratch_state(bb))
         else:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._pdl_scope(b):
                 self._decode_steps(b, int(self._row_pos[:b].max()) + k, self._num_splits(b), k)
         self._row_pos[:b] += k  # the host's mirrors run ahead for rows that finished inside the launch
         self._row_step[:b] += k
@@ -977,6 +978,15 @@ class NativeRolloutEngine(RolloutEngine):
         self._stats["decode_steps"] += k
         self._sampled += b * k  # a token a step for each running sequence (less what finished rows did not sample)
         return _InFlight(list(self._rows), flags, steps, event)
+
+    def _pdl_scope(self, rows: int):
+        """The decode kernels' programmatic dependent launch for a batch of `rows` (triton_kernels.PDL_MAX_ROWS); the
+        kernels are Triton's on CUDA only."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from .triton_kernels import pdl_for_batch
+
+        return pdl_for_batch(rows)
 
     def _read_back(self, done_step: _InFlight) -> list[tuple[_Seq, int]]:
         """The rows `done_step` finished that still run (a row it ran after finishing earlier is skipped), taken

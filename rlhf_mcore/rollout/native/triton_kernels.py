@@ -16,7 +16,8 @@ Programmatic dependent launch (Hopper and later, `pdl_enabled`): every kernel he
 `griddepcontrol.wait` before it reads an activation or writes anything, then lets its successor launch, so the next
 kernel's programs are scheduled while this one runs instead of after it ends (the CUDA graph's ~0.8 us between
 dependent kernels, BENCHMARKS.md round 5). Every program waits unconditionally: a kernel completes only after its
-predecessor did, so whatever ran earlier is complete too. `RLHF_MCORE_DECODE_PDL=0` turns it off. (Prefetching the
+predecessor did, so whatever ran earlier is complete too. The engine's decode steps use it up to `PDL_MAX_ROWS`
+rows (`pdl_for_batch`); `RLHF_MCORE_DECODE_PDL=0` turns it off everywhere, `=1` on at every batch. (Prefetching the
 GEMMs' weights into L2 before the wait was measured slower, 1.742 against 1.690 ms a step: not kept.)
 
 Reference implementations: `attention.decode_attention_torch`, `sampling.sample_torch`.
@@ -25,6 +26,8 @@ Reference implementations: `attention.decode_attention_torch`, `sampling.sample_
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import triton
@@ -41,12 +44,33 @@ assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
 _FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
+# The largest decode batch that launches with PDL. One H100, one process, PDL on and off alternating (BENCHMARKS.md
+# session 48): on was 4.8 / 3.6 / 0.7 / 1.7 / 0.6% faster a step at 64 / 96 / 128 / 160 / 192 rows and 3.5% slower at
+# 256 (2.01 against 1.95 ms); session 19's H200 measured 256 rows the same either way. Above 256 not measured.
+PDL_MAX_ROWS = 224
+_PDL_IN_SCOPE: ContextVar[bool] = ContextVar("pdl_in_scope", default=True)
+
+
 def pdl_enabled() -> bool:
     """Whether the kernels launch with programmatic dependent launch (module docstring): a CUDA GPU of compute
-    capability >= 9, not Triton's interpreter, and `RLHF_MCORE_DECODE_PDL` not "0" (read at each call)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get("RLHF_MCORE_DECODE_PDL", "1") == "0":
+    capability >= 9, not Triton's interpreter, and then `RLHF_MCORE_DECODE_PDL` (read at each call): "0" off, "1" on,
+    unset as `pdl_for_batch` says (on outside one)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not _sm90():
         return False
-    return _sm90()
+    forced = os.environ.get("RLHF_MCORE_DECODE_PDL")
+    if forced is not None:
+        return forced != "0"
+    return _PDL_IN_SCOPE.get()
+
+
+@contextmanager
+def pdl_for_batch(rows: int):
+    """The kernels launched (or captured into a CUDA graph) inside use PDL when `rows` <= PDL_MAX_ROWS."""
+    token = _PDL_IN_SCOPE.set(rows <= PDL_MAX_ROWS)
+    try:
+        yield
+    finally:
+        _PDL_IN_SCOPE.reset(token)
 
 
 _SM90: list[bool] = []
