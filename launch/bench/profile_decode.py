@@ -107,19 +107,38 @@ def kernel_intervals(prof) -> list[tuple[float, float]]:
             if ev.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def graph_replay_ms(engine, batch: int, pos: int, n: int = 50) -> tuple[float, float]:
+def mid_generate_rows(engine, generate, at: int) -> list[torch.Tensor]:
+    """Runs `generate()` and returns copies of the engine's row buffers as its decode launch number `at` found them
+    (empty if it makes fewer): the state `graph_replay_ms` replays from (each row's own slot, position, source slot
+    and shared prompt length, as a generate has them). One copy, at that launch: the timed generate is not slowed."""
+    launch, calls, snap = engine._launch, [0], []
+
+    def snapshot(b):
+        calls[0] += 1
+        if calls[0] == at:
+            snap[:] = [buf.clone() for buf in engine._row_buffers]
+        return launch(b)
+    engine._launch = snapshot
+    try:
+        generate()
+    finally:
+        engine._launch = launch
+    return snap
+
+
+def graph_replay_ms(engine, batch: int, rows: list[torch.Tensor], n: int = 50) -> tuple[float, float]:
     """Milliseconds per decode step of the engine's captured decode graph for `batch` rows (the one of the most
-    steps a launch), replayed back to back with no host work between (rows set to position `pos`, the generate's
-    average, each replay advancing them), and the host's microseconds per `graph.replay()` call in that loop (the
-    launch: if it is near the replay's time, a decode step is bound by launching its graph plus the engine's host
-    work, not by the GPU)."""
+    steps a launch), replayed back to back with no host work between, from the row buffers `rows` (a generate's own,
+    `mid_generate_rows`; no row reaches its cap), and the host's microseconds per `graph.replay()` call in that loop
+    (the launch: if it is near the replay's time, a decode step is bound by launching its graph plus the engine's
+    host work, not by the GPU). Session 48: replays from rows set by hand (positions and steps only) ran 0.2 ms
+    faster than the same graph inside a generate on one H100 and not on another; from a generate's own rows they
+    match it (1.91-1.92 against 1.93 ms)."""
     key = max((k for k in engine.graphs.graphs if k[0] == batch), key=lambda k: k[-1])
     graph, steps = engine.graphs.graphs[key], key[-1]
-    engine.r_pos[:batch] = pos
-    engine.r_step[:batch] = 1
+    for buf, saved in zip(engine._row_buffers, rows):
+        buf.copy_(saved)
     engine.r_limit[:batch] = 1 << 30
-    engine.r_done[:batch] = False
-    engine.r_slot[:batch] = torch.arange(batch, device=engine.device)
     n = max(1, n // steps)
     graph.replay()
     torch.cuda.synchronize()
@@ -277,7 +296,10 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
             return time.perf_counter() - t0, dict(engine.last_stats)
 
         run(args.new_tokens, 1)  # warm-up: every graph of the full length captured
-        wall, stats = run(args.new_tokens, 2)
+        timed = []
+        rows = mid_generate_rows(engine, lambda: timed.append(run(args.new_tokens, 2)),
+                                 at=max(1, args.new_tokens // 2 // engine.decode_steps_per_launch))
+        wall, stats = timed[0]
         steps = max(1, stats["decode_steps"])
         step_ms = (wall - stats["prefill_s"]) / steps * 1e3
         out = {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -339,9 +361,8 @@ def _profile(args, NativeRolloutEngine, SamplingParams, engine_mod) -> dict:
                 print(f"  {k:24s} {v['kernels']:7.1f} kernels {v['ms']:.4f} ms", flush=True)
             for t in out["top"]:
                 print(f"  {t['us_per_step']:9.2f} us x{t['per_step']:6.2f}  {t['name']}", flush=True)
-            if engine.use_graphs:
-                out["graph_replay_ms"], out["graph_launch_us"] = graph_replay_ms(
-                    engine, args.batch, args.prompt_len + args.new_tokens // 2)
+            if engine.use_graphs and rows:
+                out["graph_replay_ms"], out["graph_launch_us"] = graph_replay_ms(engine, args.batch, rows)
                 print(f"back-to-back replays of the batch-{args.batch} graph: {out['graph_replay_ms']:.3f} ms a "
                       "decode step (kernels + the graph's own gaps between them; wall - this = the host's share); "
                       f"the host's graph.replay() call {out['graph_launch_us']:.1f} us", flush=True)
