@@ -372,7 +372,8 @@ def test_decode_graphs_use_pdl_up_to_the_batch_limit(gpu_model_dirs, monkeypatch
     engine = NativeRolloutEngine(gpu_model_dirs["qwen2"], dtype=torch.bfloat16, max_num_seqs=8, max_model_len=64)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=())
     for n in (1, 3):
-        seen.clear(), launches.clear()
+        seen.clear()
+        launches.clear()
         engine.generate(make_prompts(n, 900), params)
         bucket = 1 if n == 1 else 4
         assert seen and set(seen) == {bucket}, seen
