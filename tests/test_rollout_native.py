@@ -1010,9 +1010,9 @@ def _kv_fp8_check(model_dir: str) -> None:
 
 def _pdl_rule_check(tk) -> None:
     """Programmatic dependent launch as a Hopper GPU would decide it (the capability and the interpreter faked): on
-    outside a decode batch's scope, on up to `PDL_MAX_ROWS` rows and off above (session 48: 3.5% slower at 256 rows
-    on an H100); RLHF_MCORE_DECODE_PDL=1 on and =0 off at every batch. Mutation: `pdl_enabled` not reading the
-    batch's scope -> PDL at PDL_MAX_ROWS + 1 rows, fails (run once)."""
+    outside a decode batch's scope, off within `PDL_OFF_ROWS` (first and last included; session 48: 3.5% slower at 256
+    rows on an H100) and on either side of it; RLHF_MCORE_DECODE_PDL=1 on and =0 off at every batch. Mutation:
+    `pdl_enabled` not reading the batch's scope -> PDL at 256 rows, fails (run once)."""
     import os
 
     saved_env, saved_sm90 = dict(os.environ), list(tk._SM90)
@@ -1021,16 +1021,19 @@ def _pdl_rule_check(tk) -> None:
         os.environ["TRITON_INTERPRET"] = "0"
         os.environ.pop("RLHF_MCORE_DECODE_PDL", None)
         assert tk.pdl_enabled()  # the prefill: no batch scope
-        with tk.pdl_for_batch(tk.PDL_MAX_ROWS):
-            assert tk.pdl_enabled()
-        with tk.pdl_for_batch(tk.PDL_MAX_ROWS + 1):
+        low, high = tk.PDL_OFF_ROWS
+        assert low <= 256 <= high
+        for rows, on in ((low - 1, True), (low, False), (256, False), (high, False), (high + 1, True), (512, True)):
+            with tk.pdl_for_batch(rows):
+                assert tk.pdl_enabled() == on, (rows, on)
+        with tk.pdl_for_batch(high):
             assert not tk.pdl_enabled()
             with tk.pdl_for_batch(64):
                 assert tk.pdl_enabled()
             assert not tk.pdl_enabled()
         assert tk.pdl_enabled()
         os.environ["RLHF_MCORE_DECODE_PDL"] = "1"
-        with tk.pdl_for_batch(tk.PDL_MAX_ROWS + 1):
+        with tk.pdl_for_batch(256):
             assert tk.pdl_enabled()
         os.environ["RLHF_MCORE_DECODE_PDL"] = "0"
         with tk.pdl_for_batch(1):

@@ -342,9 +342,9 @@ def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatc
 
 
 def test_decode_graphs_use_pdl_up_to_the_batch_limit(gpu_model_dirs, monkeypatch):
-    """The engine captures a decode batch's graph inside `pdl_for_batch(its padded rows)`: with PDL_MAX_ROWS set to 2
-    here, the graph of 1 row is captured with programmatic dependent launch and the graph of 3 rows (padded to 4)
-    without; the samples are the same either way (the test above). Mutation: `_launch` without `self._pdl_scope`
+    """The engine captures a decode batch's graph inside `pdl_for_batch(its padded rows)`: with PDL_OFF_ROWS set to
+    (2, 4) here, the graph of 1 row is captured with programmatic dependent launch and the graph of 3 rows (padded to
+    4) without; the samples are the same either way (the test above). Mutation: `_launch` without `self._pdl_scope`
     (every batch on) -> fails."""
     from contextlib import contextmanager
 
@@ -355,7 +355,7 @@ def test_decode_graphs_use_pdl_up_to_the_batch_limit(gpu_model_dirs, monkeypatch
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability >= 9 (Hopper)")
     monkeypatch.delenv("RLHF_MCORE_DECODE_PDL", raising=False)
-    monkeypatch.setattr(triton_kernels, "PDL_MAX_ROWS", 2)
+    monkeypatch.setattr(triton_kernels, "PDL_OFF_ROWS", (2, 4))
     seen, real = [], triton_kernels.pdl_for_batch
     launches = []
     real_launch = triton_kernels._launch
@@ -378,7 +378,7 @@ def test_decode_graphs_use_pdl_up_to_the_batch_limit(gpu_model_dirs, monkeypatch
         bucket = 1 if n == 1 else 4
         assert seen and set(seen) == {bucket}, seen
         decode = [pdl for rows, pdl in launches if rows == bucket]
-        assert decode and all(pdl == (bucket <= 2) for pdl in decode), (n, decode)
+        assert decode and all(pdl == (bucket == 1) for pdl in decode), (n, decode)
     engine.shutdown()
 
 

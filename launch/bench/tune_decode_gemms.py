@@ -470,7 +470,7 @@ def main(argv=None) -> dict:
         b = 4 if args.tiny else args.e2e_batch
         r = min(out["rows"], key=lambda x: abs(int(x) - b))
         choice = {name: (v["best"], {"cfg": v["best_cfg"]}) for name, v in out["rows"][r].items()}
-        del os.environ["RLHF_MCORE_DECODE_PDL"]  # the engine's own choice (triton_kernels.PDL_MAX_ROWS)
+        del os.environ["RLHF_MCORE_DECODE_PDL"]  # the engine's own choice (triton_kernels.PDL_OFF_ROWS)
         with tempfile.TemporaryDirectory() as tmp:
             base = e2e(shape, b, None, device, dtype, Path(tmp), args.tiny)
             tuned = e2e(shape, b, choice, device, dtype, Path(tmp), args.tiny)

@@ -980,7 +980,7 @@ class NativeRolloutEngine(RolloutEngine):
         return _InFlight(list(self._rows), flags, steps, event)
 
     def _pdl_scope(self, rows: int):
-        """The decode kernels' programmatic dependent launch for a batch of `rows` (triton_kernels.PDL_MAX_ROWS); the
+        """The decode kernels' programmatic dependent launch for a batch of `rows` (triton_kernels.PDL_OFF_ROWS); the
         kernels are Triton's on CUDA only."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()

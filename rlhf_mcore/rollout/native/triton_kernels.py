@@ -16,9 +16,10 @@ Programmatic dependent launch (Hopper and later, `pdl_enabled`): every kernel he
 `griddepcontrol.wait` before it reads an activation or writes anything, then lets its successor launch, so the next
 kernel's programs are scheduled while this one runs instead of after it ends (the CUDA graph's ~0.8 us between
 dependent kernels, BENCHMARKS.md round 5). Every program waits unconditionally: a kernel completes only after its
-predecessor did, so whatever ran earlier is complete too. The engine's decode steps use it up to `PDL_MAX_ROWS`
-rows (`pdl_for_batch`); `RLHF_MCORE_DECODE_PDL=0` turns it off everywhere, `=1` on at every batch. (Prefetching the
-GEMMs' weights into L2 before the wait was measured slower, 1.742 against 1.690 ms a step: not kept.)
+predecessor did, so whatever ran earlier is complete too. The engine's decode steps use it except at the batch sizes
+of `PDL_OFF_ROWS` (`pdl_for_batch`); `RLHF_MCORE_DECODE_PDL=0` turns it off everywhere, `=1` on at every batch.
+(Prefetching the GEMMs' weights into L2 before the wait was measured slower, 1.742 against 1.690 ms a step: not
+kept.)
 
 Reference implementations: `attention.decode_attention_torch`, `sampling.sample_torch`.
 """
@@ -44,10 +45,12 @@ assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
 _FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-# The largest decode batch that launches with PDL. One H100, one process, PDL on and off alternating (BENCHMARKS.md
-# session 48): on was 4.8 / 3.6 / 0.7 / 1.7 / 0.6% faster a step at 64 / 96 / 128 / 160 / 192 rows and 3.5% slower at
-# 256 (2.01 against 1.95 ms); session 19's H200 measured 256 rows the same either way. Above 256 not measured.
-PDL_MAX_ROWS = 224
+# The decode batches (padded rows, first and last included) that launch without PDL. One H100, one process, PDL on
+# and off alternating (BENCHMARKS.md session 48): on was 4.8 / 3.6 / 0.7 / 1.7 / 0.6% faster a step at 64 / 96 / 128 /
+# 160 / 192 rows and 3.5% slower at 256 (2.01 against 1.95 ms); session 19's H200 measured 256 rows the same either
+# way. Above 256 rows o_proj and down_proj run on cuBLAS and the decode (TRL's GRPO at 512) was measured with PDL on
+# only: it stays on there.
+PDL_OFF_ROWS = (225, 256)
 _PDL_IN_SCOPE: ContextVar[bool] = ContextVar("pdl_in_scope", default=True)
 
 
@@ -65,8 +68,9 @@ def pdl_enabled() -> bool:
 
 @contextmanager
 def pdl_for_batch(rows: int):
-    """The kernels launched (or captured into a CUDA graph) inside use PDL when `rows` <= PDL_MAX_ROWS."""
-    token = _PDL_IN_SCOPE.set(rows <= PDL_MAX_ROWS)
+    """The kernels launched (or captured into a CUDA graph) inside use PDL unless `rows` is within PDL_OFF_ROWS."""
+    low, high = PDL_OFF_ROWS
+    token = _PDL_IN_SCOPE.set(not low <= rows <= high)
     try:
         yield
     finally:
