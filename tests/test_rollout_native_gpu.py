@@ -341,7 +341,7 @@ def test_programmatic_dependent_launch_changes_no_bit(gpu_model_dirs, monkeypatc
     assert outs["1"] == outs["0"], "programmatic dependent launch changed the samples"
 
 
-def test_decode_graphs_use_pdl_up_to_the_batch_limit(gpu_model_dirs, monkeypatch):
+def test_decode_graphs_use_pdl_by_batch_size(gpu_model_dirs, monkeypatch):
     """The engine captures a decode batch's graph inside `pdl_for_batch(its padded rows)`: with PDL_OFF_ROWS set to
     (2, 4) here, the graph of 1 row is captured with programmatic dependent launch and the graph of 3 rows (padded to
     4) without; the samples are the same either way (the test above). Mutation: `_launch` without `self._pdl_scope`
