@@ -220,6 +220,32 @@ def test_rl_dataset_items_match_chat_template_tokenization(gsm8k_dir, tokenizer)
         assert item["extra_info"]["index"] == i and item["index"] == i
 
 
+def test_rl_dataset_kept_rows_read_as_fresh_ones(gsm8k_dir, tokenizer, monkeypatch):
+    """The parsed rows a dataset keeps between reads (`ITEM_CACHE`, here 5) give every item as a fresh dataset
+    reads it, over two files, in any order, after evictions and with negative indices; each read returns its own
+    dict and `input_ids`. Mutation: the kept rows keyed by the row's number in its file instead of the item's index
+    (two files' rows collide) -> fails (run once)."""
+    from rlhf_mcore.data import rl_dataset
+
+    files = [str(gsm8k_dir[0] / "test.parquet"), str(gsm8k_dir[0] / "train.parquet")]
+    kw = dict(max_prompt_length=512, cache_dir=str(gsm8k_dir[0] / "hf_cache"), max_samples=1330)  # 1,319 + 11
+    monkeypatch.setattr(rl_dataset, "ITEM_CACHE", 5)
+    kept = RLDataset(files, tokenizer, **kw)
+    n = len(kept)
+    order = [0, n - 1, 3, 1319 + 3, 0, -1, n // 2, 3, 1, 2, 4, 5, 6, 0, n - 2, 1319 + 3, 3, -n]
+    reads = [kept[i] for i in order]
+    assert len(kept._parsed) == 5
+    assert n == 1330 and len(kept._tables) == 2
+    monkeypatch.setattr(rl_dataset, "ITEM_CACHE", 0)
+    fresh = RLDataset(files, tokenizer, **kw)
+    for i, item in zip(order, reads):
+        assert item == fresh[i] and not fresh._parsed, i
+    again = kept[3]
+    again["input_ids"].append(-1)
+    again["data_source"] = "changed"
+    assert kept[3] == reads[2] == fresh[3] and kept[3]["input_ids"][-1] != -1
+
+
 def test_rl_dataset_malformed_rows_error_or_skip(tmp_path, tokenizer):
     no_content = good_row("x")
     no_content["prompt"] = [{"role": "user", "content": None}]
