@@ -46,7 +46,7 @@ def outputs(tmp_path_factory):
         bench_mfu.main(["--one-shape", "tiny", "--peer", "--peer-params", "bf16", "--child-out",
                         out + "/mfu_peer_bf16.json", "--seqs", "32", "--warmup", "0", "--steps", "1"])
         bench_ppo_step.main(["--workload", "gsm8k_ppo", "--tiny", "--steps", "1", "--profile", "--model-dir", model,
-                             "--out", out + "/ppo_step.json"])
+                             "--replay-passes", "2", "--out", out + "/ppo_step.json"])
         bench_ppo_step.main(["--workload", "trl_grpo", "--tiny", "--steps", "1", "--model-dir", model,
                              "--out", out + "/grpo_step.json"])
         bench_memory.main(["--tiny", "--measure", "--out", out + "/memory.json"])
@@ -283,6 +283,13 @@ def test_rl_step_json(outputs, name):
     assert len(steps) == (3 if name == "ppo_step" else 2)  # warm-up + timed (+ profiled)
     assert all(s["response_length_max"] <= 16 for s in steps)
     assert "timing_s/step" in steps[-1]["metrics"]
+    assert all(s["allocs"] == {} for s in steps) if res["device"] == "cpu" else steps[-1]["allocs"]["actor_update"]
+    if name == "ppo_step":  # `--replay-passes 2`: the last timed step's batch through its three passes, twice
+        replayed = res["replayed_passes_s"]
+        assert set(replayed) == {"old_log_prob", "ref", "values"} and all(
+            len(v) == 2 and min(v) > 0 for v in replayed.values()), replayed
+    else:
+        assert "replayed_passes_s" not in res
     # the rollout engine's counters of each step's generation
     assert all(s["rollout_stats"]["decode_steps"] > 0 for s in steps), [s["rollout_stats"] for s in steps]
     captures = [s["rollout_stats"]["graph_captures"] for s in steps]
@@ -506,6 +513,62 @@ def test_the_benchmark_times_the_rule_scorer_without_draining_the_device(monkeyp
     finally:
         hooks.close()
     assert (colocated.compose, colocated.rows_to_batch, colocated.generate_and_score) == originals
+
+
+def test_replayed_passes_call_the_engines_past_the_timing_wrappers():
+    """bench_ppo_step.replay_passes runs each forward pass of the step (old log-probs, reference, values) on the
+    step's batch, rounds alternating, through the engines' own methods: the instance's timing wrapper (which would
+    add the replays to the step's phases) is never called. Mutation: the pass taken with `getattr(engine, method)`
+    (the wrapper) fails it."""
+    from types import SimpleNamespace
+
+    import bench_ppo_step
+
+    calls = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+            self.compute_log_probs = self.compute_values = lambda *a, **kw: pytest.fail("the timing wrapper ran")
+
+        def compute_log_probs(self, batch):
+            calls.append((self.name, batch))
+
+        def compute_values(self, batch):
+            calls.append((self.name, batch))
+
+    parts = SimpleNamespace(actor=Engine("actor"), ref=Engine("ref"), critic=Engine("critic"))
+    got = bench_ppo_step.replay_passes(parts, "the batch", 2)
+    assert calls == [("actor", "the batch"), ("ref", "the batch"), ("critic", "the batch")] * 2, calls
+    assert {k: len(v) for k, v in got.items()} == {"old_log_prob": 2, "ref": 2, "values": 2}
+    calls.clear()
+    got = bench_ppo_step.replay_passes(SimpleNamespace(actor=Engine("actor"), ref=None, critic=None), "b", 1)
+    assert list(got) == ["old_log_prob"] and calls == [("actor", "b")]
+
+
+def test_allocator_counters_grow_per_synchronised_phase(monkeypatch):
+    """The timing wrapper records how much the caching allocator's counters grew inside each synchronised phase
+    (`allocs` of a step's record); a host-only phase (the rule scorer: no synchronisation) records none. Mutation:
+    the growth taken as before - after (negative counts) fails it."""
+    from types import SimpleNamespace
+
+    import bench_ppo_step
+
+    ticks = iter(range(0, 100, 5))
+    monkeypatch.setattr(bench_ppo_step, "_sync", lambda: None)
+    monkeypatch.setattr(bench_ppo_step, "_alloc_counts", lambda: {"num_device_alloc": next(ticks),
+                                                                  "num_alloc_retries": 0})
+    obj = SimpleNamespace(update=lambda: None, score=lambda: None)
+    sink = {}
+    bench_ppo_step.ALLOCS.clear()
+    bench_ppo_step.timed(obj, "update", "actor_update", sink)
+    bench_ppo_step.timed(obj, "score", "rollout/reward", sink, sync=False)
+    obj.update()
+    obj.score()
+    obj.update()
+    assert bench_ppo_step.ALLOCS == {"actor_update": {"num_device_alloc": 10, "num_alloc_retries": 0}}, (
+        bench_ppo_step.ALLOCS)
+    bench_ppo_step.ALLOCS.clear()
 
 
 def test_phase_busy_splits_the_waits_for_the_host_by_length():

@@ -4,6 +4,7 @@
     python launch/bench/bench_ppo_step.py --workload trl_grpo  [--steps 2] [--out FILE.json]
     python launch/bench/bench_ppo_step.py --workload trl_grpo_7b --steps 1   # a whole 7B GRPO step, one H200
     python launch/bench/bench_ppo_step.py --workload trl_grpo_7b_lora --steps 2   # the same with LoRA, no offload
+    python launch/bench/bench_ppo_step.py --workload gsm8k_ppo --steps 2 --replay-passes 3  # + the passes replayed
     python launch/bench/bench_ppo_step.py --workload gsm8k_ppo --tiny            # CPU smoke run on a tiny shape
 
 What runs: `rlhf_mcore.trainer.RLTrainer`, unchanged, on one GPU, for 1 warm-up step + `--steps` timed steps
@@ -39,7 +40,10 @@ Phase keys (seconds, per step): `rollout/generate` (the engine's generate), `rol
 when the config sets `megatron.*_offload`), `rollout/wake_sleep`; `old_log_prob`,
 `ref`, `values`; `adv`; `critic_update`, `actor_update`; `sync`; `step` (the trainer's whole step).
 Each step's record also keeps the rollout engine's counters of its generation (`rollout_stats`; the native
-engine's `graph_captures` > 0 after the first step means its decode graphs are captured again every step).
+engine's `graph_captures` > 0 after the first step means its decode graphs are captured again every step) and,
+per synchronised phase, how much the CUDA caching allocator's counters grew in it (`allocs`: device allocations,
+frees, retries; compare `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`). `--replay-passes N` puts the last timed
+step's batch through its forward passes N more times (`replayed_passes_s`): a pass's own seconds against its phase's.
 """
 from __future__ import annotations
 
@@ -120,6 +124,20 @@ def _sync():
 
 
 SPANS: list[tuple[str, float, float]] = []  # every timed call: (phase, perf_counter start, end), for phase_busy
+# the CUDA caching allocator's counters whose growth inside a phase is recorded per step (`allocs`): device
+# allocations (cudaMalloc of a new segment, or an expandable segment's new pages), frees, and retries (an allocation
+# that failed, freed the cache after a synchronisation, and tried again)
+ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+ALLOCS: dict[str, dict[str, int]] = {}  # phase -> counter -> growth this step (cleared at each step's start)
+
+
+def _alloc_counts() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOC_KEYS}
 
 
 def timed(obj, method: str, key: str, sink: dict, sync: bool = True):
@@ -137,6 +155,7 @@ def timed(obj, method: str, key: str, sink: dict, sync: bool = True):
         from torch.profiler import record_function
 
         wait()
+        before = _alloc_counts() if sync else {}
         t0 = time.perf_counter()
         try:
             with record_function(PHASE_PREFIX + key):  # a profiled step's per-phase device busy (phase_busy)
@@ -146,6 +165,9 @@ def timed(obj, method: str, key: str, sink: dict, sync: bool = True):
             t1 = time.perf_counter()
             sink[key] = sink.get(key, 0.0) + t1 - t0
             SPANS.append((key, t0, t1))
+            grown = ALLOCS.setdefault(key, {}) if before else {}
+            for k, v in _alloc_counts().items() if before else ():
+                grown[k] = grown.get(k, 0) + v - before[k]
 
     setattr(obj, method, wrapper)
     return lambda: setattr(obj, method, fn)
@@ -317,10 +339,14 @@ class BenchHooks:
     """Per-call timings and an optional profiled step, observed through the trainer's StepHooks; the loop is the
     trainer's own. Components (engines, rollout, scorer) are wrapped per instance so each call is timed."""
 
-    def __init__(self, parts, profile_step: int | None, profile_cuda_only: bool = True, partial_out=None):
-        """`parts`: the trainer's parts (rlhf_mcore.trainer.hooks.StepParts: actor, critic, ref, rollout, ...)."""
+    def __init__(self, parts, profile_step: int | None, profile_cuda_only: bool = True, partial_out=None,
+                 replay_step: int | None = None, replay_rounds: int = 0):
+        """`parts`: the trainer's parts (rlhf_mcore.trainer.hooks.StepParts: actor, critic, ref, rollout, ...).
+        `replay_step`: after that step, its batch through the forward passes again (`replay_passes`,
+        `replay_rounds` rounds); the seconds in `self.replayed`."""
         self.sub: dict[str, float] = {}
         self.records: list[dict] = []
+        self.replay_step, self.replay_rounds, self.replayed = replay_step, replay_rounds, {}
         self.profile_step, self.profile_cuda_only, self.partial_out = profile_step, profile_cuda_only, partial_out
         self.cprofile = None  # a cProfile.Profile over the timed steps' host work (--cprofile)
         self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
@@ -360,6 +386,7 @@ class BenchHooks:
         import torch
 
         self.sub.clear()
+        ALLOCS.clear()
         if self.cprofile is not None and step >= 2:  # the timed steps, not the warm-up's captures and compiles
             self.cprofile.enable()
         if step == self.profile_step:
@@ -407,12 +434,40 @@ class BenchHooks:
                # the rollout engine's counters of this step's generation (the native engine: decode steps,
                # prefills, graph_captures, ...)
                "rollout_stats": {k: v for k, v in (getattr(parts.rollout, "last_stats", None) or {}).items()
-                                 if isinstance(v, (int, float))}}
+                                 if isinstance(v, (int, float))},
+               # the caching allocator's counters grown inside each synchronised phase (CUDA only)
+               "allocs": {k: dict(v) for k, v in ALLOCS.items()}}
         self.records.append(rec)
         if self.partial_out:  # steps so far survive a later crash or timeout
             Path(self.partial_out).write_text(json.dumps({"partial": True, "steps": self.records}, indent=1))
         shown = {**rec["phases_s"], "step": timer.seconds["step"], "gc": metrics.get("perf/gc_s/max", 0.0)}
         print(f"[bench] step {step}: " + json.dumps({k: round(v, 3) for k, v in shown.items()}), flush=True)
+        if step == self.replay_step and self.replay_rounds > 0:
+            self.replayed = replay_passes(parts, batch, self.replay_rounds)
+            print("[bench] the step's batch replayed: " + json.dumps(
+                {k: [round(x, 3) for x in v] for k, v in self.replayed.items()}), flush=True)
+
+
+def replay_passes(parts, batch, rounds: int) -> dict[str, list[float]]:
+    """The step's own batch through each forward pass the step ran (old log-probs, reference, values), `rounds`
+    rounds alternating, each timed between two device synchronisations: the passes' own seconds, to set against the
+    step's phases (session 49: the old-log-prob pass ran 0.03-0.15 s longer inside the step than replayed). The
+    engines' own methods are called, not the timing wrappers: the replays add nothing to the step's record."""
+    passes = {"old_log_prob": (parts.actor, "compute_log_probs")}
+    if parts.ref is not None:
+        passes["ref"] = (parts.ref, "compute_log_probs")
+    if parts.critic is not None:
+        passes["values"] = (parts.critic, "compute_values")
+    out: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(rounds):
+        for name, (engine, method) in passes.items():
+            run = getattr(type(engine), method).__get__(engine)  # the class's method: past the instance's wrapper
+            _sync()
+            t0 = time.perf_counter()
+            run(batch)
+            _sync()
+            out[name].append(time.perf_counter() - t0)
+    return out
 
 
 def dynamo_counters() -> dict:
@@ -433,6 +488,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--profile-out", default=None, help="kernel table (text); default next to --out")
     p.add_argument("--profile-cpu", action="store_true", help="profile host (CPU) ops too, not only CUDA kernels")
+    p.add_argument("--replay-passes", type=int, default=0, metavar="N",
+                   help="after the last timed step, its batch through each forward pass N more times, alternating")
     p.add_argument("--cprofile", default=None, metavar="FILE",
                    help="Python profile (cProfile) of the steps after the warm-up: the top functions to FILE")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
@@ -472,7 +529,8 @@ def main(argv=None) -> dict:
     trainer = RLTrainer(cfg)
     init_s = time.perf_counter() - t0
     hooks = BenchHooks(trainer.parts(), profile_step=n_steps if args.profile else None,
-                       profile_cuda_only=not args.profile_cpu, partial_out=args.out)
+                       profile_cuda_only=not args.profile_cpu, partial_out=args.out,
+                       replay_step=1 + args.steps, replay_rounds=args.replay_passes)
     trainer.hooks = hooks
     if args.cprofile:
         import cProfile
@@ -504,6 +562,8 @@ def main(argv=None) -> dict:
     }
     if hooks.profile_summary is not None:
         report["profile"] = hooks.profile_summary
+    if hooks.replayed:
+        report["replayed_passes_s"] = hooks.replayed
     print(f"\n{args.workload}: {report['device']}  step {median['step']:.2f} s (median of {len(timed_recs)} timed, "
           f"after 1 warm-up); {report['tokens_per_step']} tokens, {report['response_tokens_per_step']} generated")
     for k, v in median.items():
