@@ -126,9 +126,11 @@ def behaviour_cloning(cfg, out: Path) -> Path:
     """`vla.bc_steps` steps of the trainer's behaviour cloning (VLARun.behaviour_cloning: the same demonstrations,
     batches and engine as `vla.bc_steps` inside a run), saved as a Hugging Face directory `out`."""
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
+    from rlhf_mcore.parallel.allocator import expandable_segments_for
     from rlhf_mcore.trainer.vla import VLARun
 
-    state = init_distributed(1, 1, None, device=cfg.trainer.device, seed=cfg.trainer.seed)
+    state = init_distributed(1, 1, None, device=cfg.trainer.device, seed=cfg.trainer.seed,
+                             expandable_segments=expandable_segments_for(cfg))
     run = None
     try:
         run = VLARun(cfg, state, Path(cfg.trainer.default_local_dir))

@@ -95,6 +95,10 @@ def check_relations(cfg: RLConfig) -> None:
     need(f"{r}.decode_steps_per_launch", value_at(cfg, f"{r}.decode_steps_per_launch") is None or name == "native",
          f"unset with rollout.name={name}: several decode steps a launch are the native engine's (set "
          "actor_rollout_ref.rollout.name=native)")
+    need("trainer.cuda_expandable_segments", cfg.trainer.cuda_expandable_segments is not True
+         or cfg.trainer.device != "cpu",
+         "auto or false with trainer.device=cpu: expandable segments are the CUDA allocator's (set trainer.device=auto "
+         "or cuda)")
     _check_dapo(cfg, need)
     _check_multi_turn(cfg, need)
     _check_fp8(cfg, need)

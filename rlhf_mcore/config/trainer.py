@@ -59,6 +59,11 @@ class TrainerConfig:
                                            "of the JSON file to write (not a directory), e.g. "
                                            "trainer.trace=/runs/a/trace.json")
     seed: int = 1
+    # the CUDA caching allocator's expandable segments in the training process (rlhf_mcore/parallel/allocator.py):
+    # auto -> on with an in-process rollout engine (native, hf), unchanged with sglang (it opens CUDA IPC handles of
+    # the trainer's tensors) or where PYTORCH_CUDA_ALLOC_CONF names expandable_segments; true / false -> on / off
+    cuda_expandable_segments: Union[bool, str] = checked("auto", ok=lambda v: v in (True, False, "auto"),
+                                                         what="auto, true or false")
     deterministic: bool = False  # torch.use_deterministic_algorithms (warn where an op has no deterministic kernel)
     # Python files (.py) or importable modules loaded on every rank before anything is built: the place to
     # register rewards, advantage estimators or policy losses (rlhf_mcore.rewards/.algos registries).

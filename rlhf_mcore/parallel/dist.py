@@ -117,9 +117,12 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device: str = "auto",
-                     seed: int = 1, timeout_minutes: int = 30, ep: int = 1) -> ParallelState:
+                     seed: int = 1, timeout_minutes: int = 30, ep: int = 1,
+                     expandable_segments: Optional[bool] = None) -> ParallelState:
     """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's parallel state.
-    ep: expert parallel size (MoE models; see `ParallelDims`)."""
+    ep: expert parallel size (MoE models; see `ParallelDims`). expandable_segments (a GPU rank): the CUDA allocator's
+    expandable segments on / off before the first allocation (`allocator.expandable_segments_wanted`); None: as
+    the environment leaves them."""
     from rlhf_mcore.quiet import silence_known_warnings
 
     silence_known_warnings()
@@ -137,6 +140,10 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, device
     dev = pick_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
+        if expandable_segments is not None:
+            from rlhf_mcore.parallel.allocator import set_expandable_segments
+
+            set_expandable_segments(expandable_segments)
         torch.cuda.set_device(dev)
     else:
         from rlhf_mcore.parallel import cpu_compat

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rlhf_mcore import trace
 from rlhf_mcore.config import RLConfig, expert_parallel_size, load_plugins, parallel_layout, to_dict
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.parallel.allocator import expandable_segments_for
 from rlhf_mcore.parallel.collectives import broadcast_object
 from rlhf_mcore.startup import gc_time_since_last, resume_gc
 from rlhf_mcore.trainer import roles
@@ -57,7 +58,7 @@ class RunContext:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: set it first
             torch.use_deterministic_algorithms(True, warn_only=True)
         state = init_distributed(tp, pp, vpp, device=cfg.trainer.device, seed=cfg.trainer.seed,
-                                 ep=expert_parallel_size(cfg))
+                                 ep=expert_parallel_size(cfg), expandable_segments=expandable_segments_for(cfg))
         run_lock = take_run_lock(out_dir, state)
         d = state.dims
         role = "train" if cfg.async_training.mode != "off" else "train + rollout"

@@ -23,6 +23,7 @@ from rlhf_mcore.config.cross import check_moe_tensor_parallel
 from rlhf_mcore.data import DataError
 from rlhf_mcore.data.batch import build_batch
 from rlhf_mcore.parallel import destroy_distributed, init_distributed
+from rlhf_mcore.parallel.allocator import expandable_segments_for
 from rlhf_mcore.trainer.logging import reduce_metrics
 from rlhf_mcore.trainer.run_lock import take_run_lock
 
@@ -138,7 +139,8 @@ def run_sft(model: str, train_file: str, out: str, *, steps: int, batch_size: in
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}", f"trainer.seed={seed}",
         *(overrides or [])])
     check_moe_tensor_parallel(cfg, tp)  # before any process group: megatron-core's own error comes at the first step
-    state = init_distributed(tp, pp, device=cfg.trainer.device, seed=seed)
+    state = init_distributed(tp, pp, device=cfg.trainer.device, seed=seed,
+                             expandable_segments=expandable_segments_for(cfg))
     lock = take_run_lock(out, state, key="--out")  # one live SFT run per output directory
     try:
         if batch_size % state.dims.dp:

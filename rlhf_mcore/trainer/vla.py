@@ -403,6 +403,7 @@ def run_vla(cfg) -> dict[str, float]:
     """Every rank: build, warm-start (fresh runs), then GRPO or PPO steps with validation and checkpoints."""
     from rlhf_mcore.config import parallel_layout, to_dict
     from rlhf_mcore.parallel import destroy_distributed, init_distributed
+    from rlhf_mcore.parallel.allocator import expandable_segments_for
     from rlhf_mcore.trainer.checkpoint import CheckpointManager
     from rlhf_mcore.trainer.logging import MetricLogger
     from rlhf_mcore.trainer.roles import run_dir
@@ -410,7 +411,8 @@ def run_vla(cfg) -> dict[str, float]:
     t, v = cfg.trainer, cfg.vla
     out_dir = run_dir(cfg)
     tp, pp, _ = parallel_layout(cfg)
-    state = init_distributed(tp, pp, None, device=t.device, seed=t.seed)
+    state = init_distributed(tp, pp, None, device=t.device, seed=t.seed,
+                             expandable_segments=expandable_segments_for(cfg))
     run: Optional[VLARun] = None
     try:
         run = VLARun(cfg, state, out_dir)
