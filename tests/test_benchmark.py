@@ -284,6 +284,9 @@ def test_rl_step_json(outputs, name):
     assert all(s["response_length_max"] <= 16 for s in steps)
     assert "timing_s/step" in steps[-1]["metrics"]
     assert all(s["allocs"] == {} for s in steps) if res["device"] == "cpu" else steps[-1]["allocs"]["actor_update"]
+    # the allocator's mode as run: the config's default turns expandable segments on where CUDA runs
+    assert res["allocator"]["cuda_expandable_segments"] == "auto"
+    assert res["allocator"]["expandable_segments"] is (None if res["device"] == "cpu" else True), res["allocator"]
     if name == "ppo_step":  # `--replay-passes 2`: the last timed step's batch through its three passes, twice
         replayed = res["replayed_passes_s"]
         assert set(replayed) == {"old_log_prob", "ref", "values"} and all(

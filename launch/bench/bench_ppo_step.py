@@ -42,7 +42,9 @@ when the config sets `megatron.*_offload`), `rollout/wake_sleep`; `old_log_prob`
 Each step's record also keeps the rollout engine's counters of its generation (`rollout_stats`; the native
 engine's `graph_captures` > 0 after the first step means its decode graphs are captured again every step) and,
 per synchronised phase, how much the CUDA caching allocator's counters grew in it (`allocs`: device allocations,
-frees, retries; compare `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`). `--replay-passes N` puts the last timed
+frees, retries). The report's `allocator` says the allocator's mode as run: `trainer.cuda_expandable_segments`
+(on by default on a GPU; compare the override `trainer.cuda_expandable_segments=false`), `PYTORCH_CUDA_ALLOC_CONF`,
+and whether the allocator's segments were expandable. `--replay-passes N` puts the last timed
 step's batch through its forward passes N more times (`replayed_passes_s`): a pass's own seconds against its phase's.
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -470,6 +473,14 @@ def replay_passes(parts, batch, rounds: int) -> dict[str, list[float]]:
     return out
 
 
+def segments_expandable() -> bool | None:
+    """Whether the CUDA allocator's segments are expandable (None: it has none, or they are of both kinds)."""
+    import torch
+
+    kinds = {bool(seg.get("is_expandable")) for seg in torch.cuda.memory_snapshot()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 def dynamo_counters() -> dict:
     try:
         from torch._dynamo.utils import counters
@@ -541,6 +552,7 @@ def main(argv=None) -> dict:
         trainer.fit()
     finally:
         fit_s = time.perf_counter() - t0
+        expandable = segments_expandable() if on_gpu else None  # before close() gives the memory back
         trainer.close()
         hooks.close()
     recs = hooks.records
@@ -559,6 +571,10 @@ def main(argv=None) -> dict:
         "tokens_per_step": timed_recs[-1]["total_tokens"],
         "response_tokens_per_step": timed_recs[-1]["response_tokens"],
         "dynamo_counters": dynamo_counters(),
+        # the caching allocator's mode as run (trainer.cuda_expandable_segments; PYTORCH_CUDA_ALLOC_CONF)
+        "allocator": {"cuda_expandable_segments": cfg.trainer.cuda_expandable_segments,
+                      "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                      "expandable_segments": expandable},
     }
     if hooks.profile_summary is not None:
         report["profile"] = hooks.profile_summary
