@@ -237,6 +237,40 @@ def test_sampling_follows_the_model_distribution(tiny_model_dir, hf_models):
         assert abs(freq - p) < 4 * (p * (1 - p) / n) ** 0.5 + 1e-3, (tok, freq, p)
 
 
+def test_inverse_cdf_sampler_against_a_naive_loop():
+    """`sampling.inverse_cdf` (the reference sampler: the first token whose cumulative probability exceeds the
+    draw) against a loop that adds probabilities token by token, on rows with excluded (-inf) tokens; a draw
+    rounded past the last sum takes the last token of positive probability; `uniform_draw` is a function of
+    (key, step) alone and uniform. Mutations: the search's `right=True` -> False with a draw on a boundary
+    (row 3) picks the token before; no clamp -> the draw at 1 returns an excluded token (or V)."""
+    from rlhf_mcore.rollout.native.sampling import inverse_cdf, uniform_draw
+
+    g = torch.Generator().manual_seed(3)
+    x = 2 * torch.randn(5, 64, generator=g)
+    x[1, 40:] = float("-inf")  # an excluded tail (top-k / top-p)
+    x[2, ::2] = float("-inf")
+    x[3] = 0.0  # 64 equal probabilities, exact in binary: a draw of 0.5 lands on the 32nd boundary exactly
+    u = torch.tensor([0.3, 1.0, 0.77, 0.5, 1e-12], dtype=torch.float64)
+    got = inverse_cdf(x, u)
+    for b in range(5):
+        p = torch.softmax(x[b].double(), -1)
+        acc, want = 0.0, int(torch.nonzero(p > 0).max())  # the clamp: the last token of positive probability
+        for i in range(64):
+            acc += float(p[i])
+            if p[i] > 0 and acc > float(u[b]) * float(p.sum()):
+                want = i
+                break
+        assert int(got[b]) == want, (b, int(got[b]), want)
+    assert int(got[1]) == 39 and int(got[3]) == 32
+    keys, steps = torch.randint(0, 2**32, (20000,), generator=g), torch.randint(0, 10**6, (20000,), generator=g)
+    draws = uniform_draw(keys, steps)
+    assert ((draws > 0) & (draws < 1)).all()
+    assert torch.equal(uniform_draw(keys[7:9], steps[7:9]), draws[7:9])  # no dependence on the batch
+    assert abs(draws.mean().item() - 0.5) < 4 * (1 / 12 / 20000) ** 0.5
+    hist = torch.histc(draws.float(), bins=10, min=0, max=1)
+    assert (hist - 2000).abs().max() < 4 * (2000 * 0.9) ** 0.5, hist
+
+
 def test_stop_tokens_max_length_and_defaults(tiny_model_dir):
     d = tiny_model_dir("llama")
     engine = NativeRolloutEngine(d, max_num_seqs=4, max_model_len=64, device=DEVICE)
@@ -485,6 +519,20 @@ def _triton_interpret_checks(model_dir: str) -> None:
     t1, l1 = tk.sample_fused(tie, keys[:3], steps[:3], ones, all_greedy)
     t2, l2 = sample_torch(tie, keys[:3], steps[:3], ones, all_greedy)
     assert t2.tolist() == [900, 3072 + 10, 1024 + 3] and torch.equal(t1, t2), (t1, t2)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
+    # sampled rows over several chunks (V = 5000: 5 chunks of 1024), excluded (-inf) tokens, a row with one token
+    # of positive probability: each row's token is the first whose cumulative probability exceeds its draw, as the
+    # fp64 reference finds it. Mutations: the pick's remainder not less the chosen chunk's predecessors (`r = target`)
+    # -> most rows differ; exps against the chunk's own max instead of the row's -> rows differ.
+    many = 2 * torch.randn(64, 5000, generator=g)
+    many[5, 1000:] = float("-inf")
+    many[6, :4999] = float("-inf")
+    many[7, ::3] = float("-inf")
+    k64, s64 = torch.randint(0, 2**32, (64,), generator=g), torch.randint(0, 999, (64,), generator=g)
+    sampled, t64 = torch.zeros(64, dtype=torch.bool), torch.full((64,), 1 / 0.9)
+    t1, l1 = tk.sample_fused(many, k64, s64, t64, sampled)
+    t2, l2 = sample_torch(many, k64, s64, t64, sampled)
+    assert torch.equal(t1, t2) and t1[6] == 4999 and t1[5] < 1000 and t1[7] % 3 != 0, (t1, t2)
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
     # decode attention over a slot-indexed cache, several splits, lengths 1 .. L
     S, L, hkv, d, hq = 5, 70, 2, 16, 8
@@ -1055,8 +1103,9 @@ def _shared_prompt_reads_check(model_dir: str) -> None:
     slots, up to 6 tokens, the model's 3 most frequent tokens as stop tokens, so rows leave early, sources are
     retargeted and freed slots are prefilled again while their groups still decode; tokens and log-probs are bit for
     bit those with every row reading its own slot. (Session 46 searched the prompts' and samples' seeds for this
-    smaller case, where the retarget mutation below still changes the outputs: 6 prompts x 4 samples through 5 slots
-    and 10 tokens took ~25 s an interpreted engine, this one ~10. Only the attention kernel is interpreted in the
+    smaller case, where the retarget mutation below still changes the outputs (session 51 again, for the
+    inverse-distribution sampler: the prompts' seed 2 of 1-4, the samples' seeds 1-3): 6 prompts x 4 samples through 5
+    slots and 10 tokens took ~25 s an interpreted engine, this one ~10. Only the attention kernel is interpreted in the
     engines: the shared reads are its; the torch sampler and unfused layers took the two engines from 30 s to 9,
     session 48, and the retarget mutation still fails.)
     Mutations (each run once, each fails here): the kernel ignoring `shared` (the own slot's garbage is read); `<=`
@@ -1082,7 +1131,7 @@ def _shared_prompt_reads_check(model_dir: str) -> None:
         torch.testing.assert_close(tk.decode_attention(q, kc, vc, slots, lens, d ** -0.5, splits, shared=(src, shared)),
                                    ref, atol=1e-5, rtol=1e-5)
     # the engine, with and without shared reads
-    prompts = make_prompts(4, seed=1, lengths=(6, 14))
+    prompts = make_prompts(4, seed=2, lengths=(6, 14))
     probe = NativeRolloutEngine(model_dir, max_num_seqs=12, max_model_len=32, device=DEVICE).generate(
         prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=1, stop_token_ids=()))
     common = torch.tensor([t for o in probe for s_ in o.samples for t in s_.token_ids]).bincount().argsort(

@@ -1,16 +1,20 @@
 """Token sampling with per-sequence, batch-independent randomness.
 
-Each sequence carries a 32-bit key derived from (seed, request id, sample index). The Gumbel noise for
-vocabulary entry `v` at generation step `t` is a pure function of (key, t, v) — a counter-based hash — so a
-seeded sample is the same whatever slot, batch or step of the engine it runs in. Sampling is Gumbel-max:
-`argmax(logits / T + g)` draws from `softmax(logits / T)` exactly, needs no sort and no normalised
-probabilities, and fuses into one pass over the logits (see `triton_kernels.sample_fused`).
+Each sequence carries a 32-bit key derived from (seed, request id, sample index). The uniform draw of generation
+step `t` is a pure function of (key, t) -- a counter-based hash (`uniform_draw`: 53 bits, one double per row) -- so a
+seeded sample is the same whatever slot, batch or step of the engine it runs in. Sampling is by the inverse
+distribution function: the token is the first vocabulary id whose cumulative probability under `softmax(logits / T)`
+exceeds the draw, which draws from that distribution exactly and needs one exp per logit and one number per row (the
+Gumbel-max sampler before it, argmax(logits / T + g), needed a hash and two logs per logit besides: BENCHMARKS.md
+session 51). The fused kernel (`triton_kernels.sample_fused`) takes the cumulative sums in two levels, vocabulary
+chunks then the chosen chunk's tokens.
 
-Top-k / top-p mask the scaled logits to -inf outside the kept set before the same Gumbel-max, so the sample
-comes from the renormalised distribution, and the reported log-prob is taken under it.
+Top-k / top-p mask the scaled logits to -inf outside the kept set before the same draw, so the sample comes from the
+renormalised distribution, and the reported log-prob is taken under it.
 
-`sample_torch` is the reference implementation (CPU, and GPU when top-k/top-p are on); the Triton kernel must
-produce identical tokens and log-probs.
+`sample_torch` is the reference implementation (CPU, and GPU when top-k/top-p are on): fp64 cumulative sums. The
+Triton kernel's are fp32, so a draw within ~1e-6 of a boundary between two tokens' intervals may pick the neighbour;
+otherwise the tokens are the same, and the log-probs agree within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 MASK32 = 0xFFFFFFFF
 HASH_M1, HASH_M2 = 0x7FEB352D, 0x846CA68B  # "lowbias32" multipliers (C. Wellons' integer hash prospector)
 STEP_MUL = 0x9E3779B9  # golden-ratio increment, decorrelates consecutive steps
+DRAW_SALT_HI, DRAW_SALT_LO = 0x5851F42D, 0x14057B7E  # two independent 32-bit words of a row's step from its hash
 
 
 def mix32_int(x: int) -> int:
@@ -51,13 +56,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise (B, vocab) fp32 from sequence keys (B,) and step indices (B,) (int64)."""
+def uniform_draw(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per row (B,) fp64 from sequence keys (B,) and step indices (B,) (int64): 53 bits,
+    from two hashes of the row's step hash, exact in fp64."""
     row = _mix32(keys ^ ((steps * STEP_MUL) & MASK32))  # (B,)
-    cols = _mix32(torch.arange(vocab, device=keys.device, dtype=torch.int64))  # (V,)
-    h = _mix32(row[:, None] ^ cols[None, :])  # (B, V)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), exact in fp32
-    return -torch.log(-torch.log(u))
+    hi, lo = _mix32(row ^ DRAW_SALT_HI), _mix32(row ^ DRAW_SALT_LO)
+    return (((hi << 21) | (lo >> 11)).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index of each row of x (B, V) fp32 scaled logits (-inf: excluded) whose cumulative probability
+    exceeds u (B,) in (0, 1); fp64 sums. A draw past the last sum by rounding takes the last token of positive
+    probability."""
+    p = torch.exp(x.double() - x.max(-1, keepdim=True).values.double())  # (B, V)
+    cdf = p.cumsum(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    last = p.shape[-1] - 1 - torch.argmax((p.flip(-1) > 0).to(torch.int8), dim=-1)  # last positive probability
+    return torch.minimum(tok, last)
 
 
 def filter_top_k_top_p(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -81,14 +96,12 @@ def sample_torch(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
     """Sample one token per row. Returns (tokens (B,) int64, log-probs (B,) fp32).
 
     logits (B, V) any float dtype; keys, steps (B,) int64; inv_temp (B,) fp32 (1 for greedy rows);
-    greedy (B,) bool: argmax, no noise, no top-k/top-p, log-prob under softmax(logits).
+    greedy (B,) bool: argmax, no draw, no top-k/top-p, log-prob under softmax(logits).
     """
     x = logits.float() * inv_temp[:, None]  # (B, V)
     if top_k > 0 or top_p < 1.0:
         x = torch.where(greedy[:, None], x, filter_top_k_top_p(x, top_k, top_p))
-    noise = gumbel_noise(keys, steps, x.shape[-1])
-    y = torch.where(greedy[:, None], x, x + noise)
-    tokens = torch.argmax(y, dim=-1)  # (B,)
+    tokens = torch.where(greedy, torch.argmax(x, dim=-1), inverse_cdf(x, uniform_draw(keys, steps)))  # (B,)
     lse = torch.logsumexp(x, dim=-1)
     logprobs = x.gather(-1, tokens[:, None]).squeeze(-1) - lse
     return tokens, logprobs

@@ -4,10 +4,11 @@
   reads only the filled part of its sequence's cache row (its own length, not the batch maximum), attends
   with all query heads of its GQA group at once (one `tl.dot` per block), and a second small kernel merges
   the splits with their log-sum-exp weights. Reading the cache once is the memory floor of decoding.
-- `sample_fused`: one pass over a row of logits (in the model's dtype) that scales by 1/T, keeps an online
-  log-sum-exp, adds counter-hash Gumbel noise and tracks the arg-max — no fp32 (B, V) tensor, no sort.
-  Bit-for-bit the same hash as `sampling.gumbel_noise`, so it matches `sampling.sample_torch` (up to the last
-  bits of the logs, which can flip a near-tie).
+- `sample_fused`: one pass over a row of logits (in the model's dtype) that scales by 1/T and keeps an online
+  log-sum-exp per vocabulary chunk (a greedy row its arg-max), then one program per row that draws the row's
+  uniform (the same hash as `sampling.uniform_draw`) and finds its token by the cumulative sums, chunks then the
+  chosen chunk's tokens — no fp32 (B, V) tensor, no sort, one exp per logit. It matches `sampling.sample_torch` up
+  to the last bits of the sums (a draw within ~1e-6 of a boundary may take the neighbouring token).
 - `qkv_rope_cache`, `linear`: the decode step's layer GEMMs (small M), with what follows the QKV projection
   (RoPE, the cache write) and gate_up (silu*mul) in their epilogues; o_proj / down_proj split K and leave fp32
   partials for `add_rms_norm` to sum.
@@ -33,16 +34,14 @@ from contextvars import ContextVar
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from rlhf_mcore.kernels.fp8 import FP8_MAX, Fp8Rows
 
-from .sampling import HASH_M1, HASH_M2, STEP_MUL
+from .sampling import DRAW_SALT_HI, DRAW_SALT_LO, HASH_M1, HASH_M2, STEP_MUL
 
 # The kernels spell these constants as literals (Triton jit code cannot read module globals); keep in sync.
 assert (HASH_M1, HASH_M2, STEP_MUL) == (0x7FEB352D, 0x846CA68B, 0x9E3779B9)
-# Triton's CPU interpreter (tests) has no libdevice: there the sampler's fast log is the plain one.
-_FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
+assert (DRAW_SALT_HI, DRAW_SALT_LO) == (0x5851F42D, 0x14057B7E)
 
 
 # The decode batches (padded rows, first and last included) that launch without PDL. One H100, one process, PDL on
@@ -111,23 +110,20 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, keys_ptr, steps_ptr, inv_temp_ptr, noisy_ptr, part_ptr,
-                         NCHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, PDL: tl.constexpr):
-    """Stage 1, one program per (row, vocabulary chunk): online log-sum-exp of x = logits / T and the
-    arg-max of x + Gumbel noise. Writes (max, sum-exp, best y, best x, best index) to part[row, chunk]."""
+def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, inv_temp_ptr, greedy_ptr, part_ptr,
+                         NCHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Stage 1, one program per (row, vocabulary chunk): the online max m and sum-exp s of x = logits / T over the
+    chunk, and in a greedy row its arg-max (the lowest id among ties) and x there. Writes (m, s, best x, best index)
+    to part[row, chunk]. One exp per logit: no per-logit random number (`sampling.inverse_cdf`)."""
     _pdl_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    key = tl.load(keys_ptr + row)  # int64 in [0, 2^32)
-    step = tl.load(steps_ptr + row)  # int64
-    row_key = _mix32((key ^ ((step * 0x9E3779B9) & 0xFFFFFFFF)).to(tl.uint32))
     inv_t = tl.load(inv_temp_ptr + row)
-    noisy = tl.load(noisy_ptr + row)
+    greedy = tl.load(greedy_ptr + row) != 0
     offs = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-    best = m
-    best_x = s
+    best_x = m
     best_idx = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
     lo = chunk * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
@@ -135,49 +131,78 @@ def _sample_chunk_kernel(logits_ptr, stride_row, V, CHUNK, keys_ptr, steps_ptr, 
         cols = v0 + offs
         cmask = cols < hi
         x = tl.load(logits_ptr + row * stride_row + cols, mask=cmask, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.where(cmask, tl.exp(x - m_new), 0.0), 0)
+        bm = tl.max(x, 0)
+        m_new = tl.maximum(m, bm)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # excluded (-inf) logits so far: no nan from -inf - -inf
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), 0)
         m = m_new
-        h = _mix32(row_key ^ _mix32(cols.to(tl.uint32)))
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        e = -tl.log(u)  # accurate: the winners have u near 1, where an approximate log's absolute error is large
-        if FAST_LOG:  # e in (6e-8, 17): the approximate log's error is ~1e-7 absolute, like fp32 rounding of g
-            g = -libdevice.fast_logf(e)
-        else:
-            g = -tl.log(e)
-        y = tl.where(cmask, x + g * noisy, float("-inf"))
-        by = tl.max(y, 0)
-        bi = tl.argmax(y, 0)
-        bx = tl.sum(tl.where(offs == bi, x, 0.0), 0)
-        take = by > best
-        best = tl.where(take, by, best)
-        best_x = tl.where(take, bx, best_x)
-        best_idx = tl.where(take, v0 + bi, best_idx)
-    out = part_ptr + (row * NCHUNK + chunk) * 5
+        if greedy:  # the first block at the chunk's maximum, its lowest id there (tl.argmax: the first index)
+            take = bm > best_x
+            best_idx = tl.where(take, v0 + tl.argmax(x, 0), best_idx)
+            best_x = tl.where(take, bm, best_x)
+    out = part_ptr + (row * NCHUNK + chunk) * 4
     tl.store(out, m)
     tl.store(out + 1, s)
-    tl.store(out + 2, best)
-    tl.store(out + 3, best_x)
-    tl.store(out + 4, best_idx.to(tl.float32))  # exact: vocabulary ids < 2^24
+    tl.store(out + 2, best_x)
+    tl.store(out + 3, best_idx.to(tl.float32))  # exact: vocabulary ids < 2^24
 
 
 @triton.jit
-def _sample_reduce_kernel(part_ptr, tok_ptr, lp_ptr, NCHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Stage 2, one program per row: merge the chunks (first chunk wins ties, like torch.argmax)."""
+def _sample_pick_kernel(logits_ptr, stride_row, V, CHUNK, nchunk, part_ptr, keys_ptr, steps_ptr, inv_temp_ptr,
+                        greedy_ptr, tok_ptr, lp_ptr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Stage 2, one program per row: the log-sum-exp from the chunks' (m, s); a greedy row takes the chunks' arg-max
+    (the first chunk among ties); a sampled row draws u (`sampling.uniform_draw`: the same hash) and finds the token
+    whose cumulative probability first exceeds u -- the chunk from the chunks' sums, then the token from the chunk's
+    own exps (re-read: one chunk of the row). A draw past a sum by rounding takes the last token of positive
+    probability there."""
     _pdl_wait(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, NCHUNK)
-    base = part_ptr + (row * NCHUNK + c) * 5
-    m = tl.load(base)
-    s = tl.load(base + 1)
-    y = tl.load(base + 2)
-    x = tl.load(base + 3)
-    idx = tl.load(base + 4)
+    live = c < nchunk
+    base = part_ptr + (row * NCHUNK + c) * 4
+    m = tl.load(base, mask=live, other=float("-inf"))
+    s = tl.load(base + 1, mask=live, other=0.0)
     m_all = tl.max(m, 0)
-    lse = m_all + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_all)), 0))
-    win = tl.argmax(y, 0)
-    tl.store(tok_ptr + row, tl.sum(tl.where(c == win, idx, 0.0), 0).to(tl.int64))
-    tl.store(lp_ptr + row, tl.sum(tl.where(c == win, x, 0.0), 0) - lse)
+    w = tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_all))  # each chunk's sum-exp against the row's max
+    total = tl.sum(w, 0)
+    lse = m_all + tl.log(total)
+    inv_t = tl.load(inv_temp_ptr + row)
+    if tl.load(greedy_ptr + row) != 0:
+        bx = tl.load(base + 2, mask=live, other=float("-inf"))
+        idx = tl.load(base + 3, mask=live, other=0.0)
+        win = tl.argmax(bx, 0)
+        tok = tl.sum(tl.where(c == win, idx, 0.0), 0).to(tl.int32)
+    else:
+        key = tl.load(keys_ptr + row)  # int64 in [0, 2^32)
+        step = tl.load(steps_ptr + row)  # int64
+        row_key = _mix32((key ^ ((step * 0x9E3779B9) & 0xFFFFFFFF)).to(tl.uint32))
+        hi_bits = _mix32(row_key ^ 0x5851F42D).to(tl.uint64)
+        lo_bits = _mix32(row_key ^ 0x14057B7E).to(tl.uint64)
+        u = (((hi_bits << 21) | (lo_bits >> 11)).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
+        target = (u * total.to(tl.float64)).to(tl.float32)
+        cum = tl.cumsum(w, 0)
+        last_chunk = tl.max(tl.where(w > 0, c, 0), 0)
+        pick = tl.minimum(tl.min(tl.where((cum > target) & (w > 0), c, NCHUNK), 0), last_chunk)
+        r = target - tl.sum(tl.where(c < pick, w, 0.0), 0)  # the draw's remainder inside the chosen chunk
+        lo = pick * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        offs = tl.arange(0, BLOCK)
+        carry = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        found = tl.sum(tl.zeros([BLOCK], tl.int32), 0) + V  # V: not found yet
+        last = tl.sum(tl.zeros([BLOCK], tl.int32), 0) + lo
+        for v0 in range(lo, hi, BLOCK):
+            cols = v0 + offs
+            cmask = cols < hi
+            x = tl.load(logits_ptr + row * stride_row + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+            e = tl.where(cmask, tl.exp(x * inv_t - m_all), 0.0)
+            cs = tl.cumsum(e, 0) + carry
+            found = tl.minimum(found, tl.min(tl.where((cs > r) & (e > 0), cols, V), 0))
+            last = tl.maximum(last, tl.max(tl.where(e > 0, cols, 0), 0))
+            carry = carry + tl.sum(e, 0)
+        tok = tl.where(found < V, found, last)
+    x_tok = tl.load(logits_ptr + row * stride_row + tok).to(tl.float32) * inv_t
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, x_tok - lse)
 
 
 def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_temp: torch.Tensor,
@@ -185,22 +210,24 @@ def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
     """Same contract as `sampling.sample_torch` without top-k/top-p. logits (B, V), row stride arbitrary.
 
     The vocabulary is split into chunks processed in parallel (a 152k vocabulary is ~75 serial blocks of 2048
-    for one program), then merged per row. Blocks of 2048 for large vocabularies (1024 below 64k) measured ~9%
-    faster at 152k on an H200 (fewer loop iterations and cross-lane reductions)."""
+    for one program), then merged per row, where a sampled row re-reads its chosen chunk. Blocks of 2048 for large
+    vocabularies (1024 below 64k) measured ~9% faster at 152k on an H200 with the Gumbel-max sampler before this one
+    (fewer loop iterations and cross-lane reductions)."""
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     block = 2048 if V >= 65536 else 1024 if V >= 1024 else triton.next_power_of_2(V)
-    nchunk = max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 4 * block))))
-    chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
-    part = torch.empty(B, nchunk, 5, dtype=torch.float32, device=logits.device)
-    noisy = (~greedy).to(torch.float32)
+    slots = max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 4 * block))))
+    chunk = triton.cdiv(triton.cdiv(V, slots), block) * block
+    nchunk = triton.cdiv(V, chunk)  # launched: no empty chunk (slots is the power of 2 the merge reads)
+    part = torch.empty(B, slots, 4, dtype=torch.float32, device=logits.device)
+    inv_t, is_greedy = inv_temp.to(torch.float32), greedy.to(torch.int8)
     pdl = pdl_enabled()
-    _sample_chunk_kernel[(B, nchunk)](logits, logits.stride(0), V, chunk, keys, steps, inv_temp.to(torch.float32),
-                                      noisy, part, NCHUNK=nchunk, BLOCK=block, FAST_LOG=_FAST_LOG, PDL=pdl,
-                                      **_launch(pdl))
+    _sample_chunk_kernel[(B, nchunk)](logits, logits.stride(0), V, chunk, inv_t, is_greedy, part, NCHUNK=slots,
+                                      BLOCK=block, PDL=pdl, **_launch(pdl))
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _sample_reduce_kernel[(B,)](part, tokens, logprobs, NCHUNK=nchunk, PDL=pdl, **_launch(pdl))
+    _sample_pick_kernel[(B,)](logits, logits.stride(0), V, chunk, nchunk, part, keys, steps, inv_t, is_greedy,
+                              tokens, logprobs, NCHUNK=slots, BLOCK=block, PDL=pdl, **_launch(pdl))
     return tokens, logprobs
 
 
