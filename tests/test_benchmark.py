@@ -49,6 +49,8 @@ def outputs(tmp_path_factory):
                              "--replay-passes", "2", "--out", out + "/ppo_step.json"])
         bench_ppo_step.main(["--workload", "trl_grpo", "--tiny", "--steps", "1", "--model-dir", model,
                              "--out", out + "/grpo_step.json"])
+        bench_ppo_step.main(["--workload", "trl_grpo", "--tiny", "--steps", "1", "--model-dir", model, "--bare",
+                             "--out", out + "/grpo_step_bare.json"])
         bench_memory.main(["--tiny", "--measure", "--out", out + "/memory.json"])
         bench_trl.main(["--tiny", "--steps", "2", "--model-dir", model, "--out", out + "/trl.json"])
         bench_trl.main(["--tiny", "--steps", "2", "--model-dir", model, "--gradient-checkpointing", "off",
@@ -300,6 +302,20 @@ def test_rl_step_json(outputs, name):
         assert captures == [0] * len(steps), captures
     else:  # decode graphs are on by default on CUDA: the first generation captures its buckets
         assert captures[0] > 0, captures
+
+
+def test_rl_step_bare_wraps_nothing(outputs):
+    """`--bare`: the trainer's step and its own phase timings, no per-call phase (nothing wrapped, so nothing
+    synchronised that the trainer does not). Mutation: `observe` ignored (the wrappers installed) -> the engine
+    phases appear."""
+    res, observed = outputs["grpo_step_bare"], outputs["grpo_step"]
+    assert res["bare"] is True and observed["bare"] is False
+    assert res["step_s"] > 0 and res["tokens_per_step"] > 0
+    phases = res["phases_median_s"]
+    assert {"step", "trainer/sync", "trainer/update"} <= set(phases), sorted(phases)
+    assert all(k == "step" or k.startswith("trainer/") for k in phases), sorted(phases)
+    assert all(s["phases_s"] == {} for s in res["steps"]), [s["phases_s"] for s in res["steps"]]
+    assert "actor_update" in observed["phases_median_s"]
 
 
 def test_ppo_profile(outputs):

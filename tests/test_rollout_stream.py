@@ -5,10 +5,11 @@ requests.
 `tests/data/rollout_stream_golden.json` holds `generate()` outputs of the engine before it was rebuilt on the
 stream (written with `python tests/test_rollout_stream.py --write-golden`). Session 51 wrote it again for the
 inverse-distribution sampler, after checking that the engine with the previous (Gumbel-max) torch sampler put in its
-place still reproduced the previous file (every token; log-probs within 5e-7): only the sampler changed. The tiny models are fixed by their
-seed, and the file records their weights' digest so a changed model is told apart from a changed engine. The
-engines here run on the CPU in fp32 (what the golden file and the exact-reproduction checks are calibrated for);
-the GPU paths are exercised by tests/test_rollout_native_gpu.py and the asynchronous trainers' GPU runs.
+place still reproduced the previous file (every token; log-probs within 5e-7): only the sampler changed. The tiny
+models are fixed by their seed, and the file records their weights' digest so a changed model is told apart from a
+changed engine. The engines here run on the CPU in fp32 (what the golden file and the exact-reproduction checks are
+calibrated for); the GPU paths are exercised by tests/test_rollout_native_gpu.py and the asynchronous trainers' GPU
+runs.
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ frees, retries). The report's `allocator` says the allocator's mode as run: `tra
 (on by default on a GPU; compare the override `trainer.cuda_expandable_segments=false`), `PYTORCH_CUDA_ALLOC_CONF`,
 and whether the allocator's segments were expandable. `--replay-passes N` puts the last timed
 step's batch through its forward passes N more times (`replayed_passes_s`): a pass's own seconds against its phase's.
+`--bare`: none of the wrappers above, so the device is synchronised only where the trainer itself does (each wrapper
+synchronises on both sides of its call); the report keeps the trainer's own `step` and `trainer/*` phases: the step
+as a user's run takes it, to set beside an observed run's phase table.
 """
 from __future__ import annotations
 
@@ -343,10 +346,11 @@ class BenchHooks:
     trainer's own. Components (engines, rollout, scorer) are wrapped per instance so each call is timed."""
 
     def __init__(self, parts, profile_step: int | None, profile_cuda_only: bool = True, partial_out=None,
-                 replay_step: int | None = None, replay_rounds: int = 0):
+                 replay_step: int | None = None, replay_rounds: int = 0, observe: bool = True):
         """`parts`: the trainer's parts (rlhf_mcore.trainer.hooks.StepParts: actor, critic, ref, rollout, ...).
         `replay_step`: after that step, its batch through the forward passes again (`replay_passes`,
-        `replay_rounds` rounds); the seconds in `self.replayed`."""
+        `replay_rounds` rounds); the seconds in `self.replayed`. `observe=False` (`--bare`): no component is
+        wrapped, so nothing synchronises the device that the trainer does not; only the trainer's own timings."""
         self.sub: dict[str, float] = {}
         self.records: list[dict] = []
         self.replay_step, self.replay_rounds, self.replayed = replay_step, replay_rounds, {}
@@ -354,6 +358,9 @@ class BenchHooks:
         self.cprofile = None  # a cProfile.Profile over the timed steps' host work (--cprofile)
         self.prof, self.profile_summary, self.profile_text, self._prof_t0 = None, None, "", 0.0
         s = self.sub
+        self.undo = []
+        if not observe:
+            return
         if getattr(parts.rollout, "supports_streaming", False):  # generate() and the trainer's loop both stream
             timed_between(parts.rollout, "open_stream", "close_stream", "rollout/generate", s)
         else:
@@ -501,6 +508,9 @@ def main(argv=None) -> dict:
     p.add_argument("--profile-cpu", action="store_true", help="profile host (CPU) ops too, not only CUDA kernels")
     p.add_argument("--replay-passes", type=int, default=0, metavar="N",
                    help="after the last timed step, its batch through each forward pass N more times, alternating")
+    p.add_argument("--bare", action="store_true",
+                   help="no per-call wrappers (no device synchronisation around each pass): the trainer's own step "
+                        "and phase timings only")
     p.add_argument("--cprofile", default=None, metavar="FILE",
                    help="Python profile (cProfile) of the steps after the warm-up: the top functions to FILE")
     p.add_argument("overrides", nargs="*", help="extra config key=value overrides")
@@ -541,7 +551,7 @@ def main(argv=None) -> dict:
     init_s = time.perf_counter() - t0
     hooks = BenchHooks(trainer.parts(), profile_step=n_steps if args.profile else None,
                        profile_cuda_only=not args.profile_cpu, partial_out=args.out,
-                       replay_step=1 + args.steps, replay_rounds=args.replay_passes)
+                       replay_step=1 + args.steps, replay_rounds=args.replay_passes, observe=not args.bare)
     trainer.hooks = hooks
     if args.cprofile:
         import cProfile
@@ -564,7 +574,7 @@ def main(argv=None) -> dict:
         median[f"trainer/{k}"] = statistics.median(r["trainer_timing_s"].get(k, 0.0) for r in timed_recs)
     report = {
         "benchmark": f"rl_step_{args.workload}", "workload": args.workload, "config": w["config"],
-        "overrides": overrides, "shape": s, "tiny": args.tiny,
+        "overrides": overrides, "shape": s, "tiny": args.tiny, "bare": args.bare,
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
         "model_build_s": model_s, "trainer_init_s": init_s, "fit_s": fit_s,
         "step_s": median["step"], "phases_median_s": median, "steps": recs,
