@@ -68,10 +68,9 @@ def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first index of each row of x (B, V) fp32 scaled logits (-inf: excluded) whose cumulative probability
     exceeds u (B,) in (0, 1); fp64 sums. A draw past the last sum by rounding takes the last token of positive
     probability."""
-    p = torch.exp(x.double() - x.max(-1, keepdim=True).values.double())  # (B, V)
-    cdf = p.cumsum(-1)
+    cdf = x.double().sub_(x.max(-1, keepdim=True).values.double()).exp_().cumsum_(-1)  # (B, V), one fp64 copy
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    last = p.shape[-1] - 1 - torch.argmax((p.flip(-1) > 0).to(torch.int8), dim=-1)  # last positive probability
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous()).squeeze(-1)  # where the sum is reached: mass > 0
     return torch.minimum(tok, last)
 
 
