@@ -534,14 +534,17 @@ def _triton_interpret_checks(model_dir: str) -> None:
     t2, l2 = sample_torch(many, k64, s64, t64, sampled)
     assert torch.equal(t1, t2) and t1[6] == 4999 and t1[5] < 1000 and t1[7] % 3 != 0, (t1, t2)
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
-    # decode attention over a slot-indexed cache, several splits, lengths 1 .. L
+    # decode attention over a slot-indexed cache, several splits, lengths 1 .. L, in either program order (a row's kv
+    # heads launched together or apart). Mutation: the heads-fastest order's partials indexed by the grid's second
+    # dimension (the rows) as the kv-head count -> the split results land on other rows' partials and differ.
     S, L, hkv, d, hq = 5, 70, 2, 16, 8
     kc, vc = torch.randn(S, L, hkv, d, generator=g), torch.randn(S, L, hkv, d, generator=g)
     q = torch.randn(3, hq, d, generator=g)
     slots, lens = torch.tensor([4, 0, 2]), torch.tensor([1, 70, 33])
     ref = decode_attention_torch(q, kc, vc, slots, lens, d ** -0.5, L)
-    for splits in (1, 2, 4):
-        torch.testing.assert_close(tk.decode_attention(q, kc, vc, slots, lens, d ** -0.5, splits), ref,
+    for splits, heads_fastest in ((1, False), (2, False), (4, False), (1, True), (4, True)):
+        cfg = dict(tk.attention_config(3, d), HEADS_FASTEST=heads_fastest)
+        torch.testing.assert_close(tk.decode_attention(q, kc, vc, slots, lens, d ** -0.5, splits, config=cfg), ref,
                                    atol=1e-5, rtol=1e-5)
     # residual add + RMSNorm, silu * up
     x, delta, w = torch.randn(4, 96, generator=g), torch.randn(4, 96, generator=g), torch.randn(96, generator=g)

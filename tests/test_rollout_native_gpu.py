@@ -30,9 +30,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype,hq,hkv,d,tol", [(torch.bfloat16, 14, 2, 64, 1e-2), (torch.bfloat16, 32, 8, 128, 1e-2),
                                                (torch.float32, 4, 2, 16, 1e-5)], ids=["bf16_gqa7", "bf16_gqa4", "fp32"])
 def test_decode_attention_kernel_matches_fp64(dtype, hq, hkv, d, tol):
-    """Slot-indexed decode attention over lengths 1..L, with one split, the heuristic's and eight."""
+    """Slot-indexed decode attention over lengths 1..L, with one split, the heuristic's and eight; the program order
+    with a row's kv heads launched together gives the same bits as the order with them apart."""
     from rlhf_mcore.rollout.native.attention import decode_attention_torch
-    from rlhf_mcore.rollout.native.triton_kernels import decode_attention, num_splits_for
+    from rlhf_mcore.rollout.native.triton_kernels import attention_config, decode_attention, num_splits_for
 
     g = torch.Generator(device="cuda").manual_seed(0)
     slots_total, max_len, batch = 64, 700, 37
@@ -47,6 +48,9 @@ def test_decode_attention_kernel_matches_fp64(dtype, hq, hkv, d, tol):
         assert out.dtype == dtype and out.shape == q.shape
         err = rel_err(out, ref)
         assert err <= tol, f"{splits} split(s): relative error {err:.3g} > {tol:g}"
+        for heads_fastest in (False, True):
+            cfg = dict(attention_config(batch, d), HEADS_FASTEST=heads_fastest)
+            assert torch.equal(decode_attention(q, k, v, slots, lens, d ** -0.5, splits, config=cfg), out)
 
 
 @pytest.mark.parametrize("rows", [1, 64, 256, 512])

@@ -270,15 +270,24 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared
                        sm_scale, stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
                        stride_ob, stride_oh, ks_ptr, vs_ptr, stride_ss, stride_sl, G: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                       IEEE: tl.constexpr, HAS_SRC: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False):
-    """HAS_SRC: row b reads its first shared[b] keys/values from slot src[b] (which holds the same ones: a prompt
+                       IEEE: tl.constexpr, HAS_SRC: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
+                       HEADS_FASTEST: tl.constexpr = False):
+    """HEADS_FASTEST: the grid is (kv heads, rows, splits), so a row's kv heads, whose keys and values interleave in
+    the cache (S, L, Hkv, D), are read by programs launched together; else (rows, kv heads, splits).
+    HAS_SRC: row b reads its first shared[b] keys/values from slot src[b] (which holds the same ones: a prompt
     prefilled once for several rows), the rest from its own slot. KV_FP8: the caches hold e4m3 codes with one fp32
     scale per (slot, position, head) in ks / vs (strides stride_ss, stride_sl, 1): the codes are widened for the
     products (to fp16, q too, unless fp32), the key scales multiply the scores' columns and the value scales the
     probabilities'."""
     _pdl_wait(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        n_kvh = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        n_kvh = tl.num_programs(1)
     sp = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     seqlen = tl.load(lens_ptr + b).to(tl.int32)
@@ -341,7 +350,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared
         tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
                  (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
-        base = ((b * tl.num_programs(1) + kvh) * NSPLIT + sp) * BLOCK_G
+        base = ((b * n_kvh + kvh) * NSPLIT + sp) * BLOCK_G
         tl.store(pm_ptr + base + g, m)
         tl.store(pl_ptr + base + g, l_sum)
         tl.store(po_ptr + (base + g)[:, None] * D + d[None, :], acc)
@@ -386,6 +395,10 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int, head_dim: int = 64) 
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 16)
 
 
+# the split kernel's program order (`_attn_split_kernel`'s HEADS_FASTEST); RLHF_MCORE_ATTN_HEADS_FASTEST=0/1 for the A/B
+HEADS_FASTEST = os.environ.get("RLHF_MCORE_ATTN_HEADS_FASTEST", "0") == "1"
+
+
 def attention_config(rows: int, head_dim: int, kv_fp8: bool = False) -> dict:
     """Keys a block, warps and pipeline stages of the decode attention's split kernel (`_block_n`; Triton's
     default warps and stages). Over an FP8 cache with heads of 128 (7B): 128 keys, 4 warps, 3 stages up to 128 rows,
@@ -394,7 +407,7 @@ def attention_config(rows: int, head_dim: int, kv_fp8: bool = False) -> dict:
     if kv_fp8 and head_dim >= 128:
         return dict(BLOCK_N=128, num_warps=4, num_stages=3) if rows <= 128 else dict(BLOCK_N=64, num_warps=2,
                                                                                      num_stages=3)
-    return dict(BLOCK_N=_block_n(head_dim, rows), num_warps=4, num_stages=3)
+    return dict(BLOCK_N=_block_n(head_dim, rows), num_warps=4, num_stages=3, HEADS_FASTEST=HEADS_FASTEST)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -433,13 +446,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pl = torch.empty_like(pm)
     pdl = pdl_enabled()
     src, shared_lens = shared if shared is not None else (slots, seq_lens)
-    _attn_split_kernel[(B, Hkv, nsplit)](
+    heads_fastest = cfg.pop("HEADS_FASTEST", False)
+    _attn_split_kernel[(Hkv, B, nsplit) if heads_fastest else (B, Hkv, nsplit)](
         q, k_cache, v_cache, slots, seq_lens, src, shared_lens, po, pm, pl, out, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         k_scale if kv_fp8 else q, v_scale if kv_fp8 else q, k_scale.stride(0) if kv_fp8 else 0,
         k_scale.stride(1) if kv_fp8 else 0, G=G, NSPLIT=nsplit, BLOCK_G=block_g, BLOCK_N=block_n, D=D,
-        IEEE=q.dtype == torch.float32, HAS_SRC=shared is not None, PDL=pdl, KV_FP8=kv_fp8, **cfg, **_launch(pdl))
+        IEEE=q.dtype == torch.float32, HAS_SRC=shared is not None, PDL=pdl, KV_FP8=kv_fp8,
+        HEADS_FASTEST=heads_fastest, **cfg, **_launch(pdl))
     if nsplit > 1:
         _attn_combine_kernel[(B, Hkv)](po, pm, pl, out, out.stride(0), out.stride(1), G=G, NSPLIT=nsplit,
                                        BLOCK_G=block_g, D=D, PDL=pdl, **_launch(pdl))
