@@ -216,7 +216,10 @@ def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     block = 2048 if V >= 65536 else 1024 if V >= 1024 else triton.next_power_of_2(V)
-    slots = max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 4 * block))))
+    # chunks of 2 blocks (up to 64) for large vocabularies: 49.9 against 52.6 us at 152k x 256 rows, 21.9 against 24.4
+    # at 64 on an H100 (session 52's sweep of blocks, chunks and warps); 4 blocks a chunk below
+    per_chunk, most = (2, 64) if V >= 65536 else (4, 32)
+    slots = max(1, min(most, triton.next_power_of_2(triton.cdiv(V, per_chunk * block))))
     chunk = triton.cdiv(triton.cdiv(V, slots), block) * block
     nchunk = triton.cdiv(V, chunk)  # launched: no empty chunk (slots is the power of 2 the merge reads)
     part = torch.empty(B, slots, 4, dtype=torch.float32, device=logits.device)
@@ -227,7 +230,7 @@ def sample_fused(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, 
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     _sample_pick_kernel[(B,)](logits, logits.stride(0), V, chunk, nchunk, part, keys, steps, inv_t, is_greedy,
-                              tokens, logprobs, NCHUNK=slots, BLOCK=block, PDL=pdl, **_launch(pdl))
+                              tokens, logprobs, NCHUNK=slots, BLOCK=block, PDL=pdl, num_warps=8, **_launch(pdl))
     return tokens, logprobs
 
 
