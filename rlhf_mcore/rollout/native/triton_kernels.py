@@ -283,14 +283,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, src_ptr, shared
     products (to fp16, q too, unless fp32), the key scales multiply the scores' columns and the value scales the
     probabilities'."""
     _pdl_wait(PDL)
-    if HEADS_FASTEST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        n_kvh = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        n_kvh = tl.num_programs(1)
+    first, second = tl.program_id(0), tl.program_id(1)  # (rows, kv heads); HEADS_FASTEST: (kv heads, rows)
+    b = second if HEADS_FASTEST else first
+    kvh = first if HEADS_FASTEST else second
+    n_kvh = tl.num_programs(0) if HEADS_FASTEST else tl.num_programs(1)
     sp = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     seqlen = tl.load(lens_ptr + b).to(tl.int32)
