@@ -9,8 +9,13 @@ compiled kernel is fast or right still needs the GPU (tests/test_rollout_native_
 from __future__ import annotations
 
 import inspect
+import json
+import subprocess
+import sys
+import traceback
 
 import pytest
+from subprocess_env import child_env
 
 triton = pytest.importorskip("triton")
 
@@ -21,9 +26,8 @@ try:
 except ImportError as exc:  # pragma: no cover - a Triton build without the NVIDIA backend
     pytest.skip(f"Triton's NVIDIA backend is not importable here ({exc})", allow_module_level=True)
 
-from rlhf_mcore.rollout.native import triton_kernels as tk  # noqa: E402
-
 HOPPER = GPUTarget("cuda", 90, 32)
+tk = None  # rlhf_mcore.rollout.native.triton_kernels, imported in the child (`_compile_all`)
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
@@ -51,10 +55,9 @@ def _assert_compiled(compiled, *, name: str):
     assert ".target sm_90" in compiled.asm["ptx"], f"{name}: the PTX is not for sm_90"
 
 
-def test_sampler_kernels_compile_at_the_engine_launch():
+def sampler():
     """Both stages of the fused sampler at a 152k vocabulary's launch (blocks of 2048, 64 chunk slots, the pick on 8
-    warps: `sample_fused`). Mutation: the greedy arm of the pick's runtime branch giving `tok` as int64 while the
-    sampled arm gives int32 (the interpreter runs it) -> the compiler refuses it and this test fails."""
+    warps: `sample_fused`)."""
     ptr = {"logits_ptr": "*bf16", "inv_temp_ptr": "*fp32", "greedy_ptr": "*i8", "part_ptr": "*fp32",
            "keys_ptr": "*i64", "steps_ptr": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32"}
     chunk = compile_sm90(tk._sample_chunk_kernel, ptr, dict(NCHUNK=64, BLOCK=2048, PDL=False), num_warps=4)
@@ -63,8 +66,7 @@ def test_sampler_kernels_compile_at_the_engine_launch():
     _assert_compiled(pick, name="_sample_pick_kernel")
 
 
-@pytest.mark.parametrize("heads_fastest", [False, True], ids=["rows_fastest", "heads_fastest"])
-def test_decode_attention_kernels_compile_in_either_program_order(heads_fastest):
+def attention(heads_fastest: bool):
     """The decode attention's split kernel at the 0.5B shape's launch (7 query heads a kv head, 64 dims, 64 keys a
     block, 4 warps, 3 stages) in both program orders, one split (the result written) and four (partials, with
     their merge kernel), and over an FP8 cache."""
@@ -81,12 +83,11 @@ def test_decode_attention_kernels_compile_in_either_program_order(heads_fastest)
     _assert_compiled(merge, name="_attn_combine_kernel")
 
 
-def test_decode_layer_kernels_compile_at_the_engine_launch():
+def layer():
     """The layer's other decode kernels at the 0.5B shape's 256-row launches (`linear_config`, `qkv_rope_cache`):
     o/down as K-split fp32 partials and the add + RMSNorm that sums them, gate_up with silu * up in the epilogue,
     FP8-coded weights (w8a16) and FP8 x FP8 products with the row amax epilogue, the QKV projection with RoPE and the
-    cache write (bf16 and FP8 caches), and the separate silu * up. Mutation: `_linear_kernel`'s up accumulator
-    started as int32 (a loop-carried value that changes type) -> the compiler refuses gate_up and this test fails."""
+    cache write (bf16 and FP8 caches), and the separate silu * up."""
     gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "ws_ptr": "*fp32", "out_ptr": "*fp32"}
     flags = dict(HAS_BIAS=False, SILU_MUL=False, W_SCALED=False, M_FASTEST=False, IEEE=False, PDL=False)
     launches = {  # name: (types, constexprs, warps, stages)
@@ -118,3 +119,54 @@ def test_decode_layer_kernels_compile_at_the_engine_launch():
                       BLOCK_K=128, EVEN_K=True, IEEE=False, PDL=False, KV_FP8=kv_fp8)
         _assert_compiled(compile_sm90(tk._qkv_rope_cache_kernel, types, consts, 4, 4),
                          name=f"_qkv_rope_cache_kernel fp8 cache={kv_fp8}")
+
+
+GROUPS = {"sampler": sampler, "attention_rows_fastest": lambda: attention(False),
+          "attention_heads_fastest": lambda: attention(True), "layer": layer}
+
+
+def _compile_all() -> dict[str, str]:
+    """In a child with TRITON_INTERPRET=0 (the suite's other files set it to 1 in this process before the kernels are
+    defined, and interpreted kernels cannot be compiled): each group's failure text, "" where it compiled."""
+    global tk
+    from rlhf_mcore.rollout.native import triton_kernels
+
+    tk = triton_kernels
+    out = {}
+    for name, group in GROUPS.items():
+        try:
+            group()
+            out[name] = ""
+        except Exception:  # noqa: BLE001 - reported by the test of that group
+            out[name] = traceback.format_exc()[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str]:
+    proc = subprocess.run([sys.executable, __file__, "--compile"], env=child_env(TRITON_INTERPRET="0"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sampler_kernels_compile_at_the_engine_launch(compiled):
+    """`sampler` above. Mutation: the greedy arm of the pick's runtime branch giving `tok` as int64 while the sampled
+    arm gives int32 (the interpreter runs it) -> the compiler refuses it and this test fails."""
+    assert not compiled["sampler"], compiled["sampler"]
+
+
+@pytest.mark.parametrize("order", ["rows_fastest", "heads_fastest"])
+def test_decode_attention_kernels_compile_in_either_program_order(compiled, order):
+    """`attention` above, in each program order."""
+    assert not compiled[f"attention_{order}"], compiled[f"attention_{order}"]
+
+
+def test_decode_layer_kernels_compile_at_the_engine_launch(compiled):
+    """`layer` above. Mutation: `_linear_kernel`'s up accumulator started as int32 (a loop-carried value that changes
+    type) -> the compiler refuses gate_up and this test fails."""
+    assert not compiled["layer"], compiled["layer"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--compile"]:
+    print(json.dumps(_compile_all()))
