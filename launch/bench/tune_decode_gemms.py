@@ -11,7 +11,8 @@ For each layer GEMM of the Qwen2.5-0.5B (or `--shape`) decode step, with what co
   - o_proj and down_proj: `linear` (K-split fp32 partials allowed) + the `add_rms_norm` that sums them, against
     cuBLAS (`F.linear`) + the same norm on its bf16 output;
   - gate_up: `linear(silu_mul=True)` against cuBLAS + `silu_mul`;
-  - attention: `decode_attention` over contexts of 128-384 tokens, by keys a block, warps, stages and splits;
+  - attention: `decode_attention` over contexts of 128-384 tokens, by keys a block, warps, stages, splits and
+    program order (rows or kv heads fastest);
 with `--fp8-weights` the Triton candidates read e4m3 codes with per-row scales (the engine's `fp8_decode="w8a16"`),
 the "a8" candidates quantize the activation per row first and multiply FP8 x FP8 in the same Triton GEMM, and
 "cublas" is cuBLAS's row-wise FP8 GEMM after the per-token activation quantization ("w8a8"); the bf16 cuBLAS
@@ -241,10 +242,12 @@ def tune_shapes(shape: dict, rows_list: list[int], device, dtype, tiny: bool, fp
 
 
 def attention_grid(tiny: bool):
-    """(BLOCK_N, num_warps, num_stages, splits) candidates of the decode attention."""
+    """(BLOCK_N, num_warps, num_stages, splits, heads_fastest) candidates of the decode attention; heads_fastest:
+    the split kernel's program order (`_attn_split_kernel`'s HEADS_FASTEST: a row's kv heads, whose keys and values
+    interleave in the cache, read by neighbouring programs), both orders timed."""
     if tiny:
-        return [(16, 4, 2, 1), (16, 4, 2, 2)]
-    return list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2)))
+        return [(16, 4, 2, 1, False), (16, 4, 2, 2, False), (16, 4, 2, 2, True)]
+    return list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2), (False, True)))
 
 
 def tune_attention(rows: int, H: int, Hkv: int, hd: int, rnd, device, tiny: bool, kv_fp8: bool = False) -> dict:
@@ -273,9 +276,9 @@ def tune_attention(rows: int, H: int, Hkv: int, hd: int, rnd, device, tiny: bool
               (k_cache.float(), v_cache.float()))
     ref = decode_attention_torch(q.float(), kd, vd, slots, lens, scale, max_len)
     cands = {}
-    for bn, warps, stages, splits in attention_grid(tiny):
-        cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        label = f"triton {bn},{warps},{stages},{splits}"
+    for bn, warps, stages, splits, heads_fastest in attention_grid(tiny):
+        cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages, HEADS_FASTEST=heads_fastest)
+        label = f"triton {bn},{warps},{stages},{splits}" + (",heads" if heads_fastest else "")
         try:
             err = _rel_err(tk.decode_attention(q, k_cache, v_cache, slots, lens, scale, splits, config=cfg, **fp8),
                            ref)
